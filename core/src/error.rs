@@ -1,0 +1,275 @@
+//! Typed errors: small `Copy` enums, no strings built at run time.
+
+use core::fmt;
+
+use crate::mem::MemKind;
+use crate::transport::PeerId;
+use crate::wire::DecodeError;
+
+/// Everything a zerohop operation can fail with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum Error {
+    /// Nothing can be done now; try again after progress. Not a failure.
+    WouldBlock,
+    /// The transport or endpoint was closed.
+    Closed,
+    /// A deadline passed.
+    Timeout,
+    /// The operation's cancellation token fired.
+    Cancelled,
+    /// No connection to that peer exists.
+    UnknownPeer(PeerId),
+    /// The peer went away (reset, EOF mid-message, QP in error); its in-flight
+    /// messages were not delivered.
+    PeerLost(PeerId),
+    /// A message longer than the configured maximum.
+    TooLarge {
+        /// Length asked for.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A frame from this peer failed its checksum.
+    Corrupt(PeerId),
+    /// Frames from this peer skipped sequence numbers: messages were lost.
+    SequenceGap {
+        /// The peer.
+        peer: PeerId,
+        /// The sequence number expected next.
+        expected: u64,
+        /// The one that arrived.
+        got: u64,
+    },
+    /// A frame from this peer repeated a sequence number already delivered.
+    Duplicate {
+        /// The peer.
+        peer: PeerId,
+        /// The repeated sequence number.
+        seq: u64,
+    },
+    /// The slab pool could not serve a lease.
+    Pool(PoolError),
+    /// The registration cache could not take an entry.
+    Mr(MrError),
+    /// A registration was refused.
+    Register(RegisterError),
+    /// A frame did not decode.
+    Decode(DecodeError),
+    /// A memory source had no room for `len` bytes.
+    OutOfMemory {
+        /// Bytes asked for.
+        len: usize,
+    },
+    /// A memory source returned memory that is not aligned as asked.
+    Misaligned {
+        /// The address it returned.
+        addr: u64,
+        /// The alignment asked for.
+        align: usize,
+    },
+    /// Host code asked to read memory the CPU cannot see (GPU device memory).
+    NotHostVisible(MemKind),
+    /// A backend call failed; the name is the failing call (e.g. `"ibv_post_send"`).
+    Backend(&'static str),
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::WouldBlock => f.write_str("operation would block"),
+            Error::Closed => f.write_str("transport closed"),
+            Error::Timeout => f.write_str("deadline passed"),
+            Error::Cancelled => f.write_str("cancelled"),
+            Error::UnknownPeer(p) => write!(f, "no connection to peer {p}"),
+            Error::PeerLost(p) => write!(
+                f,
+                "peer {p} went away; its in-flight messages were not delivered"
+            ),
+            Error::TooLarge { len, max } => {
+                write!(f, "message of {len} bytes exceeds the maximum of {max}")
+            }
+            Error::Corrupt(p) => write!(f, "frame from peer {p} failed its checksum"),
+            Error::SequenceGap {
+                peer,
+                expected,
+                got,
+            } => {
+                write!(
+                    f,
+                    "peer {peer}: expected sequence {expected}, got {got} (messages lost)"
+                )
+            }
+            Error::Duplicate { peer, seq } => write!(f, "peer {peer}: duplicate sequence {seq}"),
+            Error::Pool(e) => write!(f, "pool: {e}"),
+            Error::Mr(e) => write!(f, "registration cache: {e}"),
+            Error::Register(e) => write!(f, "registration: {e}"),
+            Error::Decode(e) => write!(f, "frame: {e}"),
+            Error::OutOfMemory { len } => write!(f, "memory source has no room for {len} bytes"),
+            Error::Misaligned { addr, align } => {
+                write!(
+                    f,
+                    "memory source returned {addr:#x}, not aligned to {align}"
+                )
+            }
+            Error::NotHostVisible(k) => write!(f, "{} memory is not visible to the CPU", k.name()),
+            Error::Backend(call) => write!(f, "{call} failed"),
+        }
+    }
+}
+
+impl core::error::Error for Error {}
+
+/// Why the slab pool could not serve a lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum PoolError {
+    /// Growing would pass the byte budget. `used` is what the pool already holds.
+    Exhausted {
+        /// Bytes the pool holds from its memory source.
+        used: usize,
+        /// The budget.
+        cap: usize,
+    },
+    /// A zero-length lease.
+    ZeroLength,
+    /// Every slot descriptor is in use (the pool's `SLOTS` capacity).
+    TooManyBuffers {
+        /// The capacity.
+        slots: usize,
+    },
+    /// Every chunk descriptor is in use (the pool's `CHUNKS` capacity).
+    TooManyChunks {
+        /// The capacity.
+        chunks: usize,
+    },
+    /// The configuration is unusable (classes unsorted, zero, or larger than a chunk).
+    BadConfig,
+}
+
+impl fmt::Display for PoolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PoolError::Exhausted { used, cap } => {
+                write!(f, "pool exhausted: {used} of {cap} bytes in use")
+            }
+            PoolError::ZeroLength => f.write_str("zero-length lease"),
+            PoolError::TooManyBuffers { slots } => {
+                write!(f, "all {slots} buffer descriptors in use")
+            }
+            PoolError::TooManyChunks { chunks } => {
+                write!(f, "all {chunks} chunk descriptors in use")
+            }
+            PoolError::BadConfig => {
+                f.write_str("size classes must be non-zero, ascending and fit a chunk")
+            }
+        }
+    }
+}
+
+impl core::error::Error for PoolError {}
+
+/// Why the registration cache could not take an entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum MrError {
+    /// Every entry is pinned: nothing can be evicted.
+    Full {
+        /// The table's capacity.
+        entries: usize,
+    },
+    /// The range overlaps a pinned entry that does not cover it.
+    OverlapsPinned {
+        /// Start of the pinned entry.
+        addr: u64,
+        /// Its length.
+        len: usize,
+    },
+    /// No entry matches the handle.
+    NotFound,
+}
+
+impl fmt::Display for MrError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MrError::Full { entries } => write!(f, "all {entries} entries are pinned"),
+            MrError::OverlapsPinned { addr, len } => {
+                write!(
+                    f,
+                    "range overlaps the pinned registration [{addr:#x}, +{len})"
+                )
+            }
+            MrError::NotFound => f.write_str("no such registration"),
+        }
+    }
+}
+
+impl core::error::Error for MrError {}
+
+/// Why a registration was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum RegisterError {
+    /// Zero-length range.
+    ZeroLength,
+    /// `addr + len` wraps the address space.
+    AddressWraps {
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: usize,
+    },
+    /// The range is not memory this NIC knows (the mock NIC's arena bounds).
+    OutOfBounds,
+    /// The NIC cannot register this kind of memory (e.g. CUDA managed memory).
+    Unsupported(MemKind),
+    /// The NIC's own table is full.
+    NicFull,
+    /// Refused on purpose (a fault injector).
+    Refused,
+}
+
+impl fmt::Display for RegisterError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RegisterError::ZeroLength => f.write_str("zero-length range"),
+            RegisterError::AddressWraps { addr, len } => {
+                write!(f, "range [{addr:#x}, +{len}) wraps the address space")
+            }
+            RegisterError::OutOfBounds => f.write_str("range outside the memory this NIC knows"),
+            RegisterError::Unsupported(MemKind::Managed) => f.write_str(
+                "CUDA managed memory cannot be registered with a NIC (the driver will not export it as a DMA-buf)",
+            ),
+            RegisterError::Unsupported(k) => write!(f, "{} memory cannot be registered here", k.name()),
+            RegisterError::NicFull => f.write_str("the NIC's registration table is full"),
+            RegisterError::Refused => f.write_str("registration refused (fault injected)"),
+        }
+    }
+}
+
+impl core::error::Error for RegisterError {}
+
+impl From<PoolError> for Error {
+    fn from(e: PoolError) -> Self {
+        Error::Pool(e)
+    }
+}
+impl From<MrError> for Error {
+    fn from(e: MrError) -> Self {
+        Error::Mr(e)
+    }
+}
+impl From<RegisterError> for Error {
+    fn from(e: RegisterError) -> Self {
+        Error::Register(e)
+    }
+}
+impl From<DecodeError> for Error {
+    fn from(e: DecodeError) -> Self {
+        Error::Decode(e)
+    }
+}

@@ -1,0 +1,39 @@
+//! zerohop-core: the vocabulary every zerohop backend speaks.
+//!
+//! Sans-I/O: memory is *described* here ([`Region`]), never dereferenced; the
+//! registration cache ([`MrTable`]), the slab pool ([`SlabPool`]), the frame
+//! codec ([`wire`]) and the transport choice ([`pick`]) are plain state
+//! machines over fixed-capacity tables. No heap, no unsafe, no OS.
+#![no_std]
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+#[cfg(test)]
+extern crate std;
+
+// The log facade comes first so every later module sees its macros.
+#[macro_use]
+mod fmt;
+
+mod crc;
+mod error;
+mod mem;
+mod mr_table;
+mod pick;
+mod pool;
+mod transport;
+pub mod wire;
+
+pub use crc::crc32c;
+pub use error::{Error, MrError, PoolError, RegisterError};
+pub use mem::{Access, MemKind, MrHandle, RawMemory, Region, Registrar};
+pub use mr_table::{MrStats, MrTable};
+pub use pick::{
+    pick, Choice, Detail, Kind, KindSet, PickError, Preference, Prereq, PrereqSet, Probe, Skipped,
+    Status, UnknownPreference,
+};
+pub use pool::{
+    ChunkSource, Chunks, Lease, Pool, PoolConfig, PoolStats, Registered, SizeClasses, SlabPool,
+    SlotTicket, MAX_CLASSES,
+};
+pub use transport::{Capabilities, PeerId, Received, Rejected, Transport};

@@ -1,0 +1,970 @@
+//! The slab pool: registered buffers in size classes, leased and released in O(1).
+//!
+//! Memory comes in chunks (2 MiB by default) from a [`ChunkSource`], which
+//! registers each chunk **once** with the NIC; every buffer carved from the
+//! chunk carries the chunk's keys. A size class's free buffers form a linked
+//! list threaded through a fixed table of slot descriptors, so lease and
+//! release are a pop and a push under a short spin lock. Growth (allocate +
+//! register, microseconds) happens *outside* the lock, with its bytes reserved
+//! against the budget first so concurrent growers cannot overshoot it.
+//! Requests larger than the largest class take the oversize path: a dedicated
+//! chunk, freed when its lease is released.
+//!
+//! Like heapless's `box_pool!`, capacity lives in the type: `CHUNKS` chunk
+//! descriptors and `SLOTS` buffer descriptors, fixed at compile time.
+
+use core::ops::Deref;
+
+use crate::error::PoolError;
+use crate::mem::{Access, MrHandle, RawMemory, Region, Registrar};
+use crate::Error;
+
+/// Most size classes a pool can have.
+pub const MAX_CLASSES: usize = 8;
+const NONE: u32 = u32::MAX;
+/// Class index used for oversize slots.
+const OVERSIZE: usize = MAX_CLASSES;
+
+/// Ascending buffer sizes, at most [`MAX_CLASSES`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct SizeClasses {
+    sizes: [usize; MAX_CLASSES],
+    n: usize,
+}
+
+impl SizeClasses {
+    /// 256 B, 1 KiB, 4 KiB, 16 KiB, 64 KiB, 1 MiB.
+    pub const DEFAULT: SizeClasses = SizeClasses {
+        sizes: [256, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 1 << 20, 0, 0],
+        n: 6,
+    };
+
+    /// Classes from a list: non-empty, non-zero, strictly ascending, at most [`MAX_CLASSES`].
+    pub fn new(sizes: &[usize]) -> Result<SizeClasses, PoolError> {
+        if sizes.is_empty() || sizes.len() > MAX_CLASSES || sizes[0] == 0 {
+            return Err(PoolError::BadConfig);
+        }
+        if sizes.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(PoolError::BadConfig);
+        }
+        let mut c = SizeClasses {
+            sizes: [0; MAX_CLASSES],
+            n: sizes.len(),
+        };
+        c.sizes[..sizes.len()].copy_from_slice(sizes);
+        Ok(c)
+    }
+
+    /// The sizes, ascending.
+    pub fn as_slice(&self) -> &[usize] {
+        &self.sizes[..self.n]
+    }
+
+    /// The largest class.
+    pub fn largest(&self) -> usize {
+        self.sizes[self.n - 1]
+    }
+
+    /// Index of the smallest class that holds `len` bytes.
+    fn class_for(&self, len: usize) -> Option<usize> {
+        self.as_slice().iter().position(|&s| s >= len)
+    }
+}
+
+/// How a pool grows and what it may hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct PoolConfig {
+    /// Buffer sizes.
+    pub classes: SizeClasses,
+    /// Bytes taken from the memory source per growth step.
+    pub chunk_bytes: usize,
+    /// Alignment asked of the memory source for every chunk (a power of two).
+    pub chunk_align: usize,
+    /// Most bytes the pool may hold from its source, chunks and oversize buffers together.
+    pub budget: usize,
+    /// What each chunk's registration allows (receive pools need `LOCAL_WRITE`).
+    pub access: Access,
+}
+
+impl PoolConfig {
+    /// Default classes, 2 MiB chunks, page alignment, local-write access, and `budget`.
+    pub const fn with_budget(budget: usize) -> PoolConfig {
+        PoolConfig {
+            classes: SizeClasses::DEFAULT,
+            chunk_bytes: 2 << 20,
+            chunk_align: 4096,
+            budget,
+            access: Access::LOCAL_WRITE,
+        }
+    }
+
+    fn validate(&self) -> Result<(), PoolError> {
+        let ok = self.chunk_bytes > 0
+            && self.chunk_bytes <= u32::MAX as usize
+            && self.chunk_align.is_power_of_two()
+            && self.classes.n > 0
+            && self.classes.largest() <= self.chunk_bytes;
+        if ok {
+            Ok(())
+        } else {
+            Err(PoolError::BadConfig)
+        }
+    }
+}
+
+/// A chunk of memory, with its registration when the source has a NIC.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Registered {
+    /// The memory.
+    pub region: Region,
+    /// Its registration (one per chunk), if any.
+    pub mr: Option<MrHandle>,
+}
+
+/// Where a pool's chunks come from.
+pub trait ChunkSource {
+    /// Allocates (and registers, if this source has a NIC) `len` bytes aligned to `align`.
+    fn obtain(&self, len: usize, align: usize, access: Access) -> Result<Registered, Error>;
+    /// Deregisters and frees a chunk from `obtain`. Failures are the source's
+    /// to record: a pool tearing down cannot do anything better with them.
+    fn give_back(&self, chunk: Registered);
+}
+
+/// The usual [`ChunkSource`]: memory from `M`, each chunk registered once with
+/// `R` when there is one.
+#[derive(Debug)]
+pub struct Chunks<M, R> {
+    /// The memory source.
+    pub memory: M,
+    /// The NIC, if chunks must be registered.
+    pub registrar: Option<R>,
+}
+
+impl<M: RawMemory, R: Registrar> ChunkSource for Chunks<M, R> {
+    fn obtain(&self, len: usize, align: usize, access: Access) -> Result<Registered, Error> {
+        let region = self.memory.alloc(len, align)?;
+        let mr = match &self.registrar {
+            None => None,
+            Some(r) => match r.register(region, access) {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    let _ = self.memory.free(region);
+                    return Err(e);
+                }
+            },
+        };
+        Ok(Registered { region, mr })
+    }
+
+    fn give_back(&self, chunk: Registered) {
+        if let (Some(r), Some(mr)) = (&self.registrar, chunk.mr) {
+            if r.deregister(mr).is_err() {
+                warn!("pool: deregistering a chunk failed; freeing it anyway");
+            }
+        }
+        if self.memory.free(chunk.region).is_err() {
+            warn!("pool: freeing a chunk failed");
+        }
+    }
+}
+
+/// One leased buffer, as the pool describes it. Only a [`Lease`] holds one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct SlotTicket {
+    index: u32,
+    /// The whole buffer (its class size, or the oversize length rounded up).
+    pub region: Region,
+    /// The chunk's registration.
+    pub mr: Option<MrHandle>,
+}
+
+/// What a [`Lease`] needs of its pool. Object-safe, so a std caller can hold
+/// `Arc<dyn Pool + Send + Sync>`.
+pub trait Pool {
+    /// Takes a buffer of at least `len` bytes. Prefer [`Lease::take`].
+    fn take_slot(&self, len: usize) -> Result<SlotTicket, Error>;
+    /// Returns a buffer. Only [`Lease`]'s `Drop` calls this, exactly once per ticket.
+    fn release_slot(&self, ticket: &SlotTicket);
+}
+
+/// A leased pool buffer. Dropping it returns the buffer to the pool; it cannot
+/// be cloned, so it is released exactly once.
+#[derive(Debug)]
+pub struct Lease<P>
+where
+    P: Deref,
+    P::Target: Pool,
+{
+    pool: P,
+    ticket: SlotTicket,
+    len: usize,
+}
+
+impl<P> Lease<P>
+where
+    P: Deref,
+    P::Target: Pool,
+{
+    /// Leases a buffer of at least `len` bytes from `pool` (a `&SlabPool`, an `Arc<..>`, ...).
+    pub fn take(pool: P, len: usize) -> Result<Self, Error> {
+        let ticket = pool.take_slot(len)?;
+        Ok(Lease { pool, ticket, len })
+    }
+
+    /// The message length (at most [`capacity`](Self::capacity)).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the message is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The buffer's size.
+    pub fn capacity(&self) -> usize {
+        self.ticket.region.len
+    }
+
+    /// Sets the message length; more than the capacity is refused.
+    pub fn set_len(&mut self, len: usize) -> Result<(), Error> {
+        if len > self.capacity() {
+            return Err(Error::TooLarge {
+                len,
+                max: self.capacity(),
+            });
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// The message bytes' region `[addr, addr + len)`.
+    pub fn region(&self) -> Region {
+        Region {
+            len: self.len,
+            ..self.ticket.region
+        }
+    }
+
+    /// The whole buffer's region.
+    pub fn buffer(&self) -> Region {
+        self.ticket.region
+    }
+
+    /// The address a GPU kernel (or a NIC work request) is given.
+    pub fn device_ptr(&self) -> u64 {
+        self.ticket.region.addr
+    }
+
+    /// The registration of the chunk this buffer lives in (its lkey/rkey), if any.
+    pub fn mr(&self) -> Option<MrHandle> {
+        self.ticket.mr
+    }
+
+    /// The pool it came from.
+    pub fn pool(&self) -> &P {
+        &self.pool
+    }
+}
+
+impl<P> Drop for Lease<P>
+where
+    P: Deref,
+    P::Target: Pool,
+{
+    fn drop(&mut self) {
+        self.pool.release_slot(&self.ticket);
+    }
+}
+
+/// Counters and gauges of a pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct PoolStats {
+    /// Bytes in outstanding leases (each counted at its buffer size).
+    pub used_bytes: usize,
+    /// Bytes held from the memory source (chunks and oversize buffers).
+    pub reserved_bytes: usize,
+    /// The budget.
+    pub budget: usize,
+    /// Leases outstanding.
+    pub leases: usize,
+    /// Chunks (and oversize buffers) obtained from the source, ever.
+    pub grows: u64,
+    /// Chunks registered, ever (one per chunk from a source with a NIC).
+    pub registrations: u64,
+    /// Oversize leases served, ever.
+    pub oversize: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Chunk {
+    mem: Option<Registered>,
+    /// Next byte not yet carved into slots.
+    carved: usize,
+    /// Free-list link for unused chunk descriptors.
+    next_free: u32,
+}
+
+const EMPTY_CHUNK: Chunk = Chunk {
+    mem: None,
+    carved: 0,
+    next_free: NONE,
+};
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    chunk: u32,
+    offset: u32,
+    next: u32,
+    class: u8,
+}
+
+const EMPTY_SLOT: Slot = Slot {
+    chunk: NONE,
+    offset: 0,
+    next: NONE,
+    class: 0,
+};
+
+#[derive(Debug)]
+struct State<const CHUNKS: usize, const SLOTS: usize> {
+    chunks: [Chunk; CHUNKS],
+    chunks_made: usize,
+    free_chunks: u32,
+    slots: [Slot; SLOTS],
+    slots_made: usize,
+    /// Free slots per class; index `OVERSIZE` holds spare descriptors of released oversize buffers.
+    free: [u32; MAX_CLASSES + 1],
+    /// The chunk each class is carving, or `NONE`.
+    carving: [u32; MAX_CLASSES],
+    stats: PoolStats,
+}
+
+/// The slab pool over a [`ChunkSource`] `S`, with room for `CHUNKS` chunks and
+/// `SLOTS` buffers. It is `Sync` when `S` is: lease from many threads at once.
+pub struct SlabPool<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> {
+    source: S,
+    config: PoolConfig,
+    state: spin::Mutex<State<CHUNKS, SLOTS>>,
+}
+
+impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> core::fmt::Debug
+    for SlabPool<S, CHUNKS, SLOTS>
+{
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("SlabPool")
+            .field("config", &self.config)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> SlabPool<S, CHUNKS, SLOTS> {
+    /// A pool that grows from `source` as `config` says. Nothing is allocated yet.
+    pub fn new(source: S, config: PoolConfig) -> Result<Self, PoolError> {
+        config.validate()?;
+        if CHUNKS == 0 || SLOTS == 0 || CHUNKS >= NONE as usize || SLOTS >= NONE as usize {
+            return Err(PoolError::BadConfig);
+        }
+        Ok(SlabPool {
+            source,
+            config,
+            state: spin::Mutex::new(State {
+                chunks: [EMPTY_CHUNK; CHUNKS],
+                chunks_made: 0,
+                free_chunks: NONE,
+                slots: [EMPTY_SLOT; SLOTS],
+                slots_made: 0,
+                free: [NONE; MAX_CLASSES + 1],
+                carving: [NONE; MAX_CLASSES],
+                stats: PoolStats {
+                    budget: config.budget,
+                    ..PoolStats::default()
+                },
+            }),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &PoolConfig {
+        &self.config
+    }
+
+    /// The memory source.
+    pub fn source(&self) -> &S {
+        &self.source
+    }
+
+    /// Bytes in outstanding leases, exactly.
+    pub fn used_bytes(&self) -> usize {
+        self.state.lock().stats.used_bytes
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> PoolStats {
+        self.state.lock().stats
+    }
+
+    /// Leases a buffer of at least `len` bytes (shorthand for [`Lease::take`]).
+    pub fn lease(&self, len: usize) -> Result<Lease<&Self>, Error> {
+        Lease::take(self, len)
+    }
+
+    fn ticket(&self, st: &State<CHUNKS, SLOTS>, index: u32, len: usize) -> SlotTicket {
+        let slot = st.slots[index as usize];
+        let mem = st.chunks[slot.chunk as usize]
+            .mem
+            .expect("a slot always points at a live chunk");
+        SlotTicket {
+            index,
+            region: Region {
+                addr: mem.region.addr + u64::from(slot.offset),
+                len,
+                kind: mem.region.kind,
+            },
+            mr: mem.mr,
+        }
+    }
+
+    /// Pops a free slot of `class`, or carves one from the class's chunk.
+    fn try_fast(
+        &self,
+        st: &mut State<CHUNKS, SLOTS>,
+        class: usize,
+    ) -> Result<Option<u32>, PoolError> {
+        let size = self.config.classes.sizes[class];
+        let head = st.free[class];
+        if head != NONE {
+            st.free[class] = st.slots[head as usize].next;
+            return Ok(Some(head));
+        }
+        let c = st.carving[class];
+        if c == NONE {
+            return Ok(None);
+        }
+        let chunk = &st.chunks[c as usize];
+        let chunk_len = chunk.mem.map_or(0, |m| m.region.len);
+        if chunk.carved + size > chunk_len {
+            return Ok(None);
+        }
+        if st.slots_made == SLOTS {
+            return Err(PoolError::TooManyBuffers { slots: SLOTS });
+        }
+        let offset = chunk.carved as u32;
+        st.chunks[c as usize].carved += size;
+        let index = st.slots_made as u32;
+        st.slots_made += 1;
+        st.slots[index as usize] = Slot {
+            chunk: c,
+            offset,
+            next: NONE,
+            class: class as u8,
+        };
+        Ok(Some(index))
+    }
+
+    fn chunk_descriptor(st: &mut State<CHUNKS, SLOTS>) -> Option<u32> {
+        if st.free_chunks != NONE {
+            let i = st.free_chunks;
+            st.free_chunks = st.chunks[i as usize].next_free;
+            return Some(i);
+        }
+        if st.chunks_made < CHUNKS {
+            st.chunks_made += 1;
+            return Some((st.chunks_made - 1) as u32);
+        }
+        None
+    }
+
+    fn slot_descriptor(st: &mut State<CHUNKS, SLOTS>) -> Option<u32> {
+        let head = st.free[OVERSIZE];
+        if head != NONE {
+            st.free[OVERSIZE] = st.slots[head as usize].next;
+            return Some(head);
+        }
+        if st.slots_made < SLOTS {
+            st.slots_made += 1;
+            return Some((st.slots_made - 1) as u32);
+        }
+        None
+    }
+
+    /// Slow path: reserve budget and descriptors under the lock, obtain the
+    /// chunk outside it, install it under the lock again.
+    fn grow(&self, class: Option<usize>, len: usize) -> Result<SlotTicket, Error> {
+        let align = self.config.chunk_align;
+        let grow_len = match class {
+            Some(_) => self.config.chunk_bytes,
+            None => len.checked_next_multiple_of(align).ok_or(Error::TooLarge {
+                len,
+                max: self.config.budget,
+            })?,
+        };
+        let chunk_index = {
+            let mut st = self.state.lock();
+            let reserved = st.stats.reserved_bytes;
+            if reserved
+                .checked_add(grow_len)
+                .is_none_or(|total| total > self.config.budget)
+            {
+                return Err(PoolError::Exhausted {
+                    used: reserved,
+                    cap: self.config.budget,
+                }
+                .into());
+            }
+            // A class chunk needs a fresh slot descriptor too; check now so a
+            // full slot table fails before any memory is taken.
+            if class.is_some() && st.slots_made == SLOTS {
+                return Err(PoolError::TooManyBuffers { slots: SLOTS }.into());
+            }
+            let i = Self::chunk_descriptor(&mut st)
+                .ok_or(PoolError::TooManyChunks { chunks: CHUNKS })?;
+            st.stats.reserved_bytes += grow_len;
+            i
+        };
+        let obtained = self
+            .source
+            .obtain(grow_len, align, self.config.access)
+            .and_then(|m| {
+                if m.region.addr % align as u64 != 0 || m.region.len < grow_len {
+                    self.source.give_back(m);
+                    Err(Error::Misaligned {
+                        addr: m.region.addr,
+                        align,
+                    })
+                } else {
+                    Ok(m)
+                }
+            });
+        let mut st = self.state.lock();
+        let mem = match obtained {
+            Ok(m) => m,
+            Err(e) => {
+                st.stats.reserved_bytes -= grow_len;
+                st.chunks[chunk_index as usize] = Chunk {
+                    next_free: st.free_chunks,
+                    ..EMPTY_CHUNK
+                };
+                st.free_chunks = chunk_index;
+                return Err(e);
+            }
+        };
+        st.stats.grows += 1;
+        st.stats.registrations += u64::from(mem.mr.is_some());
+        st.chunks[chunk_index as usize] = Chunk {
+            mem: Some(Registered {
+                region: Region {
+                    len: grow_len,
+                    ..mem.region
+                },
+                mr: mem.mr,
+            }),
+            carved: 0,
+            next_free: NONE,
+        };
+        let index = match class {
+            Some(class) => {
+                st.carving[class] = chunk_index;
+                match self.try_fast(&mut st, class) {
+                    Ok(Some(i)) => i,
+                    // Another thread emptied the slot table meanwhile; the chunk
+                    // stays for later leases of this class.
+                    Ok(None) | Err(_) => {
+                        return Err(PoolError::TooManyBuffers { slots: SLOTS }.into())
+                    }
+                }
+            }
+            None => {
+                let Some(i) = Self::slot_descriptor(&mut st) else {
+                    let m = st.chunks[chunk_index as usize].mem.take();
+                    st.chunks[chunk_index as usize].next_free = st.free_chunks;
+                    st.free_chunks = chunk_index;
+                    st.stats.reserved_bytes -= grow_len;
+                    drop(st);
+                    if let Some(m) = m {
+                        self.source.give_back(m);
+                    }
+                    return Err(PoolError::TooManyBuffers { slots: SLOTS }.into());
+                };
+                st.slots[i as usize] = Slot {
+                    chunk: chunk_index,
+                    offset: 0,
+                    next: NONE,
+                    class: OVERSIZE as u8,
+                };
+                st.stats.oversize += 1;
+                i
+            }
+        };
+        Ok(self.finish_take(&mut st, index, class, grow_len))
+    }
+
+    fn finish_take(
+        &self,
+        st: &mut State<CHUNKS, SLOTS>,
+        index: u32,
+        class: Option<usize>,
+        oversize_len: usize,
+    ) -> SlotTicket {
+        let size = class.map_or(oversize_len, |c| self.config.classes.sizes[c]);
+        st.stats.used_bytes += size;
+        st.stats.leases += 1;
+        self.ticket(st, index, size)
+    }
+}
+
+impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> Pool for SlabPool<S, CHUNKS, SLOTS> {
+    fn take_slot(&self, len: usize) -> Result<SlotTicket, Error> {
+        if len == 0 {
+            return Err(PoolError::ZeroLength.into());
+        }
+        let class = self.config.classes.class_for(len);
+        if let Some(c) = class {
+            let mut st = self.state.lock();
+            if let Some(index) = self.try_fast(&mut st, c)? {
+                return Ok(self.finish_take(&mut st, index, class, 0));
+            }
+        }
+        self.grow(class, len)
+    }
+
+    fn release_slot(&self, ticket: &SlotTicket) {
+        let mut st = self.state.lock();
+        let i = ticket.index as usize;
+        let slot = st.slots[i];
+        let class = slot.class as usize;
+        st.stats.used_bytes -= ticket.region.len;
+        st.stats.leases -= 1;
+        st.slots[i].next = st.free[class];
+        st.free[class] = ticket.index;
+        if class != OVERSIZE {
+            return;
+        }
+        // Oversize: the buffer's chunk goes back to the source, outside the lock.
+        let c = slot.chunk as usize;
+        let mem = st.chunks[c].mem.take();
+        st.chunks[c].next_free = st.free_chunks;
+        st.free_chunks = slot.chunk;
+        st.slots[i].chunk = NONE;
+        if let Some(m) = mem {
+            st.stats.reserved_bytes -= m.region.len;
+            drop(st);
+            self.source.give_back(m);
+        }
+    }
+}
+
+impl<S, const CHUNKS: usize, const SLOTS: usize> Drop for SlabPool<S, CHUNKS, SLOTS>
+where
+    S: ChunkSource,
+{
+    fn drop(&mut self) {
+        // No lease can outlive the pool (each borrows or owns a reference to it),
+        // so every chunk is idle here.
+        let st = self.state.get_mut();
+        for chunk in &mut st.chunks[..st.chunks_made] {
+            if let Some(m) = chunk.mem.take() {
+                self.source.give_back(m);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+    use super::*;
+    use crate::mem::MemKind;
+
+    /// Hands out addresses without memory behind them (core never dereferences).
+    struct FakeMemory {
+        next: AtomicU64,
+        skew: u64,
+    }
+
+    impl RawMemory for FakeMemory {
+        fn alloc(&self, len: usize, align: usize) -> Result<Region, Error> {
+            // Relaxed: a counter only needs atomicity, it orders nothing else.
+            let base = self
+                .next
+                .fetch_add(len as u64 + align as u64, Ordering::Relaxed);
+            let addr = (base + align as u64 - 1) / align as u64 * align as u64 + self.skew;
+            Ok(Region {
+                addr,
+                len,
+                kind: MemKind::Host,
+            })
+        }
+        fn free(&self, _: Region) -> Result<(), Error> {
+            Ok(())
+        }
+        fn host_visible(&self) -> bool {
+            true
+        }
+    }
+
+    struct CountingNic {
+        registered: AtomicU32,
+        deregistered: AtomicU32,
+    }
+
+    impl Registrar for CountingNic {
+        fn register(&self, region: Region, access: Access) -> Result<MrHandle, Error> {
+            region.validate()?;
+            // Relaxed: test counters, read after the threads are joined.
+            let id = self.registered.fetch_add(1, Ordering::Relaxed);
+            Ok(MrHandle {
+                addr: region.addr,
+                len: region.len,
+                lkey: id,
+                rkey: id,
+                access,
+                id,
+            })
+        }
+        fn deregister(&self, _: MrHandle) -> Result<(), Error> {
+            self.deregistered.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+    }
+
+    type TestPool = SlabPool<Chunks<FakeMemory, CountingNic>, 16, 1024>;
+
+    fn pool(budget: usize) -> TestPool {
+        let source = Chunks {
+            memory: FakeMemory {
+                next: AtomicU64::new(0x10_0000),
+                skew: 0,
+            },
+            registrar: Some(CountingNic {
+                registered: AtomicU32::new(0),
+                deregistered: AtomicU32::new(0),
+            }),
+        };
+        let mut cfg = PoolConfig::with_budget(budget);
+        cfg.chunk_bytes = 64 << 10;
+        cfg.classes = SizeClasses::new(&[256, 4096, 16384]).unwrap();
+        SlabPool::new(source, cfg).unwrap()
+    }
+
+    #[test]
+    fn one_registration_per_chunk_and_keys_on_every_lease() {
+        let p = pool(1 << 20);
+        let a = p.lease(100).unwrap();
+        let b = p.lease(200).unwrap();
+        assert_eq!(a.capacity(), 256);
+        assert_eq!(b.device_ptr(), a.device_ptr() + 256, "carved side by side");
+        assert_eq!(a.mr(), b.mr(), "same chunk, same keys");
+        assert!(a
+            .mr()
+            .unwrap()
+            .covers(b.device_ptr(), 256, Access::LOCAL_WRITE));
+        assert_eq!(
+            p.source()
+                .registrar
+                .as_ref()
+                .unwrap()
+                .registered
+                .load(Ordering::Relaxed),
+            1
+        );
+        assert_eq!(p.used_bytes(), 512);
+        drop(a);
+        drop(b);
+        assert_eq!(p.used_bytes(), 0);
+    }
+
+    #[test]
+    fn released_memory_is_reused_first() {
+        let p = pool(1 << 20);
+        let a = p.lease(4000).unwrap();
+        let addr = a.device_ptr();
+        drop(a);
+        let b = p.lease(3000).unwrap();
+        assert_eq!(b.device_ptr(), addr);
+        assert_eq!(p.stats().grows, 1);
+    }
+
+    #[test]
+    fn exhaustion_is_typed_and_exact() {
+        let p = pool(128 << 10); // two chunks
+        let mut held = [const { None }; 8];
+        for slot in held.iter_mut() {
+            *slot = Some(p.lease(16384).unwrap()); // 4 per chunk
+        }
+        assert_eq!(
+            p.lease(1).unwrap_err(),
+            Error::Pool(PoolError::Exhausted {
+                used: 128 << 10,
+                cap: 128 << 10
+            })
+        );
+        held[3] = None;
+        assert!(p.lease(16000).is_ok(), "a release makes room again");
+    }
+
+    #[test]
+    fn zero_length_and_oversize() {
+        let p = pool(1 << 20);
+        assert_eq!(p.lease(0).unwrap_err(), Error::Pool(PoolError::ZeroLength));
+        let big = p.lease(100_000).unwrap();
+        assert_eq!(big.capacity(), 102_400, "rounded to the chunk alignment");
+        assert_eq!(p.stats().oversize, 1);
+        assert_eq!(p.stats().reserved_bytes, 102_400);
+        drop(big);
+        assert_eq!(
+            p.stats().reserved_bytes,
+            0,
+            "an oversize buffer goes back to its source"
+        );
+        let nic = p.source().registrar.as_ref().unwrap();
+        assert_eq!(nic.deregistered.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            p.lease(2 << 20).unwrap_err(),
+            Error::Pool(PoolError::Exhausted {
+                used: 0,
+                cap: 1 << 20
+            })
+        );
+    }
+
+    #[test]
+    fn misaligned_memory_is_refused_and_returned() {
+        let source = Chunks::<_, CountingNic> {
+            memory: FakeMemory {
+                next: AtomicU64::new(0),
+                skew: 8,
+            },
+            registrar: None,
+        };
+        let p: SlabPool<_, 4, 64> =
+            SlabPool::new(source, PoolConfig::with_budget(8 << 20)).unwrap();
+        assert!(matches!(
+            p.lease(10),
+            Err(Error::Misaligned { align: 4096, .. })
+        ));
+        assert_eq!(p.stats().reserved_bytes, 0);
+    }
+
+    #[test]
+    fn bad_configs_are_refused() {
+        assert_eq!(SizeClasses::new(&[]), Err(PoolError::BadConfig));
+        assert_eq!(SizeClasses::new(&[0, 8]), Err(PoolError::BadConfig));
+        assert_eq!(SizeClasses::new(&[64, 64]), Err(PoolError::BadConfig));
+        assert_eq!(SizeClasses::new(&[1; 9]), Err(PoolError::BadConfig));
+        let mut cfg = PoolConfig::with_budget(1 << 20);
+        cfg.chunk_bytes = 512 << 10; // smaller than the 1 MiB class
+        let source = Chunks::<_, CountingNic> {
+            memory: FakeMemory {
+                next: AtomicU64::new(0),
+                skew: 0,
+            },
+            registrar: None,
+        };
+        assert!(matches!(
+            SlabPool::<_, 4, 4>::new(source, cfg),
+            Err(PoolError::BadConfig)
+        ));
+    }
+
+    #[test]
+    fn slot_table_full_is_typed() {
+        let source = Chunks::<_, CountingNic> {
+            memory: FakeMemory {
+                next: AtomicU64::new(0),
+                skew: 0,
+            },
+            registrar: None,
+        };
+        let p: SlabPool<_, 4, 2> = SlabPool::new(source, PoolConfig::with_budget(8 << 20)).unwrap();
+        let _a = p.lease(1).unwrap();
+        let _b = p.lease(1).unwrap();
+        assert_eq!(
+            p.lease(1).unwrap_err(),
+            Error::Pool(PoolError::TooManyBuffers { slots: 2 })
+        );
+    }
+
+    #[test]
+    fn dropping_the_pool_gives_every_chunk_back() {
+        let p = pool(1 << 20);
+        drop(p.lease(10).unwrap());
+        drop(p.lease(5000).unwrap());
+        let source_counts = {
+            let nic = p.source().registrar.as_ref().unwrap();
+            nic.registered.load(Ordering::Relaxed)
+        };
+        assert_eq!(source_counts, 2);
+        // Drop runs give_back for both chunks; checked through a shared counter below.
+        struct Watch<'a>(&'a AtomicU32);
+        impl ChunkSource for Watch<'_> {
+            fn obtain(&self, len: usize, align: usize, _: Access) -> Result<Registered, Error> {
+                let r = FakeMemory {
+                    next: AtomicU64::new(0x1000),
+                    skew: 0,
+                }
+                .alloc(len, align)?;
+                Ok(Registered {
+                    region: r,
+                    mr: None,
+                })
+            }
+            fn give_back(&self, _: Registered) {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let given = AtomicU32::new(0);
+        let p2: SlabPool<_, 4, 16> =
+            SlabPool::new(Watch(&given), PoolConfig::with_budget(8 << 20)).unwrap();
+        drop(p2.lease(10).unwrap());
+        drop(p2.lease(5000).unwrap());
+        drop(p2);
+        assert_eq!(given.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn set_len_is_bounded_by_capacity() {
+        let p = pool(1 << 20);
+        let mut l = p.lease(10).unwrap();
+        assert_eq!(l.len(), 10);
+        l.set_len(256).unwrap();
+        assert_eq!(l.region().len, 256);
+        assert_eq!(l.set_len(257), Err(Error::TooLarge { len: 257, max: 256 }));
+    }
+
+    #[test]
+    fn many_threads_lease_and_release_without_overlap() {
+        extern crate std;
+        use std::sync::Arc;
+        use std::vec::Vec;
+        let p = Arc::new(pool(1 << 20));
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let p = Arc::clone(&p);
+                std::thread::spawn(move || {
+                    let mut seen = Vec::new();
+                    for i in 0..2000 {
+                        let len = 1 + (i * 37 + t * 101) % 16384;
+                        let a = Lease::take(Arc::clone(&p), len).unwrap();
+                        let b = Lease::take(Arc::clone(&p), 64).unwrap();
+                        assert!(!a.buffer().overlaps(b.buffer().addr, b.buffer().len));
+                        seen.push(a.device_ptr());
+                    }
+                    seen.len()
+                })
+            })
+            .collect();
+        for t in threads {
+            assert_eq!(t.join().unwrap(), 2000);
+        }
+        assert_eq!(p.used_bytes(), 0);
+        assert_eq!(p.stats().leases, 0);
+    }
+}
