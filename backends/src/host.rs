@@ -1,0 +1,141 @@
+//! Host-visible memory of every backend, and the one safe way to read a lease.
+
+use core::ops::Deref;
+
+use zerohop_core::{Chunks, Error, Lease, RawMemory, Region, SlabPool};
+
+#[cfg(feature = "std")]
+use crate::heap::HeapMemory;
+#[cfg(feature = "mock")]
+use crate::mock::Arena;
+use crate::nic::Nic;
+
+/// Memory the CPU can read and write, from whichever backends are compiled in.
+///
+/// Only this crate's allocators can be put in here, which is what makes
+/// [`host_bytes`] sound: every region a [`HostPool`] hands out is real memory
+/// of this process that stays mapped while its lease lives.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum HostMemory {
+    /// The mock arena (a caller-given static buffer).
+    #[cfg(feature = "mock")]
+    Arena(Arena),
+    /// The process heap.
+    #[cfg(feature = "std")]
+    Heap(HeapMemory),
+    /// CUDA managed or pinned host memory.
+    #[cfg(feature = "cuda-uma")]
+    Cuda(crate::cuda::HostCudaMemory),
+}
+
+impl HostMemory {
+    /// A pointer to `region`'s first byte with the provenance of the allocation
+    /// it lies in, or `None` when this source did not allocate it.
+    fn pointer(&self, region: Region) -> Option<core::ptr::NonNull<u8>> {
+        match self {
+            #[cfg(feature = "mock")]
+            HostMemory::Arena(m) => m.pointer(region),
+            #[cfg(feature = "std")]
+            HostMemory::Heap(m) => m.pointer(region),
+            #[cfg(feature = "cuda-uma")]
+            HostMemory::Cuda(m) => m.pointer(region),
+            #[allow(unreachable_patterns)]
+            _ => {
+                let _ = region;
+                None
+            }
+        }
+    }
+}
+
+impl RawMemory for HostMemory {
+    fn alloc(&self, len: usize, align: usize) -> Result<Region, Error> {
+        let r = match self {
+            #[cfg(feature = "mock")]
+            HostMemory::Arena(m) => m.alloc(len, align),
+            #[cfg(feature = "std")]
+            HostMemory::Heap(m) => m.alloc(len, align),
+            #[cfg(feature = "cuda-uma")]
+            HostMemory::Cuda(m) => m.alloc(len, align),
+            #[allow(unreachable_patterns)]
+            _ => Err(Error::OutOfMemory { len }),
+        }?;
+        // Guard the soundness of `host_bytes`: a host pool must never hold device memory.
+        if !r.kind.host_visible() {
+            let _ = self.free(r);
+            return Err(Error::NotHostVisible(r.kind));
+        }
+        Ok(r)
+    }
+
+    fn free(&self, region: Region) -> Result<(), Error> {
+        match self {
+            #[cfg(feature = "mock")]
+            HostMemory::Arena(m) => m.free(region),
+            #[cfg(feature = "std")]
+            HostMemory::Heap(m) => m.free(region),
+            #[cfg(feature = "cuda-uma")]
+            HostMemory::Cuda(m) => m.free(region),
+            #[allow(unreachable_patterns)]
+            _ => {
+                let _ = region;
+                Ok(())
+            }
+        }
+    }
+
+    fn host_visible(&self) -> bool {
+        true
+    }
+}
+
+/// A slab pool of host-visible memory, optionally registered with a NIC.
+pub type HostPool<const CHUNKS: usize, const SLOTS: usize> =
+    SlabPool<Chunks<HostMemory, Nic>, CHUNKS, SLOTS>;
+
+fn view<P, const C: usize, const S: usize>(lease: &Lease<P>) -> (core::ptr::NonNull<u8>, usize)
+where
+    P: Deref<Target = HostPool<C, S>>,
+{
+    let r = lease.region();
+    let memory = &lease.pool().source().memory;
+    match memory.pointer(r) {
+        Some(p) => (p, r.len),
+        None => panic!("zerohop: a lease lies outside its pool's memory (pool invariant broken)"),
+    }
+}
+
+/// The message bytes of a lease from a [`HostPool`].
+///
+/// # Panics
+/// Only if the pool's own invariant is broken (a lease outside the memory it
+/// was carved from); the property tests and fuzzers check that it holds.
+pub fn host_bytes<P, const C: usize, const S: usize>(lease: &Lease<P>) -> &[u8]
+where
+    P: Deref<Target = HostPool<C, S>>,
+{
+    let (p, len) = view(lease);
+    // SAFETY: `p..p+len` lies inside a live allocation of `HostMemory` (checked
+    // by `pointer`): real, host-visible memory of this process (device memory
+    // is refused at allocation). It stays allocated while the lease lives: the
+    // lease holds `P`, which keeps the pool alive, and the pool gives memory
+    // back only when it drops or, for an oversize buffer, when that buffer's
+    // one lease is released. The pool never hands out overlapping buffers, so
+    // the only other view of these bytes comes through this same lease, and
+    // the shared borrow of `lease` excludes a mutable one.
+    unsafe { core::slice::from_raw_parts(p.as_ptr(), len) }
+}
+
+/// The message bytes of a lease from a [`HostPool`], writable.
+///
+/// # Panics
+/// As [`host_bytes`].
+pub fn host_bytes_mut<P, const C: usize, const S: usize>(lease: &mut Lease<P>) -> &mut [u8]
+where
+    P: Deref<Target = HostPool<C, S>>,
+{
+    let (p, len) = view(lease);
+    // SAFETY: as in `host_bytes`; `&mut Lease` makes this the only view.
+    unsafe { core::slice::from_raw_parts_mut(p.as_ptr(), len) }
+}

@@ -1,0 +1,25 @@
+//! zerohop-backends: the memory, NICs and links behind zerohop-core's traits.
+//!
+//! One cargo feature per backend: `mock` (no_std, no alloc: arena memory, a
+//! software NIC, a loopback link, fault injectors), `cuda-uma` (CUDA memory via
+//! cudarc) and `gpudirect-verbs` (RDMA verbs via rdma-sys). `std` adds heap
+//! memory. Every backend's memory that the CPU can read is a variant of
+//! [`HostMemory`], so received bytes are viewed through one safe function,
+//! [`host_bytes`].
+#![cfg_attr(not(feature = "std"), no_std)]
+#![warn(missing_docs)]
+
+#[macro_use]
+mod fmt;
+
+#[cfg(feature = "std")]
+mod heap;
+mod host;
+#[cfg(feature = "mock")]
+pub mod mock;
+mod nic;
+
+#[cfg(feature = "std")]
+pub use heap::HeapMemory;
+pub use host::{host_bytes, host_bytes_mut, HostMemory, HostPool};
+pub use nic::Nic;
