@@ -17,6 +17,8 @@ use crate::nic::Nic;
 /// of this process that stays mapped while its lease lives.
 #[derive(Debug)]
 #[non_exhaustive]
+// One value per pool, and no_std has no Box: the arena's inline block table stays inline.
+#[allow(clippy::large_enum_variant)]
 pub enum HostMemory {
     /// The mock arena (a caller-given static buffer).
     #[cfg(feature = "mock")]

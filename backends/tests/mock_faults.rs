@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 
-use zerohop_backends::mock::{Arena, FaultPlan, Faulty, MockLink, MockNic, MockTransport};
+use zerohop_backends::mock::{
+    Arena, FaultCounts, FaultPlan, Faulty, LinkEnd, MockLink, MockNic, MockTransport,
+};
 use zerohop_backends::{host_bytes, HostMemory, HostPool, Nic};
 use zerohop_core::{
     Chunks, Error, Lease, PeerId, PoolConfig, PoolError, RegisterError, Registrar, SizeClasses,
@@ -69,13 +71,11 @@ fn clean_link_delivers_every_message_once_in_order() {
     );
 }
 
-fn faulty_pair(
-    plan: FaultPlan,
-) -> (
-    MockTransport<zerohop_backends::mock::LinkEnd<'static, 65536>, Arc<Pool>>,
-    MockTransport<Faulty<zerohop_backends::mock::LinkEnd<'static, 65536>, 4096>, Arc<Pool>>,
-    Arc<Pool>,
-) {
+type End = LinkEnd<'static, 65536>;
+type Sender = MockTransport<End, Arc<Pool>>;
+type FaultyReceiver = MockTransport<Faulty<End, 4096>, Arc<Pool>>;
+
+fn faulty_pair(plan: FaultPlan) -> (Sender, FaultyReceiver, Arc<Pool>) {
     let link = leak(MockLink::<65536>::new());
     let (a, b) = link.ends();
     let (pa, _) = pool(256 << 10);
@@ -86,15 +86,7 @@ fn faulty_pair(
 }
 
 /// Sends `n` messages, then drains the receiver, sorting outcomes.
-fn run(
-    plan: FaultPlan,
-    n: u32,
-) -> (
-    Vec<u32>,
-    Vec<Error>,
-    zerohop_backends::mock::FaultCounts,
-    Arc<Pool>,
-) {
+fn run(plan: FaultPlan, n: u32) -> (Vec<u32>, Vec<Error>, FaultCounts, Arc<Pool>) {
     let (mut tx, mut rx, pb) = faulty_pair(plan);
     let mut delivered = Vec::new();
     let mut errors = Vec::new();

@@ -273,7 +273,7 @@ impl Detail {
     }
 
     /// A detail holding `s` (cut if too long).
-    pub fn from_str(s: &str) -> Detail {
+    pub fn of(s: &str) -> Detail {
         let mut d = Detail::new();
         let _ = d.write_str(s);
         d
@@ -385,12 +385,12 @@ impl Probe {
 
     /// Records a prerequisite as present, with a detail.
     pub fn present(&mut self, p: Prereq, detail: &str) {
-        self.set(p, Status::Present(Detail::from_str(detail)));
+        self.set(p, Status::Present(Detail::of(detail)));
     }
 
     /// Records a prerequisite as missing, with why.
     pub fn missing(&mut self, p: Prereq, why: &str) {
-        self.set(p, Status::Missing(Detail::from_str(why)));
+        self.set(p, Status::Missing(Detail::of(why)));
     }
 
     /// A prerequisite's state.
@@ -662,7 +662,7 @@ mod tests {
     #[test]
     fn detail_cuts_long_text_at_a_char_boundary() {
         let long = "é".repeat(100); // 200 bytes
-        let d = Detail::from_str(&long);
+        let d = Detail::of(&long);
         assert_eq!(d.as_str().len(), Detail::CAPACITY);
         assert!(d.as_str().chars().all(|c| c == 'é'));
     }

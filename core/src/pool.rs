@@ -695,7 +695,7 @@ mod tests {
             let base = self
                 .next
                 .fetch_add(len as u64 + align as u64, Ordering::Relaxed);
-            let addr = (base + align as u64 - 1) / align as u64 * align as u64 + self.skew;
+            let addr = base.next_multiple_of(align as u64) + self.skew;
             Ok(Region {
                 addr,
                 len,
