@@ -2,7 +2,7 @@
 
 use core::ops::Deref;
 
-use zerohop_core::{Chunks, Error, Lease, RawMemory, Region, SlabPool};
+use zerohop_core::{Chunks, Error, Lease, PoolTables, RawMemory, Region, SlabPool};
 
 #[cfg(feature = "std")]
 use crate::heap::HeapMemory;
@@ -93,12 +93,11 @@ impl RawMemory for HostMemory {
 }
 
 /// A slab pool of host-visible memory, optionally registered with a NIC.
-pub type HostPool<const CHUNKS: usize, const SLOTS: usize> =
-    SlabPool<Chunks<HostMemory, Nic>, CHUNKS, SLOTS>;
+pub type HostPool<T> = SlabPool<Chunks<HostMemory, Nic>, T>;
 
-fn view<P, const C: usize, const S: usize>(lease: &Lease<P>) -> (core::ptr::NonNull<u8>, usize)
+fn view<P, T: PoolTables>(lease: &Lease<P>) -> (core::ptr::NonNull<u8>, usize)
 where
-    P: Deref<Target = HostPool<C, S>>,
+    P: Deref<Target = HostPool<T>>,
 {
     let r = lease.region();
     let memory = &lease.pool().source().memory;
@@ -113,9 +112,9 @@ where
 /// # Panics
 /// Only if the pool's own invariant is broken (a lease outside the memory it
 /// was carved from); the property tests and fuzzers check that it holds.
-pub fn host_bytes<P, const C: usize, const S: usize>(lease: &Lease<P>) -> &[u8]
+pub fn host_bytes<P, T: PoolTables>(lease: &Lease<P>) -> &[u8]
 where
-    P: Deref<Target = HostPool<C, S>>,
+    P: Deref<Target = HostPool<T>>,
 {
     let (p, len) = view(lease);
     // SAFETY: `p..p+len` lies inside a live allocation of `HostMemory` (checked
@@ -133,9 +132,9 @@ where
 ///
 /// # Panics
 /// As [`host_bytes`].
-pub fn host_bytes_mut<P, const C: usize, const S: usize>(lease: &mut Lease<P>) -> &mut [u8]
+pub fn host_bytes_mut<P, T: PoolTables>(lease: &mut Lease<P>) -> &mut [u8]
 where
-    P: Deref<Target = HostPool<C, S>>,
+    P: Deref<Target = HostPool<T>>,
 {
     let (p, len) = view(lease);
     // SAFETY: as in `host_bytes`; `&mut Lease` makes this the only view.

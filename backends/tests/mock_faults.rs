@@ -9,11 +9,11 @@ use zerohop_backends::mock::{
 };
 use zerohop_backends::{host_bytes, HostMemory, HostPool, Nic};
 use zerohop_core::{
-    Chunks, Error, Lease, PeerId, PoolConfig, PoolError, RegisterError, Registrar, SizeClasses,
-    Transport,
+    Chunks, Error, InlineTables, Lease, PeerId, PoolConfig, PoolError, RegisterError, Registrar,
+    SizeClasses, Transport,
 };
 
-type Pool = HostPool<16, 256>;
+type Pool = HostPool<InlineTables<16, 256>>;
 const PEER: PeerId = PeerId(0);
 
 fn leak<T>(t: T) -> &'static T {
@@ -31,7 +31,10 @@ fn pool(budget: usize) -> (Arc<Pool>, &'static MockNic) {
         memory: HostMemory::Arena(arena),
         registrar: Some(Nic::Mock(nic)),
     };
-    (Arc::new(Pool::new(source, cfg).unwrap()), nic)
+    (
+        Arc::new(Pool::new(source, cfg, InlineTables::new()).unwrap()),
+        nic,
+    )
 }
 
 fn message(i: u32) -> Vec<u8> {

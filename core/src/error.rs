@@ -33,6 +33,13 @@ pub enum Error {
     },
     /// A frame from this peer failed its checksum.
     Corrupt(PeerId),
+    /// A peer sent bytes that are not a valid frame; its connection was closed.
+    Protocol {
+        /// The peer.
+        peer: PeerId,
+        /// What was wrong.
+        error: DecodeError,
+    },
     /// Frames from this peer skipped sequence numbers: messages were lost.
     SequenceGap {
         /// The peer.
@@ -91,6 +98,10 @@ impl fmt::Display for Error {
                 write!(f, "message of {len} bytes exceeds the maximum of {max}")
             }
             Error::Corrupt(p) => write!(f, "frame from peer {p} failed its checksum"),
+            Error::Protocol { peer, error } => write!(
+                f,
+                "peer {peer} sent an invalid frame ({error}); connection closed"
+            ),
             Error::SequenceGap {
                 peer,
                 expected,

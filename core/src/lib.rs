@@ -33,7 +33,7 @@ pub use pick::{
     Status, UnknownPreference,
 };
 pub use pool::{
-    ChunkSource, Chunks, Lease, Pool, PoolConfig, PoolStats, Registered, SizeClasses, SlabPool,
-    SlotTicket, MAX_CLASSES,
+    Chunk, ChunkSource, Chunks, InlineTables, Lease, Pool, PoolConfig, PoolStats, PoolTables,
+    Registered, SizeClasses, SlabPool, Slot, SlotTicket, MAX_CLASSES,
 };
 pub use transport::{Capabilities, PeerId, Received, Rejected, Transport};

@@ -10,8 +10,9 @@
 //! Requests larger than the largest class take the oversize path: a dedicated
 //! chunk, freed when its lease is released.
 //!
-//! Like heapless's `box_pool!`, capacity lives in the type: `CHUNKS` chunk
-//! descriptors and `SLOTS` buffer descriptors, fixed at compile time.
+//! Capacity is fixed when the pool is made: its descriptor tables come from
+//! a [`PoolTables`] — [`InlineTables`] (arrays in the pool itself, for
+//! firmware and statics) or any boxed slices a std caller provides.
 
 use core::ops::Deref;
 
@@ -301,13 +302,65 @@ pub struct PoolStats {
     pub oversize: u64,
 }
 
+/// One chunk descriptor (opaque): an entry of a pool's chunk table.
 #[derive(Clone, Copy, Debug)]
-struct Chunk {
+pub struct Chunk {
     mem: Option<Registered>,
     /// Next byte not yet carved into slots.
     carved: usize,
     /// Free-list link for unused chunk descriptors.
     next_free: u32,
+}
+
+impl Chunk {
+    /// An unused descriptor.
+    pub const EMPTY: Chunk = EMPTY_CHUNK;
+}
+
+impl Slot {
+    /// An unused descriptor.
+    pub const EMPTY: Slot = EMPTY_SLOT;
+}
+
+/// Where a pool keeps its descriptor tables. The table lengths are the pool's
+/// capacity: how many chunks it can hold, and how many buffers.
+pub trait PoolTables {
+    /// The chunk table.
+    fn chunks(&mut self) -> &mut [Chunk];
+    /// The buffer (slot) table.
+    fn slots(&mut self) -> &mut [Slot];
+}
+
+/// Tables stored inline: `CHUNKS` chunks and `SLOTS` buffers, no heap.
+#[derive(Debug)]
+pub struct InlineTables<const CHUNKS: usize, const SLOTS: usize> {
+    chunks: [Chunk; CHUNKS],
+    slots: [Slot; SLOTS],
+}
+
+impl<const CHUNKS: usize, const SLOTS: usize> InlineTables<CHUNKS, SLOTS> {
+    /// Empty tables; `const`, so a pool's tables can be built in a `static`.
+    pub const fn new() -> Self {
+        InlineTables {
+            chunks: [Chunk::EMPTY; CHUNKS],
+            slots: [Slot::EMPTY; SLOTS],
+        }
+    }
+}
+
+impl<const CHUNKS: usize, const SLOTS: usize> Default for InlineTables<CHUNKS, SLOTS> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<const CHUNKS: usize, const SLOTS: usize> PoolTables for InlineTables<CHUNKS, SLOTS> {
+    fn chunks(&mut self) -> &mut [Chunk] {
+        &mut self.chunks
+    }
+    fn slots(&mut self) -> &mut [Slot] {
+        &mut self.slots
+    }
 }
 
 const EMPTY_CHUNK: Chunk = Chunk {
@@ -316,8 +369,9 @@ const EMPTY_CHUNK: Chunk = Chunk {
     next_free: NONE,
 };
 
+/// One buffer descriptor (opaque): an entry of a pool's slot table.
 #[derive(Clone, Copy, Debug)]
-struct Slot {
+pub struct Slot {
     chunk: u32,
     offset: u32,
     next: u32,
@@ -332,11 +386,12 @@ const EMPTY_SLOT: Slot = Slot {
 };
 
 #[derive(Debug)]
-struct State<const CHUNKS: usize, const SLOTS: usize> {
-    chunks: [Chunk; CHUNKS],
+struct State<T> {
+    tables: T,
+    chunk_cap: usize,
+    slot_cap: usize,
     chunks_made: usize,
     free_chunks: u32,
-    slots: [Slot; SLOTS],
     slots_made: usize,
     /// Free slots per class; index `OVERSIZE` holds spare descriptors of released oversize buffers.
     free: [u32; MAX_CLASSES + 1],
@@ -345,17 +400,15 @@ struct State<const CHUNKS: usize, const SLOTS: usize> {
     stats: PoolStats,
 }
 
-/// The slab pool over a [`ChunkSource`] `S`, with room for `CHUNKS` chunks and
-/// `SLOTS` buffers. It is `Sync` when `S` is: lease from many threads at once.
-pub struct SlabPool<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> {
+/// The slab pool over a [`ChunkSource`] `S`, with its descriptor tables in `T`.
+/// It is `Sync` when `S` and `T` are `Send`: lease from many threads at once.
+pub struct SlabPool<S: ChunkSource, T: PoolTables> {
     source: S,
     config: PoolConfig,
-    state: spin::Mutex<State<CHUNKS, SLOTS>>,
+    state: spin::Mutex<State<T>>,
 }
 
-impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> core::fmt::Debug
-    for SlabPool<S, CHUNKS, SLOTS>
-{
+impl<S: ChunkSource, T: PoolTables> core::fmt::Debug for SlabPool<S, T> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("SlabPool")
             .field("config", &self.config)
@@ -364,21 +417,30 @@ impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> core::fmt::Debug
     }
 }
 
-impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> SlabPool<S, CHUNKS, SLOTS> {
+impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
     /// A pool that grows from `source` as `config` says. Nothing is allocated yet.
-    pub fn new(source: S, config: PoolConfig) -> Result<Self, PoolError> {
+    pub fn new(source: S, config: PoolConfig, mut tables: T) -> Result<Self, PoolError> {
         config.validate()?;
-        if CHUNKS == 0 || SLOTS == 0 || CHUNKS >= NONE as usize || SLOTS >= NONE as usize {
+        let chunk_cap = tables.chunks().len();
+        let slot_cap = tables.slots().len();
+        if chunk_cap == 0
+            || slot_cap == 0
+            || chunk_cap >= NONE as usize
+            || slot_cap >= NONE as usize
+        {
             return Err(PoolError::BadConfig);
         }
+        tables.chunks().fill(Chunk::EMPTY);
+        tables.slots().fill(Slot::EMPTY);
         Ok(SlabPool {
             source,
             config,
             state: spin::Mutex::new(State {
-                chunks: [EMPTY_CHUNK; CHUNKS],
+                tables,
+                chunk_cap,
+                slot_cap,
                 chunks_made: 0,
                 free_chunks: NONE,
-                slots: [EMPTY_SLOT; SLOTS],
                 slots_made: 0,
                 free: [NONE; MAX_CLASSES + 1],
                 carving: [NONE; MAX_CLASSES],
@@ -415,9 +477,9 @@ impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> SlabPool<S, CHUNKS
         Lease::take(self, len)
     }
 
-    fn ticket(&self, st: &State<CHUNKS, SLOTS>, index: u32, len: usize) -> SlotTicket {
-        let slot = st.slots[index as usize];
-        let mem = st.chunks[slot.chunk as usize]
+    fn ticket(&self, st: &mut State<T>, index: u32, len: usize) -> SlotTicket {
+        let slot = st.tables.slots()[index as usize];
+        let mem = st.tables.chunks()[slot.chunk as usize]
             .mem
             .expect("a slot always points at a live chunk");
         SlotTicket {
@@ -432,34 +494,30 @@ impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> SlabPool<S, CHUNKS
     }
 
     /// Pops a free slot of `class`, or carves one from the class's chunk.
-    fn try_fast(
-        &self,
-        st: &mut State<CHUNKS, SLOTS>,
-        class: usize,
-    ) -> Result<Option<u32>, PoolError> {
+    fn try_fast(&self, st: &mut State<T>, class: usize) -> Result<Option<u32>, PoolError> {
         let size = self.config.classes.sizes[class];
         let head = st.free[class];
         if head != NONE {
-            st.free[class] = st.slots[head as usize].next;
+            st.free[class] = st.tables.slots()[head as usize].next;
             return Ok(Some(head));
         }
         let c = st.carving[class];
         if c == NONE {
             return Ok(None);
         }
-        let chunk = &st.chunks[c as usize];
+        let chunk = st.tables.chunks()[c as usize];
         let chunk_len = chunk.mem.map_or(0, |m| m.region.len);
         if chunk.carved + size > chunk_len {
             return Ok(None);
         }
-        if st.slots_made == SLOTS {
-            return Err(PoolError::TooManyBuffers { slots: SLOTS });
+        if st.slots_made == st.slot_cap {
+            return Err(PoolError::TooManyBuffers { slots: st.slot_cap });
         }
         let offset = chunk.carved as u32;
-        st.chunks[c as usize].carved += size;
+        st.tables.chunks()[c as usize].carved += size;
         let index = st.slots_made as u32;
         st.slots_made += 1;
-        st.slots[index as usize] = Slot {
+        st.tables.slots()[index as usize] = Slot {
             chunk: c,
             offset,
             next: NONE,
@@ -468,26 +526,26 @@ impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> SlabPool<S, CHUNKS
         Ok(Some(index))
     }
 
-    fn chunk_descriptor(st: &mut State<CHUNKS, SLOTS>) -> Option<u32> {
+    fn chunk_descriptor(st: &mut State<T>) -> Option<u32> {
         if st.free_chunks != NONE {
             let i = st.free_chunks;
-            st.free_chunks = st.chunks[i as usize].next_free;
+            st.free_chunks = st.tables.chunks()[i as usize].next_free;
             return Some(i);
         }
-        if st.chunks_made < CHUNKS {
+        if st.chunks_made < st.chunk_cap {
             st.chunks_made += 1;
             return Some((st.chunks_made - 1) as u32);
         }
         None
     }
 
-    fn slot_descriptor(st: &mut State<CHUNKS, SLOTS>) -> Option<u32> {
+    fn slot_descriptor(st: &mut State<T>) -> Option<u32> {
         let head = st.free[OVERSIZE];
         if head != NONE {
-            st.free[OVERSIZE] = st.slots[head as usize].next;
+            st.free[OVERSIZE] = st.tables.slots()[head as usize].next;
             return Some(head);
         }
-        if st.slots_made < SLOTS {
+        if st.slots_made < st.slot_cap {
             st.slots_made += 1;
             return Some((st.slots_made - 1) as u32);
         }
@@ -520,11 +578,12 @@ impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> SlabPool<S, CHUNKS
             }
             // A class chunk needs a fresh slot descriptor too; check now so a
             // full slot table fails before any memory is taken.
-            if class.is_some() && st.slots_made == SLOTS {
-                return Err(PoolError::TooManyBuffers { slots: SLOTS }.into());
+            if class.is_some() && st.slots_made == st.slot_cap {
+                return Err(PoolError::TooManyBuffers { slots: st.slot_cap }.into());
             }
-            let i = Self::chunk_descriptor(&mut st)
-                .ok_or(PoolError::TooManyChunks { chunks: CHUNKS })?;
+            let i = Self::chunk_descriptor(&mut st).ok_or(PoolError::TooManyChunks {
+                chunks: st.chunk_cap,
+            })?;
             st.stats.reserved_bytes += grow_len;
             i
         };
@@ -547,7 +606,7 @@ impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> SlabPool<S, CHUNKS
             Ok(m) => m,
             Err(e) => {
                 st.stats.reserved_bytes -= grow_len;
-                st.chunks[chunk_index as usize] = Chunk {
+                st.tables.chunks()[chunk_index as usize] = Chunk {
                     next_free: st.free_chunks,
                     ..EMPTY_CHUNK
                 };
@@ -557,7 +616,7 @@ impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> SlabPool<S, CHUNKS
         };
         st.stats.grows += 1;
         st.stats.registrations += u64::from(mem.mr.is_some());
-        st.chunks[chunk_index as usize] = Chunk {
+        st.tables.chunks()[chunk_index as usize] = Chunk {
             mem: Some(Registered {
                 region: Region {
                     len: grow_len,
@@ -576,23 +635,24 @@ impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> SlabPool<S, CHUNKS
                     // Another thread emptied the slot table meanwhile; the chunk
                     // stays for later leases of this class.
                     Ok(None) | Err(_) => {
-                        return Err(PoolError::TooManyBuffers { slots: SLOTS }.into())
+                        return Err(PoolError::TooManyBuffers { slots: st.slot_cap }.into())
                     }
                 }
             }
             None => {
                 let Some(i) = Self::slot_descriptor(&mut st) else {
-                    let m = st.chunks[chunk_index as usize].mem.take();
-                    st.chunks[chunk_index as usize].next_free = st.free_chunks;
+                    let m = st.tables.chunks()[chunk_index as usize].mem.take();
+                    st.tables.chunks()[chunk_index as usize].next_free = st.free_chunks;
                     st.free_chunks = chunk_index;
                     st.stats.reserved_bytes -= grow_len;
+                    let slots = st.slot_cap;
                     drop(st);
                     if let Some(m) = m {
                         self.source.give_back(m);
                     }
-                    return Err(PoolError::TooManyBuffers { slots: SLOTS }.into());
+                    return Err(PoolError::TooManyBuffers { slots }.into());
                 };
-                st.slots[i as usize] = Slot {
+                st.tables.slots()[i as usize] = Slot {
                     chunk: chunk_index,
                     offset: 0,
                     next: NONE,
@@ -607,7 +667,7 @@ impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> SlabPool<S, CHUNKS
 
     fn finish_take(
         &self,
-        st: &mut State<CHUNKS, SLOTS>,
+        st: &mut State<T>,
         index: u32,
         class: Option<usize>,
         oversize_len: usize,
@@ -619,7 +679,7 @@ impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> SlabPool<S, CHUNKS
     }
 }
 
-impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> Pool for SlabPool<S, CHUNKS, SLOTS> {
+impl<S: ChunkSource, T: PoolTables> Pool for SlabPool<S, T> {
     fn take_slot(&self, len: usize) -> Result<SlotTicket, Error> {
         if len == 0 {
             return Err(PoolError::ZeroLength.into());
@@ -637,21 +697,21 @@ impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> Pool for SlabPool<
     fn release_slot(&self, ticket: &SlotTicket) {
         let mut st = self.state.lock();
         let i = ticket.index as usize;
-        let slot = st.slots[i];
+        let slot = st.tables.slots()[i];
         let class = slot.class as usize;
         st.stats.used_bytes -= ticket.region.len;
         st.stats.leases -= 1;
-        st.slots[i].next = st.free[class];
+        st.tables.slots()[i].next = st.free[class];
         st.free[class] = ticket.index;
         if class != OVERSIZE {
             return;
         }
         // Oversize: the buffer's chunk goes back to the source, outside the lock.
         let c = slot.chunk as usize;
-        let mem = st.chunks[c].mem.take();
-        st.chunks[c].next_free = st.free_chunks;
+        let mem = st.tables.chunks()[c].mem.take();
+        st.tables.chunks()[c].next_free = st.free_chunks;
         st.free_chunks = slot.chunk;
-        st.slots[i].chunk = NONE;
+        st.tables.slots()[i].chunk = NONE;
         if let Some(m) = mem {
             st.stats.reserved_bytes -= m.region.len;
             drop(st);
@@ -660,15 +720,17 @@ impl<S: ChunkSource, const CHUNKS: usize, const SLOTS: usize> Pool for SlabPool<
     }
 }
 
-impl<S, const CHUNKS: usize, const SLOTS: usize> Drop for SlabPool<S, CHUNKS, SLOTS>
+impl<S, T> Drop for SlabPool<S, T>
 where
     S: ChunkSource,
+    T: PoolTables,
 {
     fn drop(&mut self) {
         // No lease can outlive the pool (each borrows or owns a reference to it),
         // so every chunk is idle here.
         let st = self.state.get_mut();
-        for chunk in &mut st.chunks[..st.chunks_made] {
+        let made = st.chunks_made;
+        for chunk in &mut st.tables.chunks()[..made] {
             if let Some(m) = chunk.mem.take() {
                 self.source.give_back(m);
             }
@@ -735,7 +797,7 @@ mod tests {
         }
     }
 
-    type TestPool = SlabPool<Chunks<FakeMemory, CountingNic>, 16, 1024>;
+    type TestPool = SlabPool<Chunks<FakeMemory, CountingNic>, InlineTables<16, 1024>>;
 
     fn pool(budget: usize) -> TestPool {
         let source = Chunks {
@@ -751,7 +813,7 @@ mod tests {
         let mut cfg = PoolConfig::with_budget(budget);
         cfg.chunk_bytes = 64 << 10;
         cfg.classes = SizeClasses::new(&[256, 4096, 16384]).unwrap();
-        SlabPool::new(source, cfg).unwrap()
+        SlabPool::new(source, cfg, InlineTables::new()).unwrap()
     }
 
     #[test]
@@ -844,8 +906,12 @@ mod tests {
             },
             registrar: None,
         };
-        let p: SlabPool<_, 4, 64> =
-            SlabPool::new(source, PoolConfig::with_budget(8 << 20)).unwrap();
+        let p: SlabPool<_, InlineTables<4, 64>> = SlabPool::new(
+            source,
+            PoolConfig::with_budget(8 << 20),
+            InlineTables::new(),
+        )
+        .unwrap();
         assert!(matches!(
             p.lease(10),
             Err(Error::Misaligned { align: 4096, .. })
@@ -869,7 +935,7 @@ mod tests {
             registrar: None,
         };
         assert!(matches!(
-            SlabPool::<_, 4, 4>::new(source, cfg),
+            SlabPool::new(source, cfg, InlineTables::<4, 4>::new()),
             Err(PoolError::BadConfig)
         ));
     }
@@ -883,7 +949,12 @@ mod tests {
             },
             registrar: None,
         };
-        let p: SlabPool<_, 4, 2> = SlabPool::new(source, PoolConfig::with_budget(8 << 20)).unwrap();
+        let p: SlabPool<_, InlineTables<4, 2>> = SlabPool::new(
+            source,
+            PoolConfig::with_budget(8 << 20),
+            InlineTables::new(),
+        )
+        .unwrap();
         let _a = p.lease(1).unwrap();
         let _b = p.lease(1).unwrap();
         assert_eq!(
@@ -921,8 +992,12 @@ mod tests {
             }
         }
         let given = AtomicU32::new(0);
-        let p2: SlabPool<_, 4, 16> =
-            SlabPool::new(Watch(&given), PoolConfig::with_budget(8 << 20)).unwrap();
+        let p2: SlabPool<_, InlineTables<4, 16>> = SlabPool::new(
+            Watch(&given),
+            PoolConfig::with_budget(8 << 20),
+            InlineTables::new(),
+        )
+        .unwrap();
         drop(p2.lease(10).unwrap());
         drop(p2.lease(5000).unwrap());
         drop(p2);

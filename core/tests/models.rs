@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use proptest::prelude::*;
 use zerohop_core::{
-    Access, Chunks, Error, Lease, MemKind, MrHandle, MrTable, PoolConfig, PoolError, RawMemory,
-    Region, Registrar, SizeClasses, SlabPool,
+    Access, Chunks, Error, InlineTables, MemKind, MrHandle, MrTable, PoolConfig, PoolError,
+    RawMemory, Region, Registrar, SizeClasses, SlabPool,
 };
 
 #[derive(Debug, Clone)]
@@ -180,8 +180,8 @@ proptest! {
         let mut cfg = PoolConfig::with_budget(BUDGET);
         cfg.chunk_bytes = 64 << 10;
         cfg.classes = SizeClasses::new(&[256, 1024, 4096, 16384]).unwrap();
-        let pool: SlabPool<_, 64, 4096> = SlabPool::new(Chunks { memory: Arena::default(), registrar: Some(Nic::default()) }, cfg).unwrap();
-        let mut held: Vec<Lease<&SlabPool<_, 64, 4096>>> = Vec::new();
+        let pool = SlabPool::new(Chunks { memory: Arena::default(), registrar: Some(Nic::default()) }, cfg, InlineTables::<64, 4096>::new()).unwrap();
+        let mut held: Vec<zerohop_core::Lease<&_>> = Vec::new();
         let mut used = 0usize;
         for (take, len, pick) in ops {
             if take || held.is_empty() {

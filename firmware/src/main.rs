@@ -9,9 +9,9 @@ use cortex_m_rt::entry;
 use panic_halt as _;
 use zerohop_backends::mock::{Arena, LinkEnd, MockLink, MockNic, MockTransport};
 use zerohop_backends::{host_bytes, host_bytes_mut, HostMemory, HostPool, Nic};
-use zerohop_core::{Chunks, Lease, PeerId, PoolConfig, SizeClasses, Transport};
+use zerohop_core::{Chunks, InlineTables, Lease, PeerId, PoolConfig, SizeClasses, Transport};
 
-type Pool = HostPool<4, 32>;
+type Pool = HostPool<InlineTables<4, 32>>;
 
 static LINK: MockLink<2048> = MockLink::new();
 static NIC: MockNic = MockNic::new(None);
@@ -27,7 +27,7 @@ fn pool(buf: &'static mut [u8], nic: &'static MockNic) -> Pool {
         memory: HostMemory::Arena(Arena::new(buf)),
         registrar: Some(Nic::Mock(nic)),
     };
-    match Pool::new(source, cfg) {
+    match Pool::new(source, cfg, InlineTables::new()) {
         Ok(p) => p,
         Err(_) => halt(),
     }

@@ -4,7 +4,8 @@ use core::ops::Deref;
 
 use zerohop_core::wire::{FrameKind, Header, HEADER_LEN};
 use zerohop_core::{
-    Access, Capabilities, Error, Kind, Lease, PeerId, Pool, Received, Rejected, Transport,
+    Access, Capabilities, Error, Kind, Lease, PeerId, Pool, PoolTables, Received, Rejected,
+    Transport,
 };
 
 use super::link::Link;
@@ -35,10 +36,10 @@ where
     peer_closed: bool,
 }
 
-impl<L, P, const C: usize, const S: usize> MockTransport<L, P>
+impl<L, P, T: PoolTables> MockTransport<L, P>
 where
     L: Link,
-    P: Deref<Target = HostPool<C, S>> + Clone,
+    P: Deref<Target = HostPool<T>> + Clone,
 {
     /// A transport over `link` receiving into `pool`; messages up to `max_message` bytes.
     pub fn new(link: L, pool: P, max_message: usize) -> Self {
@@ -139,10 +140,10 @@ where
     }
 }
 
-impl<L, P, const C: usize, const S: usize> Transport for MockTransport<L, P>
+impl<L, P, T: PoolTables> Transport for MockTransport<L, P>
 where
     L: Link,
-    P: Deref<Target = HostPool<C, S>> + Clone,
+    P: Deref<Target = HostPool<T>> + Clone,
 {
     type Lease = Lease<P>;
 

@@ -1,0 +1,360 @@
+//! Blocking endpoints over non-blocking transports.
+//!
+//! The transport sits behind one mutex. A progress thread waits in `poll(2)`
+//! on the transport's sockets (and a wake pipe), then drives `progress()`
+//! (accept, flush queued sends, read into the arrival queue) and wakes
+//! waiters through a condvar. Application threads call the transport
+//! directly: `send` writes to the socket itself when nothing is queued, and
+//! `recv` polls `try_recv` for a short spin before sleeping, so a message
+//! that arrives while a receiver is waiting costs no thread hand-off.
+//! Why a mutex + condvar and not channels: the transport must be driven from
+//! both sides (the caller's fast path and the progress thread), and a
+//! channel would force every message through a hand-off.
+
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use zerohop_core::{Error, PeerId, Received, Transport};
+
+/// What an [`Endpoint`] needs of a transport beyond core's trait.
+pub trait Wire: Transport + Send + 'static {
+    /// The descriptors the progress thread should wait on, with the events wanted.
+    fn poll_fds(&self, out: &mut Vec<libc::pollfd>) {
+        let _ = out;
+    }
+
+    /// Bytes accepted by `try_send` but not yet handed to the OS.
+    fn pending_sends(&self) -> usize {
+        0
+    }
+}
+
+/// When a blocking call gives up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deadline(Option<Instant>);
+
+impl Deadline {
+    /// Never.
+    pub const fn never() -> Self {
+        Deadline(None)
+    }
+
+    /// `d` from now.
+    pub fn after(d: Duration) -> Self {
+        Deadline(Instant::now().checked_add(d))
+    }
+
+    /// At `t`.
+    pub const fn at(t: Instant) -> Self {
+        Deadline(Some(t))
+    }
+
+    fn remaining(&self) -> Option<Duration> {
+        self.0.map(|t| t.saturating_duration_since(Instant::now()))
+    }
+
+    fn passed(&self) -> bool {
+        self.remaining() == Some(Duration::ZERO)
+    }
+}
+
+/// Cancels blocking calls from another thread (Go's `context` in miniature).
+/// Waiting calls notice within [`EndpointConfig::poll_interval`].
+#[derive(Clone, Debug, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    /// A fresh, uncancelled token.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Cancels every call using this token, now and later.
+    pub fn cancel(&self) {
+        // Release: pairs with the Acquire load, so whatever the canceller did
+        // before is visible to the call that observes the cancellation.
+        self.0.store(true, Ordering::Release);
+    }
+
+    /// Whether cancelled.
+    pub fn is_cancelled(&self) -> bool {
+        // Acquire: pairs with `cancel`'s Release store.
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// Endpoint tuning.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EndpointConfig {
+    /// How long `recv` polls the transport before sleeping (default 50 µs).
+    pub spin: Duration,
+    /// Longest single sleep of a waiting call or of the progress thread
+    /// (default 5 ms): bounds how late a cancellation or a pool refill is seen.
+    pub poll_interval: Duration,
+}
+
+impl Default for EndpointConfig {
+    fn default() -> Self {
+        EndpointConfig {
+            spin: Duration::from_micros(50),
+            poll_interval: Duration::from_millis(5),
+        }
+    }
+}
+
+struct Shared<T> {
+    transport: Mutex<T>,
+    progressed: Condvar,
+    stop: AtomicBool,
+    wake: UnixStream,
+    config: EndpointConfig,
+}
+
+impl<T> Shared<T> {
+    fn lock(&self) -> MutexGuard<'_, T> {
+        // A panic inside a transport call leaves it in a state its own methods
+        // handle (peers drop, queues stay consistent per operation): carry on.
+        self.transport.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn wake_progress(&self) {
+        // A full pipe already holds a pending wake-up: ignoring WouldBlock is right.
+        let _ = (&self.wake).write(&[1]);
+    }
+}
+
+/// A transport with blocking calls, deadlines, cancellation and a progress thread.
+pub struct Endpoint<T: Wire> {
+    shared: Arc<Shared<T>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl<T: Wire> std::fmt::Debug for Endpoint<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("config", &self.shared.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: Wire> Endpoint<T> {
+    /// Wraps `transport` and starts its progress thread.
+    pub fn new(transport: T, config: EndpointConfig) -> std::io::Result<Self> {
+        let (wake, wake_rx) = UnixStream::pair()?;
+        wake.set_nonblocking(true)?;
+        wake_rx.set_nonblocking(true)?;
+        let shared = Arc::new(Shared {
+            transport: Mutex::new(transport),
+            progressed: Condvar::new(),
+            stop: AtomicBool::new(false),
+            wake,
+            config,
+        });
+        let s = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("zerohop-progress".into())
+            .spawn(move || progress_loop(&s, wake_rx))?;
+        Ok(Endpoint {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// Runs `f` on the transport (to listen, connect, read counters).
+    pub fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
+        let r = f(&mut self.shared.lock());
+        self.shared.wake_progress();
+        r
+    }
+
+    fn wait<'a>(&self, guard: MutexGuard<'a, T>, deadline: Deadline) -> MutexGuard<'a, T> {
+        let cap = self.shared.config.poll_interval;
+        let d = deadline.remaining().map_or(cap, |r| r.min(cap));
+        self.shared
+            .progressed
+            .wait_timeout(guard, d)
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+    }
+
+    /// Sends a copy of `bytes` to `peer`, waiting while its queue is full.
+    pub fn send(
+        &self,
+        peer: PeerId,
+        bytes: &[u8],
+        deadline: Deadline,
+        cancel: Option<&CancelToken>,
+    ) -> Result<(), Error> {
+        let mut t = self.shared.lock();
+        loop {
+            if cancel.is_some_and(CancelToken::is_cancelled) {
+                return Err(Error::Cancelled);
+            }
+            match t.try_send(peer, bytes) {
+                Ok(()) => {
+                    if t.pending_sends() > 0 {
+                        self.shared.wake_progress();
+                    }
+                    return Ok(());
+                }
+                Err(Error::WouldBlock) => {}
+                Err(e) => return Err(e),
+            }
+            if deadline.passed() {
+                return Err(Error::Timeout);
+            }
+            self.shared.wake_progress();
+            t = self.wait(t, deadline);
+        }
+    }
+
+    /// Sends a pool buffer without copying, waiting while the queue is full.
+    /// On failure the lease is dropped (returned to its pool).
+    pub fn send_lease(
+        &self,
+        peer: PeerId,
+        mut lease: T::Lease,
+        deadline: Deadline,
+        cancel: Option<&CancelToken>,
+    ) -> Result<(), Error> {
+        let mut t = self.shared.lock();
+        loop {
+            if cancel.is_some_and(CancelToken::is_cancelled) {
+                return Err(Error::Cancelled);
+            }
+            match t.try_send_lease(peer, lease) {
+                Ok(()) => {
+                    if t.pending_sends() > 0 {
+                        self.shared.wake_progress();
+                    }
+                    return Ok(());
+                }
+                Err(r) if r.error == Error::WouldBlock => lease = r.lease,
+                Err(r) => return Err(r.error),
+            }
+            if deadline.passed() {
+                return Err(Error::Timeout);
+            }
+            self.shared.wake_progress();
+            t = self.wait(t, deadline);
+        }
+    }
+
+    /// The next message from any peer. Errors about one peer (lost, invalid
+    /// frames) come back here once each; the endpoint keeps serving the others.
+    pub fn recv(
+        &self,
+        deadline: Deadline,
+        cancel: Option<&CancelToken>,
+    ) -> Result<Received<T::Lease>, Error> {
+        let spin_until = Instant::now() + self.shared.config.spin;
+        loop {
+            if cancel.is_some_and(CancelToken::is_cancelled) {
+                return Err(Error::Cancelled);
+            }
+            let mut t = self.shared.lock();
+            match t.try_recv() {
+                Ok(r) => return Ok(r),
+                // An empty wire, or a dry pool (waits for leases to come back).
+                Err(Error::WouldBlock | Error::Pool(_)) => {}
+                Err(e) => return Err(e),
+            }
+            if deadline.passed() {
+                return Err(Error::Timeout);
+            }
+            if Instant::now() < spin_until {
+                drop(t);
+                std::hint::spin_loop();
+                continue;
+            }
+            drop(self.wait(t, deadline));
+        }
+    }
+
+    /// Bytes accepted but not yet handed to the OS.
+    pub fn pending_sends(&self) -> usize {
+        self.shared.lock().pending_sends()
+    }
+
+    /// Waits until every accepted send is with the OS.
+    pub fn flush(&self, deadline: Deadline) -> Result<(), Error> {
+        let mut t = self.shared.lock();
+        while t.pending_sends() > 0 {
+            if deadline.passed() {
+                return Err(Error::Timeout);
+            }
+            self.shared.wake_progress();
+            t = self.wait(t, deadline);
+        }
+        Ok(())
+    }
+
+    /// Closes: stops accepting work, flushes what is queued (until `deadline`),
+    /// stops the progress thread. `Timeout` means queued messages were not
+    /// delivered.
+    pub fn close(mut self, deadline: Deadline) -> Result<(), Error> {
+        self.shared.lock().close()?;
+        let flushed = self.flush(deadline);
+        self.stop();
+        flushed
+    }
+
+    fn stop(&mut self) {
+        // Relaxed would do for a flag the thread polls, but Release/Acquire keeps
+        // the reasoning local: everything before stop() is seen by the thread.
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.wake_progress();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl<T: Wire> Drop for Endpoint<T> {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn progress_loop<T: Wire>(s: &Shared<T>, mut wake_rx: UnixStream) {
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    // Acquire: pairs with `stop`'s Release store.
+    while !s.stop.load(Ordering::Acquire) {
+        {
+            let mut t = s.lock();
+            match t.progress() {
+                Ok(true) => s.progressed.notify_all(),
+                Ok(false) => {}
+                Err(e) => log::debug!("zerohop: progress: {e}"),
+            }
+            fds.clear();
+            t.poll_fds(&mut fds);
+        }
+        // Waiters re-check on every wake; a notify per loop keeps senders
+        // blocked on a full queue moving as the kernel drains it.
+        s.progressed.notify_all();
+        fds.push(libc::pollfd {
+            fd: wake_rx.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        let timeout_ms = s
+            .config
+            .poll_interval
+            .as_millis()
+            .clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: `fds` is a valid, exclusively borrowed array of `fds.len()`
+        // pollfd structs for the duration of the call. A descriptor closed by
+        // another thread meanwhile only yields POLLNVAL or a spurious wake-up.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+        if n > 0 && fds.last().is_some_and(|w| w.revents != 0) {
+            let mut sink = [0u8; 64];
+            while matches!(wake_rx.read(&mut sink), Ok(n) if n > 0) {}
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! The host's pools and probe, and the transport choice from the environment.
+
+use std::sync::{Arc, Once};
+
+use zerohop_backends::{HeapMemory, HostMemory, HostPool, Nic};
+use zerohop_core::{
+    pick, Choice, Chunk, Chunks, Error, Lease, PickError, PoolConfig, PoolTables, Probe, Slot,
+};
+
+use crate::config::{Config, ConfigError};
+
+/// The pool type std transports receive into, its tables on the heap.
+pub type StdPool = HostPool<HeapTables>;
+
+/// Pool descriptor tables on the heap, sized at run time.
+#[derive(Debug)]
+pub struct HeapTables {
+    chunks: Box<[Chunk]>,
+    slots: Box<[Slot]>,
+}
+
+impl HeapTables {
+    /// Room for `chunks` chunks and `slots` buffers.
+    pub fn new(chunks: usize, slots: usize) -> Self {
+        HeapTables {
+            chunks: vec![Chunk::EMPTY; chunks].into_boxed_slice(),
+            slots: vec![Slot::EMPTY; slots].into_boxed_slice(),
+        }
+    }
+
+    /// Tables for a pool of `budget` bytes: a chunk descriptor per 2 MiB of budget
+    /// (at least 64, for oversize buffers), and 64 Ki buffers.
+    pub fn for_budget(budget: usize) -> Self {
+        Self::new((budget / (2 << 20)).max(64), 64 << 10)
+    }
+}
+
+impl PoolTables for HeapTables {
+    fn chunks(&mut self) -> &mut [Chunk] {
+        &mut self.chunks
+    }
+    fn slots(&mut self) -> &mut [Slot] {
+        &mut self.slots
+    }
+}
+/// A buffer leased from a [`StdPool`].
+pub type StdLease = Lease<Arc<StdPool>>;
+
+/// A heap-backed pool of `budget` bytes with the default size classes.
+pub fn heap_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
+    let source = Chunks::<HostMemory, Nic> {
+        memory: HostMemory::Heap(HeapMemory::new()),
+        registrar: None,
+    };
+    Ok(Arc::new(StdPool::new(
+        source,
+        PoolConfig::with_budget(budget),
+        HeapTables::for_budget(budget),
+    )?))
+}
+
+/// Probes every backend compiled into this binary. Never panics, whatever
+/// the host lacks (no libcuda, no RDMA in the kernel).
+pub fn probe_host() -> Probe {
+    #[allow(unused_mut)]
+    let mut probe = Probe::new();
+    #[cfg(feature = "mock")]
+    probe.set_compiled(zerohop_core::Kind::Mock);
+    #[cfg(feature = "cuda-uma")]
+    {
+        probe.set_compiled(zerohop_core::Kind::Uma);
+        zerohop_backends::cuda::probe(&mut probe);
+    }
+    #[cfg(feature = "gpudirect-verbs")]
+    {
+        probe.set_compiled(zerohop_core::Kind::Rdma);
+        probe.set_compiled(zerohop_core::Kind::Gpudirect);
+        zerohop_backends::verbs::probe(&mut probe);
+    }
+    probe
+}
+
+/// Why `pick_from_env` failed.
+#[derive(Debug)]
+pub enum PickFromEnvError {
+    /// The environment was malformed.
+    Config(ConfigError),
+    /// The transport asked for cannot run here.
+    Pick(PickError),
+}
+
+impl std::fmt::Display for PickFromEnvError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PickFromEnvError::Config(e) => e.fmt(f),
+            PickFromEnvError::Pick(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for PickFromEnvError {}
+
+/// Reads [`Config::from_env`], probes the host, and picks. The reason each
+/// faster transport was skipped is logged once per process at info level.
+pub fn pick_from_env() -> Result<(Choice, Probe, Config), PickFromEnvError> {
+    let config = Config::from_env().map_err(PickFromEnvError::Config)?;
+    let probe = probe_host();
+    let choice = pick(config.transport, &probe).map_err(PickFromEnvError::Pick)?;
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        for s in choice.skipped() {
+            log::info!("zerohop: skipped {s}");
+        }
+        log::info!("zerohop: using {}", choice.kind);
+    });
+    Ok((choice, probe, config))
+}

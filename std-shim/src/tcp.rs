@@ -1,0 +1,659 @@
+//! The TCP wire: kind `tcp` (heap receive pool) and kind `uma` (the same wire
+//! receiving into CUDA managed memory).
+//!
+//! Non-blocking sockets, one per peer, framed with core's [`wire`]. Sends go
+//! straight to the socket with `writev` when the peer's queue is empty and are
+//! copied only for what the kernel did not take; each peer's queue is bounded
+//! in bytes, so a receiver that stops reading makes `try_send` say
+//! `WouldBlock`. Receives read through a small staging buffer and land in pool
+//! leases; a payload larger than what is staged is read straight into its
+//! lease. A declared length is checked against `max_message` before anything
+//! is leased for it.
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use zerohop_backends::{host_bytes, host_bytes_mut};
+use zerohop_core::wire::{DecodeError, FrameKind, Header, HEADER_LEN};
+use zerohop_core::{
+    Capabilities, Error, Kind, Lease, PeerId, PoolError, Received, Rejected, Transport,
+};
+
+use crate::endpoint::Wire;
+use crate::host::{StdLease, StdPool};
+
+const STAGE_BYTES: usize = 64 << 10;
+
+/// TCP wire settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpConfig {
+    /// Largest message accepted or sent (default 64 MiB).
+    pub max_message: usize,
+    /// Bytes a peer's send queue may hold before `try_send` says `WouldBlock`
+    /// (default 16 MiB; one message larger than this is still taken when the queue is empty).
+    pub send_queue_bytes: usize,
+    /// Received messages held for the application before reading stops (default 4096).
+    pub inbox_messages: usize,
+    /// Checksum payloads as well as headers (default off: TCP checksums its segments).
+    pub check_payload: bool,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            max_message: 64 << 20,
+            send_queue_bytes: 16 << 20,
+            inbox_messages: 4096,
+            check_payload: false,
+        }
+    }
+}
+
+enum Payload {
+    Owned(Vec<u8>),
+    Leased(StdLease),
+}
+
+impl Payload {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Payload::Owned(v) => v,
+            Payload::Leased(l) => host_bytes(l),
+        }
+    }
+}
+
+struct Outgoing {
+    header: [u8; HEADER_LEN],
+    payload: Payload,
+    written: usize,
+}
+
+impl Outgoing {
+    fn total(&self) -> usize {
+        HEADER_LEN + self.payload.bytes().len()
+    }
+}
+
+struct Partial {
+    header: Header,
+    lease: StdLease,
+    have: usize,
+}
+
+struct Peer {
+    stream: TcpStream,
+    addr: SocketAddr,
+    stage: Box<[u8]>,
+    stage_start: usize,
+    stage_end: usize,
+    partial: Option<Partial>,
+    queue: VecDeque<Outgoing>,
+    queued_bytes: usize,
+    tx_seq: u64,
+    rx_next: u64,
+    /// Waiting for a pool buffer: reading from this peer is paused.
+    dry: bool,
+    /// We queued our Close frame.
+    closing: bool,
+    /// Our write side is shut down (Close sent).
+    write_shut: bool,
+}
+
+enum ReadOutcome {
+    /// Nothing more to read now.
+    Idle,
+    /// The peer is gone: cleanly (it sent Close), or not.
+    Gone { clean: bool },
+    /// It sent something that is not a frame.
+    Bad(DecodeError),
+}
+
+/// A TCP transport with any number of peers.
+pub struct TcpTransport {
+    config: TcpConfig,
+    pool: Arc<StdPool>,
+    kind: Kind,
+    listener: Option<TcpListener>,
+    peers: Vec<Option<Peer>>,
+    arrivals: VecDeque<Result<Received<StdLease>, Error>>,
+    closed: bool,
+}
+
+impl std::fmt::Debug for TcpTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTransport")
+            .field("kind", &self.kind)
+            .field("listening", &self.local_addr())
+            .field("peers", &self.peer_count())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TcpTransport {
+    /// A transport receiving into `pool`, with no listener and no peers.
+    /// `kind` is `Tcp`, or `Uma` when the pool is CUDA managed memory.
+    pub fn new(pool: Arc<StdPool>, config: TcpConfig, kind: Kind) -> Self {
+        TcpTransport {
+            config,
+            pool,
+            kind,
+            listener: None,
+            peers: Vec::new(),
+            arrivals: VecDeque::new(),
+            closed: false,
+        }
+    }
+
+    /// The receive pool.
+    pub fn pool(&self) -> &Arc<StdPool> {
+        &self.pool
+    }
+
+    /// Listens on `addr` (port 0 picks one; see [`local_addr`](Self::local_addr)).
+    pub fn listen(&mut self, addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
+        let l = TcpListener::bind(addr)?;
+        l.set_nonblocking(true)?;
+        let a = l.local_addr()?;
+        self.listener = Some(l);
+        Ok(a)
+    }
+
+    /// Where it listens, if it does.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.listener.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// Connects to a listening transport (blocking up to `timeout`).
+    pub fn connect(&mut self, addr: SocketAddr, timeout: Duration) -> io::Result<PeerId> {
+        let s = TcpStream::connect_timeout(&addr, timeout)?;
+        self.add_peer(s, addr)
+    }
+
+    /// Live peers.
+    pub fn peer_count(&self) -> usize {
+        self.peers.iter().flatten().count()
+    }
+
+    /// A live peer's address.
+    pub fn peer_addr(&self, peer: PeerId) -> Option<SocketAddr> {
+        self.peers.get(peer.0 as usize)?.as_ref().map(|p| p.addr)
+    }
+
+    /// Bytes queued for sending, over all peers (0: everything is with the kernel).
+    pub fn queued_bytes(&self) -> usize {
+        self.peers.iter().flatten().map(|p| p.queued_bytes).sum()
+    }
+
+    fn add_peer(&mut self, s: TcpStream, addr: SocketAddr) -> io::Result<PeerId> {
+        s.set_nodelay(true)?;
+        s.set_nonblocking(true)?;
+        let peer = Peer {
+            stream: s,
+            addr,
+            stage: vec![0u8; STAGE_BYTES].into_boxed_slice(),
+            stage_start: 0,
+            stage_end: 0,
+            partial: None,
+            queue: VecDeque::new(),
+            queued_bytes: 0,
+            tx_seq: 0,
+            rx_next: 0,
+            dry: false,
+            closing: false,
+            write_shut: false,
+        };
+        let slot = self.peers.iter().position(Option::is_none);
+        let id = match slot {
+            Some(i) => {
+                self.peers[i] = Some(peer);
+                i
+            }
+            None => {
+                self.peers.push(Some(peer));
+                self.peers.len() - 1
+            }
+        };
+        Ok(PeerId(id as u32))
+    }
+
+    fn accept_all(&mut self) -> bool {
+        let mut any = false;
+        while let Some(l) = &self.listener {
+            match l.accept() {
+                Ok((s, addr)) => {
+                    any = true;
+                    if let Err(e) = self.add_peer(s, addr) {
+                        log::warn!("tcp: accepted {addr} but could not set it up: {e}");
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    log::warn!("tcp: accept failed: {e}");
+                    break;
+                }
+            }
+        }
+        any
+    }
+
+    fn peer_mut(&mut self, peer: PeerId) -> Result<&mut Peer, Error> {
+        match self.peers.get_mut(peer.0 as usize) {
+            Some(Some(p)) if !p.closing => Ok(p),
+            _ => Err(Error::UnknownPeer(peer)),
+        }
+    }
+
+    /// Queues (or writes at once) one data frame.
+    fn send_payload(&mut self, peer: PeerId, payload: Payload) -> Result<(), (Error, Payload)> {
+        if self.closed {
+            return Err((Error::Closed, payload));
+        }
+        let (max, limit, check) = (
+            self.config.max_message,
+            self.config.send_queue_bytes,
+            self.config.check_payload,
+        );
+        let len = payload.bytes().len();
+        if len > max {
+            return Err((Error::TooLarge { len, max }, payload));
+        }
+        let p = match self.peer_mut(peer) {
+            Ok(p) => p,
+            Err(e) => return Err((e, payload)),
+        };
+        if p.queued_bytes > 0 && p.queued_bytes + HEADER_LEN + len > limit {
+            return Err((Error::WouldBlock, payload));
+        }
+        let header = Header::data(0, 0, p.tx_seq, payload.bytes(), check, false).encode();
+        let mut out = Outgoing {
+            header,
+            payload,
+            written: 0,
+        };
+        p.tx_seq += 1;
+        if p.queue.is_empty() {
+            match write_some(&mut p.stream, &mut out) {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(_) => {
+                    // The socket is broken; the read side will report the peer
+                    // lost. This message is queued and fails with it.
+                }
+            }
+        }
+        p.queued_bytes += out.total() - out.written;
+        p.queue.push_back(out);
+        Ok(())
+    }
+
+    fn flush_all(&mut self) -> bool {
+        let mut any = false;
+        let mut lost = Vec::new();
+        for (i, slot) in self.peers.iter_mut().enumerate() {
+            let Some(p) = slot else { continue };
+            match flush_peer(p) {
+                Ok(progressed) => any |= progressed,
+                Err(_) => lost.push(i),
+            }
+            if p.closing && p.queue.is_empty() && !p.write_shut {
+                let _ = p.stream.shutdown(Shutdown::Write);
+                p.write_shut = true;
+            }
+        }
+        for i in lost {
+            self.drop_peer(i, false);
+        }
+        any
+    }
+
+    fn read_all(&mut self) -> bool {
+        let mut any = false;
+        for i in 0..self.peers.len() {
+            if self.arrivals.len() >= self.config.inbox_messages {
+                break;
+            }
+            let before = self.arrivals.len();
+            let outcome = self.read_peer(i);
+            any |= self.arrivals.len() != before;
+            match outcome {
+                ReadOutcome::Idle => {}
+                ReadOutcome::Gone { clean } => {
+                    any = true;
+                    self.drop_peer(i, clean);
+                }
+                ReadOutcome::Bad(error) => {
+                    any = true;
+                    log::warn!("tcp: peer #{i} sent an invalid frame: {error}; closing it");
+                    self.arrivals.push_back(Err(Error::Protocol {
+                        peer: PeerId(i as u32),
+                        error,
+                    }));
+                    self.drop_peer(i, true);
+                }
+            }
+        }
+        any
+    }
+
+    /// Removes a peer; a dirty exit is reported once as `PeerLost`. Its partial
+    /// message and queued sends are dropped here, returning their leases.
+    fn drop_peer(&mut self, i: usize, clean: bool) {
+        if let Some(p) = self.peers[i].take() {
+            let undelivered = p.queue.len();
+            if !clean {
+                log::info!(
+                    "tcp: peer #{i} ({}) lost; {undelivered} queued message(s) not delivered",
+                    p.addr
+                );
+                self.arrivals
+                    .push_back(Err(Error::PeerLost(PeerId(i as u32))));
+            }
+        }
+    }
+
+    fn read_peer(&mut self, i: usize) -> ReadOutcome {
+        let (max, inbox) = (self.config.max_message, self.config.inbox_messages);
+        let Some(p) = self.peers[i].as_mut() else {
+            return ReadOutcome::Idle;
+        };
+        loop {
+            if self.arrivals.len() >= inbox {
+                return ReadOutcome::Idle;
+            }
+            // 1. Finish the message in progress: staged bytes first, then the socket.
+            if let Some(part) = p.partial.as_mut() {
+                let want = part.header.len as usize - part.have;
+                let staged = (p.stage_end - p.stage_start).min(want);
+                if staged > 0 {
+                    host_bytes_mut(&mut part.lease)[part.have..part.have + staged]
+                        .copy_from_slice(&p.stage[p.stage_start..p.stage_start + staged]);
+                    part.have += staged;
+                    p.stage_start += staged;
+                }
+                if part.have < part.header.len as usize {
+                    if want - staged >= STAGE_BYTES / 2 {
+                        let dst = &mut host_bytes_mut(&mut part.lease)[part.have..];
+                        match p.stream.read(dst) {
+                            Ok(0) => return ReadOutcome::Gone { clean: false },
+                            Ok(n) => part.have += n,
+                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                                return ReadOutcome::Idle
+                            }
+                            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                            Err(_) => return ReadOutcome::Gone { clean: false },
+                        }
+                        continue;
+                    }
+                } else {
+                    let part = p.partial.take().expect("checked above");
+                    if part
+                        .header
+                        .flags
+                        .contains(zerohop_core::wire::Flags::PAYLOAD_CHECKED)
+                    {
+                        if let Err(e) = part.header.verify(host_bytes(&part.lease)) {
+                            return ReadOutcome::Bad(e);
+                        }
+                    }
+                    if part.header.seq != p.rx_next {
+                        self.arrivals.push_back(Err(Error::SequenceGap {
+                            peer: PeerId(i as u32),
+                            expected: p.rx_next,
+                            got: part.header.seq,
+                        }));
+                    }
+                    p.rx_next = part.header.seq + 1;
+                    self.arrivals.push_back(Ok(Received {
+                        peer: PeerId(i as u32),
+                        lease: part.lease,
+                    }));
+                    continue;
+                }
+            }
+            // 2. A header, if one is staged.
+            if p.partial.is_none() && p.stage_end - p.stage_start >= HEADER_LEN {
+                let h = match Header::decode(&p.stage[p.stage_start..p.stage_end], max) {
+                    Ok(h) => h,
+                    Err(e) => return ReadOutcome::Bad(e),
+                };
+                match h.kind {
+                    FrameKind::Data => {
+                        let len = h.len as usize;
+                        let mut lease = match Lease::take(Arc::clone(&self.pool), len.max(1)) {
+                            Ok(l) => l,
+                            Err(Error::Pool(_)) => {
+                                p.dry = true;
+                                return ReadOutcome::Idle;
+                            }
+                            Err(e) => {
+                                log::warn!("tcp: receive pool failed: {e}");
+                                p.dry = true;
+                                return ReadOutcome::Idle;
+                            }
+                        };
+                        p.dry = false;
+                        let _ = lease.set_len(len);
+                        p.stage_start += HEADER_LEN;
+                        p.partial = Some(Partial {
+                            header: h,
+                            lease,
+                            have: 0,
+                        });
+                    }
+                    FrameKind::Close => return ReadOutcome::Gone { clean: true },
+                    FrameKind::Hello | FrameKind::Credit => p.stage_start += HEADER_LEN,
+                }
+                continue;
+            }
+            // 3. More bytes into the stage.
+            if p.stage_start == p.stage_end {
+                p.stage_start = 0;
+                p.stage_end = 0;
+            } else if p.stage_start > 0 && p.stage_end == STAGE_BYTES {
+                p.stage.copy_within(p.stage_start..p.stage_end, 0);
+                p.stage_end -= p.stage_start;
+                p.stage_start = 0;
+            }
+            match p.stream.read(&mut p.stage[p.stage_end..]) {
+                Ok(0) => {
+                    let clean = p.partial.is_none() && p.stage_start == p.stage_end && p.closing;
+                    return ReadOutcome::Gone { clean };
+                }
+                Ok(n) => p.stage_end += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return ReadOutcome::Idle,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return ReadOutcome::Gone { clean: false },
+            }
+        }
+    }
+
+    fn pool_dry(&self) -> bool {
+        self.peers.iter().flatten().any(|p| p.dry)
+    }
+}
+
+/// Writes as much of a frame (`header` then `payload`, `written` bytes of it
+/// already sent) as the socket takes; `Ok(true)` when all of it went.
+fn write_frame(
+    stream: &mut TcpStream,
+    header: &[u8; HEADER_LEN],
+    payload: &[u8],
+    written: &mut usize,
+) -> io::Result<bool> {
+    let total = HEADER_LEN + payload.len();
+    while *written < total {
+        let res = if *written < HEADER_LEN {
+            stream.write_vectored(&[IoSlice::new(&header[*written..]), IoSlice::new(payload)])
+        } else {
+            stream.write(&payload[*written - HEADER_LEN..])
+        };
+        match res {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => *written += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+fn write_some(stream: &mut TcpStream, out: &mut Outgoing) -> io::Result<bool> {
+    write_frame(stream, &out.header, out.payload.bytes(), &mut out.written)
+}
+
+fn flush_peer(p: &mut Peer) -> io::Result<bool> {
+    let mut any = false;
+    while let Some(front) = p.queue.front_mut() {
+        let before = front.written;
+        let done = write_some(&mut p.stream, front)?;
+        let moved = front.written - before;
+        p.queued_bytes -= moved;
+        any |= moved > 0;
+        if !done {
+            break;
+        }
+        p.queue.pop_front();
+    }
+    Ok(any)
+}
+
+impl Transport for TcpTransport {
+    type Lease = StdLease;
+
+    fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    fn caps(&self) -> Capabilities {
+        Capabilities::new(self.kind == Kind::Uma, true, 20)
+    }
+
+    fn try_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<(), Error> {
+        // Write straight from the caller's slice when nothing is queued; copy
+        // only what the kernel did not take.
+        let (closed, max, check) = (
+            self.closed,
+            self.config.max_message,
+            self.config.check_payload,
+        );
+        if let Ok(p) = self.peer_mut(peer) {
+            if p.queue.is_empty() && !closed && bytes.len() <= max {
+                let header = Header::data(0, 0, p.tx_seq, bytes, check, false).encode();
+                let mut written = 0;
+                // A write error means a dead socket: the read side reports the
+                // peer lost, and this message, queued, fails with it.
+                if let Ok(true) = write_frame(&mut p.stream, &header, bytes, &mut written) {
+                    p.tx_seq += 1;
+                    return Ok(());
+                }
+                if written > 0 {
+                    let out = Outgoing {
+                        header,
+                        payload: Payload::Owned(bytes.to_vec()),
+                        written,
+                    };
+                    p.tx_seq += 1;
+                    p.queued_bytes += out.total() - written;
+                    p.queue.push_back(out);
+                    return Ok(());
+                }
+            }
+        }
+        self.send_payload(peer, Payload::Owned(bytes.to_vec()))
+            .map_err(|(e, _)| e)
+    }
+
+    fn try_send_lease(&mut self, peer: PeerId, lease: StdLease) -> Result<(), Rejected<StdLease>> {
+        self.send_payload(peer, Payload::Leased(lease))
+            .map_err(|(error, payload)| match payload {
+                Payload::Leased(lease) => Rejected { error, lease },
+                Payload::Owned(_) => unreachable!("a leased payload comes back leased"),
+            })
+    }
+
+    fn try_recv(&mut self) -> Result<Received<StdLease>, Error> {
+        if self.arrivals.is_empty() {
+            self.accept_all();
+            self.read_all();
+        }
+        match self.arrivals.pop_front() {
+            Some(r) => r,
+            None if self.closed && self.peer_count() == 0 => Err(Error::Closed),
+            None if self.pool_dry() => {
+                let st = self.pool.stats();
+                Err(Error::Pool(PoolError::Exhausted {
+                    used: st.reserved_bytes,
+                    cap: st.budget,
+                }))
+            }
+            None => Err(Error::WouldBlock),
+        }
+    }
+
+    fn progress(&mut self) -> Result<bool, Error> {
+        let accepted = self.accept_all();
+        let flushed = self.flush_all();
+        let read = self.read_all();
+        Ok(accepted || flushed || read)
+    }
+
+    fn close(&mut self) -> Result<(), Error> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        self.listener = None;
+        for p in self.peers.iter_mut().flatten() {
+            let header = Header::control(FrameKind::Close, 0, 0, p.tx_seq).encode();
+            p.queue.push_back(Outgoing {
+                header,
+                payload: Payload::Owned(Vec::new()),
+                written: 0,
+            });
+            p.queued_bytes += HEADER_LEN;
+            p.closing = true;
+        }
+        self.flush_all();
+        Ok(())
+    }
+}
+
+impl Wire for TcpTransport {
+    fn poll_fds(&self, out: &mut Vec<libc::pollfd>) {
+        if let Some(l) = &self.listener {
+            out.push(libc::pollfd {
+                fd: l.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        let reading = self.arrivals.len() < self.config.inbox_messages;
+        for p in self.peers.iter().flatten() {
+            let mut events = 0;
+            if reading && !p.dry {
+                events |= libc::POLLIN;
+            }
+            if !p.queue.is_empty() {
+                events |= libc::POLLOUT;
+            }
+            if events != 0 {
+                out.push(libc::pollfd {
+                    fd: p.stream.as_raw_fd(),
+                    events,
+                    revents: 0,
+                });
+            }
+        }
+    }
+
+    fn pending_sends(&self) -> usize {
+        self.queued_bytes()
+    }
+}

@@ -1,0 +1,584 @@
+//! The TCP wire through real sockets: in one process, across processes, across
+//! network namespaces, and against peers that die or lie.
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use zerohop_backends::host_bytes;
+use zerohop_core::wire::DecodeError;
+use zerohop_core::wire::{Header, HEADER_LEN};
+use zerohop_core::{crc32c, Error, Kind, PeerId};
+use zerohop_std::tcp::{TcpConfig, TcpTransport};
+use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, StdPool};
+
+const SECOND: Duration = Duration::from_secs(1);
+
+fn transport(budget: usize, config: TcpConfig) -> TcpTransport {
+    TcpTransport::new(heap_pool(budget).unwrap(), config, Kind::Tcp)
+}
+
+fn listener(
+    budget: usize,
+    config: TcpConfig,
+) -> (Endpoint<TcpTransport>, SocketAddr, Arc<StdPool>) {
+    let mut t = transport(budget, config);
+    let addr = t.listen("127.0.0.1:0").unwrap();
+    let pool = Arc::clone(t.pool());
+    (
+        Endpoint::new(t, EndpointConfig::default()).unwrap(),
+        addr,
+        pool,
+    )
+}
+
+fn client(addr: SocketAddr) -> (Endpoint<TcpTransport>, PeerId) {
+    let mut t = transport(64 << 20, TcpConfig::default());
+    let peer = t.connect(addr, SECOND).unwrap();
+    (Endpoint::new(t, EndpointConfig::default()).unwrap(), peer)
+}
+
+/// A message whose last 4 bytes are the CRC of the rest, so any damage shows.
+fn message(i: u64, max: usize) -> Vec<u8> {
+    let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let len = 8 + (x as usize % max);
+    let mut m: Vec<u8> = (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    m[..8].copy_from_slice(&i.to_le_bytes());
+    let c = crc32c(0, &m);
+    m.extend_from_slice(&c.to_le_bytes());
+    m
+}
+
+fn check(m: &[u8]) -> u64 {
+    let (body, crc) = m.split_at(m.len() - 4);
+    assert_eq!(
+        crc32c(0, body).to_le_bytes(),
+        crc,
+        "checksum of a delivered message"
+    );
+    u64::from_le_bytes(body[..8].try_into().unwrap())
+}
+
+#[test]
+fn two_endpoints_exchange_messages_in_order_and_release_every_buffer() {
+    let (server, addr, server_pool) = listener(256 << 20, TcpConfig::default());
+    let (c, peer) = client(addr);
+    let n = 2000u64;
+    let sender = std::thread::spawn(move || {
+        for i in 0..n {
+            c.send(
+                peer,
+                &message(i, 100_000),
+                Deadline::after(10 * SECOND),
+                None,
+            )
+            .unwrap();
+        }
+        c.close(Deadline::after(10 * SECOND)).unwrap();
+    });
+    for i in 0..n {
+        let r = server.recv(Deadline::after(10 * SECOND), None).unwrap();
+        assert_eq!(check(host_bytes(&r.lease)), i, "order kept");
+    }
+    sender.join().unwrap();
+    assert_eq!(server_pool.used_bytes(), 0, "every receive lease went back");
+}
+
+#[test]
+fn a_zero_length_message_and_a_64_mib_message_arrive() {
+    let (server, addr, _) = listener(512 << 20, TcpConfig::default());
+    let (c, peer) = client(addr);
+    let big: Vec<u8> = (0..64usize << 20).map(|i| (i % 251) as u8).collect();
+    let big2 = big.clone();
+    let t = std::thread::spawn(move || {
+        c.send(peer, &[], Deadline::after(10 * SECOND), None)
+            .unwrap();
+        c.send(peer, &big2, Deadline::after(30 * SECOND), None)
+            .unwrap();
+        c.flush(Deadline::after(30 * SECOND)).unwrap();
+        c
+    });
+    assert_eq!(
+        host_bytes(
+            &server
+                .recv(Deadline::after(10 * SECOND), None)
+                .unwrap()
+                .lease
+        )
+        .len(),
+        0
+    );
+    let r = server.recv(Deadline::after(30 * SECOND), None).unwrap();
+    assert!(host_bytes(&r.lease) == &big[..]);
+    let c = t.join().unwrap();
+    assert_eq!(
+        c.send(PeerId(0), &vec![0; (64 << 20) + 1], Deadline::never(), None),
+        Err(Error::TooLarge {
+            len: (64 << 20) + 1,
+            max: 64 << 20
+        })
+    );
+}
+
+#[test]
+fn garbage_and_a_huge_declared_length_close_only_that_connection() {
+    let (server, addr, pool) = listener(64 << 20, TcpConfig::default());
+    let (good, peer) = client(addr);
+    good.send(peer, b"before", Deadline::after(SECOND), None)
+        .unwrap();
+    assert_eq!(
+        host_bytes(
+            &server
+                .recv(Deadline::after(5 * SECOND), None)
+                .unwrap()
+                .lease
+        ),
+        b"before"
+    );
+
+    // Garbage: not a zerohop frame.
+    let mut g = TcpStream::connect(addr).unwrap();
+    g.write_all(&[0xEE; 64]).unwrap();
+    let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Protocol {
+                error: DecodeError::BadMagic(0xEEEE),
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+
+    // A valid header declaring the largest length the wire can carry (u32::MAX,
+    // 4 GiB; a 1 TiB length cannot be expressed): refused before any lease.
+    let mut h = Header::data(0, 0, 0, &[], false, false);
+    h.len = u32::MAX;
+    h.checksum = h.compute_checksum(&[]);
+    let mut liar = TcpStream::connect(addr).unwrap();
+    liar.write_all(&h.encode()).unwrap();
+    let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Protocol {
+                error: DecodeError::TooLong {
+                    len: 4294967295,
+                    max: 67108864
+                },
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        pool.stats().reserved_bytes <= 2 << 20,
+        "nothing of the declared size was taken: {:?}",
+        pool.stats()
+    );
+
+    // The well-behaved peer is unaffected.
+    good.send(peer, b"after", Deadline::after(SECOND), None)
+        .unwrap();
+    assert_eq!(
+        host_bytes(
+            &server
+                .recv(Deadline::after(5 * SECOND), None)
+                .unwrap()
+                .lease
+        ),
+        b"after"
+    );
+    assert_eq!(server.with(|t| t.peer_count()), 1);
+    assert_eq!(pool.used_bytes(), 0);
+}
+
+#[test]
+fn a_peer_that_dies_mid_message_is_reported_and_leaks_nothing() {
+    let (server, addr, pool) = listener(64 << 20, TcpConfig::default());
+    let (good, peer) = client(addr);
+    let used_before = pool.used_bytes();
+    for abort in [false, true] {
+        let mut dying = TcpStream::connect(addr).unwrap();
+        let payload = vec![7u8; 1 << 20];
+        let h = Header::data(0, 0, 0, &payload, false, false);
+        dying.write_all(&h.encode()).unwrap();
+        dying.write_all(&payload[..300_000]).unwrap();
+        // Let the server take the header and lease a buffer for the payload.
+        let t0 = Instant::now();
+        while pool.used_bytes() == used_before && t0.elapsed() < 5 * SECOND {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(
+            pool.used_bytes() > used_before,
+            "the partial message holds a lease"
+        );
+        if abort {
+            // SO_LINGER 0: the kernel sends RST, as for a killed process with unread data.
+            socket_linger_zero(&dying);
+        }
+        drop(dying);
+        let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+        assert!(matches!(e, Error::PeerLost(_)), "{e:?}");
+        assert_eq!(
+            pool.used_bytes(),
+            used_before,
+            "the partial message's lease went back"
+        );
+    }
+    good.send(peer, b"still here", Deadline::after(SECOND), None)
+        .unwrap();
+    assert_eq!(
+        host_bytes(
+            &server
+                .recv(Deadline::after(5 * SECOND), None)
+                .unwrap()
+                .lease
+        ),
+        b"still here"
+    );
+}
+
+fn socket_linger_zero(s: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let l = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: a valid socket descriptor and a correctly sized linger struct.
+    let rc = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&l as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0);
+}
+
+#[test]
+fn a_receiver_that_stops_reading_blocks_then_times_out_the_sender_with_bounded_memory() {
+    let config = TcpConfig {
+        inbox_messages: 16,
+        send_queue_bytes: 1 << 20,
+        ..TcpConfig::default()
+    };
+    let (server, addr, server_pool) = listener(64 << 20, config);
+    let mut t = transport(64 << 20, config);
+    let peer = t.connect(addr, SECOND).unwrap();
+    let c = Endpoint::new(t, EndpointConfig::default()).unwrap();
+    let chunk = vec![1u8; 64 << 10];
+    let started = Instant::now();
+    let mut sent = 0usize;
+    let err = loop {
+        match c.send(
+            peer,
+            &chunk,
+            Deadline::after(Duration::from_millis(300)),
+            None,
+        ) {
+            Ok(()) => sent += 1,
+            Err(e) => break e,
+        }
+        assert!(started.elapsed() < 60 * SECOND, "the sender never blocked");
+    };
+    assert_eq!(err, Error::Timeout);
+    let queued = c.pending_sends();
+    assert!(
+        queued <= (1 << 20) + (64 << 10) + HEADER_LEN,
+        "sender queue bounded: {queued}"
+    );
+    assert!(
+        server_pool.stats().reserved_bytes <= 4 << 20,
+        "receiver memory bounded: {:?}",
+        server_pool.stats()
+    );
+    assert!(
+        sent > 16,
+        "it sent until the kernel buffers filled ({sent})"
+    );
+    drop(server);
+}
+
+#[test]
+fn cancellation_interrupts_a_waiting_recv() {
+    let (server, _, _) = listener(16 << 20, TcpConfig::default());
+    let token = zerohop_std::CancelToken::new();
+    let t2 = token.clone();
+    let canceller = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        t2.cancel();
+    });
+    let t0 = Instant::now();
+    assert_eq!(
+        server.recv(Deadline::never(), Some(&token)).unwrap_err(),
+        Error::Cancelled
+    );
+    assert!(t0.elapsed() < 2 * SECOND);
+    canceller.join().unwrap();
+}
+
+#[test]
+fn sending_to_an_unknown_peer_is_a_typed_error() {
+    let (server, _, _) = listener(16 << 20, TcpConfig::default());
+    assert_eq!(
+        server.send(PeerId(9), b"x", Deadline::after(SECOND), None),
+        Err(Error::UnknownPeer(PeerId(9)))
+    );
+}
+
+// ---- across processes ------------------------------------------------------
+
+/// Runs as a child process (see `two_processes`): echoes `count` messages back.
+#[test]
+#[ignore = "a helper: run by other tests in a child process"]
+fn child_echo() {
+    let Ok(addr) = std::env::var("ZEROHOP_TEST_CONNECT") else {
+        return;
+    };
+    let count: u64 = std::env::var("ZEROHOP_TEST_COUNT")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let (c, peer) = client(addr.parse().unwrap());
+    for _ in 0..count {
+        let r = c.recv(Deadline::after(60 * SECOND), None).unwrap();
+        c.send(
+            peer,
+            host_bytes(&r.lease),
+            Deadline::after(60 * SECOND),
+            None,
+        )
+        .unwrap();
+    }
+    c.close(Deadline::after(30 * SECOND)).unwrap();
+}
+
+fn spawn_child(prefix: &[&str], addr: SocketAddr, count: u64) -> std::process::Child {
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = Command::new(prefix.first().copied().unwrap_or(exe.to_str().unwrap()));
+    if !prefix.is_empty() {
+        cmd.args(&prefix[1..]).arg(&exe);
+    }
+    cmd.args([
+        "--ignored",
+        "--exact",
+        "child_echo",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("ZEROHOP_TEST_CONNECT", addr.to_string())
+    .env("ZEROHOP_TEST_COUNT", count.to_string())
+    .stdout(Stdio::null())
+    .spawn()
+    .unwrap()
+}
+
+#[test]
+fn two_processes_over_loopback() {
+    let (server, addr, pool) = listener(256 << 20, TcpConfig::default());
+    let count = 5000;
+    let mut child = spawn_child(&[], addr, count);
+    let peer = wait_for_peer(&server);
+    pump(&server, peer, count, 20_000, 64);
+    assert!(child.wait().unwrap().success());
+    assert_eq!(pool.used_bytes(), 0);
+}
+
+fn wait_for_peer(server: &Endpoint<TcpTransport>) -> PeerId {
+    let t0 = Instant::now();
+    loop {
+        if server.with(|t| t.peer_count()) == 1 {
+            return PeerId(0);
+        }
+        assert!(t0.elapsed() < 30 * SECOND, "the child never connected");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Keeps up to `window` messages in flight to an echoing peer; checks each echo.
+fn pump(server: &Endpoint<TcpTransport>, peer: PeerId, count: u64, max: usize, window: u64) {
+    let (mut sent, mut got) = (0u64, 0u64);
+    while got < count {
+        while sent < count && sent - got < window {
+            server
+                .send(
+                    peer,
+                    &message(sent, max),
+                    Deadline::after(60 * SECOND),
+                    None,
+                )
+                .unwrap();
+            sent += 1;
+        }
+        let r = server.recv(Deadline::after(60 * SECOND), None).unwrap();
+        assert_eq!(r.peer, peer);
+        assert_eq!(check(host_bytes(&r.lease)), got, "none lost, order kept");
+        got += 1;
+    }
+}
+
+// ---- across network namespaces ---------------------------------------------
+
+struct Netns;
+
+impl Netns {
+    const A: &'static str = "zh-test-a";
+    const B: &'static str = "zh-test-b";
+
+    fn ip(args: &[&str]) -> bool {
+        Command::new("ip")
+            .args(args)
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// Two namespaces joined by a veth pair: A = 192.0.2.1, B = 192.0.2.2
+    /// (TEST-NET-1: exists only inside these namespaces).
+    fn create() -> Result<Netns, String> {
+        let _ = Netns::ip(&["netns", "del", Self::A]);
+        let _ = Netns::ip(&["netns", "del", Self::B]);
+        let steps: [&[&str]; 10] = [
+            &["netns", "add", Self::A],
+            &["netns", "add", Self::B],
+            &[
+                "link",
+                "add",
+                "zh-veth-a",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "zh-veth-b",
+            ],
+            &["link", "set", "zh-veth-a", "netns", Self::A],
+            &["link", "set", "zh-veth-b", "netns", Self::B],
+            &[
+                "-n",
+                Self::A,
+                "addr",
+                "add",
+                "192.0.2.1/24",
+                "dev",
+                "zh-veth-a",
+            ],
+            &[
+                "-n",
+                Self::B,
+                "addr",
+                "add",
+                "192.0.2.2/24",
+                "dev",
+                "zh-veth-b",
+            ],
+            &["-n", Self::A, "link", "set", "zh-veth-a", "up"],
+            &["-n", Self::B, "link", "set", "zh-veth-b", "up"],
+            &["-n", Self::B, "link", "set", "lo", "up"],
+        ];
+        let ns = Netns;
+        for s in steps {
+            if !Netns::ip(s) {
+                return Err(format!("`ip {}` failed", s.join(" ")));
+            }
+        }
+        Ok(ns)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Netns::ip(&["netns", "del", Self::A]);
+        let _ = Netns::ip(&["netns", "del", Self::B]);
+    }
+}
+
+/// Runs as a child inside namespace A: listens on 192.0.2.1 and pumps messages.
+#[test]
+#[ignore = "a helper: run by two_network_namespaces in a child process"]
+fn child_pump() {
+    let Ok(count) = std::env::var("ZEROHOP_TEST_PUMP") else {
+        return;
+    };
+    let count: u64 = count.parse().unwrap();
+    let mut t = transport(512 << 20, TcpConfig::default());
+    t.listen("192.0.2.1:47001").unwrap();
+    let pool = Arc::clone(t.pool());
+    let server = Endpoint::new(t, EndpointConfig::default()).unwrap();
+    let peer = wait_for_peer(&server);
+    pump(&server, peer, count, 8192, 256);
+    assert_eq!(pool.used_bytes(), 0);
+    println!("child_pump: {count} messages echoed intact and in order");
+}
+
+#[test]
+fn two_network_namespaces_100k_messages() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!(
+            "SKIPPED two_network_namespaces_100k_messages: needs root to create network namespaces"
+        );
+        return;
+    }
+    let ns = match Netns::create() {
+        Ok(ns) => ns,
+        Err(why) => {
+            eprintln!("SKIPPED two_network_namespaces_100k_messages: {why}");
+            return;
+        }
+    };
+    let exe = std::env::current_exe().unwrap();
+    let count = 100_000u64;
+    let pumper = Command::new("ip")
+        .args(["netns", "exec", Netns::A])
+        .arg(&exe)
+        .args([
+            "--ignored",
+            "--exact",
+            "child_pump",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("ZEROHOP_TEST_PUMP", count.to_string())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut echoer = Command::new("ip")
+        .args(["netns", "exec", Netns::B])
+        .arg(&exe)
+        .args([
+            "--ignored",
+            "--exact",
+            "child_echo",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("ZEROHOP_TEST_CONNECT", "192.0.2.1:47001")
+        .env("ZEROHOP_TEST_COUNT", count.to_string())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = pumper.wait_with_output().unwrap();
+    let echoed = echoer.wait().unwrap();
+    drop(ns);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "pumper failed: {text}");
+    assert!(echoed.success());
+    assert!(
+        text.contains("100000 messages echoed intact and in order"),
+        "{text}"
+    );
+}
