@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use zerohop_core::{
-    Access, Chunks, Error, MemKind, MrHandle, MrTable, PoolConfig, RawMemory, Region, Registrar,
-    SlabPool,
+    Access, Chunks, Error, InlineTables, MemKind, MrHandle, MrTable, PoolConfig, RawMemory, Region,
+    Registrar, SlabPool,
 };
 
 const STRIDE: u64 = 0x1_0000;
@@ -145,16 +145,11 @@ struct Buffer {
 fn lease_release(c: &mut Criterion) {
     let mut g = c.benchmark_group("lease_release");
     let cfg = PoolConfig::with_budget(1 << 30);
-    let pool: Box<SlabPool<_, 512, 8192>> = Box::new(
-        SlabPool::new(
-            Chunks {
-                memory: FakeMemory(AtomicU64::new(1 << 20)),
-                registrar: Some(FakeNic),
-            },
-            cfg,
-        )
-        .unwrap(),
-    );
+    let source = Chunks {
+        memory: FakeMemory(AtomicU64::new(1 << 20)),
+        registrar: Some(FakeNic),
+    };
+    let pool = Box::new(SlabPool::new(source, cfg, InlineTables::<512, 8192>::new()).unwrap());
     let classes = cfg.classes.as_slice().to_vec();
     // Baseline: a Mutex<Vec> free list per class, pre-filled.
     let lists: Vec<Mutex<Vec<Buffer>>> = classes

@@ -358,3 +358,11 @@ fn progress_loop<T: Wire>(s: &Shared<T>, mut wake_rx: UnixStream) {
         }
     }
 }
+
+#[cfg(feature = "mock")]
+impl<L, T> Wire for zerohop_backends::mock::MockTransport<L, Arc<zerohop_backends::HostPool<T>>>
+where
+    L: zerohop_backends::mock::Link + Send + 'static,
+    T: zerohop_core::PoolTables + Send + 'static,
+{
+}

@@ -1,0 +1,357 @@
+//! `zerohop perf`: one-way latency from ping-pong (RTT / 2, as perftest and
+//! ucx_perftest report it) and streaming bandwidth, over a size sweep.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use zerohop_backends::host_bytes;
+use zerohop_core::{pick, Error, Kind, PeerId, Preference};
+use zerohop_std::{probe_host, Config, Deadline, Endpoint, StdLease, Wire};
+
+use crate::transports;
+
+#[derive(Args, Debug)]
+pub struct PerfArgs {
+    /// Transport: auto, gpudirect, rdma, uma, tcp, mock (default: $ZEROHOP_TRANSPORT, else auto).
+    #[arg(long)]
+    transport: Option<String>,
+    /// Serve a remote `--connect` run on ADDR (e.g. 0.0.0.0:7470), until it finishes.
+    #[arg(long, conflicts_with = "connect")]
+    listen: Option<String>,
+    /// Run against a `--listen` peer at ADDR.
+    #[arg(long)]
+    connect: Option<SocketAddr>,
+    /// Message sizes (bytes, k/M suffixes).
+    #[arg(long, value_delimiter = ',', default_value = "64,4k,64k,1M")]
+    sizes: Vec<String>,
+    /// Ping-pong round trips per size (fewer for large sizes: at most 256 MiB moved each way).
+    #[arg(long, default_value_t = 5000)]
+    iters: usize,
+    /// Bytes streamed per size for bandwidth (messages: between 1000 and 200000).
+    #[arg(long, default_value = "1G")]
+    stream_bytes: String,
+    /// Machine-readable output.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize, Clone, Debug)]
+pub struct Row {
+    pub size: usize,
+    pub lat_p50_us: f64,
+    pub lat_p99_us: f64,
+    pub lat_p999_us: f64,
+    pub bw_gb_per_s: f64,
+    pub msg_per_s: f64,
+}
+
+#[derive(Serialize, Debug)]
+struct Report {
+    transport: &'static str,
+    mode: String,
+    skipped: Vec<String>,
+    rows: Vec<Row>,
+}
+
+#[derive(Clone, Debug)]
+struct Plan {
+    sizes: Vec<usize>,
+    iters: usize,
+    stream_bytes: usize,
+}
+
+impl Plan {
+    fn round_trips(&self, size: usize) -> usize {
+        self.iters.min((256 << 20) / size.max(1)).max(100)
+    }
+    fn stream_count(&self, size: usize) -> usize {
+        (self.stream_bytes / size.max(1)).clamp(1000, 200_000)
+    }
+}
+
+// Control messages (client -> server), 17 bytes: tag, size, count.
+const LATENCY: u8 = b'L';
+const STREAM: u8 = b'B';
+const QUIT: u8 = b'Q';
+const WARMUP: usize = 100;
+
+fn control(tag: u8, size: usize, count: usize) -> [u8; 17] {
+    let mut m = [0u8; 17];
+    m[0] = tag;
+    m[1..9].copy_from_slice(&(size as u64).to_le_bytes());
+    m[9..17].copy_from_slice(&(count as u64).to_le_bytes());
+    m
+}
+
+fn parse_control(b: &[u8]) -> Option<(u8, usize, usize)> {
+    if b.len() != 17 {
+        return None;
+    }
+    let size = u64::from_le_bytes(b[1..9].try_into().ok()?) as usize;
+    let count = u64::from_le_bytes(b[9..17].try_into().ok()?) as usize;
+    Some((b[0], size, count))
+}
+
+const LONG: Duration = Duration::from_secs(60);
+
+/// Serves one client session: echo for latency, count and acknowledge for streams.
+fn serve<T>(ep: &Endpoint<T>) -> Result<(), Error>
+where
+    T: Wire<Lease = StdLease>,
+{
+    loop {
+        let r = ep.recv(Deadline::never(), None)?;
+        let Some((tag, _size, count)) = parse_control(host_bytes(&r.lease)) else {
+            return Err(Error::Backend("perf: expected a control message"));
+        };
+        let peer = r.peer;
+        drop(r);
+        match tag {
+            LATENCY => {
+                for _ in 0..count {
+                    let m = ep.recv(Deadline::after(LONG), None)?;
+                    ep.send_lease(peer, m.lease, Deadline::after(LONG), None)?; // zero-copy echo
+                }
+            }
+            STREAM => {
+                let mut bytes = 0u64;
+                for _ in 0..count {
+                    bytes += ep.recv(Deadline::after(LONG), None)?.lease.len() as u64;
+                }
+                ep.send(peer, &bytes.to_le_bytes(), Deadline::after(LONG), None)?;
+            }
+            QUIT => return Ok(()),
+            _ => return Err(Error::Backend("perf: unknown control message")),
+        }
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e6 / 2.0 // one-way: half the round trip
+}
+
+fn client<T>(
+    ep: &Endpoint<T>,
+    peer: PeerId,
+    plan: &Plan,
+    bar: &ProgressBar,
+) -> Result<Vec<Row>, Error>
+where
+    T: Wire<Lease = StdLease>,
+{
+    let mut rows = Vec::new();
+    for &size in &plan.sizes {
+        let buf = vec![0xA5u8; size];
+        let n = plan.round_trips(size);
+        ep.send(
+            peer,
+            &control(LATENCY, size, n + WARMUP),
+            Deadline::after(LONG),
+            None,
+        )?;
+        let mut rtts = Vec::with_capacity(n);
+        for i in 0..n + WARMUP {
+            let t0 = Instant::now();
+            ep.send(peer, &buf, Deadline::after(LONG), None)?;
+            let r = ep.recv(Deadline::after(LONG), None)?;
+            let dt = t0.elapsed();
+            if r.lease.len() != size {
+                return Err(Error::Backend("perf: echo of the wrong size"));
+            }
+            if i >= WARMUP {
+                rtts.push(dt);
+            }
+        }
+        rtts.sort_unstable();
+        bar.inc(1);
+
+        let count = plan.stream_count(size);
+        ep.send(
+            peer,
+            &control(STREAM, size, count),
+            Deadline::after(LONG),
+            None,
+        )?;
+        let t0 = Instant::now();
+        for _ in 0..count {
+            ep.send(peer, &buf, Deadline::after(LONG), None)?;
+        }
+        let ack = ep.recv(Deadline::after(LONG), None)?;
+        let secs = t0.elapsed().as_secs_f64();
+        let got = u64::from_le_bytes(
+            host_bytes(&ack.lease)
+                .try_into()
+                .map_err(|_| Error::Backend("perf: bad ack"))?,
+        );
+        if got != (count * size) as u64 {
+            return Err(Error::Backend(
+                "perf: the receiver counted a different byte total",
+            ));
+        }
+        bar.inc(1);
+        rows.push(Row {
+            size,
+            lat_p50_us: percentile(&rtts, 0.5),
+            lat_p99_us: percentile(&rtts, 0.99),
+            lat_p999_us: percentile(&rtts, 0.999),
+            bw_gb_per_s: got as f64 / secs / 1e9,
+            msg_per_s: count as f64 / secs,
+        });
+    }
+    ep.send(peer, &control(QUIT, 0, 0), Deadline::after(LONG), None)?;
+    Ok(rows)
+}
+
+fn human(n: usize) -> String {
+    match n {
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
+        n => format!("{n} B"),
+    }
+}
+
+fn print_table(r: &Report) {
+    println!("zerohop perf: transport {} ({})", r.transport, r.mode);
+    for s in &r.skipped {
+        println!("  skipped {s}");
+    }
+    println!(
+        "{:>8}  {:>10} {:>10} {:>10}   {:>10} {:>12}",
+        "size", "lat p50", "p99", "p99.9", "GB/s", "msg/s"
+    );
+    for row in &r.rows {
+        println!(
+            "{:>8}  {:>8.2}us {:>8.2}us {:>8.2}us   {:>10.3} {:>12.0}",
+            human(row.size),
+            row.lat_p50_us,
+            row.lat_p99_us,
+            row.lat_p999_us,
+            row.bw_gb_per_s,
+            row.msg_per_s
+        );
+    }
+    println!("latency is one-way (half the ping-pong round trip), as perftest and ucx_perftest report it");
+}
+
+fn progress(total: u64, json: bool) -> ProgressBar {
+    if json {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message("measuring");
+    bar
+}
+
+fn in_process<T>(
+    server: Endpoint<T>,
+    client_ep: Endpoint<T>,
+    peer: PeerId,
+    plan: &Plan,
+    bar: &ProgressBar,
+) -> Result<Vec<Row>, Error>
+where
+    T: Wire<Lease = StdLease>,
+{
+    std::thread::scope(|s| {
+        let srv = s.spawn(|| serve(&server));
+        let rows = client(&client_ep, peer, plan, bar);
+        let served = srv
+            .join()
+            .unwrap_or(Err(Error::Backend("perf: the server thread panicked")));
+        let rows = rows?;
+        served?;
+        Ok(rows)
+    })
+}
+
+pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let config = Config::from_env()?;
+    // The flag overrides ZEROHOP_TRANSPORT, through the same parser and pick.
+    let preference = match &args.transport {
+        Some(t) => Preference::parse(t).map_err(|e| format!("--transport {t:?}: {e}"))?,
+        None => config.transport,
+    };
+    let choice = pick(preference, &probe_host())?;
+    let mut sizes = Vec::new();
+    for s in &args.sizes {
+        sizes.push(
+            zerohop_std::parse_bytes(s)
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("--sizes: {s:?} is not a byte count"))?,
+        );
+    }
+    let plan = Plan {
+        sizes,
+        iters: args.iters.max(1),
+        stream_bytes: zerohop_std::parse_bytes(&args.stream_bytes)
+            .ok_or("--stream-bytes: not a byte count")?,
+    };
+    let kind = choice.kind;
+    let skipped: Vec<String> = choice.skipped().map(|s| s.to_string()).collect();
+    let bar = progress(2 * plan.sizes.len() as u64, args.json);
+    let budget = config.pool_bytes;
+    let (mode, rows) = match (kind, &args.listen, args.connect) {
+        (Kind::Tcp | Kind::Uma, Some(addr), _) => {
+            let (ep, bound) = transports::tcp_listen(kind, addr, budget)?;
+            eprintln!("zerohop perf: serving {} on {bound}", kind.name());
+            serve(&ep)?;
+            return Ok(());
+        }
+        (Kind::Tcp | Kind::Uma, None, Some(addr)) => {
+            let (ep, peer) = transports::tcp_connect(kind, addr, budget)?;
+            (format!("to {addr}"), client(&ep, peer, &plan, &bar)?)
+        }
+        (Kind::Tcp | Kind::Uma, None, None) => {
+            let (server, addr) = transports::tcp_listen(kind, "127.0.0.1:0", budget)?;
+            let (c, peer) = transports::tcp_connect(kind, addr, budget)?;
+            (
+                "in one process, over 127.0.0.1".to_string(),
+                in_process(server, c, peer, &plan, &bar)?,
+            )
+        }
+        #[cfg(feature = "mock")]
+        (Kind::Mock, None, None) => {
+            let max =
+                zerohop_backends::mock::MockLink::<{ transports::mock::LINK_BYTES }>::max_payload();
+            if let Some(&big) = plan.sizes.iter().find(|&&s| s > max) {
+                return Err(format!(
+                    "mock link carries at most {max} bytes per message; {big} asked"
+                )
+                .into());
+            }
+            let (a, b) = transports::mock::pair(budget)?;
+            (
+                "in one process, over the mock link".to_string(),
+                in_process(a, b, PeerId(0), &plan, &bar)?,
+            )
+        }
+        (k, _, _) => {
+            return Err(format!(
+                "perf over {} is not available in this build for this mode",
+                k.name()
+            )
+            .into())
+        }
+    };
+    bar.finish_and_clear();
+    let report = Report {
+        transport: kind.name(),
+        mode,
+        skipped,
+        rows,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}

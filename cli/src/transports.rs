@@ -1,0 +1,66 @@
+//! Building endpoints of each kind, in one process or across processes.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use zerohop_core::{Error, Kind, PeerId};
+use zerohop_std::tcp::{TcpConfig, TcpTransport};
+use zerohop_std::{heap_pool, Endpoint, EndpointConfig, StdPool};
+
+/// The receive pool for a kind (heap for tcp, CUDA managed memory for uma).
+pub fn pool_for(kind: Kind, budget: usize) -> Result<Arc<StdPool>, Error> {
+    match kind {
+        #[cfg(feature = "cuda-uma")]
+        Kind::Uma => zerohop_std::managed_pool(budget),
+        _ => heap_pool(budget),
+    }
+}
+
+/// A TCP-wire endpoint (kind tcp or uma) listening on `addr`.
+pub fn tcp_listen(
+    kind: Kind,
+    addr: &str,
+    budget: usize,
+) -> Result<(Endpoint<TcpTransport>, SocketAddr), Box<dyn std::error::Error>> {
+    let mut t = TcpTransport::new(pool_for(kind, budget)?, TcpConfig::default(), kind);
+    let bound = t.listen(addr)?;
+    Ok((Endpoint::new(t, EndpointConfig::default())?, bound))
+}
+
+/// A TCP-wire endpoint (kind tcp or uma) connected to `addr`.
+pub fn tcp_connect(
+    kind: Kind,
+    addr: SocketAddr,
+    budget: usize,
+) -> Result<(Endpoint<TcpTransport>, PeerId), Box<dyn std::error::Error>> {
+    let mut t = TcpTransport::new(pool_for(kind, budget)?, TcpConfig::default(), kind);
+    let peer = t.connect(addr, Duration::from_secs(10))?;
+    Ok((Endpoint::new(t, EndpointConfig::default())?, peer))
+}
+
+#[cfg(feature = "mock")]
+pub mod mock {
+    //! The mock link in one process: one static link per run.
+    use super::*;
+    use zerohop_backends::mock::{LinkEnd, MockLink, MockTransport};
+
+    /// Ring bytes per direction: room for one 4 MiB message and its header.
+    pub const LINK_BYTES: usize = 8 << 20;
+    pub type MockWire = MockTransport<LinkEnd<'static, LINK_BYTES>, Arc<StdPool>>;
+
+    pub fn pair(
+        budget: usize,
+    ) -> Result<(Endpoint<MockWire>, Endpoint<MockWire>), Box<dyn std::error::Error>> {
+        // 16 MiB of rings: a static (zeroed .bss), never a stack temporary.
+        static LINK: MockLink<LINK_BYTES> = MockLink::new();
+        let (a, b) = LINK.ends();
+        let max = MockLink::<LINK_BYTES>::max_payload();
+        let ta = MockTransport::new(a, heap_pool(budget)?, max);
+        let tb = MockTransport::new(b, heap_pool(budget)?, max);
+        Ok((
+            Endpoint::new(ta, EndpointConfig::default())?,
+            Endpoint::new(tb, EndpointConfig::default())?,
+        ))
+    }
+}
