@@ -1,0 +1,77 @@
+//! One harness per backend.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use zerohop_core::{Kind, PeerId};
+use zerohop_std::tcp::{TcpConfig, TcpTransport};
+use zerohop_std::{heap_pool, Endpoint, EndpointConfig};
+
+use crate::{Harness, Pair};
+
+/// Plain TCP over 127.0.0.1.
+#[derive(Debug)]
+pub struct Tcp;
+
+/// TCP-wire pair over loopback with receive pools from `pool`.
+pub fn tcp_pair(kind: Kind, pool: impl Fn() -> Result<Arc<zerohop_std::StdPool>, String>) -> Result<Pair<TcpTransport>, String> {
+    let config = TcpConfig { max_message: 4 << 20, ..TcpConfig::default() };
+    let b_pool = pool()?;
+    let a_pool = pool()?;
+    let mut b = TcpTransport::new(Arc::clone(&b_pool), config, kind);
+    let addr = b.listen("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let mut a = TcpTransport::new(Arc::clone(&a_pool), config, kind);
+    let to_b = a.connect(addr, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+    let ep = |t| Endpoint::new(t, EndpointConfig::default()).map_err(|e| e.to_string());
+    // b numbers its first accepted peer 0.
+    Ok(Pair { a: ep(a)?, b: ep(b)?, to_b, to_a: PeerId(0), a_pool, b_pool })
+}
+
+impl Harness for Tcp {
+    type T = TcpTransport;
+    fn pair() -> Result<Pair<TcpTransport>, String> {
+        tcp_pair(Kind::Tcp, || heap_pool(64 << 20).map_err(|e| e.to_string()))
+    }
+    fn max_message() -> usize {
+        4 << 20
+    }
+}
+
+/// The mock link in one process.
+#[cfg(feature = "mock")]
+#[derive(Debug)]
+pub struct Mock;
+
+#[cfg(feature = "mock")]
+mod mock_links {
+    use zerohop_backends::mock::MockLink;
+    pub const BYTES: usize = 8 << 20;
+    // Statics, not boxes: an 8 MiB ring built on a test thread's stack would overflow it.
+    static LINKS: [MockLink<BYTES>; 8] = [const { MockLink::new() }; 8];
+    static NEXT: super::AtomicUsize = super::AtomicUsize::new(0);
+
+    pub fn next() -> Result<&'static MockLink<BYTES>, String> {
+        // Relaxed: a ticket counter; each link is handed out once.
+        let i = NEXT.fetch_add(1, super::Ordering::Relaxed);
+        LINKS.get(i).ok_or_else(|| "out of static mock links (raise the count in harness.rs)".to_string())
+    }
+}
+
+#[cfg(feature = "mock")]
+impl Harness for Mock {
+    type T = zerohop_backends::mock::MockTransport<zerohop_backends::mock::LinkEnd<'static, { mock_links::BYTES }>, Arc<zerohop_std::StdPool>>;
+    fn pair() -> Result<Pair<Self::T>, String> {
+        use zerohop_backends::mock::MockTransport;
+        let (a, b) = mock_links::next()?.ends();
+        let a_pool = heap_pool(64 << 20).map_err(|e| e.to_string())?;
+        let b_pool = heap_pool(64 << 20).map_err(|e| e.to_string())?;
+        let ta = MockTransport::new(a, Arc::clone(&a_pool), Self::max_message());
+        let tb = MockTransport::new(b, Arc::clone(&b_pool), Self::max_message());
+        let ep = |t| Endpoint::new(t, EndpointConfig::default()).map_err(|e| e.to_string());
+        Ok(Pair { a: ep(ta)?, b: ep(tb)?, to_b: PeerId(0), to_a: PeerId(0), a_pool, b_pool })
+    }
+    fn max_message() -> usize {
+        4 << 20
+    }
+}

@@ -1,0 +1,5 @@
+//! The suite, once per backend compiled in.
+
+zerohop_tests::suite!(tcp, zerohop_tests::harness::Tcp);
+#[cfg(feature = "mock")]
+zerohop_tests::suite!(mock, zerohop_tests::harness::Mock);
