@@ -12,6 +12,8 @@
 #[macro_use]
 mod fmt;
 
+#[cfg(feature = "cuda-uma")]
+pub mod cuda;
 #[cfg(feature = "std")]
 mod heap;
 mod host;

@@ -1025,19 +1025,20 @@ mod tests {
                 let p = Arc::clone(&p);
                 std::thread::spawn(move || {
                     let mut seen = Vec::new();
-                    for i in 0..2000 {
+                    let rounds = if cfg!(miri) { 20 } else { 2000 };
+                    for i in 0..rounds {
                         let len = 1 + (i * 37 + t * 101) % 16384;
                         let a = Lease::take(Arc::clone(&p), len).unwrap();
                         let b = Lease::take(Arc::clone(&p), 64).unwrap();
                         assert!(!a.buffer().overlaps(b.buffer().addr, b.buffer().len));
                         seen.push(a.device_ptr());
                     }
-                    seen.len()
+                    seen.len() == rounds
                 })
             })
             .collect();
         for t in threads {
-            assert_eq!(t.join().unwrap(), 2000);
+            assert!(t.join().unwrap());
         }
         assert_eq!(p.used_bytes(), 0);
         assert_eq!(p.stats().leases, 0);

@@ -9,6 +9,20 @@ use zerohop_core::{
     RawMemory, Region, Registrar, SizeClasses, SlabPool,
 };
 
+/// Full runs natively; a handful under miri, which is ~1000x slower and has
+/// no file system for proptest's failure file.
+fn config() -> ProptestConfig {
+    if cfg!(miri) {
+        ProptestConfig {
+            cases: 3,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        }
+    } else {
+        ProptestConfig::with_cases(512)
+    }
+}
+
 #[derive(Debug, Clone)]
 enum MrOp {
     Insert { addr: u64, len: usize, pinned: bool },
@@ -49,6 +63,7 @@ fn check_invariants<const N: usize>(t: &MrTable<N>, model: &Model) {
 }
 
 proptest! {
+    #![proptest_config(config())]
     #[test]
     fn mr_table_matches_a_btreemap_model(ops in prop::collection::vec(mr_op(), 1..200)) {
         const N: usize = 8;
@@ -174,6 +189,7 @@ impl Registrar for Nic {
 }
 
 proptest! {
+    #![proptest_config(config())]
     #[test]
     fn pool_matches_a_model(ops in prop::collection::vec((any::<bool>(), 1usize..80_000, any::<usize>()), 1..300)) {
         const BUDGET: usize = 512 << 10;

@@ -59,6 +59,34 @@ pub fn heap_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
     )?))
 }
 
+/// A pool of `budget` bytes of CUDA memory on GPU 0, for the `uma` transport:
+/// `managed` (a kernel reads received bytes in place) or pinned host memory.
+#[cfg(feature = "cuda-uma")]
+pub fn cuda_pool(budget: usize, managed: bool) -> Result<Arc<StdPool>, Error> {
+    use zerohop_backends::cuda::{Gpu, HostCudaMemory};
+    let gpu = Gpu::open(0)?;
+    let memory = if managed {
+        HostCudaMemory::managed(&gpu)
+    } else {
+        HostCudaMemory::pinned(&gpu)
+    };
+    let source = Chunks::<HostMemory, Nic> {
+        memory: HostMemory::Cuda(memory),
+        registrar: None,
+    };
+    Ok(Arc::new(StdPool::new(
+        source,
+        PoolConfig::with_budget(budget),
+        HeapTables::for_budget(budget),
+    )?))
+}
+
+/// A managed-memory pool on GPU 0 (see [`cuda_pool`]).
+#[cfg(feature = "cuda-uma")]
+pub fn managed_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
+    cuda_pool(budget, true)
+}
+
 /// Probes every backend compiled into this binary. Never panics, whatever
 /// the host lacks (no libcuda, no RDMA in the kernel).
 pub fn probe_host() -> Probe {

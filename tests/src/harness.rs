@@ -15,17 +15,32 @@ use crate::{Harness, Pair};
 pub struct Tcp;
 
 /// TCP-wire pair over loopback with receive pools from `pool`.
-pub fn tcp_pair(kind: Kind, pool: impl Fn() -> Result<Arc<zerohop_std::StdPool>, String>) -> Result<Pair<TcpTransport>, String> {
-    let config = TcpConfig { max_message: 4 << 20, ..TcpConfig::default() };
+pub fn tcp_pair(
+    kind: Kind,
+    pool: impl Fn() -> Result<Arc<zerohop_std::StdPool>, String>,
+) -> Result<Pair<TcpTransport>, String> {
+    let config = TcpConfig {
+        max_message: 4 << 20,
+        ..TcpConfig::default()
+    };
     let b_pool = pool()?;
     let a_pool = pool()?;
     let mut b = TcpTransport::new(Arc::clone(&b_pool), config, kind);
     let addr = b.listen("127.0.0.1:0").map_err(|e| e.to_string())?;
     let mut a = TcpTransport::new(Arc::clone(&a_pool), config, kind);
-    let to_b = a.connect(addr, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+    let to_b = a
+        .connect(addr, Duration::from_secs(5))
+        .map_err(|e| e.to_string())?;
     let ep = |t| Endpoint::new(t, EndpointConfig::default()).map_err(|e| e.to_string());
     // b numbers its first accepted peer 0.
-    Ok(Pair { a: ep(a)?, b: ep(b)?, to_b, to_a: PeerId(0), a_pool, b_pool })
+    Ok(Pair {
+        a: ep(a)?,
+        b: ep(b)?,
+        to_b,
+        to_a: PeerId(0),
+        a_pool,
+        b_pool,
+    })
 }
 
 impl Harness for Tcp {
@@ -54,13 +69,18 @@ mod mock_links {
     pub fn next() -> Result<&'static MockLink<BYTES>, String> {
         // Relaxed: a ticket counter; each link is handed out once.
         let i = NEXT.fetch_add(1, super::Ordering::Relaxed);
-        LINKS.get(i).ok_or_else(|| "out of static mock links (raise the count in harness.rs)".to_string())
+        LINKS
+            .get(i)
+            .ok_or_else(|| "out of static mock links (raise the count in harness.rs)".to_string())
     }
 }
 
 #[cfg(feature = "mock")]
 impl Harness for Mock {
-    type T = zerohop_backends::mock::MockTransport<zerohop_backends::mock::LinkEnd<'static, { mock_links::BYTES }>, Arc<zerohop_std::StdPool>>;
+    type T = zerohop_backends::mock::MockTransport<
+        zerohop_backends::mock::LinkEnd<'static, { mock_links::BYTES }>,
+        Arc<zerohop_std::StdPool>,
+    >;
     fn pair() -> Result<Pair<Self::T>, String> {
         use zerohop_backends::mock::MockTransport;
         let (a, b) = mock_links::next()?.ends();
@@ -69,7 +89,32 @@ impl Harness for Mock {
         let ta = MockTransport::new(a, Arc::clone(&a_pool), Self::max_message());
         let tb = MockTransport::new(b, Arc::clone(&b_pool), Self::max_message());
         let ep = |t| Endpoint::new(t, EndpointConfig::default()).map_err(|e| e.to_string());
-        Ok(Pair { a: ep(ta)?, b: ep(tb)?, to_b: PeerId(0), to_a: PeerId(0), a_pool, b_pool })
+        Ok(Pair {
+            a: ep(ta)?,
+            b: ep(tb)?,
+            to_b: PeerId(0),
+            to_a: PeerId(0),
+            a_pool,
+            b_pool,
+        })
+    }
+    fn max_message() -> usize {
+        4 << 20
+    }
+}
+
+/// The `uma` transport: the TCP wire into CUDA managed memory (skips without a GPU).
+#[cfg(feature = "cuda-uma")]
+#[derive(Debug)]
+pub struct Uma;
+
+#[cfg(feature = "cuda-uma")]
+impl Harness for Uma {
+    type T = TcpTransport;
+    fn pair() -> Result<Pair<TcpTransport>, String> {
+        tcp_pair(Kind::Uma, || {
+            zerohop_std::managed_pool(256 << 20).map_err(|e| e.to_string())
+        })
     }
     fn max_message() -> usize {
         4 << 20

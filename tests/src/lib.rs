@@ -43,7 +43,9 @@ pub trait Harness {
 const WAIT: Duration = Duration::from_secs(30);
 
 fn message(i: u32, len: usize) -> Vec<u8> {
-    let mut m: Vec<u8> = (0..len).map(|k| (k as u32).wrapping_mul(31).wrapping_add(i) as u8).collect();
+    let mut m: Vec<u8> = (0..len)
+        .map(|k| (k as u32).wrapping_mul(31).wrapping_add(i) as u8)
+        .collect();
     if len >= 8 {
         m[..4].copy_from_slice(&i.to_le_bytes());
         let c = crc32c(0, &m[..len - 4]);
@@ -66,18 +68,27 @@ pub fn pair_or_skip<H: Harness>(test: &str) -> Option<Pair<H::T>> {
 /// Messages of many sizes arrive intact, once each, in order; every receive
 /// buffer goes back to the pool.
 pub fn delivers_in_order<H: Harness>() {
-    let Some(p) = pair_or_skip::<H>("delivers_in_order") else { return };
+    let Some(p) = pair_or_skip::<H>("delivers_in_order") else {
+        return;
+    };
     let max = H::max_message();
-    let sizes: Vec<usize> = (0..300u32).map(|i| [0, 1, 7, 64, 255, 256, 257, 4096, 65_536, max][i as usize % 10].min(max)).collect();
+    let sizes: Vec<usize> = (0..300u32)
+        .map(|i| [0, 1, 7, 64, 255, 256, 257, 4096, 65_536, max][i as usize % 10].min(max))
+        .collect();
     std::thread::scope(|s| {
         s.spawn(|| {
             for (i, &len) in sizes.iter().enumerate() {
-                p.a.send(p.to_b, &message(i as u32, len), Deadline::after(WAIT), None).unwrap();
+                p.a.send(p.to_b, &message(i as u32, len), Deadline::after(WAIT), None)
+                    .unwrap();
             }
         });
         for (i, &len) in sizes.iter().enumerate() {
             let r = p.b.recv(Deadline::after(WAIT), None).unwrap();
-            assert_eq!(host_bytes(&r.lease), &message(i as u32, len)[..], "message {i} of {len} bytes");
+            assert_eq!(
+                host_bytes(&r.lease),
+                &message(i as u32, len)[..],
+                "message {i} of {len} bytes"
+            );
         }
     });
     assert_eq!(p.b_pool.used_bytes(), 0, "receive leases all returned");
@@ -86,26 +97,37 @@ pub fn delivers_in_order<H: Harness>() {
 /// A pool buffer sent without a copy arrives with its contents, and the
 /// sender's buffer goes back to its pool once sent.
 pub fn zero_copy_send_arrives<H: Harness>() {
-    let Some(p) = pair_or_skip::<H>("zero_copy_send_arrives") else { return };
+    let Some(p) = pair_or_skip::<H>("zero_copy_send_arrives") else {
+        return;
+    };
     let mut lease = Lease::take(Arc::clone(&p.a_pool), 1000).unwrap();
     let want = message(7, 1000);
     let region = lease.region();
     assert_eq!(region.len, 1000);
     zerohop_backends::host_bytes_mut(&mut lease).copy_from_slice(&want);
-    p.a.send_lease(p.to_b, lease, Deadline::after(WAIT), None).unwrap();
+    p.a.send_lease(p.to_b, lease, Deadline::after(WAIT), None)
+        .unwrap();
     let r = p.b.recv(Deadline::after(WAIT), None).unwrap();
     assert_eq!(host_bytes(&r.lease), &want[..]);
     p.a.flush(Deadline::after(WAIT)).unwrap();
-    assert_eq!(p.a_pool.used_bytes(), 0, "the sent lease went back after the send");
+    assert_eq!(
+        p.a_pool.used_bytes(),
+        0,
+        "the sent lease went back after the send"
+    );
 }
 
 /// Replies flow back: b answers a on the peer id it received from.
 pub fn replies_reach_the_sender<H: Harness>() {
-    let Some(p) = pair_or_skip::<H>("replies_reach_the_sender") else { return };
-    p.a.send(p.to_b, b"ping", Deadline::after(WAIT), None).unwrap();
+    let Some(p) = pair_or_skip::<H>("replies_reach_the_sender") else {
+        return;
+    };
+    p.a.send(p.to_b, b"ping", Deadline::after(WAIT), None)
+        .unwrap();
     let r = p.b.recv(Deadline::after(WAIT), None).unwrap();
     assert_eq!(r.peer, p.to_a);
-    p.b.send(r.peer, b"pong", Deadline::after(WAIT), None).unwrap();
+    p.b.send(r.peer, b"pong", Deadline::after(WAIT), None)
+        .unwrap();
     let back = p.a.recv(Deadline::after(WAIT), None).unwrap();
     assert_eq!(back.peer, p.to_b);
     assert_eq!(host_bytes(&back.lease), b"pong");
@@ -113,18 +135,33 @@ pub fn replies_reach_the_sender<H: Harness>() {
 
 /// Misuse gets typed errors: too large, unknown peer, nothing to receive.
 pub fn misuse_is_typed<H: Harness>() {
-    let Some(p) = pair_or_skip::<H>("misuse_is_typed") else { return };
+    let Some(p) = pair_or_skip::<H>("misuse_is_typed") else {
+        return;
+    };
     let max = H::max_message();
-    assert_eq!(p.a.send(p.to_b, &vec![0; max + 1], Deadline::after(WAIT), None), Err(Error::TooLarge { len: max + 1, max }));
-    assert_eq!(p.a.send(PeerId(4242), b"x", Deadline::after(WAIT), None), Err(Error::UnknownPeer(PeerId(4242))));
-    assert_eq!(p.b.recv(Deadline::after(Duration::from_millis(50)), None).unwrap_err(), Error::Timeout);
+    assert_eq!(
+        p.a.send(p.to_b, &vec![0; max + 1], Deadline::after(WAIT), None),
+        Err(Error::TooLarge { len: max + 1, max })
+    );
+    assert_eq!(
+        p.a.send(PeerId(4242), b"x", Deadline::after(WAIT), None),
+        Err(Error::UnknownPeer(PeerId(4242)))
+    );
+    assert_eq!(
+        p.b.recv(Deadline::after(Duration::from_millis(50)), None)
+            .unwrap_err(),
+        Error::Timeout
+    );
 }
 
 /// After a clean close, what was sent before it still arrives.
 pub fn close_flushes<H: Harness>() {
-    let Some(p) = pair_or_skip::<H>("close_flushes") else { return };
+    let Some(p) = pair_or_skip::<H>("close_flushes") else {
+        return;
+    };
     for i in 0..50 {
-        p.a.send(p.to_b, &message(i, 2000), Deadline::after(WAIT), None).unwrap();
+        p.a.send(p.to_b, &message(i, 2000), Deadline::after(WAIT), None)
+            .unwrap();
     }
     p.a.close(Deadline::after(WAIT)).unwrap();
     for i in 0..50 {

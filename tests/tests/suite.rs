@@ -3,3 +3,5 @@
 zerohop_tests::suite!(tcp, zerohop_tests::harness::Tcp);
 #[cfg(feature = "mock")]
 zerohop_tests::suite!(mock, zerohop_tests::harness::Mock);
+#[cfg(feature = "cuda-uma")]
+zerohop_tests::suite!(uma, zerohop_tests::harness::Uma);
