@@ -5,6 +5,7 @@
 //!    lease, the GPU reading them where they are (on demand, or after a prefetch)
 //!    — vs the classic path from pinned memory: cuMemcpyHtoD into device memory,
 //!    then the same kernel. 64 KiB to 64 MiB, same run.
+//!
 //! Medians; the CPU rewrites each buffer before every timed round, as a receive would.
 //!
 //! `cargo bench -p zerohop-backends --features cuda-uma --bench cuda_uma`
