@@ -90,11 +90,8 @@ fn managed_memory_is_written_by_the_cpu_and_checksummed_in_place_by_the_gpu() {
         assert_eq!(got, want, "GPU checksum of {len} bytes in managed memory");
         mem.prefetch(r, true).unwrap();
         // SAFETY: as above.
-        assert_eq!(
-            unsafe { kernel.run(r.addr, len) }.unwrap(),
-            want,
-            "after prefetch to the device"
-        );
+        let after_prefetch = unsafe { kernel.run(r.addr, len) }.unwrap();
+        assert_eq!(after_prefetch, want, "after prefetch to the device");
         mem.free(r).unwrap();
     }
     assert!(mem
@@ -139,10 +136,8 @@ fn device_memory_exports_as_a_dmabuf_that_closes_on_drop() {
     assert_eq!(back, data);
     let kernel = Checksum::load(&gpu).unwrap();
     // SAFETY: live device memory of this context.
-    assert_eq!(
-        unsafe { kernel.run(r.addr, 4096) }.unwrap(),
-        cpu_checksum(&data)
-    );
+    let on_device = unsafe { kernel.run(r.addr, 4096) }.unwrap();
+    assert_eq!(on_device, cpu_checksum(&data));
     dev.free(r).unwrap();
 }
 
