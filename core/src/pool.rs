@@ -300,6 +300,8 @@ pub struct PoolStats {
     pub registrations: u64,
     /// Oversize leases served, ever.
     pub oversize: u64,
+    /// Idle class chunks given back to make room for another class, ever.
+    pub reclaimed: u64,
 }
 
 /// One chunk descriptor (opaque): an entry of a pool's chunk table.
@@ -308,6 +310,10 @@ pub struct Chunk {
     mem: Option<Registered>,
     /// Next byte not yet carved into slots.
     carved: usize,
+    /// Leases outstanding in this chunk: a chunk with none can be reclaimed.
+    in_use: u32,
+    /// The size class it is carved for (`OVERSIZE` for an oversize buffer).
+    class: u8,
     /// Free-list link for unused chunk descriptors.
     next_free: u32,
 }
@@ -366,6 +372,8 @@ impl<const CHUNKS: usize, const SLOTS: usize> PoolTables for InlineTables<CHUNKS
 const EMPTY_CHUNK: Chunk = Chunk {
     mem: None,
     carved: 0,
+    in_use: 0,
+    class: 0,
     next_free: NONE,
 };
 
@@ -510,13 +518,11 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
         if chunk.carved + size > chunk_len {
             return Ok(None);
         }
-        if st.slots_made == st.slot_cap {
+        let Some(index) = Self::slot_descriptor(st) else {
             return Err(PoolError::TooManyBuffers { slots: st.slot_cap });
-        }
+        };
         let offset = chunk.carved as u32;
         st.tables.chunks()[c as usize].carved += size;
-        let index = st.slots_made as u32;
-        st.slots_made += 1;
         st.tables.slots()[index as usize] = Slot {
             chunk: c,
             offset,
@@ -524,6 +530,52 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
             class: class as u8,
         };
         Ok(Some(index))
+    }
+
+    /// Takes one class chunk with no outstanding lease out of the pool: its
+    /// free slots are unlinked (their descriptors become spares) and its
+    /// memory is returned for the caller to give back outside the lock.
+    /// O(chunks + free slots of that class): a cold path, run only at the budget.
+    fn reclaim_idle(st: &mut State<T>) -> Option<Registered> {
+        let made = st.chunks_made;
+        let victim = st.tables.chunks()[..made]
+            .iter()
+            .position(|c| c.mem.is_some() && c.in_use == 0 && (c.class as usize) < OVERSIZE)?
+            as u32;
+        let class = st.tables.chunks()[victim as usize].class as usize;
+        // Unlink the victim's slots from the class free list, keeping the rest in order.
+        let mut prev = NONE;
+        let mut at = st.free[class];
+        while at != NONE {
+            let next = st.tables.slots()[at as usize].next;
+            if st.tables.slots()[at as usize].chunk == victim {
+                if prev == NONE {
+                    st.free[class] = next;
+                } else {
+                    st.tables.slots()[prev as usize].next = next;
+                }
+                st.tables.slots()[at as usize] = Slot {
+                    next: st.free[OVERSIZE],
+                    ..Slot::EMPTY
+                };
+                st.free[OVERSIZE] = at;
+            } else {
+                prev = at;
+            }
+            at = next;
+        }
+        if st.carving[class] == victim {
+            st.carving[class] = NONE;
+        }
+        let mem = st.tables.chunks()[victim as usize].mem.take()?;
+        st.tables.chunks()[victim as usize] = Chunk {
+            next_free: st.free_chunks,
+            ..Chunk::EMPTY
+        };
+        st.free_chunks = victim;
+        st.stats.reserved_bytes -= mem.region.len;
+        st.stats.reclaimed += 1;
+        Some(mem)
     }
 
     fn chunk_descriptor(st: &mut State<T>) -> Option<u32> {
@@ -565,20 +617,42 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
         };
         let chunk_index = {
             let mut st = self.state.lock();
-            let reserved = st.stats.reserved_bytes;
-            if reserved
-                .checked_add(grow_len)
-                .is_none_or(|total| total > self.config.budget)
-            {
+            // At the budget, idle chunks of other classes go back to the source
+            // first (in batches, given back outside the lock): a class must not
+            // starve while another hoards free memory.
+            let over = |st: &State<T>| {
+                st.stats
+                    .reserved_bytes
+                    .checked_add(grow_len)
+                    .is_none_or(|total| total > self.config.budget)
+            };
+            while over(&st) {
+                let mut batch: [Option<Registered>; 4] = [None; 4];
+                for slot in batch.iter_mut() {
+                    if !over(&st) {
+                        break;
+                    }
+                    *slot = Self::reclaim_idle(&mut st);
+                }
+                if batch[0].is_none() {
+                    break;
+                }
+                drop(st);
+                for m in batch.into_iter().flatten() {
+                    self.source.give_back(m);
+                }
+                st = self.state.lock();
+            }
+            if over(&st) {
                 return Err(PoolError::Exhausted {
-                    used: reserved,
+                    used: st.stats.reserved_bytes,
                     cap: self.config.budget,
                 }
                 .into());
             }
-            // A class chunk needs a fresh slot descriptor too; check now so a
-            // full slot table fails before any memory is taken.
-            if class.is_some() && st.slots_made == st.slot_cap {
+            // A class chunk needs a slot descriptor too; check now so a full
+            // slot table fails before any memory is taken.
+            if class.is_some() && st.free[OVERSIZE] == NONE && st.slots_made == st.slot_cap {
                 return Err(PoolError::TooManyBuffers { slots: st.slot_cap }.into());
             }
             let i = Self::chunk_descriptor(&mut st).ok_or(PoolError::TooManyChunks {
@@ -625,6 +699,8 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
                 mr: mem.mr,
             }),
             carved: 0,
+            in_use: 0,
+            class: class.map_or(OVERSIZE as u8, |c| c as u8),
             next_free: NONE,
         };
         let index = match class {
@@ -675,6 +751,8 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
         let size = class.map_or(oversize_len, |c| self.config.classes.sizes[c]);
         st.stats.used_bytes += size;
         st.stats.leases += 1;
+        let chunk = st.tables.slots()[index as usize].chunk as usize;
+        st.tables.chunks()[chunk].in_use += 1;
         self.ticket(st, index, size)
     }
 }
@@ -701,6 +779,7 @@ impl<S: ChunkSource, T: PoolTables> Pool for SlabPool<S, T> {
         let class = slot.class as usize;
         st.stats.used_bytes -= ticket.region.len;
         st.stats.leases -= 1;
+        st.tables.chunks()[slot.chunk as usize].in_use -= 1;
         st.tables.slots()[i].next = st.free[class];
         st.free[class] = ticket.index;
         if class != OVERSIZE {
@@ -1002,6 +1081,35 @@ mod tests {
         drop(p2.lease(5000).unwrap());
         drop(p2);
         assert_eq!(given.load(Ordering::Relaxed), 2);
+    }
+
+    /// Regression (found by the `tcp_recv` fuzzer): with a budget of two
+    /// chunks, a third size class was refused as "exhausted" although every
+    /// buffer was free, because chunks stayed with the class that took them.
+    #[test]
+    fn an_idle_chunk_of_another_class_is_reclaimed_at_the_budget() {
+        let p = pool(128 << 10); // two 64 KiB chunks
+        drop(p.lease(100).unwrap()); // 256 B class takes chunk 1
+        let held = p.lease(4000).unwrap(); // 4 KiB class takes chunk 2
+        let third = p.lease(10_000).unwrap(); // 16 KiB class: chunk 1 is idle, reclaimed
+        assert_eq!(p.stats().reclaimed, 1);
+        assert_eq!(p.stats().reserved_bytes, 128 << 10);
+        let nic = p.source().registrar.as_ref().unwrap();
+        assert_eq!(
+            nic.deregistered.load(Ordering::Relaxed),
+            1,
+            "the reclaimed chunk was deregistered"
+        );
+        // Every chunk now holds a lease: nothing to reclaim, a typed error.
+        assert_eq!(
+            p.lease(100).unwrap_err(),
+            Error::Pool(PoolError::Exhausted {
+                used: 128 << 10,
+                cap: 128 << 10
+            })
+        );
+        drop((held, third));
+        assert!(p.lease(100).is_ok(), "idle again: reclaimable again");
     }
 
     #[test]

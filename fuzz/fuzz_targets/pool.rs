@@ -1,0 +1,164 @@
+//! SlabPool against a model: no overlap, exact used bytes, exhaustion exactly
+//! at the budget, one registration per chunk, everything back at the end.
+#![no_main]
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use arbitrary::Arbitrary;
+use libfuzzer_sys::fuzz_target;
+use zerohop_core::{
+    Access, Chunks, Error, InlineTables, MemKind, MrHandle, PoolConfig, PoolError, RawMemory,
+    Region, Registrar, SizeClasses, SlabPool,
+};
+
+#[derive(Default)]
+struct Fake {
+    next: AtomicU64,
+    live: AtomicU64,
+}
+
+impl RawMemory for Fake {
+    fn alloc(&self, len: usize, align: usize) -> Result<Region, Error> {
+        // Relaxed: counters of a single-threaded fuzz run.
+        let a = self.next.fetch_add((len + align) as u64, Ordering::Relaxed);
+        self.live.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(Region {
+            addr: (0x1_0000 + a).next_multiple_of(align as u64),
+            len,
+            kind: MemKind::Host,
+        })
+    }
+    fn free(&self, r: Region) -> Result<(), Error> {
+        self.live.fetch_sub(r.len as u64, Ordering::Relaxed);
+        Ok(())
+    }
+    fn host_visible(&self) -> bool {
+        true
+    }
+}
+
+#[derive(Default)]
+struct Nic {
+    live: AtomicU32,
+    ever: AtomicU32,
+}
+
+impl Registrar for Nic {
+    fn register(&self, r: Region, access: Access) -> Result<MrHandle, Error> {
+        let id = self.ever.fetch_add(1, Ordering::Relaxed);
+        self.live.fetch_add(1, Ordering::Relaxed);
+        Ok(MrHandle {
+            addr: r.addr,
+            len: r.len,
+            lkey: id,
+            rkey: id,
+            access,
+            id,
+        })
+    }
+    fn deregister(&self, _: MrHandle) -> Result<(), Error> {
+        self.live.fetch_sub(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+#[derive(Arbitrary, Debug)]
+enum Op {
+    Lease(u32),
+    Release(u16),
+}
+
+const BUDGET: usize = 256 << 10;
+
+fuzz_target!(|ops: Vec<Op>| {
+    let mut cfg = PoolConfig::with_budget(BUDGET);
+    cfg.chunk_bytes = 32 << 10;
+    cfg.classes = SizeClasses::new(&[64, 512, 4096]).unwrap();
+    let pool = SlabPool::new(
+        Chunks {
+            memory: Fake::default(),
+            registrar: Some(Nic::default()),
+        },
+        cfg,
+        InlineTables::<16, 512>::new(),
+    )
+    .unwrap();
+    let mut held = Vec::new();
+    let mut used = 0usize;
+    for op in ops {
+        match op {
+            Op::Lease(len) => {
+                let len = (len % 70_000) as usize;
+                let reserved = pool.stats().reserved_bytes;
+                match pool.lease(len) {
+                    Ok(l) => {
+                        assert!(len > 0 && l.capacity() >= len);
+                        assert!(l.mr().unwrap().covers(
+                            l.device_ptr(),
+                            l.capacity(),
+                            Access::LOCAL_WRITE
+                        ));
+                        for h in &held {
+                            let h: &zerohop_core::Lease<_> = h;
+                            assert!(
+                                !h.buffer().overlaps(l.buffer().addr, l.buffer().len),
+                                "leases overlap"
+                            );
+                        }
+                        used += l.capacity();
+                        held.push(l);
+                    }
+                    Err(Error::Pool(PoolError::ZeroLength)) => assert_eq!(len, 0),
+                    Err(Error::Pool(PoolError::Exhausted { used: u, cap })) => {
+                        assert!(u <= reserved && cap == BUDGET);
+                        let need = if len > 4096 {
+                            len.next_multiple_of(4096)
+                        } else {
+                            32 << 10
+                        };
+                        assert!(u + need > BUDGET, "refused below the budget");
+                        assert!(
+                            !held.is_empty(),
+                            "with nothing leased, all memory is reclaimable"
+                        );
+                    }
+                    Err(Error::Pool(
+                        PoolError::TooManyChunks { .. } | PoolError::TooManyBuffers { .. },
+                    )) => {}
+                    Err(e) => panic!("unexpected {e}"),
+                }
+            }
+            Op::Release(i) => {
+                if !held.is_empty() {
+                    let l = held.swap_remove(usize::from(i) % held.len());
+                    used -= l.capacity();
+                }
+            }
+        }
+        let st = pool.stats();
+        assert_eq!(st.used_bytes, used);
+        assert!(st.reserved_bytes <= BUDGET);
+        assert_eq!(st.leases, held.len());
+        assert_eq!(st.registrations, st.grows, "every chunk registered once");
+        let nic = pool.source().registrar.as_ref().unwrap();
+        assert_eq!(
+            u64::from(nic.live.load(Ordering::Relaxed)),
+            st.grows - st.oversize - st.reclaimed + oversize_held(&held)
+        );
+        assert_eq!(
+            pool.source().memory.live.load(Ordering::Relaxed),
+            st.reserved_bytes as u64
+        );
+    }
+    drop(held);
+    assert_eq!(pool.used_bytes(), 0);
+});
+
+/// Oversize leases still held keep their own registration.
+fn oversize_held<T>(held: &[zerohop_core::Lease<T>]) -> u64
+where
+    T: std::ops::Deref,
+    T::Target: zerohop_core::Pool,
+{
+    held.iter().filter(|l| l.capacity() > 4096).count() as u64
+}
