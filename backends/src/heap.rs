@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::Mutex;
 
-use zerohop_core::{Error, MemKind, RawMemory, Region};
+use zerohop_core::{Chunk, Error, MemKind, PoolTables, RawMemory, Region, Slot};
 
 #[derive(Debug)]
 struct Allocation {
@@ -96,5 +96,37 @@ impl Drop for HeapMemory {
             // SAFETY: every entry is a live allocation made with this layout.
             unsafe { dealloc(a.ptr.as_ptr(), a.layout) };
         }
+    }
+}
+
+/// Pool descriptor tables on the heap, sized at run time.
+#[derive(Debug)]
+pub struct HeapTables {
+    chunks: Box<[Chunk]>,
+    slots: Box<[Slot]>,
+}
+
+impl HeapTables {
+    /// Room for `chunks` chunks and `slots` buffers.
+    pub fn new(chunks: usize, slots: usize) -> Self {
+        HeapTables {
+            chunks: vec![Chunk::EMPTY; chunks].into_boxed_slice(),
+            slots: vec![Slot::EMPTY; slots].into_boxed_slice(),
+        }
+    }
+
+    /// Tables for a pool of `budget` bytes: a chunk descriptor per 2 MiB of budget
+    /// (at least 64, for oversize buffers), and 64 Ki buffers.
+    pub fn for_budget(budget: usize) -> Self {
+        Self::new((budget / (2 << 20)).max(64), 64 << 10)
+    }
+}
+
+impl PoolTables for HeapTables {
+    fn chunks(&mut self) -> &mut [Chunk] {
+        &mut self.chunks
+    }
+    fn slots(&mut self) -> &mut [Slot] {
+        &mut self.slots
     }
 }

@@ -20,8 +20,10 @@ mod host;
 #[cfg(feature = "mock")]
 pub mod mock;
 mod nic;
+#[cfg(feature = "gpudirect-verbs")]
+pub mod verbs;
 
 #[cfg(feature = "std")]
-pub use heap::HeapMemory;
+pub use heap::{HeapMemory, HeapTables};
 pub use host::{host_bytes, host_bytes_mut, HostMemory, HostPool};
 pub use nic::Nic;

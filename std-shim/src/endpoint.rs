@@ -366,3 +366,20 @@ where
     T: zerohop_core::PoolTables + Send + 'static,
 {
 }
+
+#[cfg(feature = "gpudirect-verbs")]
+impl Wire for zerohop_backends::verbs::RdmaTransport {
+    fn poll_fds(&self, out: &mut Vec<libc::pollfd>) {
+        let mut fds = Vec::new();
+        self.poll_descriptors(&mut fds);
+        out.extend(fds.into_iter().map(|fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        }));
+    }
+
+    fn pending_sends(&self) -> usize {
+        self.pending_frames()
+    }
+}

@@ -2,47 +2,14 @@
 
 use std::sync::{Arc, Once};
 
-use zerohop_backends::{HeapMemory, HostMemory, HostPool, Nic};
-use zerohop_core::{
-    pick, Choice, Chunk, Chunks, Error, Lease, PickError, PoolConfig, PoolTables, Probe, Slot,
-};
+use zerohop_backends::{HeapMemory, HeapTables, HostMemory, HostPool, Nic};
+use zerohop_core::{pick, Choice, Chunks, Error, Lease, PickError, PoolConfig, Probe};
 
 use crate::config::{Config, ConfigError};
 
 /// The pool type std transports receive into, its tables on the heap.
 pub type StdPool = HostPool<HeapTables>;
 
-/// Pool descriptor tables on the heap, sized at run time.
-#[derive(Debug)]
-pub struct HeapTables {
-    chunks: Box<[Chunk]>,
-    slots: Box<[Slot]>,
-}
-
-impl HeapTables {
-    /// Room for `chunks` chunks and `slots` buffers.
-    pub fn new(chunks: usize, slots: usize) -> Self {
-        HeapTables {
-            chunks: vec![Chunk::EMPTY; chunks].into_boxed_slice(),
-            slots: vec![Slot::EMPTY; slots].into_boxed_slice(),
-        }
-    }
-
-    /// Tables for a pool of `budget` bytes: a chunk descriptor per 2 MiB of budget
-    /// (at least 64, for oversize buffers), and 64 Ki buffers.
-    pub fn for_budget(budget: usize) -> Self {
-        Self::new((budget / (2 << 20)).max(64), 64 << 10)
-    }
-}
-
-impl PoolTables for HeapTables {
-    fn chunks(&mut self) -> &mut [Chunk] {
-        &mut self.chunks
-    }
-    fn slots(&mut self) -> &mut [Slot] {
-        &mut self.slots
-    }
-}
 /// A buffer leased from a [`StdPool`].
 pub type StdLease = Lease<Arc<StdPool>>;
 

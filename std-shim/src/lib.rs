@@ -16,6 +16,5 @@ pub use config::{parse_bytes, Config, ConfigError};
 pub use endpoint::{CancelToken, Deadline, Endpoint, EndpointConfig, Wire};
 #[cfg(feature = "cuda-uma")]
 pub use host::{cuda_pool, managed_pool};
-pub use host::{
-    heap_pool, pick_from_env, probe_host, HeapTables, PickFromEnvError, StdLease, StdPool,
-};
+pub use host::{heap_pool, pick_from_env, probe_host, PickFromEnvError, StdLease, StdPool};
+pub use zerohop_backends::HeapTables;

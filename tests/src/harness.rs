@@ -120,3 +120,66 @@ impl Harness for Uma {
         4 << 20
     }
 }
+
+/// Where the RDMA tests connect: `$RXE_ADDR` in the Soft-RoCE VM, else
+/// `$ZEROHOP_RDMA_ADDR` (an address of the RDMA device's netdev).
+#[cfg(feature = "gpudirect-verbs")]
+pub fn rdma_addr(port: u16) -> Result<std::net::SocketAddr, String> {
+    let ip = std::env::var("RXE_ADDR")
+        .or_else(|_| std::env::var("ZEROHOP_RDMA_ADDR"))
+        .map_err(|_| {
+            "no RDMA address: set ZEROHOP_RDMA_ADDR (the Soft-RoCE VM sets RXE_ADDR)".to_string()
+        })?;
+    format!("{ip}:{port}")
+        .parse()
+        .map_err(|e| format!("{ip}: {e}"))
+}
+
+/// RC queue pairs over the first RDMA device (skips where there is none).
+#[cfg(feature = "gpudirect-verbs")]
+#[derive(Debug)]
+pub struct Rdma;
+
+#[cfg(feature = "gpudirect-verbs")]
+impl Harness for Rdma {
+    type T = zerohop_backends::verbs::RdmaTransport;
+    fn pair() -> Result<Pair<Self::T>, String> {
+        use zerohop_backends::verbs::{Device, RdmaConfig, RdmaTransport};
+        static PORT: AtomicUsize = AtomicUsize::new(18_000);
+        let device = Device::open().map_err(|e| e.to_string())?;
+        let config = RdmaConfig {
+            max_message: Self::max_message(),
+            recv_pool_bytes: 64 << 20,
+            send_pool_bytes: 64 << 20,
+            ..RdmaConfig::default()
+        };
+        // Relaxed: a port counter, one per pair.
+        let addr = rdma_addr(PORT.fetch_add(1, Ordering::Relaxed) as u16)?;
+        let mut b = RdmaTransport::new(Arc::clone(&device), config).map_err(|e| e.to_string())?;
+        b.listen(addr).map_err(|e| e.to_string())?;
+        let b = Endpoint::new(b, EndpointConfig::default()).map_err(|e| e.to_string())?;
+        let mut a = RdmaTransport::new(device, config).map_err(|e| e.to_string())?;
+        // The listener accepts from its progress thread while this side connects.
+        let to_b = a.connect(addr).map_err(|e| e.to_string())?;
+        let (a_pool, b_pool) = (Arc::clone(a.send_pool()), b.with(|t| Arc::clone(t.pool())));
+        let a = Endpoint::new(a, EndpointConfig::default()).map_err(|e| e.to_string())?;
+        let t0 = std::time::Instant::now();
+        while b.with(|t| t.peer_count()) == 0 {
+            if t0.elapsed() > Duration::from_secs(10) {
+                return Err("the listener never saw the connection established".into());
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        Ok(Pair {
+            a,
+            b,
+            to_b,
+            to_a: PeerId(0),
+            a_pool,
+            b_pool,
+        })
+    }
+    fn max_message() -> usize {
+        4 << 20
+    }
+}

@@ -5,3 +5,5 @@ zerohop_tests::suite!(tcp, zerohop_tests::harness::Tcp);
 zerohop_tests::suite!(mock, zerohop_tests::harness::Mock);
 #[cfg(feature = "cuda-uma")]
 zerohop_tests::suite!(uma, zerohop_tests::harness::Uma);
+#[cfg(feature = "gpudirect-verbs")]
+zerohop_tests::suite!(rdma, zerohop_tests::harness::Rdma);

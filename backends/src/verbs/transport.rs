@@ -1,0 +1,1174 @@
+//! RC queue pairs over librdmacm: the `rdma` transport.
+//!
+//! Each connection has one completion queue (with a completion channel, so
+//! a progress thread can sleep in `poll(2)`), one RC queue pair, and a ring
+//! of `recv_depth` posted receives. Every frame is two scatter/gather
+//! entries: the 32-byte zerohop header into a registered header slot, the
+//! payload into a pool lease of `fragment` bytes, so a message's bytes start
+//! at offset 0 of the buffer handed to the application. Messages longer than
+//! one fragment are split and reassembled (in order: RC delivers in order).
+//!
+//! Flow control is credit based, so the receiver never sees RNR: a sender
+//! starts with the peer's receive depth (exchanged in the CM private data),
+//! spends one per frame, and gets them back in every header it receives
+//! (`dst` carries the number of receives reposted since the last report).
+//! Data frames need two credits, a credit-only frame one: the last credit is
+//! kept for returning credits, so two busy peers cannot starve each other.
+//!
+//! On this wire a data header's `src` carries the whole message's length
+//! (so the first fragment can lease the reassembly buffer) and `dst` the
+//! credits returned.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::ptr::{self, NonNull};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdma_sys as ffi;
+use zerohop_core::wire::{Flags, FrameKind, Header, HEADER_LEN};
+use zerohop_core::{
+    Access, Capabilities, Chunks, Error, Kind, Lease, PeerId, PoolConfig, Received, Rejected,
+    Transport,
+};
+
+use super::{call_failed, Device, Registry, VerbsError};
+use crate::{host_bytes, host_bytes_mut, HeapMemory, HeapTables, HostMemory, HostPool, Nic};
+
+type Pool = HostPool<HeapTables>;
+type PoolLease = Lease<Arc<Pool>>;
+
+/// Settings of the verbs wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RdmaConfig {
+    /// Receives kept posted per connection (and the credits a peer starts with).
+    pub recv_depth: u32,
+    /// Largest payload of one frame; longer messages are split.
+    pub fragment: usize,
+    /// Largest message (default 64 MiB).
+    pub max_message: usize,
+    /// Budget of the receive pool (registered host memory).
+    pub recv_pool_bytes: usize,
+    /// Budget of the send pool (registered host memory for copies and headers).
+    pub send_pool_bytes: usize,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        RdmaConfig {
+            recv_depth: 64,
+            fragment: 64 << 10,
+            max_message: 64 << 20,
+            recv_pool_bytes: 512 << 20,
+            send_pool_bytes: 256 << 20,
+        }
+    }
+}
+
+const SEND_TAG: u64 = 1 << 63;
+const CM_TIMEOUT_MS: i32 = 5000;
+
+enum Payload {
+    None,
+    /// `len` bytes from the start of a registered lease.
+    Lease(PoolLease, usize),
+}
+
+struct Frame {
+    kind: FrameKind,
+    seq: u64,
+    total: u32,
+    more: bool,
+    payload: Payload,
+}
+
+struct Conn {
+    id: NonNull<ffi::rdma_cm_id>,
+    /// A connecting side's own CM channel (accepted ids report on the listener's).
+    channel: Option<NonNull<ffi::rdma_event_channel>>,
+    comp: NonNull<ffi::ibv_comp_channel>,
+    cq: NonNull<ffi::ibv_cq>,
+    headers: PoolLease,
+    recv: Vec<Option<PoolLease>>,
+    send: Vec<Option<Payload>>,
+    free_send: Vec<u32>,
+    pending: VecDeque<Frame>,
+    credits: u32,
+    owed: u32,
+    tx_seq: u64,
+    rx_next: u64,
+    assembling: Option<(PoolLease, usize)>,
+    established: bool,
+    closing: bool,
+    peer_closed: bool,
+}
+
+/// An RDMA transport: RC connections to any number of peers.
+pub struct RdmaTransport {
+    device: Arc<Device>,
+    config: RdmaConfig,
+    recv_pool: Arc<Pool>,
+    send_pool: Arc<Pool>,
+    listener: Option<(NonNull<ffi::rdma_event_channel>, NonNull<ffi::rdma_cm_id>)>,
+    peers: Vec<Option<Conn>>,
+    arrivals: VecDeque<Result<Received<PoolLease>, Error>>,
+    closed: bool,
+}
+
+// SAFETY: every raw pointer is owned by the transport and used only through
+// `&mut self`; verbs objects may move between threads.
+unsafe impl Send for RdmaTransport {}
+
+impl std::fmt::Debug for RdmaTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaTransport")
+            .field("device", &self.device.name())
+            .field("peers", &self.peer_count())
+            .finish_non_exhaustive()
+    }
+}
+
+fn registered_pool(registry: &Registry, budget: usize, access: Access) -> Result<Arc<Pool>, Error> {
+    let source = Chunks {
+        memory: HostMemory::Heap(HeapMemory::new()),
+        registrar: Some(Nic::Verbs(registry.clone())),
+    };
+    let mut config = PoolConfig::with_budget(budget);
+    config.access = access;
+    Ok(Arc::new(Pool::new(
+        source,
+        config,
+        HeapTables::for_budget(budget),
+    )?))
+}
+
+fn set_nonblocking(fd: i32) {
+    // SAFETY: fcntl on a descriptor we own; no memory is touched.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+    }
+}
+
+fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: an all-zero sockaddr_storage is valid; the right variant is written below.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+            unsafe { ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
+            (
+                ss,
+                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            )
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: 0,
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: as above, for sockaddr_in6.
+            unsafe { ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
+            (
+                ss,
+                std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+            )
+        }
+    }
+}
+
+struct Event {
+    kind: ffi::rdma_cm_event_type::Type,
+    id: *mut ffi::rdma_cm_id,
+    status: i32,
+    peer_depth: Option<u32>,
+}
+
+/// Takes one CM event from `channel` if one is ready within `timeout`.
+fn next_event(
+    channel: NonNull<ffi::rdma_event_channel>,
+    timeout: Duration,
+) -> Result<Option<Event>, VerbsError> {
+    // SAFETY: a live channel we own.
+    let fd = unsafe { (*channel.as_ptr()).fd };
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let n = unsafe {
+        libc::poll(
+            &mut pfd,
+            1,
+            timeout.as_millis().min(i32::MAX as u128) as i32,
+        )
+    };
+    if n <= 0 {
+        return Ok(None);
+    }
+    let mut ev: *mut ffi::rdma_cm_event = ptr::null_mut();
+    // SAFETY: a live channel and a valid out-pointer; the fd is readable.
+    if unsafe { ffi::rdma_get_cm_event(channel.as_ptr(), &mut ev) } != 0 {
+        let e = call_failed("rdma_get_cm_event");
+        return if matches!(
+            e,
+            VerbsError::Call {
+                errno: libc::EAGAIN,
+                ..
+            }
+        ) {
+            Ok(None)
+        } else {
+            Err(e)
+        };
+    }
+    // SAFETY: the event is valid until acked below; its conn param is read
+    // only for connection events, whose union member is `conn`.
+    let out = unsafe {
+        let e = &*ev;
+        let conn = e.param.conn;
+        let peer_depth = (!conn.private_data.is_null() && conn.private_data_len >= 4)
+            .then(|| u32::from_le_bytes(ptr::read_unaligned(conn.private_data.cast::<[u8; 4]>())));
+        Event {
+            kind: e.event,
+            id: e.id,
+            status: e.status,
+            peer_depth,
+        }
+    };
+    // SAFETY: acked once, after its data was copied out.
+    unsafe { ffi::rdma_ack_cm_event(ev) };
+    Ok(Some(out))
+}
+
+fn expect_event(
+    channel: NonNull<ffi::rdma_event_channel>,
+    want: ffi::rdma_cm_event_type::Type,
+    what: &str,
+) -> Result<Event, VerbsError> {
+    let deadline = Instant::now() + Duration::from_millis(CM_TIMEOUT_MS as u64 + 1000);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(VerbsError::Connect(format!("timed out waiting for {what}")));
+        }
+        if let Some(ev) = next_event(channel, left)? {
+            if ev.kind == want {
+                return Ok(ev);
+            }
+            // SAFETY: rdma_event_str returns a static NUL-terminated string.
+            let name =
+                unsafe { std::ffi::CStr::from_ptr(ffi::rdma_event_str(ev.kind)) }.to_string_lossy();
+            return Err(VerbsError::Connect(format!(
+                "{what}: got {name} (status {})",
+                ev.status
+            )));
+        }
+    }
+}
+
+impl RdmaTransport {
+    /// A transport on `device` with its own registered receive and send pools.
+    pub fn new(device: Arc<Device>, config: RdmaConfig) -> Result<Self, Error> {
+        let registry = Registry::new(Arc::clone(&device));
+        // Receive buffers need local write (the NIC writes them); send buffers only local read.
+        let recv_pool = registered_pool(&registry, config.recv_pool_bytes, Access::LOCAL_WRITE)?;
+        let send_pool = registered_pool(&registry, config.send_pool_bytes, Access::NONE)?;
+        Ok(RdmaTransport {
+            device,
+            config,
+            recv_pool,
+            send_pool,
+            listener: None,
+            peers: Vec::new(),
+            arrivals: VecDeque::new(),
+            closed: false,
+        })
+    }
+
+    /// The receive pool.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.recv_pool
+    }
+
+    /// The send pool (lease from it for zero-copy sends).
+    pub fn send_pool(&self) -> &Arc<Pool> {
+        &self.send_pool
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// Connected peers.
+    pub fn peer_count(&self) -> usize {
+        self.peers
+            .iter()
+            .flatten()
+            .filter(|c| c.established)
+            .count()
+    }
+
+    /// Listens for RDMA CM connections on `addr` (an address of the RDMA device's netdev).
+    pub fn listen(&mut self, addr: SocketAddr) -> Result<(), VerbsError> {
+        // SAFETY: creates a channel we own (destroyed in Drop).
+        let ch = NonNull::new(unsafe { ffi::rdma_create_event_channel() })
+            .ok_or_else(|| call_failed("rdma_create_event_channel"))?;
+        let mut id = ptr::null_mut();
+        // SAFETY: a live channel and a valid out-pointer.
+        if unsafe {
+            ffi::rdma_create_id(
+                ch.as_ptr(),
+                &mut id,
+                ptr::null_mut(),
+                ffi::rdma_port_space::RDMA_PS_TCP,
+            )
+        } != 0
+        {
+            let e = call_failed("rdma_create_id");
+            // SAFETY: the channel has no ids.
+            unsafe { ffi::rdma_destroy_event_channel(ch.as_ptr()) };
+            return Err(e);
+        }
+        let (mut ss, _) = sockaddr(addr);
+        // SAFETY: a live id and a valid sockaddr.
+        let rc =
+            unsafe { ffi::rdma_bind_addr(id, (&mut ss as *mut libc::sockaddr_storage).cast()) };
+        // SAFETY: as above.
+        let rc = if rc == 0 {
+            unsafe { ffi::rdma_listen(id, 64) }
+        } else {
+            rc
+        };
+        if rc != 0 {
+            let e = call_failed("rdma_bind_addr/rdma_listen");
+            // SAFETY: destroy what was created above, once.
+            unsafe {
+                ffi::rdma_destroy_id(id);
+                ffi::rdma_destroy_event_channel(ch.as_ptr());
+            }
+            return Err(e);
+        }
+        // SAFETY: a live channel.
+        set_nonblocking(unsafe { (*ch.as_ptr()).fd });
+        self.listener = Some((ch, NonNull::new(id).expect("rdma_create_id succeeded")));
+        Ok(())
+    }
+
+    /// Connects to a listening transport (blocking until established or `CM_TIMEOUT`).
+    pub fn connect(&mut self, addr: SocketAddr) -> Result<PeerId, VerbsError> {
+        // SAFETY: creates a channel we own (kept by the connection, destroyed with it).
+        let ch = NonNull::new(unsafe { ffi::rdma_create_event_channel() })
+            .ok_or_else(|| call_failed("rdma_create_event_channel"))?;
+        let mut id = ptr::null_mut();
+        // SAFETY: a live channel and a valid out-pointer.
+        if unsafe {
+            ffi::rdma_create_id(
+                ch.as_ptr(),
+                &mut id,
+                ptr::null_mut(),
+                ffi::rdma_port_space::RDMA_PS_TCP,
+            )
+        } != 0
+        {
+            let e = call_failed("rdma_create_id");
+            // SAFETY: the channel has no ids.
+            unsafe { ffi::rdma_destroy_event_channel(ch.as_ptr()) };
+            return Err(e);
+        }
+        let id = NonNull::new(id).expect("rdma_create_id succeeded");
+        let result = self.connect_on(ch, id, addr);
+        if result.is_err() {
+            // SAFETY: the id never got a QP that outlives this (connect_on tears its own down).
+            unsafe {
+                ffi::rdma_destroy_id(id.as_ptr());
+                ffi::rdma_destroy_event_channel(ch.as_ptr());
+            }
+        }
+        result
+    }
+
+    fn connect_on(
+        &mut self,
+        ch: NonNull<ffi::rdma_event_channel>,
+        id: NonNull<ffi::rdma_cm_id>,
+        addr: SocketAddr,
+    ) -> Result<PeerId, VerbsError> {
+        let (mut ss, _) = sockaddr(addr);
+        // SAFETY: a live id and a valid destination sockaddr.
+        if unsafe {
+            ffi::rdma_resolve_addr(
+                id.as_ptr(),
+                ptr::null_mut(),
+                (&mut ss as *mut libc::sockaddr_storage).cast(),
+                CM_TIMEOUT_MS,
+            )
+        } != 0
+        {
+            return Err(call_failed("rdma_resolve_addr"));
+        }
+        expect_event(
+            ch,
+            ffi::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED,
+            "address resolution",
+        )?;
+        // SAFETY: a live id with a resolved address.
+        if unsafe { ffi::rdma_resolve_route(id.as_ptr(), CM_TIMEOUT_MS) } != 0 {
+            return Err(call_failed("rdma_resolve_route"));
+        }
+        expect_event(
+            ch,
+            ffi::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED,
+            "route resolution",
+        )?;
+        let mut conn = self.setup(id, Some(ch))?;
+        let depth = self.config.recv_depth.to_le_bytes();
+        let mut param = conn_param(&depth);
+        // SAFETY: a live id with a QP; `param` and `depth` outlive the call.
+        if unsafe { ffi::rdma_connect(id.as_ptr(), &mut param) } != 0 {
+            let e = call_failed("rdma_connect");
+            self.teardown(&mut conn);
+            return Err(e);
+        }
+        match expect_event(
+            ch,
+            ffi::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
+            "connection",
+        ) {
+            Ok(ev) => conn.credits = ev.peer_depth.unwrap_or(0),
+            Err(e) => {
+                self.teardown(&mut conn);
+                return Err(e);
+            }
+        }
+        conn.established = true;
+        // SAFETY: a live channel.
+        set_nonblocking(unsafe { (*ch.as_ptr()).fd });
+        Ok(self.add(conn))
+    }
+
+    fn add(&mut self, conn: Conn) -> PeerId {
+        match self.peers.iter().position(Option::is_none) {
+            Some(i) => {
+                self.peers[i] = Some(conn);
+                PeerId(i as u32)
+            }
+            None => {
+                self.peers.push(Some(conn));
+                PeerId(self.peers.len() as u32 - 1)
+            }
+        }
+    }
+
+    /// Creates the CQ, its channel and the QP on `id`, and posts the receive ring.
+    fn setup(
+        &mut self,
+        id: NonNull<ffi::rdma_cm_id>,
+        channel: Option<NonNull<ffi::rdma_event_channel>>,
+    ) -> Result<Conn, VerbsError> {
+        // SAFETY: a live id; after address resolution its `verbs` is the device context.
+        if unsafe { (*id.as_ptr()).verbs } != self.device.ctx() {
+            return Err(VerbsError::Connect(format!(
+                "the route leaves through another RDMA device than {}",
+                self.device.name()
+            )));
+        }
+        let depth = self.config.recv_depth as usize;
+        let send_depth = depth + 8;
+        // The NIC writes received headers here: it needs the receive pool's local-write access.
+        let headers = Lease::take(
+            Arc::clone(&self.recv_pool),
+            (depth + send_depth) * HEADER_LEN,
+        )
+        .map_err(|e| VerbsError::Connect(format!("header ring: {e}")))?;
+        // SAFETY: a live context; the channel is destroyed with the connection.
+        let comp = NonNull::new(unsafe { ffi::ibv_create_comp_channel(self.device.ctx()) })
+            .ok_or_else(|| call_failed("ibv_create_comp_channel"))?;
+        // SAFETY: a live context and channel.
+        let cq = unsafe {
+            ffi::ibv_create_cq(
+                self.device.ctx(),
+                (depth + send_depth + 16) as i32,
+                ptr::null_mut(),
+                comp.as_ptr(),
+                0,
+            )
+        };
+        let Some(cq) = NonNull::new(cq) else {
+            let e = call_failed("ibv_create_cq");
+            // SAFETY: the channel has no CQ.
+            unsafe { ffi::ibv_destroy_comp_channel(comp.as_ptr()) };
+            return Err(e);
+        };
+        // SAFETY: an all-zero qp_init_attr is a valid starting point.
+        let mut attr: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        attr.send_cq = cq.as_ptr();
+        attr.recv_cq = cq.as_ptr();
+        attr.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
+        attr.cap.max_send_wr = send_depth as u32;
+        attr.cap.max_recv_wr = depth as u32;
+        attr.cap.max_send_sge = 2;
+        attr.cap.max_recv_sge = 2;
+        // SAFETY: a live id, PD and CQ; the attr lives across the call.
+        if unsafe { ffi::rdma_create_qp(id.as_ptr(), self.device.pd(), &mut attr) } != 0 {
+            let e = call_failed("rdma_create_qp");
+            // SAFETY: CQ then channel, each once; no QP uses them.
+            unsafe {
+                ffi::ibv_destroy_cq(cq.as_ptr());
+                ffi::ibv_destroy_comp_channel(comp.as_ptr());
+            }
+            return Err(e);
+        }
+        // SAFETY: live objects; the channel fd is ours.
+        unsafe {
+            set_nonblocking((*comp.as_ptr()).fd);
+            ffi::ibv_req_notify_cq(cq.as_ptr(), 0);
+        }
+        let mut conn = Conn {
+            id,
+            channel,
+            comp,
+            cq,
+            headers,
+            recv: (0..depth).map(|_| None).collect(),
+            send: (0..send_depth).map(|_| None).collect(),
+            free_send: (0..send_depth as u32).rev().collect(),
+            pending: VecDeque::new(),
+            credits: 0,
+            owed: 0,
+            tx_seq: 0,
+            rx_next: 0,
+            assembling: None,
+            established: false,
+            closing: false,
+            peer_closed: false,
+        };
+        for slot in 0..depth {
+            if let Err(e) = self.post_recv(&mut conn, slot) {
+                self.teardown(&mut conn);
+                return Err(VerbsError::Connect(format!(
+                    "posting the receive ring: {e}"
+                )));
+            }
+        }
+        conn.owed = 0; // the initial ring is announced in the private data, not as credits
+        Ok(conn)
+    }
+
+    fn post_recv(&self, conn: &mut Conn, slot: usize) -> Result<(), Error> {
+        let lease = Lease::take(Arc::clone(&self.recv_pool), self.config.fragment)?;
+        let (hmr, pmr) = (
+            conn.headers.mr().expect("registered"),
+            lease.mr().expect("registered"),
+        );
+        let mut sge = [
+            ffi::ibv_sge {
+                addr: conn.headers.device_ptr() + (slot * HEADER_LEN) as u64,
+                length: HEADER_LEN as u32,
+                lkey: hmr.lkey,
+            },
+            ffi::ibv_sge {
+                addr: lease.device_ptr(),
+                length: self.config.fragment as u32,
+                lkey: pmr.lkey,
+            },
+        ];
+        // SAFETY: an all-zero recv WR is valid; the fields are set below.
+        let mut wr: ffi::ibv_recv_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = slot as u64;
+        wr.sg_list = sge.as_mut_ptr();
+        wr.num_sge = 2;
+        let mut bad = ptr::null_mut();
+        // SAFETY: a live QP; the SGEs name registered memory that stays leased
+        // (in `conn.recv[slot]`) until this receive completes or the QP is destroyed.
+        let rc = unsafe { ffi::ibv_post_recv((*conn.id.as_ptr()).qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(Error::Backend("ibv_post_recv"));
+        }
+        conn.recv[slot] = Some(lease);
+        conn.owed += 1;
+        Ok(())
+    }
+
+    /// Posts as many queued frames as credits and send slots allow.
+    fn pump(conn: &mut Conn, depth: u32) -> Result<bool, Error> {
+        let mut any = false;
+        while let Some(f) = conn.pending.front() {
+            let need = if f.kind == FrameKind::Data { 2 } else { 1 };
+            if conn.credits < need || conn.free_send.is_empty() {
+                break;
+            }
+            let f = conn.pending.pop_front().expect("front exists");
+            Self::post_send(conn, f)?;
+            any = true;
+        }
+        // Return credits on their own when enough are owed and no data frame carries them.
+        if conn.pending.is_empty()
+            && conn.owed >= (depth / 4).max(1)
+            && conn.credits >= 1
+            && !conn.free_send.is_empty()
+        {
+            Self::post_send(
+                conn,
+                Frame {
+                    kind: FrameKind::Credit,
+                    seq: 0,
+                    total: 0,
+                    more: false,
+                    payload: Payload::None,
+                },
+            )?;
+            any = true;
+        }
+        Ok(any)
+    }
+
+    fn post_send(conn: &mut Conn, f: Frame) -> Result<(), Error> {
+        let slot = conn.free_send.pop().expect("checked by the caller") as usize;
+        let recv_depth = conn.recv.len();
+        let (addr, len, lkey) = match &f.payload {
+            Payload::None => (0, 0, 0),
+            Payload::Lease(l, len) => (l.device_ptr(), *len, l.mr().expect("registered").lkey),
+        };
+        let mut h = match f.kind {
+            FrameKind::Data => Header::data(f.total, conn.owed, f.seq, &[], false, f.more),
+            k => Header::control(k, 0, conn.owed, f.seq),
+        };
+        h.len = len as u32;
+        h.flags = if f.more { Flags::MORE } else { Flags::NONE };
+        h.checksum = h.compute_checksum(&[]);
+        let at = (recv_depth + slot) * HEADER_LEN;
+        host_bytes_mut_range(&mut conn.headers, at, HEADER_LEN).copy_from_slice(&h.encode());
+        let hmr = conn.headers.mr().expect("registered");
+        let mut sge = [
+            ffi::ibv_sge {
+                addr: conn.headers.device_ptr() + at as u64,
+                length: HEADER_LEN as u32,
+                lkey: hmr.lkey,
+            },
+            ffi::ibv_sge {
+                addr,
+                length: len as u32,
+                lkey,
+            },
+        ];
+        // SAFETY: an all-zero send WR is valid; the fields are set below.
+        let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = SEND_TAG | slot as u64;
+        wr.sg_list = sge.as_mut_ptr();
+        wr.num_sge = if len > 0 { 2 } else { 1 };
+        wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND;
+        wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let mut bad = ptr::null_mut();
+        // SAFETY: a live QP; the header slot and the payload lease stay
+        // untouched and alive (in `conn.send[slot]`) until the send completes.
+        let rc = unsafe { ffi::ibv_post_send((*conn.id.as_ptr()).qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            conn.free_send.push(slot as u32);
+            return Err(Error::Backend("ibv_post_send"));
+        }
+        conn.send[slot] = Some(f.payload);
+        conn.credits -= 1;
+        conn.owed = 0;
+        Ok(())
+    }
+
+    /// Splits a message into frames: zero-copy when `lease` holds it in one fragment.
+    fn queue(
+        &mut self,
+        peer: PeerId,
+        bytes: Option<&[u8]>,
+        lease: Option<PoolLease>,
+    ) -> Result<(), (Error, Option<PoolLease>)> {
+        if self.closed {
+            return Err((Error::Closed, lease));
+        }
+        let total = bytes.map_or_else(|| lease.as_ref().map_or(0, |l| l.len()), <[u8]>::len);
+        if total > self.config.max_message {
+            return Err((
+                Error::TooLarge {
+                    len: total,
+                    max: self.config.max_message,
+                },
+                lease,
+            ));
+        }
+        let frag = self.config.fragment;
+        let Some(Some(conn)) = self.peers.get_mut(peer.0 as usize) else {
+            return Err((Error::UnknownPeer(peer), lease));
+        };
+        if !conn.established || conn.closing {
+            return Err((Error::UnknownPeer(peer), lease));
+        }
+        // Bounded queue: at most one ring's worth of frames waiting.
+        if conn.pending.len() > conn.send.len() * 2 {
+            return Err((Error::WouldBlock, lease));
+        }
+        let seq = conn.tx_seq;
+        match lease {
+            // One fragment from a registered lease: zero copy.
+            Some(l) if total <= frag => conn.pending.push_back(Frame {
+                kind: FrameKind::Data,
+                seq,
+                total: total as u32,
+                more: false,
+                payload: Payload::Lease(l, total),
+            }),
+            lease => {
+                let src: &[u8] = match (&bytes, &lease) {
+                    (Some(b), _) => b,
+                    (None, Some(l)) => host_bytes(l),
+                    (None, None) => &[],
+                };
+                let mut frames = Vec::new();
+                let mut off = 0;
+                loop {
+                    let n = (total - off).min(frag);
+                    let payload = if n == 0 {
+                        Payload::None
+                    } else {
+                        let mut buf = match Lease::take(Arc::clone(&self.send_pool), n) {
+                            Ok(b) => b,
+                            // A dry send pool is back-pressure: try again after completions.
+                            Err(Error::Pool(_)) => return Err((Error::WouldBlock, lease)),
+                            Err(e) => return Err((e, lease)),
+                        };
+                        host_bytes_mut(&mut buf).copy_from_slice(&src[off..off + n]);
+                        Payload::Lease(buf, n)
+                    };
+                    off += n;
+                    frames.push(Frame {
+                        kind: FrameKind::Data,
+                        seq,
+                        total: total as u32,
+                        more: off < total,
+                        payload,
+                    });
+                    if off >= total {
+                        break;
+                    }
+                }
+                conn.pending.extend(frames);
+            }
+        }
+        conn.tx_seq += 1;
+        // The message is queued: a posting failure now means a broken QP,
+        // which the next progress reports for this peer.
+        let _ = Self::pump(conn, self.config.recv_depth);
+        Ok(())
+    }
+
+    /// Drains completion events and the CQ of every connection, and CM events.
+    fn poll_all(&mut self) -> bool {
+        let mut any = self.accept_all();
+        for i in 0..self.peers.len() {
+            let Some(mut conn) = self.peers[i].take() else {
+                continue;
+            };
+            let outcome = self.poll_conn(&mut conn, PeerId(i as u32));
+            any |= outcome.is_err() || outcome.as_ref().is_ok_and(|p| *p);
+            match outcome {
+                Ok(_) if !(conn.peer_closed && conn.idle()) => self.peers[i] = Some(conn),
+                Ok(_) => self.teardown(&mut conn),
+                Err(e) => {
+                    self.arrivals.push_back(Err(e));
+                    self.teardown(&mut conn);
+                }
+            }
+        }
+        any
+    }
+
+    fn poll_conn(&mut self, conn: &mut Conn, peer: PeerId) -> Result<bool, Error> {
+        let mut any = false;
+        // CM events of a connecting side arrive on its own channel.
+        if let Some(ch) = conn.channel {
+            while let Ok(Some(ev)) = next_event(ch, Duration::ZERO) {
+                any = true;
+                if ev.kind == ffi::rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED {
+                    // Expected after a Close either way; otherwise the peer vanished.
+                    if !conn.peer_closed && !conn.closing {
+                        return Err(Error::PeerLost(peer));
+                    }
+                    conn.peer_closed = true;
+                }
+            }
+        }
+        // Acknowledge completion-channel events, then poll, re-arm, poll again.
+        let mut cq = ptr::null_mut();
+        let mut ctx = ptr::null_mut();
+        let mut events = 0;
+        // SAFETY: a live, non-blocking completion channel and valid out-pointers.
+        while unsafe { ffi::ibv_get_cq_event(conn.comp.as_ptr(), &mut cq, &mut ctx) } == 0 {
+            events += 1;
+        }
+        if events > 0 {
+            // SAFETY: acknowledges exactly the events taken above.
+            unsafe { ffi::ibv_ack_cq_events(conn.cq.as_ptr(), events) };
+        }
+        loop {
+            let n = self.drain_cq(conn, peer)?;
+            any |= n > 0;
+            if n == 0 {
+                // SAFETY: a live CQ.
+                unsafe { ffi::ibv_req_notify_cq(conn.cq.as_ptr(), 0) };
+                if self.drain_cq(conn, peer)? == 0 {
+                    break;
+                }
+            }
+        }
+        // Refill receives the pool could not serve earlier.
+        for slot in 0..conn.recv.len() {
+            if conn.recv[slot].is_none() && !conn.peer_closed && self.post_recv(conn, slot).is_err()
+            {
+                break;
+            }
+        }
+        any |= Self::pump(conn, self.config.recv_depth)?;
+        Ok(any)
+    }
+
+    fn drain_cq(&mut self, conn: &mut Conn, peer: PeerId) -> Result<usize, Error> {
+        // SAFETY: an all-zero work completion array is valid to pass for output.
+        let mut wcs: [ffi::ibv_wc; 32] = unsafe { std::mem::zeroed() };
+        // SAFETY: a live CQ and room for 32 completions.
+        let n = unsafe { ffi::ibv_poll_cq(conn.cq.as_ptr(), 32, wcs.as_mut_ptr()) };
+        if n < 0 {
+            return Err(Error::Backend("ibv_poll_cq"));
+        }
+        for wc in &wcs[..n as usize] {
+            if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
+                // A QP in error (retries exceeded, peer gone): every pending send fails with it.
+                if conn.peer_closed && wc.status == ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
+                    continue;
+                }
+                return Err(Error::PeerLost(peer));
+            }
+            if wc.wr_id & SEND_TAG != 0 {
+                let slot = (wc.wr_id & !SEND_TAG) as usize;
+                conn.send[slot] = None; // the payload lease goes back to its pool
+                conn.free_send.push(slot as u32);
+            } else {
+                self.received(conn, peer, wc.wr_id as usize, wc.byte_len as usize)?;
+            }
+        }
+        Ok(n as usize)
+    }
+
+    fn received(
+        &mut self,
+        conn: &mut Conn,
+        peer: PeerId,
+        slot: usize,
+        byte_len: usize,
+    ) -> Result<(), Error> {
+        let mut lease = conn.recv[slot]
+            .take()
+            .ok_or(Error::Backend("completion for an empty receive slot"))?;
+        let at = slot * HEADER_LEN;
+        let h = Header::decode(
+            &host_bytes(&conn.headers)[at..at + HEADER_LEN],
+            self.config.fragment,
+        )
+        .map_err(|error| Error::Protocol { peer, error })?;
+        conn.credits += h.dst;
+        // Repost at once with a fresh buffer (the old one goes to the application).
+        if self.post_recv(conn, slot).is_err() {
+            conn.recv[slot] = None; // retried in poll_conn
+        }
+        match h.kind {
+            FrameKind::Data => {}
+            FrameKind::Close => {
+                conn.peer_closed = true;
+                return Ok(());
+            }
+            FrameKind::Credit | FrameKind::Hello => return Ok(()),
+        }
+        let len = h.len as usize;
+        if byte_len != HEADER_LEN + len {
+            return Err(Error::Protocol {
+                peer,
+                error: zerohop_core::wire::DecodeError::UnexpectedPayload,
+            });
+        }
+        let total = h.src as usize;
+        let more = h.flags.contains(Flags::MORE);
+        if conn.assembling.is_none() && !more {
+            if h.seq != conn.rx_next {
+                self.arrivals.push_back(Err(Error::SequenceGap {
+                    peer,
+                    expected: conn.rx_next,
+                    got: h.seq,
+                }));
+            }
+            conn.rx_next = h.seq + 1;
+            lease.set_len(len)?;
+            self.arrivals.push_back(Ok(Received { peer, lease }));
+            return Ok(());
+        }
+        if conn.assembling.is_none() {
+            if total > self.config.max_message {
+                return Err(Error::TooLarge {
+                    len: total,
+                    max: self.config.max_message,
+                });
+            }
+            let whole = Lease::take(Arc::clone(&self.recv_pool), total.max(1))?;
+            conn.assembling = Some((whole, 0));
+        }
+        let (whole, have) = conn.assembling.as_mut().expect("set above");
+        if *have + len > whole.capacity() {
+            return Err(Error::Protocol {
+                peer,
+                error: zerohop_core::wire::DecodeError::UnexpectedPayload,
+            });
+        }
+        host_bytes_mut_range(whole, *have, len).copy_from_slice(&host_bytes(&lease)[..len]);
+        *have += len;
+        if !more {
+            let (mut whole, have) = conn.assembling.take().expect("set above");
+            whole.set_len(have)?;
+            if h.seq != conn.rx_next {
+                self.arrivals.push_back(Err(Error::SequenceGap {
+                    peer,
+                    expected: conn.rx_next,
+                    got: h.seq,
+                }));
+            }
+            conn.rx_next = h.seq + 1;
+            self.arrivals.push_back(Ok(Received { peer, lease: whole }));
+        }
+        Ok(())
+    }
+
+    fn accept_all(&mut self) -> bool {
+        let Some((ch, _)) = self.listener else {
+            return false;
+        };
+        let mut any = false;
+        while let Ok(Some(ev)) = next_event(ch, Duration::ZERO) {
+            any = true;
+            let Some(id) = NonNull::new(ev.id) else {
+                continue;
+            };
+            match ev.kind {
+                ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST => {
+                    if self.closed {
+                        // SAFETY: refuse the request on its own id; the CM destroys nothing of ours.
+                        unsafe {
+                            ffi::rdma_reject(id.as_ptr(), ptr::null(), 0);
+                            ffi::rdma_destroy_id(id.as_ptr());
+                        }
+                        continue;
+                    }
+                    match self.setup(id, None) {
+                        Ok(mut conn) => {
+                            conn.credits = ev.peer_depth.unwrap_or(0);
+                            let depth = self.config.recv_depth.to_le_bytes();
+                            let mut param = conn_param(&depth);
+                            // SAFETY: a live id with a QP; `param` outlives the call.
+                            if unsafe { ffi::rdma_accept(id.as_ptr(), &mut param) } != 0 {
+                                self.teardown(&mut conn);
+                            } else {
+                                self.add(conn);
+                            }
+                        }
+                        Err(_) => {
+                            // SAFETY: reject and drop the request's id, which nothing else holds.
+                            unsafe {
+                                ffi::rdma_reject(id.as_ptr(), ptr::null(), 0);
+                                ffi::rdma_destroy_id(id.as_ptr());
+                            }
+                        }
+                    }
+                }
+                ffi::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED => {
+                    if let Some(c) = self.peers.iter_mut().flatten().find(|c| c.id == id) {
+                        c.established = true;
+                    }
+                }
+                ffi::rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED => {
+                    if let Some(i) = self
+                        .peers
+                        .iter()
+                        .position(|c| c.as_ref().is_some_and(|c| c.id == id))
+                    {
+                        let mut conn = self.peers[i].take().expect("found");
+                        if !conn.peer_closed && !conn.closing {
+                            self.arrivals
+                                .push_back(Err(Error::PeerLost(PeerId(i as u32))));
+                        }
+                        self.teardown(&mut conn);
+                    }
+                }
+                _ => {}
+            }
+        }
+        any
+    }
+
+    /// Destroys a connection's verbs objects; its leases go back to their pools.
+    fn teardown(&self, conn: &mut Conn) {
+        // SAFETY: each object is destroyed once, QP first (so the NIC stops
+        // touching the posted buffers before their leases are dropped below).
+        unsafe {
+            ffi::rdma_disconnect(conn.id.as_ptr());
+            ffi::rdma_destroy_qp(conn.id.as_ptr());
+            ffi::ibv_destroy_cq(conn.cq.as_ptr());
+            ffi::ibv_destroy_comp_channel(conn.comp.as_ptr());
+            ffi::rdma_destroy_id(conn.id.as_ptr());
+            if let Some(ch) = conn.channel.take() {
+                ffi::rdma_destroy_event_channel(ch.as_ptr());
+            }
+        }
+        conn.recv.clear();
+        conn.send.clear();
+        conn.pending.clear();
+        conn.assembling = None;
+    }
+
+    /// The descriptors a progress thread should wait on.
+    pub fn poll_descriptors(&self, out: &mut Vec<i32>) {
+        if let Some((ch, _)) = self.listener {
+            // SAFETY: a live channel.
+            out.push(unsafe { (*ch.as_ptr()).fd });
+        }
+        for c in self.peers.iter().flatten() {
+            // SAFETY: live channels.
+            out.push(unsafe { (*c.comp.as_ptr()).fd });
+            if let Some(ch) = c.channel {
+                // SAFETY: a live channel.
+                out.push(unsafe { (*ch.as_ptr()).fd });
+            }
+        }
+    }
+
+    /// Frames queued but not yet posted.
+    pub fn pending_frames(&self) -> usize {
+        self.peers
+            .iter()
+            .flatten()
+            .map(|c| c.pending.len() + c.send.iter().filter(|s| s.is_some()).count())
+            .sum()
+    }
+}
+
+impl Conn {
+    /// Nothing queued and nothing in flight.
+    fn idle(&self) -> bool {
+        self.pending.is_empty() && self.send.iter().all(Option::is_none)
+    }
+}
+
+fn conn_param(private: &[u8; 4]) -> ffi::rdma_conn_param {
+    // SAFETY: an all-zero conn param is valid; the fields are set below.
+    let mut p: ffi::rdma_conn_param = unsafe { std::mem::zeroed() };
+    p.private_data = private.as_ptr().cast();
+    p.private_data_len = 4;
+    p.responder_resources = 1;
+    p.initiator_depth = 1;
+    p.retry_count = 7;
+    p.rnr_retry_count = 7;
+    p
+}
+
+fn host_bytes_mut_range(l: &mut PoolLease, at: usize, len: usize) -> &mut [u8] {
+    &mut host_bytes_mut(l)[at..at + len]
+}
+
+impl Transport for RdmaTransport {
+    type Lease = PoolLease;
+
+    fn kind(&self) -> Kind {
+        Kind::Rdma
+    }
+
+    fn caps(&self) -> Capabilities {
+        Capabilities::new(false, true, 2)
+    }
+
+    fn try_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<(), Error> {
+        self.queue(peer, Some(bytes), None).map_err(|(e, _)| e)
+    }
+
+    fn try_send_lease(
+        &mut self,
+        peer: PeerId,
+        lease: PoolLease,
+    ) -> Result<(), Rejected<PoolLease>> {
+        match self.queue(peer, None, Some(lease)) {
+            Ok(()) => Ok(()),
+            Err((error, lease)) => Err(Rejected {
+                error,
+                lease: lease.expect("a refused lease is always handed back"),
+            }),
+        }
+    }
+
+    fn try_recv(&mut self) -> Result<Received<PoolLease>, Error> {
+        if self.arrivals.is_empty() {
+            self.poll_all();
+        }
+        match self.arrivals.pop_front() {
+            Some(r) => r,
+            None if self.closed && self.peers.iter().all(Option::is_none) => Err(Error::Closed),
+            None => Err(Error::WouldBlock),
+        }
+    }
+
+    fn progress(&mut self) -> Result<bool, Error> {
+        Ok(self.poll_all())
+    }
+
+    fn close(&mut self) -> Result<(), Error> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        for c in self.peers.iter_mut().flatten() {
+            let seq = c.tx_seq;
+            c.pending.push_back(Frame {
+                kind: FrameKind::Close,
+                seq,
+                total: 0,
+                more: false,
+                payload: Payload::None,
+            });
+            c.closing = true;
+            let _ = Self::pump(c, self.config.recv_depth);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RdmaTransport {
+    fn drop(&mut self) {
+        for i in 0..self.peers.len() {
+            if let Some(mut c) = self.peers[i].take() {
+                self.teardown(&mut c);
+            }
+        }
+        if let Some((ch, id)) = self.listener.take() {
+            // SAFETY: the listening id and its channel, destroyed once.
+            unsafe {
+                ffi::rdma_destroy_id(id.as_ptr());
+                ffi::rdma_destroy_event_channel(ch.as_ptr());
+            }
+        }
+    }
+}
