@@ -137,7 +137,7 @@ fn pair(
 fn message(i: u64, max: usize) -> Vec<u8> {
     let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     x ^= x >> 29;
-    let len = 8 + (x as usize % max) >> (x as usize % 5);
+    let len = (8 + (x as usize % max)) >> (x as usize % 5);
     let mut m: Vec<u8> = (0..len.max(8)).map(|k| (k as u64 ^ x) as u8).collect();
     m[..8].copy_from_slice(&i.to_le_bytes());
     let c = crc32c(0, &m);

@@ -220,6 +220,11 @@ fn to_verbs_access(a: Access) -> i32 {
     f as i32
 }
 
+// SAFETY: the MR pointers are owned by this map and only used under the
+// registry's mutex or after being taken out of it (then exclusively);
+// libibverbs calls are thread safe.
+unsafe impl Send for Registrations {}
+
 #[derive(Debug)]
 struct Registrations {
     /// Every live registration, indexed by address: a range is never registered twice.
@@ -236,12 +241,6 @@ pub struct Registry {
     device: Arc<Device>,
     regs: Arc<Mutex<Registrations>>,
 }
-
-// SAFETY: the MR pointers are only used under the mutex or after being taken
-// out of the map (exclusively); libibverbs is thread safe.
-unsafe impl Send for Registry {}
-// SAFETY: as above.
-unsafe impl Sync for Registry {}
 
 impl Registry {
     /// A registry on `device`.

@@ -346,14 +346,12 @@ impl RdmaTransport {
             return Err(e);
         }
         let (mut ss, _) = sockaddr(addr);
-        // SAFETY: a live id and a valid sockaddr.
-        let rc =
-            unsafe { ffi::rdma_bind_addr(id, (&mut ss as *mut libc::sockaddr_storage).cast()) };
-        // SAFETY: as above.
-        let rc = if rc == 0 {
-            unsafe { ffi::rdma_listen(id, 64) }
-        } else {
-            rc
+        // SAFETY: a live id and a valid sockaddr; listen only after a successful bind.
+        let rc = unsafe {
+            match ffi::rdma_bind_addr(id, (&mut ss as *mut libc::sockaddr_storage).cast()) {
+                0 => ffi::rdma_listen(id, 64),
+                e => e,
+            }
         };
         if rc != 0 {
             let e = call_failed("rdma_bind_addr/rdma_listen");
