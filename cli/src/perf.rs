@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use zerohop_backends::host_bytes;
 use zerohop_core::{pick, Error, Kind, PeerId, Preference};
-use zerohop_std::{probe_host, Config, Deadline, Endpoint, StdLease, Wire};
+use zerohop_std::{probe_host, Config, Deadline, Endpoint, EndpointConfig, StdLease, Wire};
 
 use crate::transports;
 
@@ -33,6 +33,10 @@ pub struct PerfArgs {
     /// Bytes streamed per size for bandwidth (messages: between 1000 and 200000).
     #[arg(long, default_value = "1G")]
     stream_bytes: String,
+    /// How long a receiver busy-polls before it sleeps, microseconds (perftest
+    /// and ucx_perftest always busy-poll; applications may prefer less).
+    #[arg(long, default_value_t = 200)]
+    spin_us: u64,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -298,22 +302,49 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
     let skipped: Vec<String> = choice.skipped().map(|s| s.to_string()).collect();
     let bar = progress(2 * plan.sizes.len() as u64, args.json);
     let budget = config.pool_bytes;
+    let ep = EndpointConfig {
+        spin: Duration::from_micros(args.spin_us),
+        ..EndpointConfig::default()
+    };
     let (mode, rows) = match (kind, &args.listen, args.connect) {
         (Kind::Tcp | Kind::Uma, Some(addr), _) => {
-            let (ep, bound) = transports::tcp_listen(kind, addr, budget)?;
+            let (ep, bound) = transports::tcp_listen(kind, addr, budget, &ep)?;
             eprintln!("zerohop perf: serving {} on {bound}", kind.name());
             serve(&ep)?;
             return Ok(());
         }
         (Kind::Tcp | Kind::Uma, None, Some(addr)) => {
-            let (ep, peer) = transports::tcp_connect(kind, addr, budget)?;
+            let (ep, peer) = transports::tcp_connect(kind, addr, budget, &ep)?;
             (format!("to {addr}"), client(&ep, peer, &plan, &bar)?)
         }
         (Kind::Tcp | Kind::Uma, None, None) => {
-            let (server, addr) = transports::tcp_listen(kind, "127.0.0.1:0", budget)?;
-            let (c, peer) = transports::tcp_connect(kind, addr, budget)?;
+            let (server, addr) = transports::tcp_listen(kind, "127.0.0.1:0", budget, &ep)?;
+            let (c, peer) = transports::tcp_connect(kind, addr, budget, &ep)?;
             (
                 "in one process, over 127.0.0.1".to_string(),
+                in_process(server, c, peer, &plan, &bar)?,
+            )
+        }
+        #[cfg(feature = "gpudirect-verbs")]
+        (Kind::Rdma, Some(addr), _) => {
+            let addr: SocketAddr = addr.parse().map_err(|e| format!("--listen {addr}: {e}"))?;
+            let ep = transports::rdma::listen(addr, budget, &ep)?;
+            eprintln!("zerohop perf: serving rdma on {addr}");
+            serve(&ep)?;
+            return Ok(());
+        }
+        #[cfg(feature = "gpudirect-verbs")]
+        (Kind::Rdma, None, Some(addr)) => {
+            let (ep, peer) = transports::rdma::connect(addr, budget, &ep)?;
+            (format!("to {addr}"), client(&ep, peer, &plan, &bar)?)
+        }
+        #[cfg(feature = "gpudirect-verbs")]
+        (Kind::Rdma, None, None) => {
+            let addr = transports::rdma::local_addr()?;
+            let server = transports::rdma::listen(addr, budget, &ep)?;
+            let (c, peer) = transports::rdma::connect(addr, budget, &ep)?;
+            (
+                format!("in one process, over RDMA RC on {addr}"),
                 in_process(server, c, peer, &plan, &bar)?,
             )
         }
@@ -327,7 +358,7 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
                 )
                 .into());
             }
-            let (a, b) = transports::mock::pair(budget)?;
+            let (a, b) = transports::mock::pair(budget, &ep)?;
             (
                 "in one process, over the mock link".to_string(),
                 in_process(a, b, PeerId(0), &plan, &bar)?,

@@ -22,10 +22,11 @@ pub fn tcp_listen(
     kind: Kind,
     addr: &str,
     budget: usize,
+    ep: &EndpointConfig,
 ) -> Result<(Endpoint<TcpTransport>, SocketAddr), Box<dyn std::error::Error>> {
     let mut t = TcpTransport::new(pool_for(kind, budget)?, TcpConfig::default(), kind);
     let bound = t.listen(addr)?;
-    Ok((Endpoint::new(t, EndpointConfig::default())?, bound))
+    Ok((Endpoint::new(t, *ep)?, bound))
 }
 
 /// A TCP-wire endpoint (kind tcp or uma) connected to `addr`.
@@ -33,10 +34,11 @@ pub fn tcp_connect(
     kind: Kind,
     addr: SocketAddr,
     budget: usize,
+    ep: &EndpointConfig,
 ) -> Result<(Endpoint<TcpTransport>, PeerId), Box<dyn std::error::Error>> {
     let mut t = TcpTransport::new(pool_for(kind, budget)?, TcpConfig::default(), kind);
     let peer = t.connect(addr, Duration::from_secs(10))?;
-    Ok((Endpoint::new(t, EndpointConfig::default())?, peer))
+    Ok((Endpoint::new(t, *ep)?, peer))
 }
 
 #[cfg(feature = "mock")]
@@ -51,6 +53,7 @@ pub mod mock {
 
     pub fn pair(
         budget: usize,
+        ep: &EndpointConfig,
     ) -> Result<(Endpoint<MockWire>, Endpoint<MockWire>), Box<dyn std::error::Error>> {
         // 16 MiB of rings: a static (zeroed .bss), never a stack temporary.
         static LINK: MockLink<LINK_BYTES> = MockLink::new();
@@ -58,9 +61,55 @@ pub mod mock {
         let max = MockLink::<LINK_BYTES>::max_payload();
         let ta = MockTransport::new(a, heap_pool(budget)?, max);
         let tb = MockTransport::new(b, heap_pool(budget)?, max);
-        Ok((
-            Endpoint::new(ta, EndpointConfig::default())?,
-            Endpoint::new(tb, EndpointConfig::default())?,
-        ))
+        Ok((Endpoint::new(ta, *ep)?, Endpoint::new(tb, *ep)?))
+    }
+}
+
+#[cfg(feature = "gpudirect-verbs")]
+pub mod rdma {
+    //! RC queue pairs over the RDMA device (`$ZEROHOP_RDMA_DEVICE`, else the first).
+    use super::*;
+    use zerohop_backends::verbs::{Device, RdmaConfig, RdmaTransport};
+
+    /// The address in-process runs listen on: `$ZEROHOP_RDMA_ADDR`, else
+    /// `$RXE_ADDR` (set in the Soft-RoCE VM); it must belong to the RDMA device's netdev.
+    pub fn local_addr() -> Result<SocketAddr, String> {
+        let ip = std::env::var("ZEROHOP_RDMA_ADDR")
+            .or_else(|_| std::env::var("RXE_ADDR"))
+            .map_err(|_| {
+                "set ZEROHOP_RDMA_ADDR to an IP address of the RDMA device's network interface"
+                    .to_string()
+            })?;
+        format!("{ip}:7471")
+            .parse()
+            .map_err(|e| format!("ZEROHOP_RDMA_ADDR={ip}: {e}"))
+    }
+
+    fn config(budget: usize) -> RdmaConfig {
+        RdmaConfig {
+            recv_pool_bytes: budget.min(1 << 30),
+            send_pool_bytes: budget.min(1 << 30),
+            ..RdmaConfig::default()
+        }
+    }
+
+    pub fn listen(
+        addr: SocketAddr,
+        budget: usize,
+        ep: &EndpointConfig,
+    ) -> Result<Endpoint<RdmaTransport>, Box<dyn std::error::Error>> {
+        let mut t = RdmaTransport::new(Device::open()?, config(budget))?;
+        t.listen(addr)?;
+        Ok(Endpoint::new(t, *ep)?)
+    }
+
+    pub fn connect(
+        addr: SocketAddr,
+        budget: usize,
+        ep: &EndpointConfig,
+    ) -> Result<(Endpoint<RdmaTransport>, PeerId), Box<dyn std::error::Error>> {
+        let mut t = RdmaTransport::new(Device::open()?, config(budget))?;
+        let peer = t.connect(addr)?;
+        Ok((Endpoint::new(t, *ep)?, peer))
     }
 }
