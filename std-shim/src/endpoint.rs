@@ -21,16 +21,42 @@ use std::time::{Duration, Instant};
 
 use zerohop_core::{Error, PeerId, Received, Transport};
 
+/// Who is about to wait in `poll(2)` on a transport's descriptors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Waiter {
+    /// The progress thread: connection management and queued sends always;
+    /// incoming data only while no application thread is receiving
+    /// (`app_reading`), so one arrival wakes one thread.
+    Progress {
+        /// An application thread is blocked in `recv` and will read itself.
+        app_reading: bool,
+    },
+    /// An application thread blocked in `recv` (`reading`) or in `send`.
+    App {
+        /// Waiting for data (else for room to send).
+        reading: bool,
+    },
+}
+
 /// What an [`Endpoint`] needs of a transport beyond core's trait.
 pub trait Wire: Transport + Send + 'static {
-    /// The descriptors the progress thread should wait on, with the events wanted.
-    fn poll_fds(&self, out: &mut Vec<libc::pollfd>) {
-        let _ = out;
+    /// The descriptors `waiter` should wait on, with the events wanted. A
+    /// transport with none (the mock link) is polled on a timer instead.
+    fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
+        let _ = (out, waiter);
     }
 
     /// Bytes accepted by `try_send` but not yet handed to the OS.
     fn pending_sends(&self) -> usize {
         0
+    }
+
+    /// The progress thread's work. With `read` false an application thread
+    /// is receiving and reads for itself: only accept and flush, so a
+    /// message never lands in a queue that thread is not watching.
+    fn background_progress(&mut self, read: bool) -> Result<bool, Error> {
+        let _ = read;
+        self.progress()
     }
 }
 
@@ -111,6 +137,8 @@ struct Shared<T> {
     transport: Mutex<T>,
     progressed: Condvar,
     stop: AtomicBool,
+    /// Application threads blocked in `recv`'s poll(2).
+    app_reading: std::sync::atomic::AtomicUsize,
     wake: UnixStream,
     config: EndpointConfig,
 }
@@ -152,6 +180,7 @@ impl<T: Wire> Endpoint<T> {
             transport: Mutex::new(transport),
             progressed: Condvar::new(),
             stop: AtomicBool::new(false),
+            app_reading: std::sync::atomic::AtomicUsize::new(0),
             wake,
             config,
         });
@@ -182,6 +211,36 @@ impl<T: Wire> Endpoint<T> {
             .0
     }
 
+    /// Waits until the transport's descriptors are ready (or the deadline or
+    /// the poll interval passes), in this thread, as a blocking socket call
+    /// would: no hand-off through the progress thread. Transports without
+    /// descriptors wait for the progress thread's signal instead.
+    fn wait_io<'a>(
+        &'a self,
+        guard: MutexGuard<'a, T>,
+        deadline: Deadline,
+        reading: bool,
+    ) -> MutexGuard<'a, T> {
+        let mut fds = Vec::new();
+        guard.poll_fds(&mut fds, Waiter::App { reading });
+        if fds.is_empty() {
+            return self.wait(guard, deadline);
+        }
+        drop(guard);
+        let cap = self.shared.config.poll_interval;
+        let d = deadline.remaining().map_or(cap, |r| r.min(cap));
+        // SAFETY: `fds` is a valid array of pollfd for the call; a descriptor
+        // closed meanwhile by another thread only reports POLLNVAL.
+        unsafe {
+            libc::poll(
+                fds.as_mut_ptr(),
+                fds.len() as libc::nfds_t,
+                d.as_millis().clamp(0, i32::MAX as u128) as i32,
+            )
+        };
+        self.shared.lock()
+    }
+
     /// Sends a copy of `bytes` to `peer`, waiting while its queue is full.
     pub fn send(
         &self,
@@ -208,8 +267,9 @@ impl<T: Wire> Endpoint<T> {
             if deadline.passed() {
                 return Err(Error::Timeout);
             }
-            self.shared.wake_progress();
-            t = self.wait(t, deadline);
+            // Flush what is queued ourselves, then wait for the socket.
+            let _ = t.progress();
+            t = self.wait_io(t, deadline, false);
         }
     }
 
@@ -240,8 +300,8 @@ impl<T: Wire> Endpoint<T> {
             if deadline.passed() {
                 return Err(Error::Timeout);
             }
-            self.shared.wake_progress();
-            t = self.wait(t, deadline);
+            let _ = t.progress();
+            t = self.wait_io(t, deadline, false);
         }
     }
 
@@ -253,27 +313,45 @@ impl<T: Wire> Endpoint<T> {
         cancel: Option<&CancelToken>,
     ) -> Result<Received<T::Lease>, Error> {
         let spin_until = Instant::now() + self.shared.config.spin;
+        // 1. Spin: poll the transport directly for a short while.
         loop {
             if cancel.is_some_and(CancelToken::is_cancelled) {
                 return Err(Error::Cancelled);
             }
-            let mut t = self.shared.lock();
-            match t.try_recv() {
+            match self.shared.lock().try_recv() {
                 Ok(r) => return Ok(r),
                 // An empty wire, or a dry pool (waits for leases to come back).
                 Err(Error::WouldBlock | Error::Pool(_)) => {}
                 Err(e) => return Err(e),
             }
-            if deadline.passed() {
-                return Err(Error::Timeout);
+            if Instant::now() >= spin_until {
+                break;
             }
-            if Instant::now() < spin_until {
-                drop(t);
-                std::hint::spin_loop();
-                continue;
-            }
-            drop(self.wait(t, deadline));
+            std::hint::spin_loop();
         }
+        // 2. Sleep in poll(2) on the transport's descriptors. The count of
+        // reading threads changes under the transport lock, which the progress
+        // thread holds while it reads: from here on it leaves reading to us.
+        let mut t = self.shared.lock();
+        // Relaxed: ordered by the transport mutex (see above).
+        self.shared.app_reading.fetch_add(1, Ordering::Relaxed);
+        let result = loop {
+            if cancel.is_some_and(CancelToken::is_cancelled) {
+                break Err(Error::Cancelled);
+            }
+            match t.try_recv() {
+                Ok(r) => break Ok(r),
+                Err(Error::WouldBlock | Error::Pool(_)) => {}
+                Err(e) => break Err(e),
+            }
+            if deadline.passed() {
+                break Err(Error::Timeout);
+            }
+            t = self.wait_io(t, deadline, true);
+        };
+        self.shared.app_reading.fetch_sub(1, Ordering::Relaxed);
+        drop(t);
+        result
     }
 
     /// Bytes accepted but not yet handed to the OS.
@@ -327,13 +405,15 @@ fn progress_loop<T: Wire>(s: &Shared<T>, mut wake_rx: UnixStream) {
     while !s.stop.load(Ordering::Acquire) {
         {
             let mut t = s.lock();
-            match t.progress() {
+            // Relaxed: read under the transport mutex, which orders it.
+            let app_reading = s.app_reading.load(Ordering::Relaxed) > 0;
+            match t.background_progress(!app_reading) {
                 Ok(true) => s.progressed.notify_all(),
                 Ok(false) => {}
                 Err(e) => log::debug!("zerohop: progress: {e}"),
             }
             fds.clear();
-            t.poll_fds(&mut fds);
+            t.poll_fds(&mut fds, Waiter::Progress { app_reading });
         }
         // Waiters re-check on every wake; a notify per loop keeps senders
         // blocked on a full queue moving as the kernel drains it.
@@ -369,9 +449,13 @@ where
 
 #[cfg(feature = "gpudirect-verbs")]
 impl Wire for zerohop_backends::verbs::RdmaTransport {
-    fn poll_fds(&self, out: &mut Vec<libc::pollfd>) {
+    fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
+        let (cm, completions) = match waiter {
+            Waiter::Progress { app_reading } => (true, !app_reading),
+            Waiter::App { .. } => (false, true),
+        };
         let mut fds = Vec::new();
-        self.poll_descriptors(&mut fds);
+        self.poll_descriptors(&mut fds, cm, completions);
         out.extend(fds.into_iter().map(|fd| libc::pollfd {
             fd,
             events: libc::POLLIN,

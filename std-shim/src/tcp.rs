@@ -23,7 +23,7 @@ use zerohop_core::{
     Capabilities, Error, Kind, Lease, PeerId, PoolError, Received, Rejected, Transport,
 };
 
-use crate::endpoint::Wire;
+use crate::endpoint::{Waiter, Wire};
 use crate::host::{StdLease, StdPool};
 
 const STAGE_BYTES: usize = 64 << 10;
@@ -579,8 +579,9 @@ impl Transport for TcpTransport {
     }
 
     fn try_recv(&mut self) -> Result<Received<StdLease>, Error> {
+        // Reads only: accepting is `progress`'s, so a polling receiver makes
+        // one system call per peer, not two.
         if self.arrivals.is_empty() {
-            self.accept_all();
             self.read_all();
         }
         match self.arrivals.pop_front() {
@@ -626,15 +627,19 @@ impl Transport for TcpTransport {
 }
 
 impl Wire for TcpTransport {
-    fn poll_fds(&self, out: &mut Vec<libc::pollfd>) {
-        if let Some(l) = &self.listener {
+    fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
+        let (accept, data) = match waiter {
+            Waiter::Progress { app_reading } => (true, !app_reading),
+            Waiter::App { reading } => (false, reading),
+        };
+        if let (true, Some(l)) = (accept, &self.listener) {
             out.push(libc::pollfd {
                 fd: l.as_raw_fd(),
                 events: libc::POLLIN,
                 revents: 0,
             });
         }
-        let reading = self.arrivals.len() < self.config.inbox_messages;
+        let reading = data && self.arrivals.len() < self.config.inbox_messages;
         for p in self.peers.iter().flatten() {
             let mut events = 0;
             if reading && !p.dry {
@@ -655,5 +660,12 @@ impl Wire for TcpTransport {
 
     fn pending_sends(&self) -> usize {
         self.queued_bytes()
+    }
+
+    fn background_progress(&mut self, read: bool) -> Result<bool, Error> {
+        let accepted = self.accept_all();
+        let flushed = self.flush_all();
+        let read = read && self.read_all();
+        Ok(accepted || flushed || read)
     }
 }

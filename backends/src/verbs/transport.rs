@@ -1062,16 +1062,19 @@ impl RdmaTransport {
         conn.assembling = None;
     }
 
-    /// The descriptors a progress thread should wait on.
-    pub fn poll_descriptors(&self, out: &mut Vec<i32>) {
-        if let Some((ch, _)) = self.listener {
+    /// The descriptors to wait on: connection-manager channels (`cm`) and
+    /// completion channels (`completions`).
+    pub fn poll_descriptors(&self, out: &mut Vec<i32>, cm: bool, completions: bool) {
+        if let (true, Some((ch, _))) = (cm, self.listener) {
             // SAFETY: a live channel.
             out.push(unsafe { (*ch.as_ptr()).fd });
         }
         for c in self.peers.iter().flatten() {
-            // SAFETY: live channels.
-            out.push(unsafe { (*c.comp.as_ptr()).fd });
-            if let Some(ch) = c.channel {
+            if completions {
+                // SAFETY: live channels.
+                out.push(unsafe { (*c.comp.as_ptr()).fd });
+            }
+            if let (true, Some(ch)) = (cm, c.channel) {
                 // SAFETY: a live channel.
                 out.push(unsafe { (*ch.as_ptr()).fd });
             }
