@@ -8,7 +8,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-#[cfg(test)]
+#[cfg(any(test, loom))]
 extern crate std;
 
 // The log facade comes first so every later module sees its macros.
@@ -21,6 +21,7 @@ mod mem;
 mod mr_table;
 mod pick;
 mod pool;
+mod sync;
 mod transport;
 pub mod wire;
 

@@ -403,6 +403,8 @@ struct State<T> {
     slots_made: usize,
     /// Free slots per class; index `OVERSIZE` holds spare descriptors of released oversize buffers.
     free: [u32; MAX_CLASSES + 1],
+    /// Growths in flight (memory reserved, chunk not yet installed).
+    growing: u32,
     /// The chunk each class is carving, or `NONE`.
     carving: [u32; MAX_CLASSES],
     stats: PoolStats,
@@ -413,7 +415,7 @@ struct State<T> {
 pub struct SlabPool<S: ChunkSource, T: PoolTables> {
     source: S,
     config: PoolConfig,
-    state: spin::Mutex<State<T>>,
+    state: crate::sync::Mutex<State<T>>,
 }
 
 impl<S: ChunkSource, T: PoolTables> core::fmt::Debug for SlabPool<S, T> {
@@ -443,13 +445,14 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
         Ok(SlabPool {
             source,
             config,
-            state: spin::Mutex::new(State {
+            state: crate::sync::Mutex::new(State {
                 tables,
                 chunk_cap,
                 slot_cap,
                 chunks_made: 0,
                 free_chunks: NONE,
                 slots_made: 0,
+                growing: 0,
                 free: [NONE; MAX_CLASSES + 1],
                 carving: [NONE; MAX_CLASSES],
                 stats: PoolStats {
@@ -606,7 +609,8 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
 
     /// Slow path: reserve budget and descriptors under the lock, obtain the
     /// chunk outside it, install it under the lock again.
-    fn grow(&self, class: Option<usize>, len: usize) -> Result<SlotTicket, Error> {
+    /// `Ok(None)`: over the budget while another growth is in flight; retry.
+    fn grow(&self, class: Option<usize>, len: usize) -> Result<Option<SlotTicket>, Error> {
         let align = self.config.chunk_align;
         let grow_len = match class {
             Some(_) => self.config.chunk_bytes,
@@ -644,6 +648,18 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
                 st = self.state.lock();
             }
             if over(&st) {
+                // A growth that completed since our fast path looked may have
+                // left a free buffer: look again under this same lock.
+                if let Some(c) = class {
+                    if let Some(index) = self.try_fast(&mut st, c)? {
+                        return Ok(Some(self.finish_take(&mut st, index, class, 0)));
+                    }
+                }
+                // Another thread's chunk is on its way: its buffers may serve
+                // us, so wait for it rather than report a false exhaustion.
+                if st.growing > 0 {
+                    return Ok(None);
+                }
                 return Err(PoolError::Exhausted {
                     used: st.stats.reserved_bytes,
                     cap: self.config.budget,
@@ -659,6 +675,7 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
                 chunks: st.chunk_cap,
             })?;
             st.stats.reserved_bytes += grow_len;
+            st.growing += 1;
             i
         };
         let obtained = self
@@ -676,6 +693,7 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
                 }
             });
         let mut st = self.state.lock();
+        st.growing -= 1;
         let mem = match obtained {
             Ok(m) => m,
             Err(e) => {
@@ -738,7 +756,7 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
                 i
             }
         };
-        Ok(self.finish_take(&mut st, index, class, grow_len))
+        Ok(Some(self.finish_take(&mut st, index, class, grow_len)))
     }
 
     fn finish_take(
@@ -763,13 +781,19 @@ impl<S: ChunkSource, T: PoolTables> Pool for SlabPool<S, T> {
             return Err(PoolError::ZeroLength.into());
         }
         let class = self.config.classes.class_for(len);
-        if let Some(c) = class {
-            let mut st = self.state.lock();
-            if let Some(index) = self.try_fast(&mut st, c)? {
-                return Ok(self.finish_take(&mut st, index, class, 0));
+        loop {
+            if let Some(c) = class {
+                let mut st = self.state.lock();
+                if let Some(index) = self.try_fast(&mut st, c)? {
+                    return Ok(self.finish_take(&mut st, index, class, 0));
+                }
+            }
+            match self.grow(class, len)? {
+                Some(ticket) => return Ok(ticket),
+                // A concurrent growth may bring what we need: look again.
+                None => crate::sync::backoff(),
             }
         }
-        self.grow(class, len)
     }
 
     fn release_slot(&self, ticket: &SlotTicket) {

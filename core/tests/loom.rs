@@ -1,0 +1,129 @@
+//! The pool's concurrent lease and release under every interleaving loom finds.
+//! `LOOM_MAX_PREEMPTIONS=2 RUSTFLAGS="--cfg loom" cargo test -p zerohop-core --test loom --release`
+#![cfg(loom)]
+
+use loom::sync::Arc;
+use loom::thread;
+use zerohop_core::{
+    Access, Chunks, Error, InlineTables, MemKind, MrHandle, PoolConfig, PoolError, RawMemory,
+    Region, Registrar, SizeClasses, SlabPool,
+};
+
+/// Addresses without memory: core never dereferences them.
+struct Fake(loom::sync::atomic::AtomicU64);
+
+impl RawMemory for Fake {
+    fn alloc(&self, len: usize, align: usize) -> Result<Region, Error> {
+        // SeqCst: a model counter; loom explores its orderings too.
+        let at = self
+            .0
+            .fetch_add((len + align) as u64, loom::sync::atomic::Ordering::SeqCst);
+        Ok(Region {
+            addr: (0x1000 + at).next_multiple_of(align as u64),
+            len,
+            kind: MemKind::Host,
+        })
+    }
+    fn free(&self, _: Region) -> Result<(), Error> {
+        Ok(())
+    }
+    fn host_visible(&self) -> bool {
+        true
+    }
+}
+
+struct Nic;
+impl Registrar for Nic {
+    fn register(&self, r: Region, access: Access) -> Result<MrHandle, Error> {
+        Ok(MrHandle {
+            addr: r.addr,
+            len: r.len,
+            lkey: 1,
+            rkey: 1,
+            access,
+            id: 1,
+        })
+    }
+    fn deregister(&self, _: MrHandle) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+fn pool(budget: usize) -> SlabPool<Chunks<Fake, Nic>, InlineTables<4, 8>> {
+    let mut cfg = PoolConfig::with_budget(budget);
+    cfg.chunk_bytes = 512;
+    cfg.chunk_align = 64;
+    cfg.classes = SizeClasses::new(&[256, 512]).unwrap();
+    SlabPool::new(
+        Chunks {
+            memory: Fake(loom::sync::atomic::AtomicU64::new(0)),
+            registrar: Some(Nic),
+        },
+        cfg,
+        InlineTables::new(),
+    )
+    .unwrap()
+}
+
+#[test]
+fn concurrent_leases_never_overlap_and_all_come_back() {
+    loom::model(|| {
+        let p = Arc::new(pool(1024)); // two chunks: growth races with reuse
+        let handles: Vec<_> = (0..2)
+            .map(|_| {
+                let p = Arc::clone(&p);
+                thread::spawn(move || {
+                    let a = zerohop_core::Lease::take(&*p, 200).unwrap();
+                    let b = zerohop_core::Lease::take(&*p, 100);
+                    let b = b.ok();
+                    if let Some(b) = &b {
+                        assert!(!a.buffer().overlaps(b.buffer().addr, b.buffer().len));
+                    }
+                    (a.device_ptr(), b.map(|b| b.device_ptr()))
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        assert_eq!(p.used_bytes(), 0);
+        assert_eq!(p.stats().leases, 0);
+        assert!(p.stats().reserved_bytes <= 1024);
+    });
+}
+
+#[test]
+fn exhaustion_is_exact_under_contention() {
+    loom::model(|| {
+        // One chunk of two 256 B buffers; both threads race to grow it. Before
+        // the fix, the thread that lost the race saw the budget reserved by the
+        // other's growth in flight and reported a false exhaustion.
+        let p = Arc::new(pool(512));
+        let held = Arc::new(loom::sync::Mutex::new(Vec::new()));
+        let handles: Vec<_> = (0..2)
+            .map(|_| {
+                let (p, held) = (Arc::clone(&p), Arc::clone(&held));
+                thread::spawn(move || {
+                    let l =
+                        zerohop_core::Lease::take(Arc::clone(&p), 256).expect("within the budget");
+                    held.lock().unwrap().push(l);
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        let n = held.lock().unwrap().len();
+        assert_eq!(n, 2, "both leases fit the budget: no false exhaustion");
+        assert_eq!(
+            zerohop_core::Lease::take(Arc::clone(&p), 256).unwrap_err(),
+            Error::Pool(PoolError::Exhausted {
+                used: 512,
+                cap: 512
+            }),
+            "a third is refused, exactly at the budget"
+        );
+        held.lock().unwrap().clear();
+        assert_eq!(p.used_bytes(), 0);
+    });
+}
