@@ -51,14 +51,16 @@ fn clean_link_delivers_every_message_once_in_order() {
     let mut tx = MockTransport::new(a, pa.clone(), 4096);
     let mut rx = MockTransport::new(b, pb.clone(), 4096);
     let mut got = 0u32;
-    for i in 0..2000u32 {
+    // Under miri (~1000x slower) a few dozen messages cover the same paths.
+    let n = if cfg!(miri) { 50 } else { 2000 };
+    for i in 0..n {
         tx.try_send(PEER, &message(i)).unwrap();
         let r = rx.try_recv().unwrap();
         assert_eq!(host_bytes(&r.lease), &message(i)[..], "message {i}");
         got += 1;
     }
     assert_eq!(rx.try_recv().unwrap_err(), Error::WouldBlock);
-    assert_eq!(got, 2000);
+    assert_eq!(got, n);
     assert_eq!(pb.used_bytes(), 0, "every receive lease went back");
     let registered = nic_b.stats().live;
     assert_eq!(
