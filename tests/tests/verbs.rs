@@ -221,3 +221,29 @@ fn a_peer_torn_down_mid_stream_is_a_typed_error_and_leaks_nothing() {
     );
     eprintln!("peer lost after {got} of 100 messages: {err}; receive pool {st:?}");
 }
+
+#[test]
+fn a_lease_from_a_foreign_pool_is_copied_not_trusted() {
+    let config = RdmaConfig {
+        recv_pool_bytes: 32 << 20,
+        send_pool_bytes: 32 << 20,
+        ..RdmaConfig::default()
+    };
+    let Some((a, b, peer)) = pair(19_003, config) else {
+        return;
+    };
+    // A heap pool with no registration: its lease has no keys for this NIC.
+    let foreign = zerohop_std::heap_pool(4 << 20).unwrap();
+    let mut lease = zerohop_core::Lease::take(Arc::clone(&foreign), 300).unwrap();
+    zerohop_backends::host_bytes_mut(&mut lease).fill(0x5A);
+    a.send_lease(peer, lease, Deadline::after(WAIT), None)
+        .unwrap();
+    let r = b.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), &[0x5A; 300][..]);
+    a.flush(Deadline::after(WAIT)).unwrap();
+    assert_eq!(
+        foreign.used_bytes(),
+        0,
+        "the foreign lease went back after the copy"
+    );
+}

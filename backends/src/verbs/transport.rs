@@ -719,14 +719,21 @@ impl RdmaTransport {
         }
         let seq = conn.tx_seq;
         match lease {
-            // One fragment from a registered lease: zero copy.
-            Some(l) if total <= frag => conn.pending.push_back(Frame {
-                kind: FrameKind::Data,
-                seq,
-                total: total as u32,
-                more: false,
-                payload: Payload::Lease(l, total),
-            }),
+            // One fragment from a lease of our own registered pools: zero copy.
+            // Any other lease (another pool, another PD, no registration) is copied.
+            Some(l)
+                if total <= frag
+                    && (Arc::ptr_eq(l.pool(), &self.send_pool)
+                        || Arc::ptr_eq(l.pool(), &self.recv_pool)) =>
+            {
+                conn.pending.push_back(Frame {
+                    kind: FrameKind::Data,
+                    seq,
+                    total: total as u32,
+                    more: false,
+                    payload: Payload::Lease(l, total),
+                });
+            }
             lease => {
                 let src: &[u8] = match (&bytes, &lease) {
                     (Some(b), _) => b,
