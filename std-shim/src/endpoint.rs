@@ -249,12 +249,45 @@ impl<T: Wire> Endpoint<T> {
         deadline: Deadline,
         cancel: Option<&CancelToken>,
     ) -> Result<(), Error> {
+        self.send_with(deadline, cancel, |t| t.try_send(peer, bytes))
+    }
+
+    /// Sends a pool buffer without copying, waiting while the queue is full.
+    /// On failure the lease is dropped (returned to its pool).
+    pub fn send_lease(
+        &self,
+        peer: PeerId,
+        lease: T::Lease,
+        deadline: Deadline,
+        cancel: Option<&CancelToken>,
+    ) -> Result<(), Error> {
+        // The transport hands a refused lease back; keep it for the next attempt.
+        let mut lease = Some(lease);
+        self.send_with(deadline, cancel, |t| {
+            let Some(l) = lease.take() else {
+                return Err(Error::Closed);
+            };
+            t.try_send_lease(peer, l).map_err(|r| {
+                lease = Some(r.lease);
+                r.error
+            })
+        })
+    }
+
+    /// Retries `attempt` until it is taken, fails for good, the deadline passes
+    /// or `cancel` fires; between attempts, flushes and waits for the sockets.
+    fn send_with(
+        &self,
+        deadline: Deadline,
+        cancel: Option<&CancelToken>,
+        mut attempt: impl FnMut(&mut T) -> Result<(), Error>,
+    ) -> Result<(), Error> {
         let mut t = self.shared.lock();
         loop {
             if cancel.is_some_and(CancelToken::is_cancelled) {
                 return Err(Error::Cancelled);
             }
-            match t.try_send(peer, bytes) {
+            match attempt(&mut t) {
                 Ok(()) => {
                     if t.pending_sends() > 0 {
                         self.shared.wake_progress();
@@ -268,38 +301,6 @@ impl<T: Wire> Endpoint<T> {
                 return Err(Error::Timeout);
             }
             // Flush what is queued ourselves, then wait for the socket.
-            let _ = t.progress();
-            t = self.wait_io(t, deadline, false);
-        }
-    }
-
-    /// Sends a pool buffer without copying, waiting while the queue is full.
-    /// On failure the lease is dropped (returned to its pool).
-    pub fn send_lease(
-        &self,
-        peer: PeerId,
-        mut lease: T::Lease,
-        deadline: Deadline,
-        cancel: Option<&CancelToken>,
-    ) -> Result<(), Error> {
-        let mut t = self.shared.lock();
-        loop {
-            if cancel.is_some_and(CancelToken::is_cancelled) {
-                return Err(Error::Cancelled);
-            }
-            match t.try_send_lease(peer, lease) {
-                Ok(()) => {
-                    if t.pending_sends() > 0 {
-                        self.shared.wake_progress();
-                    }
-                    return Ok(());
-                }
-                Err(r) if r.error == Error::WouldBlock => lease = r.lease,
-                Err(r) => return Err(r.error),
-            }
-            if deadline.passed() {
-                return Err(Error::Timeout);
-            }
             let _ = t.progress();
             t = self.wait_io(t, deadline, false);
         }

@@ -281,6 +281,34 @@ fn expect_event(
     }
 }
 
+/// A new CM event channel with one TCP-port-space id on it; the caller owns
+/// both and destroys them (id first).
+fn channel_and_id(
+) -> Result<(NonNull<ffi::rdma_event_channel>, NonNull<ffi::rdma_cm_id>), VerbsError> {
+    // SAFETY: creates a channel we own.
+    let ch = NonNull::new(unsafe { ffi::rdma_create_event_channel() })
+        .ok_or_else(|| call_failed("rdma_create_event_channel"))?;
+    let mut id = ptr::null_mut();
+    // SAFETY: a live channel and a valid out-pointer.
+    let rc = unsafe {
+        ffi::rdma_create_id(
+            ch.as_ptr(),
+            &mut id,
+            ptr::null_mut(),
+            ffi::rdma_port_space::RDMA_PS_TCP,
+        )
+    };
+    match NonNull::new(id) {
+        Some(id) if rc == 0 => Ok((ch, id)),
+        _ => {
+            let e = call_failed("rdma_create_id");
+            // SAFETY: the channel has no ids.
+            unsafe { ffi::rdma_destroy_event_channel(ch.as_ptr()) };
+            Err(e)
+        }
+    }
+}
+
 impl RdmaTransport {
     /// A transport on `device` with its own registered receive and send pools.
     pub fn new(device: Arc<Device>, config: RdmaConfig) -> Result<Self, Error> {
@@ -326,25 +354,8 @@ impl RdmaTransport {
 
     /// Listens for RDMA CM connections on `addr` (an address of the RDMA device's netdev).
     pub fn listen(&mut self, addr: SocketAddr) -> Result<(), VerbsError> {
-        // SAFETY: creates a channel we own (destroyed in Drop).
-        let ch = NonNull::new(unsafe { ffi::rdma_create_event_channel() })
-            .ok_or_else(|| call_failed("rdma_create_event_channel"))?;
-        let mut id = ptr::null_mut();
-        // SAFETY: a live channel and a valid out-pointer.
-        if unsafe {
-            ffi::rdma_create_id(
-                ch.as_ptr(),
-                &mut id,
-                ptr::null_mut(),
-                ffi::rdma_port_space::RDMA_PS_TCP,
-            )
-        } != 0
-        {
-            let e = call_failed("rdma_create_id");
-            // SAFETY: the channel has no ids.
-            unsafe { ffi::rdma_destroy_event_channel(ch.as_ptr()) };
-            return Err(e);
-        }
+        let (ch, id) = channel_and_id()?;
+        let id = id.as_ptr();
         let (mut ss, _) = sockaddr(addr);
         // SAFETY: a live id and a valid sockaddr; listen only after a successful bind.
         let rc = unsafe {
@@ -364,32 +375,13 @@ impl RdmaTransport {
         }
         // SAFETY: a live channel.
         set_nonblocking(unsafe { (*ch.as_ptr()).fd });
-        self.listener = Some((ch, NonNull::new(id).expect("rdma_create_id succeeded")));
+        self.listener = NonNull::new(id).map(|id| (ch, id));
         Ok(())
     }
 
     /// Connects to a listening transport (blocking until established or `CM_TIMEOUT`).
     pub fn connect(&mut self, addr: SocketAddr) -> Result<PeerId, VerbsError> {
-        // SAFETY: creates a channel we own (kept by the connection, destroyed with it).
-        let ch = NonNull::new(unsafe { ffi::rdma_create_event_channel() })
-            .ok_or_else(|| call_failed("rdma_create_event_channel"))?;
-        let mut id = ptr::null_mut();
-        // SAFETY: a live channel and a valid out-pointer.
-        if unsafe {
-            ffi::rdma_create_id(
-                ch.as_ptr(),
-                &mut id,
-                ptr::null_mut(),
-                ffi::rdma_port_space::RDMA_PS_TCP,
-            )
-        } != 0
-        {
-            let e = call_failed("rdma_create_id");
-            // SAFETY: the channel has no ids.
-            unsafe { ffi::rdma_destroy_event_channel(ch.as_ptr()) };
-            return Err(e);
-        }
-        let id = NonNull::new(id).expect("rdma_create_id succeeded");
+        let (ch, id) = channel_and_id()?;
         let result = self.connect_on(ch, id, addr);
         if result.is_err() {
             // SAFETY: the id never got a QP that outlives this (connect_on tears its own down).
