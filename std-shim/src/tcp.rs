@@ -67,6 +67,28 @@ impl Payload {
     }
 }
 
+/// What a send writes from: the caller's bytes (copied only if queued) or a lease.
+enum Source<'a> {
+    Slice(&'a [u8]),
+    Lease(StdLease),
+}
+
+impl Source<'_> {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Source::Slice(b) => b,
+            Source::Lease(l) => host_bytes(l),
+        }
+    }
+
+    fn into_payload(self) -> Payload {
+        match self {
+            Source::Slice(b) => Payload::Owned(b.to_vec()),
+            Source::Lease(l) => Payload::Leased(l),
+        }
+    }
+}
+
 struct Outgoing {
     header: [u8; HEADER_LEN],
     payload: Payload,
@@ -249,45 +271,48 @@ impl TcpTransport {
         }
     }
 
-    /// Queues (or writes at once) one data frame.
-    fn send_payload(&mut self, peer: PeerId, payload: Payload) -> Result<(), (Error, Payload)> {
+    /// Writes one data frame at once when the peer's queue is empty, from the
+    /// caller's slice or lease; queues what the kernel did not take (a slice
+    /// is copied only then). Refused sources come back with the error.
+    fn send_frame<'a>(&mut self, peer: PeerId, src: Source<'a>) -> Result<(), (Error, Source<'a>)> {
         if self.closed {
-            return Err((Error::Closed, payload));
+            return Err((Error::Closed, src));
         }
         let (max, limit, check) = (
             self.config.max_message,
             self.config.send_queue_bytes,
             self.config.check_payload,
         );
-        let len = payload.bytes().len();
+        let len = src.bytes().len();
         if len > max {
-            return Err((Error::TooLarge { len, max }, payload));
+            return Err((Error::TooLarge { len, max }, src));
         }
         let p = match self.peer_mut(peer) {
             Ok(p) => p,
-            Err(e) => return Err((e, payload)),
+            Err(e) => return Err((e, src)),
         };
         if p.queued_bytes > 0 && p.queued_bytes + HEADER_LEN + len > limit {
-            return Err((Error::WouldBlock, payload));
+            return Err((Error::WouldBlock, src));
         }
-        let header = Header::data(0, 0, p.tx_seq, payload.bytes(), check, false).encode();
-        let mut out = Outgoing {
-            header,
-            payload,
-            written: 0,
-        };
+        let header = Header::data(0, 0, p.tx_seq, src.bytes(), check, false).encode();
         p.tx_seq += 1;
-        if p.queue.is_empty() {
-            match write_some(&mut p.stream, &mut out) {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(_) => {
-                    // The socket is broken; the read side will report the peer
-                    // lost. This message is queued and fails with it.
-                }
-            }
+        let mut written = 0;
+        // A write error means a dead socket: the read side reports the peer
+        // lost, and this message, queued, fails with it.
+        if p.queue.is_empty()
+            && matches!(
+                write_frame(&mut p.stream, &header, src.bytes(), &mut written),
+                Ok(true)
+            )
+        {
+            return Ok(());
         }
-        p.queued_bytes += out.total() - out.written;
+        let out = Outgoing {
+            header,
+            payload: src.into_payload(),
+            written,
+        };
+        p.queued_bytes += out.total() - written;
         p.queue.push_back(out);
         Ok(())
     }
@@ -536,45 +561,15 @@ impl Transport for TcpTransport {
     }
 
     fn try_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<(), Error> {
-        // Write straight from the caller's slice when nothing is queued; copy
-        // only what the kernel did not take.
-        let (closed, max, check) = (
-            self.closed,
-            self.config.max_message,
-            self.config.check_payload,
-        );
-        if let Ok(p) = self.peer_mut(peer) {
-            if p.queue.is_empty() && !closed && bytes.len() <= max {
-                let header = Header::data(0, 0, p.tx_seq, bytes, check, false).encode();
-                let mut written = 0;
-                // A write error means a dead socket: the read side reports the
-                // peer lost, and this message, queued, fails with it.
-                if let Ok(true) = write_frame(&mut p.stream, &header, bytes, &mut written) {
-                    p.tx_seq += 1;
-                    return Ok(());
-                }
-                if written > 0 {
-                    let out = Outgoing {
-                        header,
-                        payload: Payload::Owned(bytes.to_vec()),
-                        written,
-                    };
-                    p.tx_seq += 1;
-                    p.queued_bytes += out.total() - written;
-                    p.queue.push_back(out);
-                    return Ok(());
-                }
-            }
-        }
-        self.send_payload(peer, Payload::Owned(bytes.to_vec()))
+        self.send_frame(peer, Source::Slice(bytes))
             .map_err(|(e, _)| e)
     }
 
     fn try_send_lease(&mut self, peer: PeerId, lease: StdLease) -> Result<(), Rejected<StdLease>> {
-        self.send_payload(peer, Payload::Leased(lease))
-            .map_err(|(error, payload)| match payload {
-                Payload::Leased(lease) => Rejected { error, lease },
-                Payload::Owned(_) => unreachable!("a leased payload comes back leased"),
+        self.send_frame(peer, Source::Lease(lease))
+            .map_err(|(error, src)| match src {
+                Source::Lease(lease) => Rejected { error, lease },
+                Source::Slice(_) => unreachable!("a lease handed in comes back as a lease"),
             })
     }
 
