@@ -310,6 +310,30 @@ impl Registry {
         region: Region,
         access: Access,
     ) -> Result<MrHandle, Error> {
+        self.register_with(region, access, "ibv_reg_dmabuf_mr", || {
+            // SAFETY: a live PD and a DMA-buf descriptor the caller keeps open for the call.
+            unsafe {
+                ffi::ibv_reg_dmabuf_mr(
+                    self.device.pd(),
+                    offset,
+                    region.len,
+                    region.addr,
+                    fd.as_raw_fd(),
+                    to_verbs_access(access),
+                )
+            }
+        })
+    }
+
+    /// The registration covering `region` from the table, or a fresh one from
+    /// `reg` (named `call` in the error), recorded in the table.
+    fn register_with(
+        &self,
+        region: Region,
+        access: Access,
+        call: &'static str,
+        reg: impl FnOnce() -> *mut ffi::ibv_mr,
+    ) -> Result<MrHandle, Error> {
         region.validate()?;
         if let Some(h) = self
             .lock()
@@ -318,18 +342,7 @@ impl Registry {
         {
             return Ok(h);
         }
-        // SAFETY: a live PD and a DMA-buf descriptor the caller keeps open for the call.
-        let mr = unsafe {
-            ffi::ibv_reg_dmabuf_mr(
-                self.device.pd(),
-                offset,
-                region.len,
-                region.addr,
-                fd.as_raw_fd(),
-                to_verbs_access(access),
-            )
-        };
-        let mr = NonNull::new(mr).ok_or(Error::Backend("ibv_reg_dmabuf_mr"))?;
+        let mr = NonNull::new(reg()).ok_or(Error::Backend(call))?;
         self.record(mr, region, access)
     }
 }
@@ -350,25 +363,18 @@ impl Registrar for Registry {
             // The NIC cannot reach managed memory; device memory goes through a DMA-buf.
             k => return Err(Error::Register(RegisterError::Unsupported(k))),
         }
-        if let Some(h) = self
-            .lock()
-            .table
-            .pin_covering(region.addr, region.len, access)
-        {
-            return Ok(h);
-        }
-        // SAFETY: a live PD; the range is host memory the caller owns for as
-        // long as the registration lives (the pool deregisters before freeing).
-        let mr = unsafe {
-            ffi::ibv_reg_mr(
-                self.device.pd(),
-                region.addr as usize as *mut libc::c_void,
-                region.len,
-                to_verbs_access(access),
-            )
-        };
-        let mr = NonNull::new(mr).ok_or(Error::Backend("ibv_reg_mr"))?;
-        self.record(mr, region, access)
+        self.register_with(region, access, "ibv_reg_mr", || {
+            // SAFETY: a live PD; the range is host memory the caller owns for as
+            // long as the registration lives (the pool deregisters before freeing).
+            unsafe {
+                ffi::ibv_reg_mr(
+                    self.device.pd(),
+                    region.addr as usize as *mut libc::c_void,
+                    region.len,
+                    to_verbs_access(access),
+                )
+            }
+        })
     }
 
     fn deregister(&self, handle: MrHandle) -> Result<(), Error> {

@@ -928,16 +928,8 @@ impl RdmaTransport {
         let total = h.src as usize;
         let more = h.flags.contains(Flags::MORE);
         if conn.assembling.is_none() && !more {
-            if h.seq != conn.rx_next {
-                self.arrivals.push_back(Err(Error::SequenceGap {
-                    peer,
-                    expected: conn.rx_next,
-                    got: h.seq,
-                }));
-            }
-            conn.rx_next = h.seq + 1;
             lease.set_len(len)?;
-            self.arrivals.push_back(Ok(Received { peer, lease }));
+            self.deliver(conn, peer, h.seq, lease);
             return Ok(());
         }
         if conn.assembling.is_none() {
@@ -962,17 +954,23 @@ impl RdmaTransport {
         if !more {
             let (mut whole, have) = conn.assembling.take().expect("set above");
             whole.set_len(have)?;
-            if h.seq != conn.rx_next {
-                self.arrivals.push_back(Err(Error::SequenceGap {
-                    peer,
-                    expected: conn.rx_next,
-                    got: h.seq,
-                }));
-            }
-            conn.rx_next = h.seq + 1;
-            self.arrivals.push_back(Ok(Received { peer, lease: whole }));
+            self.deliver(conn, peer, h.seq, whole);
         }
         Ok(())
+    }
+
+    /// Hands a whole message to the application, reporting a gap in the
+    /// sequence first (RC delivers in order, so a gap means a peer bug).
+    fn deliver(&mut self, conn: &mut Conn, peer: PeerId, seq: u64, lease: PoolLease) {
+        if seq != conn.rx_next {
+            self.arrivals.push_back(Err(Error::SequenceGap {
+                peer,
+                expected: conn.rx_next,
+                got: seq,
+            }));
+        }
+        conn.rx_next = seq + 1;
+        self.arrivals.push_back(Ok(Received { peer, lease }));
     }
 
     fn accept_all(&mut self) -> bool {
