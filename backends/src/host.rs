@@ -2,7 +2,9 @@
 
 use core::ops::Deref;
 
-use zerohop_core::{Chunks, Error, Lease, PoolTables, RawMemory, Region, SlabPool};
+use zerohop_core::{
+    Chunks, Error, Lease, LocalPool, Pool, PoolTables, RawMemory, Region, SlabPool,
+};
 
 #[cfg(feature = "std")]
 use crate::heap::HeapMemory;
@@ -95,12 +97,43 @@ impl RawMemory for HostMemory {
 /// A slab pool of host-visible memory, optionally registered with a NIC.
 pub type HostPool<T> = SlabPool<Chunks<HostMemory, Nic>, T>;
 
-fn view<P, T: PoolTables>(lease: &Lease<P>) -> (core::ptr::NonNull<u8>, usize)
+/// A pool whose buffers lie in [`HostMemory`]: a [`HostPool`], or a
+/// [`LocalPool`] in front of one. What [`host_bytes`] needs to find a lease's bytes.
+/// Sealed: `host_bytes`'s soundness rests on these two pools never handing out
+/// overlapping buffers, so no other type may claim it.
+pub trait HostBacked: Pool + sealed::Sealed {
+    /// The memory every buffer of this pool is carved from.
+    fn host_memory(&self) -> &HostMemory;
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+impl<T: PoolTables> sealed::Sealed for HostPool<T> {}
+impl<T: PoolTables, const M: usize> sealed::Sealed
+    for LocalPool<'_, Chunks<HostMemory, Nic>, T, M>
+{
+}
+
+impl<T: PoolTables> HostBacked for HostPool<T> {
+    fn host_memory(&self) -> &HostMemory {
+        &self.source().memory
+    }
+}
+
+impl<T: PoolTables, const M: usize> HostBacked for LocalPool<'_, Chunks<HostMemory, Nic>, T, M> {
+    fn host_memory(&self) -> &HostMemory {
+        &self.shared().source().memory
+    }
+}
+
+fn view<P>(lease: &Lease<P>) -> (core::ptr::NonNull<u8>, usize)
 where
-    P: Deref<Target = HostPool<T>>,
+    P: Deref,
+    P::Target: HostBacked,
 {
     let r = lease.region();
-    let memory = &lease.pool().source().memory;
+    let memory = lease.pool().host_memory();
     match memory.pointer(r) {
         Some(p) => (p, r.len),
         None => panic!("zerohop: a lease lies outside its pool's memory (pool invariant broken)"),
@@ -112,18 +145,21 @@ where
 /// # Panics
 /// Only if the pool's own invariant is broken (a lease outside the memory it
 /// was carved from); the property tests and fuzzers check that it holds.
-pub fn host_bytes<P, T: PoolTables>(lease: &Lease<P>) -> &[u8]
+pub fn host_bytes<P>(lease: &Lease<P>) -> &[u8]
 where
-    P: Deref<Target = HostPool<T>>,
+    P: Deref,
+    P::Target: HostBacked,
 {
     let (p, len) = view(lease);
     // SAFETY: `p..p+len` lies inside a live allocation of `HostMemory` (checked
     // by `pointer`): real, host-visible memory of this process (device memory
     // is refused at allocation). It stays allocated while the lease lives: the
-    // lease holds `P`, which keeps the pool alive, and the pool gives memory
+    // lease holds `P`, which keeps the pool alive (a `LocalPool` borrows its
+    // shared pool, so that one lives too), and the pool gives memory
     // back only when it drops or, for an oversize buffer, when that buffer's
     // one lease is released. The pool never hands out overlapping buffers, so
-    // the only other view of these bytes comes through this same lease, and
+    // the only other view of these bytes comes through this same lease (a
+    // `LocalPool` caches only released buffers), and
     // the shared borrow of `lease` excludes a mutable one.
     unsafe { core::slice::from_raw_parts(p.as_ptr(), len) }
 }
@@ -132,9 +168,10 @@ where
 ///
 /// # Panics
 /// As [`host_bytes`].
-pub fn host_bytes_mut<P, T: PoolTables>(lease: &mut Lease<P>) -> &mut [u8]
+pub fn host_bytes_mut<P>(lease: &mut Lease<P>) -> &mut [u8]
 where
-    P: Deref<Target = HostPool<T>>,
+    P: Deref,
+    P::Target: HostBacked,
 {
     let (p, len) = view(lease);
     // SAFETY: as in `host_bytes`; `&mut Lease` makes this the only view.

@@ -25,5 +25,5 @@ pub mod verbs;
 
 #[cfg(feature = "std")]
 pub use heap::{HeapMemory, HeapTables};
-pub use host::{host_bytes, host_bytes_mut, HostMemory, HostPool};
+pub use host::{host_bytes, host_bytes_mut, HostBacked, HostMemory, HostPool};
 pub use nic::Nic;

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use zerohop_core::{
-    Access, Chunks, Error, InlineTables, MemKind, MrHandle, MrTable, PoolConfig, RawMemory, Region,
-    Registrar, SlabPool,
+    Access, Chunks, Error, InlineTables, LocalPool, MemKind, MrHandle, MrTable, PoolConfig,
+    RawMemory, Region, Registrar, SlabPool,
 };
 
 const STRIDE: u64 = 0x1_0000;
@@ -156,8 +156,18 @@ fn lease_release(c: &mut Criterion) {
         .iter()
         .map(|_| Mutex::new((0..64).map(|i| Buffer { lkey: i }).collect()))
         .collect();
+    // The same pool behind a single-owner cache (what one thread or one
+    // progress loop holds): no atomic on the common path.
+    let local: LocalPool<_, _> = LocalPool::new(&*pool).unwrap();
     for &size in &classes {
         drop(pool.lease(size).unwrap()); // warm: the class's chunk exists
+        drop(local.lease(size).unwrap()); // warm: the magazine holds one
+        g.bench_function(BenchmarkId::new("zerohop_LocalPool", size), |b| {
+            b.iter(|| {
+                let l = local.lease(black_box(size)).unwrap();
+                black_box(l.mr().unwrap().lkey);
+            })
+        });
         g.bench_function(BenchmarkId::new("zerohop_SlabPool", size), |b| {
             b.iter(|| {
                 let l = pool.lease(black_box(size)).unwrap();

@@ -17,6 +17,7 @@ mod fmt;
 
 mod crc;
 mod error;
+mod local_pool;
 mod mem;
 mod mr_table;
 mod pick;
@@ -27,6 +28,7 @@ pub mod wire;
 
 pub use crc::crc32c;
 pub use error::{Error, MrError, PoolError, RegisterError};
+pub use local_pool::LocalPool;
 pub use mem::{Access, MemKind, MrHandle, RawMemory, Region, Registrar};
 pub use mr_table::{MrStats, MrTable};
 pub use pick::{

@@ -68,7 +68,7 @@ impl SizeClasses {
     }
 
     /// Index of the smallest class that holds `len` bytes.
-    fn class_for(&self, len: usize) -> Option<usize> {
+    pub(crate) fn class_for(&self, len: usize) -> Option<usize> {
         self.as_slice().iter().position(|&s| s >= len)
     }
 }
@@ -176,11 +176,24 @@ impl<M: RawMemory, R: Registrar> ChunkSource for Chunks<M, R> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 pub struct SlotTicket {
-    index: u32,
+    pub(crate) index: u32,
     /// The whole buffer (its class size, or the oversize length rounded up).
     pub region: Region,
     /// The chunk's registration.
     pub mr: Option<MrHandle>,
+}
+
+impl SlotTicket {
+    /// A placeholder (fills a cache's unused places; never released).
+    pub(crate) const EMPTY: SlotTicket = SlotTicket {
+        index: NONE,
+        region: Region {
+            addr: 0,
+            len: 0,
+            kind: crate::mem::MemKind::Host,
+        },
+        mr: None,
+    };
 }
 
 /// What a [`Lease`] needs of its pool. Object-safe, so a std caller can hold
@@ -211,6 +224,7 @@ where
     P::Target: Pool,
 {
     /// Leases a buffer of at least `len` bytes from `pool` (a `&SlabPool`, an `Arc<..>`, ...).
+    #[inline]
     pub fn take(pool: P, len: usize) -> Result<Self, Error> {
         let ticket = pool.take_slot(len)?;
         Ok(Lease { pool, ticket, len })
@@ -277,6 +291,7 @@ where
     P: Deref,
     P::Target: Pool,
 {
+    #[inline]
     fn drop(&mut self) {
         self.pool.release_slot(&self.ticket);
     }
@@ -798,6 +813,52 @@ impl<S: ChunkSource, T: PoolTables> Pool for SlabPool<S, T> {
 
     fn release_slot(&self, ticket: &SlotTicket) {
         let mut st = self.state.lock();
+        if let Some(m) = Self::release_locked(&mut st, ticket) {
+            drop(st);
+            self.source.give_back(m);
+        }
+    }
+}
+
+impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
+    /// The size class of a ticket's buffer, `None` for an oversize one.
+    pub(crate) fn class_of(&self, ticket: &SlotTicket) -> Option<usize> {
+        self.config
+            .classes
+            .as_slice()
+            .iter()
+            .position(|&s| s == ticket.region.len)
+    }
+
+    /// Fills `out` with free buffers of `class` under one lock, without
+    /// growing; returns how many. A [`LocalPool`](crate::LocalPool)'s refill.
+    pub(crate) fn take_batch(&self, class: usize, out: &mut [SlotTicket]) -> usize {
+        let mut st = self.state.lock();
+        let mut n = 0;
+        for o in out.iter_mut() {
+            match self.try_fast(&mut st, class) {
+                Ok(Some(index)) => {
+                    *o = self.finish_take(&mut st, index, Some(class), 0);
+                    n += 1;
+                }
+                Ok(None) | Err(_) => break,
+            }
+        }
+        n
+    }
+
+    /// Returns class buffers under one lock. A [`LocalPool`](crate::LocalPool)'s flush.
+    pub(crate) fn release_batch(&self, tickets: &[SlotTicket]) {
+        let mut st = self.state.lock();
+        for t in tickets {
+            // Class buffers only: an oversize buffer never enters a cache.
+            let _ = Self::release_locked(&mut st, t);
+        }
+    }
+
+    /// Puts a buffer back on its class's free list; an oversize buffer's chunk
+    /// is returned for the caller to give back outside the lock.
+    fn release_locked(st: &mut State<T>, ticket: &SlotTicket) -> Option<Registered> {
         let i = ticket.index as usize;
         let slot = st.tables.slots()[i];
         let class = slot.class as usize;
@@ -807,9 +868,9 @@ impl<S: ChunkSource, T: PoolTables> Pool for SlabPool<S, T> {
         st.tables.slots()[i].next = st.free[class];
         st.free[class] = ticket.index;
         if class != OVERSIZE {
-            return;
+            return None;
         }
-        // Oversize: the buffer's chunk goes back to the source, outside the lock.
+        // Oversize: the buffer's chunk goes back to the source.
         let c = slot.chunk as usize;
         let mem = st.tables.chunks()[c].mem.take();
         st.tables.chunks()[c].next_free = st.free_chunks;
@@ -817,9 +878,8 @@ impl<S: ChunkSource, T: PoolTables> Pool for SlabPool<S, T> {
         st.tables.slots()[i].chunk = NONE;
         if let Some(m) = mem {
             st.stats.reserved_bytes -= m.region.len;
-            drop(st);
-            self.source.give_back(m);
         }
+        mem
     }
 }
 

@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use proptest::prelude::*;
 use zerohop_core::{
-    Access, Chunks, Error, InlineTables, MemKind, MrHandle, MrTable, PoolConfig, PoolError,
-    RawMemory, Region, Registrar, SizeClasses, SlabPool,
+    Access, Chunks, Error, InlineTables, LocalPool, MemKind, MrHandle, MrTable, PoolConfig,
+    PoolError, RawMemory, Region, Registrar, SizeClasses, SlabPool,
 };
 
 /// Full runs natively; a handful under miri, which is ~1000x slower and has
@@ -239,5 +239,46 @@ proptest! {
         let live = pool.source().registrar.as_ref().unwrap().live.load(Ordering::Relaxed);
         let st = pool.stats();
         prop_assert_eq!(u64::from(live), st.grows - st.oversize - st.reclaimed);
+    }
+}
+
+proptest! {
+    #![proptest_config(config())]
+    /// A `LocalPool` in front of the shared pool: leases never overlap, and the
+    /// shared pool's `used_bytes` is exactly what is leased plus what the cache holds.
+    #[test]
+    fn local_pool_matches_a_model(ops in prop::collection::vec((any::<bool>(), 1usize..20_000, any::<usize>()), 1..300)) {
+        let mut cfg = PoolConfig::with_budget(1 << 20);
+        cfg.chunk_bytes = 64 << 10;
+        cfg.classes = SizeClasses::new(&[256, 1024, 4096]).unwrap();
+        let pool = SlabPool::new(Chunks { memory: Arena::default(), registrar: Some(Nic::default()) }, cfg, InlineTables::<64, 4096>::new()).unwrap();
+        let local: LocalPool<_, _, 8> = LocalPool::new(&pool).unwrap();
+        let mut held: Vec<zerohop_core::Lease<&_>> = Vec::new();
+        let mut used = 0usize;
+        for (take, len, pick) in ops {
+            if take || held.is_empty() {
+                match local.lease(len) {
+                    Ok(l) => {
+                        prop_assert!(l.capacity() >= len);
+                        for other in &held {
+                            prop_assert!(!other.buffer().overlaps(l.buffer().addr, l.buffer().len), "leases overlap");
+                        }
+                        used += l.capacity();
+                        held.push(l);
+                    }
+                    Err(Error::Pool(PoolError::Exhausted { .. })) => prop_assert!(!held.is_empty()),
+                    Err(e) => prop_assert!(false, "unexpected {e}"),
+                }
+            } else {
+                used -= held.swap_remove(pick % held.len()).capacity();
+            }
+            prop_assert_eq!(pool.used_bytes(), used + local.cached_bytes());
+            prop_assert!(local.cached_bytes() <= 3 * 8 * 4096, "at most M per class cached");
+        }
+        drop(held);
+        prop_assert_eq!(pool.used_bytes(), local.cached_bytes());
+        drop(local);
+        prop_assert_eq!(pool.used_bytes(), 0);
+        prop_assert_eq!(pool.stats().leases, 0);
     }
 }

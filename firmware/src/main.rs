@@ -1,5 +1,7 @@
 //! zerohop on a Cortex-M4F, no heap: lease from the pool (its chunk registered
 //! with the software NIC), send over the loopback link, receive, check.
+//! One context owns everything, so each side leases through a `LocalPool`:
+//! the common lease and release take no lock.
 #![no_std]
 #![no_main]
 
@@ -9,9 +11,12 @@ use cortex_m_rt::entry;
 use panic_halt as _;
 use zerohop_backends::mock::{Arena, LinkEnd, MockLink, MockNic, MockTransport};
 use zerohop_backends::{host_bytes, host_bytes_mut, HostMemory, HostPool, Nic};
-use zerohop_core::{Chunks, InlineTables, Lease, PeerId, PoolConfig, SizeClasses, Transport};
+use zerohop_core::{
+    Chunks, InlineTables, Lease, LocalPool, PeerId, PoolConfig, SizeClasses, Transport,
+};
 
 type Pool = HostPool<InlineTables<4, 32>>;
+type Local<'p> = LocalPool<'p, Chunks<HostMemory, Nic>, InlineTables<4, 32>, 4>;
 
 static LINK: MockLink<2048> = MockLink::new();
 static NIC: MockNic = MockNic::new(None);
@@ -42,9 +47,9 @@ fn halt() -> ! {
 type End = LinkEnd<'static, 2048>;
 
 fn exchange<'p>(
-    tx: &mut MockTransport<End, &'p Pool>,
-    rx: &mut MockTransport<End, &'p Pool>,
-    pool: &'p Pool,
+    tx: &mut MockTransport<End, &'p Local<'p>>,
+    rx: &mut MockTransport<End, &'p Local<'p>>,
+    pool: &'p Local<'p>,
     round: u8,
 ) -> bool {
     let Ok(mut lease) = Lease::take(pool, 200) else {
@@ -74,12 +79,17 @@ fn main() -> ! {
         unsafe { (&mut *addr_of_mut!(ARENA_TX), &mut *addr_of_mut!(ARENA_RX)) };
     let tx_pool = pool(arena_tx, nic);
     let rx_pool = pool(arena_rx, nic);
+    let (Ok(tx_local), Ok(rx_local)) = (Local::new(&tx_pool), Local::new(&rx_pool)) else {
+        halt();
+    };
     let (a, b) = LINK.ends();
-    let mut tx = MockTransport::new(a, &tx_pool, 1024).with_nic(nic);
-    let mut rx = MockTransport::new(b, &rx_pool, 1024);
+    let mut tx = MockTransport::new(a, &tx_local, 1024).with_nic(nic);
+    let mut rx = MockTransport::new(b, &rx_local, 1024);
     let mut round = 0u8;
     loop {
-        if !exchange(&mut tx, &mut rx, &tx_pool, round) || rx_pool.used_bytes() != 0 {
+        // Every received buffer came home: only the cache holds any.
+        let idle = rx_pool.used_bytes() == rx_local.cached_bytes();
+        if !exchange(&mut tx, &mut rx, &tx_local, round) || !idle {
             halt();
         }
         round = round.wrapping_add(1);

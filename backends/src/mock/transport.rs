@@ -1,16 +1,15 @@
-//! A [`Transport`] over a [`Link`], receiving into a [`HostPool`].
+//! A [`Transport`] over a [`Link`], receiving into a host pool (a [`HostPool`](crate::HostPool), or a `LocalPool` in front of one).
 
 use core::ops::Deref;
 
 use zerohop_core::wire::{FrameKind, Header, HEADER_LEN};
 use zerohop_core::{
-    Access, Capabilities, Error, Kind, Lease, PeerId, Pool, PoolTables, Received, Rejected,
-    Transport,
+    Access, Capabilities, Error, Kind, Lease, PeerId, Pool, Received, Rejected, Transport,
 };
 
 use super::link::Link;
 use super::nic::MockNic;
-use crate::host::{host_bytes, host_bytes_mut, HostPool};
+use crate::host::{host_bytes, host_bytes_mut, HostBacked};
 
 /// The only peer on a point-to-point link.
 const PEER: PeerId = PeerId(0);
@@ -36,10 +35,10 @@ where
     peer_closed: bool,
 }
 
-impl<L, P, T: PoolTables> MockTransport<L, P>
+impl<L, P> MockTransport<L, P>
 where
     L: Link,
-    P: Deref<Target = HostPool<T>> + Clone,
+    P: Deref<Target: HostBacked> + Clone,
 {
     /// A transport over `link` receiving into `pool`; messages up to `max_message` bytes.
     pub fn new(link: L, pool: P, max_message: usize) -> Self {
@@ -140,10 +139,10 @@ where
     }
 }
 
-impl<L, P, T: PoolTables> Transport for MockTransport<L, P>
+impl<L, P> Transport for MockTransport<L, P>
 where
     L: Link,
-    P: Deref<Target = HostPool<T>> + Clone,
+    P: Deref<Target: HostBacked> + Clone,
 {
     type Lease = Lease<P>;
 
