@@ -11,15 +11,13 @@
 //! both sides (the caller's fast path and the progress thread), and a
 //! channel would force every message through a hand-off.
 
-use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::thread::JoinHandle;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use zerohop_core::{Error, PeerId, Received, Transport};
+
+use crate::doorbell::Doorbell;
+use crate::sync::{thread, Arc, AtomicBool, AtomicUsize, Condvar, Mutex, MutexGuard};
 
 /// Who is about to wait in `poll(2)` on a transport's descriptors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,8 +136,8 @@ struct Shared<T> {
     progressed: Condvar,
     stop: AtomicBool,
     /// Application threads blocked in `recv`'s poll(2).
-    app_reading: std::sync::atomic::AtomicUsize,
-    wake: UnixStream,
+    app_reading: AtomicUsize,
+    doorbell: Doorbell,
     config: EndpointConfig,
 }
 
@@ -151,15 +149,14 @@ impl<T> Shared<T> {
     }
 
     fn wake_progress(&self) {
-        // A full pipe already holds a pending wake-up: ignoring WouldBlock is right.
-        let _ = (&self.wake).write(&[1]);
+        self.doorbell.ring();
     }
 }
 
 /// A transport with blocking calls, deadlines, cancellation and a progress thread.
 pub struct Endpoint<T: Wire> {
     shared: Arc<Shared<T>>,
-    thread: Option<JoinHandle<()>>,
+    thread: Option<thread::JoinHandle<()>>,
 }
 
 impl<T: Wire> std::fmt::Debug for Endpoint<T> {
@@ -173,21 +170,18 @@ impl<T: Wire> std::fmt::Debug for Endpoint<T> {
 impl<T: Wire> Endpoint<T> {
     /// Wraps `transport` and starts its progress thread.
     pub fn new(transport: T, config: EndpointConfig) -> std::io::Result<Self> {
-        let (wake, wake_rx) = UnixStream::pair()?;
-        wake.set_nonblocking(true)?;
-        wake_rx.set_nonblocking(true)?;
         let shared = Arc::new(Shared {
             transport: Mutex::new(transport),
             progressed: Condvar::new(),
             stop: AtomicBool::new(false),
-            app_reading: std::sync::atomic::AtomicUsize::new(0),
-            wake,
+            app_reading: AtomicUsize::new(0),
+            doorbell: Doorbell::new()?,
             config,
         });
         let s = Arc::clone(&shared);
-        let thread = std::thread::Builder::new()
+        let thread = thread::Builder::new()
             .name("zerohop-progress".into())
-            .spawn(move || progress_loop(&s, wake_rx))?;
+            .spawn(move || progress_loop(&s))?;
         Ok(Endpoint {
             shared,
             thread: Some(thread),
@@ -396,11 +390,20 @@ impl<T: Wire> Endpoint<T> {
 
 impl<T: Wire> Drop for Endpoint<T> {
     fn drop(&mut self) {
+        if self.thread.is_some() {
+            // Dropped without `close`: what is still queued is not delivered; say so.
+            let pending = self.shared.lock().pending_sends();
+            if pending > 0 {
+                log::warn!(
+                    "zerohop: endpoint dropped without close: {pending} queued bytes not sent"
+                );
+            }
+        }
         self.stop();
     }
 }
 
-fn progress_loop<T: Wire>(s: &Shared<T>, mut wake_rx: UnixStream) {
+fn progress_loop<T: Wire>(s: &Shared<T>) {
     let mut fds: Vec<libc::pollfd> = Vec::new();
     // Acquire: pairs with `stop`'s Release store.
     while !s.stop.load(Ordering::Acquire) {
@@ -419,24 +422,7 @@ fn progress_loop<T: Wire>(s: &Shared<T>, mut wake_rx: UnixStream) {
         // Waiters re-check on every wake; a notify per loop keeps senders
         // blocked on a full queue moving as the kernel drains it.
         s.progressed.notify_all();
-        fds.push(libc::pollfd {
-            fd: wake_rx.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        });
-        let timeout_ms = s
-            .config
-            .poll_interval
-            .as_millis()
-            .clamp(1, i32::MAX as u128) as i32;
-        // SAFETY: `fds` is a valid, exclusively borrowed array of `fds.len()`
-        // pollfd structs for the duration of the call. A descriptor closed by
-        // another thread meanwhile only yields POLLNVAL or a spurious wake-up.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
-        if n > 0 && fds.last().is_some_and(|w| w.revents != 0) {
-            let mut sink = [0u8; 64];
-            while matches!(wake_rx.read(&mut sink), Ok(n) if n > 0) {}
-        }
+        s.doorbell.sleep(&mut fds, s.config.poll_interval);
     }
 }
 

@@ -8,8 +8,10 @@
 #![warn(missing_docs)]
 
 mod config;
+mod doorbell;
 mod endpoint;
 mod host;
+mod sync;
 pub mod tcp;
 
 pub use config::{parse_bytes, Config, ConfigError};
