@@ -49,6 +49,27 @@ pub trait Wire: Transport + Send + 'static {
         0
     }
 
+    /// Starts sending `bytes` for a caller that blocks until they are sent.
+    /// `Ok(false)`: the wire took part of the message and leaves the rest in
+    /// the caller's slice, to be written by [`continue_send`](Self::continue_send)
+    /// with the same bytes, so a large message is never copied. The default
+    /// is `try_send`, which copies what it queues.
+    fn start_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
+        self.try_send(peer, bytes).map(|()| true)
+    }
+
+    /// Writes more of a message begun by `start_send`; `Ok(true)` when all is sent.
+    fn continue_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
+        let _ = (peer, bytes);
+        Ok(true)
+    }
+
+    /// The caller of an unfinished `start_send` must leave (deadline,
+    /// cancellation): the wire copies the rest and finishes the message itself.
+    fn abandon_send(&mut self, peer: PeerId, bytes: &[u8]) {
+        let _ = (peer, bytes);
+    }
+
     /// The progress thread's work. With `read` false an application thread
     /// is receiving and reads for itself: only accept and flush, so a
     /// message never lands in a queue that thread is not watching.
@@ -235,7 +256,12 @@ impl<T: Wire> Endpoint<T> {
         self.shared.lock()
     }
 
-    /// Sends a copy of `bytes` to `peer`, waiting while its queue is full.
+    /// Sends `bytes` to `peer`, waiting while its queue is full. A message the
+    /// socket takes only in part is finished from `bytes` while this call
+    /// waits, as a blocking `write` would, rather than copied. Deadline and
+    /// cancellation bound the wait; a message already on the wire when they
+    /// strike cannot be withdrawn, so it is finished from a copy and the send
+    /// reports success.
     pub fn send(
         &self,
         peer: PeerId,
@@ -243,7 +269,33 @@ impl<T: Wire> Endpoint<T> {
         deadline: Deadline,
         cancel: Option<&CancelToken>,
     ) -> Result<(), Error> {
-        self.send_with(deadline, cancel, |t| t.try_send(peer, bytes))
+        let mut done = true;
+        let mut t = self.send_with(deadline, cancel, |t| {
+            done = t.start_send(peer, bytes)?;
+            Ok(())
+        })?;
+        // Like `recv`: retry for a short spin before sleeping until the socket
+        // has room, since a sleeping thread's wake-up costs more than the
+        // receiver needs to make that room.
+        let spin_until = Instant::now() + self.shared.config.spin;
+        while !done {
+            if deadline.passed() || cancel.is_some_and(CancelToken::is_cancelled) {
+                t.abandon_send(peer, bytes);
+                break;
+            }
+            if Instant::now() < spin_until {
+                drop(t);
+                std::hint::spin_loop();
+                t = self.shared.lock();
+            } else {
+                t = self.wait_io(t, deadline, false);
+            }
+            done = t.continue_send(peer, bytes)?;
+        }
+        if t.pending_sends() > 0 {
+            self.shared.wake_progress();
+        }
+        Ok(())
     }
 
     /// Sends a pool buffer without copying, waiting while the queue is full.
@@ -257,7 +309,7 @@ impl<T: Wire> Endpoint<T> {
     ) -> Result<(), Error> {
         // The transport hands a refused lease back; keep it for the next attempt.
         let mut lease = Some(lease);
-        self.send_with(deadline, cancel, |t| {
+        let t = self.send_with(deadline, cancel, |t| {
             let Some(l) = lease.take() else {
                 return Err(Error::Closed);
             };
@@ -265,29 +317,29 @@ impl<T: Wire> Endpoint<T> {
                 lease = Some(r.lease);
                 r.error
             })
-        })
+        })?;
+        if t.pending_sends() > 0 {
+            self.shared.wake_progress();
+        }
+        Ok(())
     }
 
     /// Retries `attempt` until it is taken, fails for good, the deadline passes
     /// or `cancel` fires; between attempts, flushes and waits for the sockets.
+    /// Returns the transport, still locked.
     fn send_with(
         &self,
         deadline: Deadline,
         cancel: Option<&CancelToken>,
         mut attempt: impl FnMut(&mut T) -> Result<(), Error>,
-    ) -> Result<(), Error> {
+    ) -> Result<MutexGuard<'_, T>, Error> {
         let mut t = self.shared.lock();
         loop {
             if cancel.is_some_and(CancelToken::is_cancelled) {
                 return Err(Error::Cancelled);
             }
             match attempt(&mut t) {
-                Ok(()) => {
-                    if t.pending_sends() > 0 {
-                        self.shared.wake_progress();
-                    }
-                    return Ok(());
-                }
+                Ok(()) => return Ok(t),
                 Err(Error::WouldBlock) => {}
                 Err(e) => return Err(e),
             }
@@ -308,40 +360,38 @@ impl<T: Wire> Endpoint<T> {
         cancel: Option<&CancelToken>,
     ) -> Result<Received<T::Lease>, Error> {
         let spin_until = Instant::now() + self.shared.config.spin;
-        // 1. Spin: poll the transport directly for a short while.
-        loop {
-            if cancel.is_some_and(CancelToken::is_cancelled) {
-                return Err(Error::Cancelled);
-            }
-            match self.shared.lock().try_recv() {
-                Ok(r) => return Ok(r),
-                // An empty wire, or a dry pool (waits for leases to come back).
-                Err(Error::WouldBlock | Error::Pool(_)) => {}
-                Err(e) => return Err(e),
-            }
-            if Instant::now() >= spin_until {
-                break;
-            }
-            std::hint::spin_loop();
-        }
-        // 2. Sleep in poll(2) on the transport's descriptors. The count of
-        // reading threads changes under the transport lock, which the progress
-        // thread holds while it reads: from here on it leaves reading to us.
+        // This thread reads for itself from here on, spinning and then asleep
+        // in poll(2): the progress thread leaves reading to it, so one
+        // arrival wakes one thread and the two do not fight for the lock.
+        // The count changes under the transport lock, which the progress
+        // thread holds while it decides whether to read.
         let mut t = self.shared.lock();
         // Relaxed: ordered by the transport mutex (see above).
         self.shared.app_reading.fetch_add(1, Ordering::Relaxed);
+        let mut spinning = true;
         let result = loop {
             if cancel.is_some_and(CancelToken::is_cancelled) {
                 break Err(Error::Cancelled);
             }
             match t.try_recv() {
                 Ok(r) => break Ok(r),
+                // An empty wire, or a dry pool (waits for leases to come back).
                 Err(Error::WouldBlock | Error::Pool(_)) => {}
                 Err(e) => break Err(e),
             }
             if deadline.passed() {
                 break Err(Error::Timeout);
             }
+            // 1. Spin: poll the transport directly for a short while, letting
+            // go of the lock between attempts.
+            if spinning && Instant::now() < spin_until {
+                drop(t);
+                std::hint::spin_loop();
+                t = self.shared.lock();
+                continue;
+            }
+            // 2. Sleep in poll(2) on the transport's descriptors.
+            spinning = false;
             t = self.wait_io(t, deadline, true);
         };
         self.shared.app_reading.fetch_sub(1, Ordering::Relaxed);

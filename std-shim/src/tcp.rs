@@ -11,7 +11,7 @@
 //! is leased for it.
 
 use std::collections::VecDeque;
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -27,6 +27,10 @@ use crate::endpoint::{Waiter, Wire};
 use crate::host::{StdLease, StdPool};
 
 const STAGE_BYTES: usize = 64 << 10;
+/// The rest of a message at least this long is read straight into its lease.
+const DIRECT_MIN: usize = 1 << 10;
+/// How far past a message read straight into its lease the same read goes.
+const READ_AHEAD: usize = 4 << 10;
 
 /// TCP wire settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,6 +42,10 @@ pub struct TcpConfig {
     pub send_queue_bytes: usize,
     /// Received messages held for the application before reading stops (default 4096).
     pub inbox_messages: usize,
+    /// Received bytes held for the application before reading stops (default
+    /// 8 MiB): beyond it the kernel's window pushes back on the sender, and
+    /// the receive pool stays small however far the sender runs ahead.
+    pub inbox_bytes: usize,
     /// Checksum payloads as well as headers (default off: TCP checksums its segments).
     pub check_payload: bool,
 }
@@ -48,6 +56,7 @@ impl Default for TcpConfig {
             max_message: 64 << 20,
             send_queue_bytes: 16 << 20,
             inbox_messages: 4096,
+            inbox_bytes: 8 << 20,
             check_payload: false,
         }
     }
@@ -101,6 +110,13 @@ impl Outgoing {
     }
 }
 
+/// A frame written straight from a blocked caller's slice (see
+/// [`Wire::start_send`]): the caller passes the same bytes on every call.
+struct Direct {
+    header: [u8; HEADER_LEN],
+    written: usize,
+}
+
 struct Partial {
     header: Header,
     lease: StdLease,
@@ -116,6 +132,8 @@ struct Peer {
     partial: Option<Partial>,
     queue: VecDeque<Outgoing>,
     queued_bytes: usize,
+    /// A caller is writing a frame from its own slice; the queue waits behind it.
+    direct: Option<Direct>,
     tx_seq: u64,
     rx_next: u64,
     /// Waiting for a pool buffer: reading from this peer is paused.
@@ -143,6 +161,8 @@ pub struct TcpTransport {
     listener: Option<TcpListener>,
     peers: Vec<Option<Peer>>,
     arrivals: VecDeque<Result<Received<StdLease>, Error>>,
+    /// Payload bytes in `arrivals`.
+    arrival_bytes: usize,
     closed: bool,
 }
 
@@ -167,6 +187,7 @@ impl TcpTransport {
             listener: None,
             peers: Vec::new(),
             arrivals: VecDeque::new(),
+            arrival_bytes: 0,
             closed: false,
         }
     }
@@ -223,6 +244,7 @@ impl TcpTransport {
             partial: None,
             queue: VecDeque::new(),
             queued_bytes: 0,
+            direct: None,
             tx_seq: 0,
             rx_next: 0,
             dry: false,
@@ -271,10 +293,17 @@ impl TcpTransport {
         }
     }
 
-    /// Writes one data frame at once when the peer's queue is empty, from the
-    /// caller's slice or lease; queues what the kernel did not take (a slice
-    /// is copied only then). Refused sources come back with the error.
-    fn send_frame<'a>(&mut self, peer: PeerId, src: Source<'a>) -> Result<(), (Error, Source<'a>)> {
+    /// Writes one data frame at once when nothing is ahead of it for this
+    /// peer, from the caller's slice or lease. What the kernel did not take
+    /// is queued (a slice is copied only then), or, with `direct`, left for
+    /// the caller to write from its slice ([`Wire::continue_send`]): then
+    /// `Ok(false)`. Refused sources come back with the error.
+    fn send_frame<'a>(
+        &mut self,
+        peer: PeerId,
+        src: Source<'a>,
+        direct: bool,
+    ) -> Result<bool, (Error, Source<'a>)> {
         if self.closed {
             return Err((Error::Closed, src));
         }
@@ -297,15 +326,17 @@ impl TcpTransport {
         let header = Header::data(0, 0, p.tx_seq, src.bytes(), check, false).encode();
         p.tx_seq += 1;
         let mut written = 0;
-        // A write error means a dead socket: the read side reports the peer
-        // lost, and this message, queued, fails with it.
-        if p.queue.is_empty()
-            && matches!(
-                write_frame(&mut p.stream, &header, src.bytes(), &mut written),
-                Ok(true)
-            )
-        {
-            return Ok(());
+        if p.queue.is_empty() && p.direct.is_none() {
+            // A write error means a dead socket: the read side reports the
+            // peer lost, and this message, queued, fails with it.
+            let sent = write_frame(&mut p.stream, &header, src.bytes(), &mut written);
+            if matches!(sent, Ok(true)) {
+                return Ok(true);
+            }
+            if sent.is_ok() && direct && matches!(src, Source::Slice(_)) {
+                p.direct = Some(Direct { header, written });
+                return Ok(false);
+            }
         }
         let out = Outgoing {
             header,
@@ -314,7 +345,7 @@ impl TcpTransport {
         };
         p.queued_bytes += out.total() - written;
         p.queue.push_back(out);
-        Ok(())
+        Ok(true)
     }
 
     fn flush_all(&mut self) -> bool {
@@ -340,7 +371,7 @@ impl TcpTransport {
     fn read_all(&mut self) -> bool {
         let mut any = false;
         for i in 0..self.peers.len() {
-            if self.arrivals.len() >= self.config.inbox_messages {
+            if self.inbox_full() {
                 break;
             }
             let before = self.arrivals.len();
@@ -383,12 +414,16 @@ impl TcpTransport {
     }
 
     fn read_peer(&mut self, i: usize) -> ReadOutcome {
-        let (max, inbox) = (self.config.max_message, self.config.inbox_messages);
+        let (max, inbox, inbox_bytes) = (
+            self.config.max_message,
+            self.config.inbox_messages,
+            self.config.inbox_bytes,
+        );
         let Some(p) = self.peers[i].as_mut() else {
             return ReadOutcome::Idle;
         };
         loop {
-            if self.arrivals.len() >= inbox {
+            if self.arrivals.len() >= inbox || self.arrival_bytes >= inbox_bytes {
                 return ReadOutcome::Idle;
             }
             // 1. Finish the message in progress: staged bytes first, then the socket.
@@ -402,11 +437,25 @@ impl TcpTransport {
                     p.stage_start += staged;
                 }
                 if part.have < part.header.len as usize {
-                    if want - staged >= STAGE_BYTES / 2 {
-                        let dst = &mut host_bytes_mut(&mut part.lease)[part.have..];
-                        match p.stream.read(dst) {
+                    if want - staged >= DIRECT_MIN {
+                        // The stage is empty (its bytes went into the lease):
+                        // read the rest of this message straight into its
+                        // lease, and only a little beyond it (the next header
+                        // and a prefix, copied later) into the stage.
+                        p.stage_start = 0;
+                        p.stage_end = 0;
+                        let rest = &mut host_bytes_mut(&mut part.lease)[part.have..];
+                        let into_lease = rest.len();
+                        let mut bufs = [
+                            IoSliceMut::new(rest),
+                            IoSliceMut::new(&mut p.stage[..READ_AHEAD]),
+                        ];
+                        match p.stream.read_vectored(&mut bufs) {
                             Ok(0) => return ReadOutcome::Gone { clean: false },
-                            Ok(n) => part.have += n,
+                            Ok(n) => {
+                                part.have += n.min(into_lease);
+                                p.stage_end = n.saturating_sub(into_lease);
+                            }
                             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                                 return ReadOutcome::Idle
                             }
@@ -434,6 +483,7 @@ impl TcpTransport {
                         }));
                     }
                     p.rx_next = part.header.seq + 1;
+                    self.arrival_bytes += part.lease.len();
                     self.arrivals.push_back(Ok(Received {
                         peer: PeerId(i as u32),
                         lease: part.lease,
@@ -498,6 +548,11 @@ impl TcpTransport {
         }
     }
 
+    fn inbox_full(&self) -> bool {
+        self.arrivals.len() >= self.config.inbox_messages
+            || self.arrival_bytes >= self.config.inbox_bytes
+    }
+
     fn pool_dry(&self) -> bool {
         self.peers.iter().flatten().any(|p| p.dry)
     }
@@ -534,6 +589,10 @@ fn write_some(stream: &mut TcpStream, out: &mut Outgoing) -> io::Result<bool> {
 }
 
 fn flush_peer(p: &mut Peer) -> io::Result<bool> {
+    if p.direct.is_some() {
+        // A caller is mid-frame from its own slice; ours go after it.
+        return Ok(false);
+    }
     let mut any = false;
     while let Some(front) = p.queue.front_mut() {
         let before = front.written;
@@ -561,12 +620,14 @@ impl Transport for TcpTransport {
     }
 
     fn try_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<(), Error> {
-        self.send_frame(peer, Source::Slice(bytes))
+        self.send_frame(peer, Source::Slice(bytes), false)
+            .map(|_| ())
             .map_err(|(e, _)| e)
     }
 
     fn try_send_lease(&mut self, peer: PeerId, lease: StdLease) -> Result<(), Rejected<StdLease>> {
-        self.send_frame(peer, Source::Lease(lease))
+        self.send_frame(peer, Source::Lease(lease), false)
+            .map(|_| ())
             .map_err(|(error, src)| match src {
                 Source::Lease(lease) => Rejected { error, lease },
                 Source::Slice(_) => unreachable!("a lease handed in comes back as a lease"),
@@ -580,7 +641,12 @@ impl Transport for TcpTransport {
             self.read_all();
         }
         match self.arrivals.pop_front() {
-            Some(r) => r,
+            Some(r) => {
+                if let Ok(m) = &r {
+                    self.arrival_bytes -= m.lease.len();
+                }
+                r
+            }
             None if self.closed && self.peer_count() == 0 => Err(Error::Closed),
             None if self.pool_dry() => {
                 let st = self.pool.stats();
@@ -634,13 +700,19 @@ impl Wire for TcpTransport {
                 revents: 0,
             });
         }
-        let reading = data && self.arrivals.len() < self.config.inbox_messages;
+        let reading = data && !self.inbox_full();
         for p in self.peers.iter().flatten() {
             let mut events = 0;
             if reading && !p.dry {
                 events |= libc::POLLIN;
             }
-            if !p.queue.is_empty() {
+            // The queue can move only when no caller is mid-frame; that
+            // caller waits for room itself.
+            let writable = match waiter {
+                Waiter::Progress { .. } => !p.queue.is_empty() && p.direct.is_none(),
+                Waiter::App { .. } => !p.queue.is_empty() || p.direct.is_some(),
+            };
+            if writable {
                 events |= libc::POLLOUT;
             }
             if events != 0 {
@@ -655,6 +727,47 @@ impl Wire for TcpTransport {
 
     fn pending_sends(&self) -> usize {
         self.queued_bytes()
+    }
+
+    fn start_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
+        self.send_frame(peer, Source::Slice(bytes), true)
+            .map_err(|(e, _)| e)
+    }
+
+    fn continue_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
+        let Ok(p) = self.peer_mut(peer) else {
+            return Err(Error::PeerLost(peer));
+        };
+        let Some(d) = p.direct.as_mut() else {
+            return Ok(true);
+        };
+        match write_frame(&mut p.stream, &d.header, bytes, &mut d.written) {
+            Ok(false) => Ok(false),
+            Ok(true) => {
+                p.direct = None;
+                Ok(true)
+            }
+            // The read side reports the peer lost and drops it.
+            Err(_) => {
+                p.direct = None;
+                Err(Error::PeerLost(peer))
+            }
+        }
+    }
+
+    fn abandon_send(&mut self, peer: PeerId, bytes: &[u8]) {
+        let Ok(p) = self.peer_mut(peer) else { return };
+        let Some(Direct { header, written }) = p.direct.take() else {
+            return;
+        };
+        // Mid-frame, the message cannot be withdrawn: finish it from a copy.
+        let out = Outgoing {
+            header,
+            payload: Payload::Owned(bytes.to_vec()),
+            written,
+        };
+        p.queued_bytes += out.total() - written;
+        p.queue.push_front(out);
     }
 
     fn background_progress(&mut self, read: bool) -> Result<bool, Error> {

@@ -313,6 +313,110 @@ fn a_receiver_that_stops_reading_blocks_then_times_out_the_sender_with_bounded_m
 }
 
 #[test]
+fn a_receiver_reads_ahead_at_most_inbox_bytes_so_its_pool_stays_small() {
+    let config = TcpConfig {
+        inbox_bytes: 256 << 10,
+        ..TcpConfig::default()
+    };
+    let (server, addr, server_pool) = listener(64 << 20, config);
+    let (c, peer) = client(addr);
+    // Nobody calls recv on the server: its progress thread reads ahead alone.
+    let chunk = vec![3u8; 64 << 10];
+    let mut sent = 0;
+    while c
+        .send(
+            peer,
+            &chunk,
+            Deadline::after(Duration::from_millis(300)),
+            None,
+        )
+        .is_ok()
+    {
+        sent += 1;
+        assert!(sent < 100_000, "the sender never blocked");
+    }
+    let st = server_pool.stats();
+    assert!(
+        st.used_bytes <= (256 << 10) + (64 << 10),
+        "read ahead bounded by inbox_bytes (plus the message in progress): {st:?}"
+    );
+    assert!(st.reserved_bytes <= 2 << 20, "one chunk: {st:?}");
+    assert!(
+        sent > 8,
+        "the kernel buffers and the sender's queue took the rest ({sent})"
+    );
+    // Everything sent arrives once the application reads.
+    for _ in 0..sent {
+        let m = server.recv(Deadline::after(10 * SECOND), None).unwrap();
+        assert_eq!(m.lease.len(), 64 << 10);
+    }
+}
+
+/// Reads one frame from a raw socket: (header, payload).
+fn read_frame(s: &mut TcpStream) -> (Header, Vec<u8>) {
+    use std::io::Read;
+    let mut h = [0u8; HEADER_LEN];
+    s.read_exact(&mut h).unwrap();
+    let header = Header::decode(&h, 64 << 20).unwrap();
+    let mut payload = vec![0u8; header.len as usize];
+    s.read_exact(&mut payload).unwrap();
+    (header, payload)
+}
+
+#[test]
+fn a_large_send_is_finished_from_the_callers_slice_or_from_a_copy_when_its_deadline_strikes() {
+    let raw = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (c, peer) = client(raw.local_addr().unwrap());
+    let (mut reader, _) = raw.accept().unwrap();
+    let big = message(1, 1 << 20);
+    let big: Vec<u8> = big.iter().copied().cycle().take(16 << 20).collect();
+
+    // 1. Nobody reads: the kernel takes a few MiB, the caller writes on from
+    // its slice until the deadline, then the rest is copied and queued; the
+    // send has succeeded (the message is on the wire and cannot be withdrawn).
+    let t0 = Instant::now();
+    c.send(
+        peer,
+        &big,
+        Deadline::after(Duration::from_millis(300)),
+        None,
+    )
+    .unwrap();
+    assert!(
+        t0.elapsed() >= Duration::from_millis(300),
+        "it waited, writing"
+    );
+    let queued = c.pending_sends();
+    assert!(
+        queued > 0 && queued < big.len(),
+        "the unsent rest was copied: {queued}"
+    );
+    // A later message goes behind it.
+    c.send(peer, b"after", Deadline::never(), None).unwrap();
+    let (h, p) = read_frame(&mut reader);
+    assert_eq!((h.seq, p.len()), (0, big.len()));
+    assert!(
+        p == big,
+        "the copied rest continues the caller's bytes exactly"
+    );
+    let (h, p) = read_frame(&mut reader);
+    assert_eq!((h.seq, &p[..]), (1, &b"after"[..]));
+
+    // 2. A reader that keeps up: the send returns when all of the message is
+    // with the kernel, and nothing was copied or queued.
+    let drain = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        let (h, p) = read_frame(&mut reader);
+        (h.seq, p)
+    });
+    c.send(peer, &big, Deadline::never(), None).unwrap();
+    assert_eq!(c.pending_sends(), 0, "sent from the caller's slice");
+    let (seq, p) = drain.join().unwrap();
+    assert_eq!(seq, 2);
+    assert!(p == big);
+}
+
+#[test]
 fn cancellation_interrupts_a_waiting_recv() {
     let (server, _, _) = listener(16 << 20, TcpConfig::default());
     let token = zerohop_std::CancelToken::new();
