@@ -1,12 +1,53 @@
 //! The floor for `zerohop perf --transport tcp`: the same ping-pong and stream,
-//! written the obvious way with blocking std sockets (TCP_NODELAY, one thread
-//! per side, 127.0.0.1), printing the same JSON rows.
+//! written the obvious way with std sockets (TCP_NODELAY, one thread per side,
+//! 127.0.0.1), printing the same JSON rows. Blocking calls by default; with
+//! `spin`, non-blocking sockets retried in a busy loop, the way zerohop's
+//! receiver (for `--spin-us`), UCX and perftest wait: the floor for latency
+//! without the cost of waking a sleeping thread.
 //!
-//! `cargo run --release -p zerohop-std --example raw_tcp -- 64,4096,65536,1048576`
+//! `cargo run --release -p zerohop-std --example raw_tcp -- 64,4096,65536,1048576 [spin]`
 
-use std::io::{Read, Write};
+use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
+
+/// A socket that either blocks or spins on `WouldBlock`.
+struct Stream {
+    s: TcpStream,
+}
+
+impl Stream {
+    fn new(s: TcpStream, spin: bool) -> io::Result<Self> {
+        s.set_nodelay(true)?;
+        s.set_nonblocking(spin)?;
+        Ok(Stream { s })
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            match self.s.read(buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+                r => return r,
+            }
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        loop {
+            match self.s.write(buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+                r => return r,
+            }
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
 
 fn main() -> std::io::Result<()> {
     let sizes: Vec<usize> = std::env::args()
@@ -15,11 +56,12 @@ fn main() -> std::io::Result<()> {
         .split(',')
         .map(|s| s.parse().expect("a size in bytes"))
         .collect();
+    let spin = std::env::args().nth(2).as_deref() == Some("spin");
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let server = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut s, _) = listener.accept()?;
-        s.set_nodelay(true)?;
+        let (s, _) = listener.accept()?;
+        let mut s = Stream::new(s, spin)?;
         let mut ctl = [0u8; 16];
         loop {
             if s.read_exact(&mut ctl).is_err() {
@@ -44,8 +86,7 @@ fn main() -> std::io::Result<()> {
             }
         }
     });
-    let mut c = TcpStream::connect(addr)?;
-    c.set_nodelay(true)?;
+    let mut c = Stream::new(TcpStream::connect(addr)?, spin)?;
     let mut rows = Vec::new();
     for &size in &sizes {
         let iters = 5000usize.min((256 << 20) / size).max(100) + 100;
@@ -86,7 +127,8 @@ fn main() -> std::io::Result<()> {
     drop(c);
     server.join().expect("server thread")?;
     println!(
-        "{{\"transport\":\"raw-tcp\",\"rows\":[{}]}}",
+        "{{\"transport\":\"raw-tcp{}\",\"rows\":[{}]}}",
+        if spin { "-spin" } else { "" },
         rows.join(",")
     );
     Ok(())
