@@ -37,6 +37,11 @@ pub struct PerfArgs {
     /// and ucx_perftest always busy-poll; applications may prefer less).
     #[arg(long, default_value_t = 200)]
     spin_us: u64,
+    /// Send from buffers leased from the wire's (registered) send pool and
+    /// filled in place, as a zero-copy application does and as perftest
+    /// sends its registered buffer, instead of copying the caller's bytes.
+    #[arg(long)]
+    zero_copy: bool,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -56,6 +61,7 @@ pub struct Row {
 struct Report {
     transport: &'static str,
     mode: String,
+    zero_copy: bool,
     skipped: Vec<String>,
     rows: Vec<Row>,
 }
@@ -64,6 +70,7 @@ struct Report {
 struct Plan {
     sizes: Vec<usize>,
     iters: usize,
+    zero_copy: bool,
     stream_bytes: usize,
 }
 
@@ -150,6 +157,16 @@ where
     let mut rows = Vec::new();
     for &size in &plan.sizes {
         let buf = vec![0xA5u8; size];
+        // One message: the caller's bytes (copied as the wire needs), or a
+        // pool buffer sent as it is.
+        let send_one = || {
+            if plan.zero_copy {
+                let lease = ep.lease(size)?;
+                ep.send_lease(peer, lease, Deadline::after(LONG), None)
+            } else {
+                ep.send(peer, &buf, Deadline::after(LONG), None)
+            }
+        };
         let n = plan.round_trips(size);
         ep.send(
             peer,
@@ -160,7 +177,7 @@ where
         let mut rtts = Vec::with_capacity(n);
         for i in 0..n + WARMUP {
             let t0 = Instant::now();
-            ep.send(peer, &buf, Deadline::after(LONG), None)?;
+            send_one()?;
             let r = ep.recv(Deadline::after(LONG), None)?;
             let dt = t0.elapsed();
             if r.lease.len() != size {
@@ -182,7 +199,7 @@ where
         )?;
         let t0 = Instant::now();
         for _ in 0..count {
-            ep.send(peer, &buf, Deadline::after(LONG), None)?;
+            send_one()?;
         }
         let ack = ep.recv(Deadline::after(LONG), None)?;
         let secs = t0.elapsed().as_secs_f64();
@@ -295,6 +312,7 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
     let plan = Plan {
         sizes,
         iters: args.iters.max(1),
+        zero_copy: args.zero_copy,
         stream_bytes: zerohop_std::parse_bytes(&args.stream_bytes)
             .ok_or("--stream-bytes: not a byte count")?,
     };
@@ -381,6 +399,7 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
     let report = Report {
         transport: kind.name(),
         mode,
+        zero_copy: plan.zero_copy,
         skipped,
         rows,
     };

@@ -19,6 +19,9 @@ use zerohop_core::{Error, PeerId, Received, Transport};
 use crate::doorbell::Doorbell;
 use crate::sync::{thread, Arc, AtomicBool, AtomicUsize, Condvar, Mutex, MutexGuard};
 
+/// How many polls of a spinning call pass between two reads of the clock.
+const CLOCK_EVERY: u32 = 32;
+
 /// Who is about to wait in `poll(2)` on a transport's descriptors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Waiter {
@@ -44,9 +47,22 @@ pub trait Wire: Transport + Send + 'static {
         let _ = (out, waiter);
     }
 
-    /// Bytes accepted by `try_send` but not yet handed to the OS.
+    /// A buffer of `len` bytes from the pool this wire's zero-copy sends
+    /// leave from (registered with the NIC where there is one): fill it in
+    /// place, then [`Endpoint::send_lease`] it.
+    fn lease(&self, len: usize) -> Result<Self::Lease, Error>;
+
+    /// Bytes (or frames) accepted but not yet delivered as far as this wire
+    /// can tell: `flush` and `close` wait for none.
     fn pending_sends(&self) -> usize {
         0
+    }
+
+    /// Whether accepted sends need the progress thread to move (queued behind
+    /// a full socket, or waiting for credits): a send rings it only then, so
+    /// the common send wakes no other thread. Defaults to `pending_sends() > 0`.
+    fn needs_progress(&self) -> bool {
+        self.pending_sends() > 0
     }
 
     /// Starts sending `bytes` for a caller that blocks until they are sent.
@@ -209,6 +225,11 @@ impl<T: Wire> Endpoint<T> {
         })
     }
 
+    /// A buffer for a zero-copy send: see [`Wire::lease`].
+    pub fn lease(&self, len: usize) -> Result<T::Lease, Error> {
+        self.shared.lock().lease(len)
+    }
+
     /// Runs `f` on the transport (to listen, connect, read counters).
     pub fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
         let r = f(&mut self.shared.lock());
@@ -278,12 +299,19 @@ impl<T: Wire> Endpoint<T> {
         // has room, since a sleeping thread's wake-up costs more than the
         // receiver needs to make that room.
         let spin_until = Instant::now() + self.shared.config.spin;
+        let mut spins = 0u32;
         while !done {
-            if deadline.passed() || cancel.is_some_and(CancelToken::is_cancelled) {
+            if cancel.is_some_and(CancelToken::is_cancelled) {
                 t.abandon_send(peer, bytes);
                 break;
             }
-            if Instant::now() < spin_until {
+            spins = spins.wrapping_add(1);
+            let check_clock = spins % CLOCK_EVERY == 0;
+            if check_clock && deadline.passed() {
+                t.abandon_send(peer, bytes);
+                break;
+            }
+            if !check_clock || Instant::now() < spin_until {
                 drop(t);
                 std::hint::spin_loop();
                 t = self.shared.lock();
@@ -292,7 +320,7 @@ impl<T: Wire> Endpoint<T> {
             }
             done = t.continue_send(peer, bytes)?;
         }
-        if t.pending_sends() > 0 {
+        if t.needs_progress() {
             self.shared.wake_progress();
         }
         Ok(())
@@ -318,7 +346,7 @@ impl<T: Wire> Endpoint<T> {
                 r.error
             })
         })?;
-        if t.pending_sends() > 0 {
+        if t.needs_progress() {
             self.shared.wake_progress();
         }
         Ok(())
@@ -368,7 +396,8 @@ impl<T: Wire> Endpoint<T> {
         let mut t = self.shared.lock();
         // Relaxed: ordered by the transport mutex (see above).
         self.shared.app_reading.fetch_add(1, Ordering::Relaxed);
-        let mut spinning = true;
+        let mut spinning = !self.shared.config.spin.is_zero();
+        let mut spins = 0u32;
         let result = loop {
             if cancel.is_some_and(CancelToken::is_cancelled) {
                 break Err(Error::Cancelled);
@@ -379,15 +408,21 @@ impl<T: Wire> Endpoint<T> {
                 Err(Error::WouldBlock | Error::Pool(_)) => {}
                 Err(e) => break Err(e),
             }
-            if deadline.passed() {
-                break Err(Error::Timeout);
-            }
             // 1. Spin: poll the transport directly for a short while, letting
-            // go of the lock between attempts.
-            if spinning && Instant::now() < spin_until {
+            // go of the lock between attempts. The clock is read every
+            // `CLOCK_EVERY` attempts only: where it is a system call (virtual
+            // machines without a stable TSC) it would cost more than a poll.
+            spins = spins.wrapping_add(1);
+            if spinning && spins % CLOCK_EVERY != 0 {
                 drop(t);
                 std::hint::spin_loop();
                 t = self.shared.lock();
+                continue;
+            }
+            if deadline.passed() {
+                break Err(Error::Timeout);
+            }
+            if spinning && Instant::now() < spin_until {
                 continue;
             }
             // 2. Sleep in poll(2) on the transport's descriptors.
@@ -480,12 +515,19 @@ fn progress_loop<T: Wire>(s: &Shared<T>) {
 impl<L, T> Wire for zerohop_backends::mock::MockTransport<L, Arc<zerohop_backends::HostPool<T>>>
 where
     L: zerohop_backends::mock::Link + Send + 'static,
-    T: zerohop_core::PoolTables + Send + 'static,
+    T: zerohop_core::PoolTables + Send + Sync + 'static,
 {
+    fn lease(&self, len: usize) -> Result<Self::Lease, Error> {
+        zerohop_core::Lease::take(Arc::clone(self.pool()), len)
+    }
 }
 
 #[cfg(feature = "gpudirect-verbs")]
 impl Wire for zerohop_backends::verbs::RdmaTransport {
+    fn lease(&self, len: usize) -> Result<Self::Lease, Error> {
+        zerohop_core::Lease::take(Arc::clone(self.send_pool()), len)
+    }
+
     fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
         let (cm, completions) = match waiter {
             Waiter::Progress { app_reading } => (true, !app_reading),
@@ -502,5 +544,12 @@ impl Wire for zerohop_backends::verbs::RdmaTransport {
 
     fn pending_sends(&self) -> usize {
         self.pending_frames()
+    }
+
+    fn needs_progress(&self) -> bool {
+        // Posted frames complete without help (their completions are reaped
+        // by whoever polls next); only frames waiting for credits need the
+        // progress thread.
+        self.unposted_frames() > 0
     }
 }

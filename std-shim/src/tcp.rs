@@ -688,6 +688,10 @@ impl Transport for TcpTransport {
 }
 
 impl Wire for TcpTransport {
+    fn lease(&self, len: usize) -> Result<StdLease, Error> {
+        Lease::take(Arc::clone(&self.pool), len)
+    }
+
     fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
         let (accept, data) = match waiter {
             Waiter::Progress { app_reading } => (true, !app_reading),

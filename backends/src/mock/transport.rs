@@ -40,6 +40,11 @@ where
     L: Link,
     P: Deref<Target: HostBacked> + Clone,
 {
+    /// The pool messages arrive in (and zero-copy sends may leave from).
+    pub fn pool(&self) -> &P {
+        &self.pool
+    }
+
     /// A transport over `link` receiving into `pool`; messages up to `max_message` bytes.
     pub fn new(link: L, pool: P, max_message: usize) -> Self {
         MockTransport {

@@ -1078,7 +1078,12 @@ impl RdmaTransport {
         }
     }
 
-    /// Frames queued but not yet posted.
+    /// Frames queued (waiting for credits) but not yet posted.
+    pub fn unposted_frames(&self) -> usize {
+        self.peers.iter().flatten().map(|c| c.pending.len()).sum()
+    }
+
+    /// Frames queued or posted and not yet completed.
     pub fn pending_frames(&self) -> usize {
         self.peers
             .iter()
