@@ -186,3 +186,38 @@ fn managed_and_pinned_memory_do_not_export_and_say_why() {
     );
     dev.free(r).unwrap();
 }
+
+/// The copies the gpudirect wire makes on received payloads (reassembling
+/// fragments, fragmenting a lease): device to device, across two sources,
+/// at offsets, and refused outside the allocations.
+#[test]
+fn device_to_device_copies_reassemble_at_offsets_and_refuse_out_of_range() {
+    let Some(gpu) = gpu_or_skip("device_to_device_copies") else {
+        return;
+    };
+    let (recv, send) = (DeviceMemory::new(&gpu), DeviceMemory::new(&gpu));
+    let whole = recv.alloc(3 << 16, 4096).unwrap();
+    let frag = send.alloc(1 << 16, 4096).unwrap();
+    let data: Vec<u8> = (0..3u32 << 16).map(|i| (i ^ (i >> 9)) as u8).collect();
+    // Three fragments through one staging buffer of the other source, as a
+    // receive ring's buffers are copied into a message's lease.
+    for (k, chunk) in data.chunks(1 << 16).enumerate() {
+        send.copy_from_host(frag, chunk).unwrap();
+        let at = zerohop_core::Region {
+            addr: whole.addr + (k << 16) as u64,
+            len: chunk.len(),
+            ..whole
+        };
+        recv.copy_from_device(at, &send, frag, chunk.len()).unwrap();
+    }
+    let mut back = vec![0u8; data.len()];
+    recv.copy_to_host(whole, &mut back).unwrap();
+    assert!(back == data, "reassembled on the device, byte for byte");
+    // Past the end of the source, or from memory it does not own: refused, typed.
+    assert!(recv
+        .copy_from_device(whole, &send, frag, (1 << 16) + 1)
+        .is_err());
+    assert!(recv.copy_from_device(whole, &recv, frag, 16).is_err());
+    recv.free(whole).unwrap();
+    send.free(frag).unwrap();
+}

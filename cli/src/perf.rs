@@ -7,11 +7,14 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
-use zerohop_backends::host_bytes;
-use zerohop_core::{pick, Error, Kind, PeerId, Preference};
-use zerohop_std::{probe_host, Config, Deadline, Endpoint, EndpointConfig, StdLease, Wire};
+use std::ops::Deref;
+
+use zerohop_core::{pick, Error, Kind, Lease, PeerId, Pool, Preference};
+use zerohop_std::{probe_host, Config, Deadline, Endpoint, EndpointConfig, Wire};
 
 use crate::transports;
+#[cfg(feature = "gpudirect-verbs")]
+use zerohop_backends::verbs::HostPayload;
 
 #[derive(Args, Debug)]
 pub struct PerfArgs {
@@ -97,6 +100,19 @@ fn control(tag: u8, size: usize, count: usize) -> [u8; 17] {
     m
 }
 
+/// A control message, read through the endpoint (its bytes may be in GPU memory).
+fn read_control<T, P>(ep: &Endpoint<T>, lease: &Lease<P>) -> Option<(u8, usize, usize)>
+where
+    T: Wire<Lease = Lease<P>>,
+    P: Deref<Target: Pool>,
+{
+    let mut b = [0u8; 17];
+    if lease.len() != b.len() || ep.read(lease, &mut b).is_err() {
+        return None;
+    }
+    parse_control(&b)
+}
+
 fn parse_control(b: &[u8]) -> Option<(u8, usize, usize)> {
     if b.len() != 17 {
         return None;
@@ -109,13 +125,14 @@ fn parse_control(b: &[u8]) -> Option<(u8, usize, usize)> {
 const LONG: Duration = Duration::from_secs(60);
 
 /// Serves one client session: echo for latency, count and acknowledge for streams.
-fn serve<T>(ep: &Endpoint<T>) -> Result<(), Error>
+fn serve<T, P>(ep: &Endpoint<T>) -> Result<(), Error>
 where
-    T: Wire<Lease = StdLease>,
+    T: Wire<Lease = Lease<P>>,
+    P: Deref<Target: Pool>,
 {
     loop {
         let r = ep.recv(Deadline::never(), None)?;
-        let Some((tag, _size, count)) = parse_control(host_bytes(&r.lease)) else {
+        let Some((tag, _size, count)) = read_control(ep, &r.lease) else {
             return Err(Error::Backend("perf: expected a control message"));
         };
         let peer = r.peer;
@@ -145,14 +162,15 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1e6 / 2.0 // one-way: half the round trip
 }
 
-fn client<T>(
+fn client<T, P>(
     ep: &Endpoint<T>,
     peer: PeerId,
     plan: &Plan,
     bar: &ProgressBar,
 ) -> Result<Vec<Row>, Error>
 where
-    T: Wire<Lease = StdLease>,
+    T: Wire<Lease = Lease<P>>,
+    P: Deref<Target: Pool>,
 {
     let mut rows = Vec::new();
     for &size in &plan.sizes {
@@ -203,11 +221,11 @@ where
         }
         let ack = ep.recv(Deadline::after(LONG), None)?;
         let secs = t0.elapsed().as_secs_f64();
-        let got = u64::from_le_bytes(
-            host_bytes(&ack.lease)
-                .try_into()
-                .map_err(|_| Error::Backend("perf: bad ack"))?,
-        );
+        let mut got = [0u8; 8];
+        if ack.lease.len() != got.len() || ep.read(&ack.lease, &mut got).is_err() {
+            return Err(Error::Backend("perf: bad ack"));
+        }
+        let got = u64::from_le_bytes(got);
         if got != (count * size) as u64 {
             return Err(Error::Backend(
                 "perf: the receiver counted a different byte total",
@@ -271,7 +289,7 @@ fn progress(total: u64, json: bool) -> ProgressBar {
     bar
 }
 
-fn in_process<T>(
+fn in_process<T, P>(
     server: Endpoint<T>,
     client_ep: Endpoint<T>,
     peer: PeerId,
@@ -279,9 +297,10 @@ fn in_process<T>(
     bar: &ProgressBar,
 ) -> Result<Vec<Row>, Error>
 where
-    T: Wire<Lease = StdLease>,
+    T: Wire<Lease = Lease<P>>,
+    P: Deref<Target: Pool>,
 {
-    std::thread::scope(|s| {
+    let rows = std::thread::scope(|s| {
         let srv = s.spawn(|| serve(&server));
         let rows = client(&client_ep, peer, plan, bar);
         let served = srv
@@ -289,8 +308,12 @@ where
             .unwrap_or(Err(Error::Backend("perf: the server thread panicked")));
         let rows = rows?;
         served?;
-        Ok(rows)
-    })
+        Ok::<_, Error>(rows)
+    })?;
+    // Close both: every send delivered (the last acknowledgement included).
+    client_ep.close(Deadline::after(LONG))?;
+    server.close(Deadline::after(LONG))?;
+    Ok(rows)
 }
 
 pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
@@ -346,23 +369,52 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
         #[cfg(feature = "gpudirect-verbs")]
         (Kind::Rdma, Some(addr), _) => {
             let addr: SocketAddr = addr.parse().map_err(|e| format!("--listen {addr}: {e}"))?;
-            let ep = transports::rdma::listen(addr, budget, &ep)?;
+            let ep = transports::rdma::listen(addr, budget, &ep, HostPayload)?;
             eprintln!("zerohop perf: serving rdma on {addr}");
             serve(&ep)?;
             return Ok(());
         }
         #[cfg(feature = "gpudirect-verbs")]
         (Kind::Rdma, None, Some(addr)) => {
-            let (ep, peer) = transports::rdma::connect(addr, budget, &ep)?;
+            let (ep, peer) = transports::rdma::connect(addr, budget, &ep, HostPayload)?;
             (format!("to {addr}"), client(&ep, peer, &plan, &bar)?)
         }
         #[cfg(feature = "gpudirect-verbs")]
         (Kind::Rdma, None, None) => {
             let addr = transports::rdma::local_addr()?;
-            let server = transports::rdma::listen(addr, budget, &ep)?;
-            let (c, peer) = transports::rdma::connect(addr, budget, &ep)?;
+            let server = transports::rdma::listen(addr, budget, &ep, HostPayload)?;
+            let (c, peer) = transports::rdma::connect(addr, budget, &ep, HostPayload)?;
             (
                 format!("in one process, over RDMA RC on {addr}"),
+                in_process(server, c, peer, &plan, &bar)?,
+            )
+        }
+        #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
+        (Kind::Gpudirect, Some(addr), _) => {
+            let addr: SocketAddr = addr.parse().map_err(|e| format!("--listen {addr}: {e}"))?;
+            let gpu = transports::rdma::gpu_memory()?;
+            let ep = transports::rdma::listen(addr, budget, &ep, gpu)?;
+            eprintln!("zerohop perf: serving gpudirect on {addr} (payloads in GPU memory)");
+            serve(&ep)?;
+            return Ok(());
+        }
+        #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
+        (Kind::Gpudirect, None, Some(addr)) => {
+            let gpu = transports::rdma::gpu_memory()?;
+            let (ep, peer) = transports::rdma::connect(addr, budget, &ep, gpu)?;
+            (
+                format!("to {addr}, payloads in GPU memory"),
+                client(&ep, peer, &plan, &bar)?,
+            )
+        }
+        #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
+        (Kind::Gpudirect, None, None) => {
+            let addr = transports::rdma::local_addr()?;
+            let gpu = transports::rdma::gpu_memory()?;
+            let server = transports::rdma::listen(addr, budget, &ep, gpu.clone())?;
+            let (c, peer) = transports::rdma::connect(addr, budget, &ep, gpu)?;
+            (
+                format!("in one process, over RDMA RC on {addr}, payloads in GPU memory"),
                 in_process(server, c, peer, &plan, &bar)?,
             )
         }
@@ -382,9 +434,10 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
                 in_process(a, b, PeerId(0), &plan, &bar)?,
             )
         }
+        #[cfg(not(all(feature = "gpudirect-verbs", feature = "cuda-uma")))]
         (Kind::Gpudirect, _, _) => {
-            return Err("perf over gpudirect is not implemented yet: the verbs wire with its receive pool in GPU \
-                        memory is still to be composed (README, 'Verifying GPUDirect'); --transport rdma or uma run here"
+            return Err("perf over gpudirect needs a build with both the gpudirect-verbs and cuda-uma features \
+                        (cargo build --release -p zerohop-cli --features gpudirect-verbs,cuda-uma)"
                 .into())
         }
         (k, _, _) => {

@@ -69,7 +69,9 @@ pub mod mock {
 pub mod rdma {
     //! RC queue pairs over the RDMA device (`$ZEROHOP_RDMA_DEVICE`, else the first).
     use super::*;
-    use zerohop_backends::verbs::{Device, RdmaConfig, RdmaTransport};
+    use zerohop_backends::verbs::{Device, PayloadMemory, RdmaConfig, RdmaTransport};
+
+    type BoxError = Box<dyn std::error::Error>;
 
     /// The address in-process runs listen on: `$ZEROHOP_RDMA_ADDR`, else
     /// `$RXE_ADDR` (set in the Soft-RoCE VM); it must belong to the RDMA device's netdev.
@@ -93,23 +95,33 @@ pub mod rdma {
         }
     }
 
-    pub fn listen(
+    pub fn listen<M: PayloadMemory>(
         addr: SocketAddr,
         budget: usize,
         ep: &EndpointConfig,
-    ) -> Result<Endpoint<RdmaTransport>, Box<dyn std::error::Error>> {
-        let mut t = RdmaTransport::new(Device::open()?, config(budget))?;
+        memory: M,
+    ) -> Result<Endpoint<RdmaTransport<M>>, Box<dyn std::error::Error>> {
+        let mut t = RdmaTransport::with_memory(Device::open()?, config(budget), memory)?;
         t.listen(addr)?;
         Ok(Endpoint::new(t, *ep)?)
     }
 
-    pub fn connect(
+    pub fn connect<M: PayloadMemory>(
         addr: SocketAddr,
         budget: usize,
         ep: &EndpointConfig,
-    ) -> Result<(Endpoint<RdmaTransport>, PeerId), Box<dyn std::error::Error>> {
-        let mut t = RdmaTransport::new(Device::open()?, config(budget))?;
+        memory: M,
+    ) -> Result<(Endpoint<RdmaTransport<M>>, PeerId), BoxError> {
+        let mut t = RdmaTransport::with_memory(Device::open()?, config(budget), memory)?;
         let peer = t.connect(addr)?;
         Ok((Endpoint::new(t, *ep)?, peer))
+    }
+
+    /// The `gpudirect` kind's payload memory: GPU 0 (`$ZEROHOP_CUDA_DEVICE`
+    /// is not consulted: one GPU per process, the first).
+    #[cfg(feature = "cuda-uma")]
+    pub fn gpu_memory() -> Result<zerohop_backends::verbs::GpuPayload, Box<dyn std::error::Error>> {
+        let gpu = zerohop_backends::cuda::Gpu::open(0)?;
+        Ok(zerohop_backends::verbs::GpuPayload::new(gpu))
     }
 }

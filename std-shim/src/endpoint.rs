@@ -52,6 +52,11 @@ pub trait Wire: Transport + Send + 'static {
     /// place, then [`Endpoint::send_lease`] it.
     fn lease(&self, len: usize) -> Result<Self::Lease, Error>;
 
+    /// Copies the start of a message into `out`: the way to read a message
+    /// whose bytes are not host-visible (GPU memory), and small control
+    /// messages on any wire.
+    fn read_lease(&self, lease: &Self::Lease, out: &mut [u8]) -> Result<(), Error>;
+
     /// Bytes (or frames) accepted but not yet delivered as far as this wire
     /// can tell: `flush` and `close` wait for none.
     fn pending_sends(&self) -> usize {
@@ -228,6 +233,11 @@ impl<T: Wire> Endpoint<T> {
     /// A buffer for a zero-copy send: see [`Wire::lease`].
     pub fn lease(&self, len: usize) -> Result<T::Lease, Error> {
         self.shared.lock().lease(len)
+    }
+
+    /// Copies the start of a received message into `out`: see [`Wire::read_lease`].
+    pub fn read(&self, lease: &T::Lease, out: &mut [u8]) -> Result<(), Error> {
+        self.shared.lock().read_lease(lease, out)
     }
 
     /// Runs `f` on the transport (to listen, connect, read counters).
@@ -520,12 +530,36 @@ where
     fn lease(&self, len: usize) -> Result<Self::Lease, Error> {
         zerohop_core::Lease::take(Arc::clone(self.pool()), len)
     }
+
+    fn read_lease(&self, lease: &Self::Lease, out: &mut [u8]) -> Result<(), Error> {
+        copy_out(zerohop_backends::host_bytes(lease), out)
+    }
+}
+
+/// Copies the start of `bytes` into `out`; a message shorter than `out` is `TooLarge`.
+pub(crate) fn copy_out(bytes: &[u8], out: &mut [u8]) -> Result<(), Error> {
+    let src = bytes.get(..out.len()).ok_or(Error::TooLarge {
+        len: out.len(),
+        max: bytes.len(),
+    })?;
+    out.copy_from_slice(src);
+    Ok(())
 }
 
 #[cfg(feature = "gpudirect-verbs")]
-impl Wire for zerohop_backends::verbs::RdmaTransport {
+impl<M: zerohop_backends::verbs::PayloadMemory> Wire for zerohop_backends::verbs::RdmaTransport<M> {
     fn lease(&self, len: usize) -> Result<Self::Lease, Error> {
         zerohop_core::Lease::take(Arc::clone(self.send_pool()), len)
+    }
+
+    fn read_lease(&self, lease: &Self::Lease, out: &mut [u8]) -> Result<(), Error> {
+        if lease.len() < out.len() {
+            return Err(Error::TooLarge {
+                len: out.len(),
+                max: lease.len(),
+            });
+        }
+        self.memory().read(lease, out)
     }
 
     fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {

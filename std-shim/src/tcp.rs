@@ -692,6 +692,10 @@ impl Wire for TcpTransport {
         Lease::take(Arc::clone(&self.pool), len)
     }
 
+    fn read_lease(&self, lease: &StdLease, out: &mut [u8]) -> Result<(), Error> {
+        crate::endpoint::copy_out(host_bytes(lease), out)
+    }
+
     fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
         let (accept, data) = match waiter {
             Waiter::Progress { app_reading } => (true, !app_reading),

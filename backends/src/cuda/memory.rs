@@ -250,6 +250,24 @@ impl DeviceMemory {
         unsafe { result::memcpy_htod_sync(region.addr, src) }.map_err(driver("cuMemcpyHtoD"))
     }
 
+    /// Copies `len` bytes from the start of `src` (device memory of
+    /// `src_memory`, this source or another) to the start of `dst` (ours),
+    /// synchronously, on the device.
+    pub fn copy_from_device(
+        &self,
+        dst: Region,
+        src_memory: &DeviceMemory,
+        src: Region,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        self.check(dst, len)?;
+        src_memory.check(src, len)?;
+        self.gpu.bind()?;
+        // SAFETY: both ranges lie inside live device allocations (checked);
+        // callers hand in two distinct leases, so the ranges do not overlap.
+        unsafe { result::memcpy_dtod_sync(dst.addr, src.addr, len) }.map_err(driver("cuMemcpyDtoD"))
+    }
+
     /// Copies the start of `region` into `dst` (synchronously).
     pub fn copy_to_host(&self, region: Region, dst: &mut [u8]) -> Result<(), CudaError> {
         self.check(region, dst.len())?;

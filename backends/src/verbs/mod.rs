@@ -5,6 +5,7 @@
 //! Layers, as cudarc does it: raw FFI (rdma-sys) -> [`Device`] and
 //! [`Registry`] (owning wrappers, every call checked) -> [`RdmaTransport`].
 
+mod payload;
 mod transport;
 
 use std::collections::HashMap;
@@ -19,6 +20,9 @@ use zerohop_core::{
     Access, Error, MemKind, MrHandle, MrTable, Prereq, Probe, Region, RegisterError, Registrar,
 };
 
+#[cfg(feature = "cuda-uma")]
+pub use payload::{GpuChunks, GpuPayload, GpuPool};
+pub use payload::{HostPayload, PayloadMemory};
 pub use transport::{RdmaConfig, RdmaTransport};
 
 /// The environment variable naming the RDMA device to use (e.g. `rxe0`, `mlx5_0`).
@@ -325,6 +329,37 @@ impl Registry {
         })
     }
 
+    /// Registers GPU device memory by its device pointer, the way
+    /// nvidia_peermem (or nv_peer_mem) lets `ibv_reg_mr` take it. Refused,
+    /// typed, where neither module is loaded: without one the call would fail
+    /// in the driver, or worse, pin whatever host page the address names.
+    pub fn register_device_peermem(
+        &self,
+        region: Region,
+        access: Access,
+    ) -> Result<MrHandle, Error> {
+        if region.kind != MemKind::Device {
+            return Err(Error::Register(RegisterError::Unsupported(region.kind)));
+        }
+        if peermem_module().is_none() {
+            return Err(Error::Backend(
+                "device memory through ibv_reg_mr needs nvidia_peermem (or nv_peer_mem) loaded",
+            ));
+        }
+        self.register_with(region, access, "ibv_reg_mr (peermem)", || {
+            // SAFETY: a live PD; the range is device memory the caller owns for
+            // as long as the registration lives; peermem resolves it for the NIC.
+            unsafe {
+                ffi::ibv_reg_mr(
+                    self.device.pd(),
+                    region.addr as usize as *mut libc::c_void,
+                    region.len,
+                    to_verbs_access(access),
+                )
+            }
+        })
+    }
+
     /// The registration covering `region` from the table, or a fresh one from
     /// `reg` (named `call` in the error), recorded in the table.
     fn register_with(
@@ -472,23 +507,26 @@ pub fn probe(probe: &mut Probe) {
     probe_peermem(probe);
 }
 
-fn probe_peermem(probe: &mut Probe) {
+/// The loaded peer-memory module and where it was seen, if any.
+fn peermem_module() -> Option<String> {
     for m in ["nvidia_peermem", "nv_peer_mem"] {
         if std::path::Path::new(&format!("/sys/module/{m}")).exists() {
-            return probe.present(Prereq::Peermem, &format!("/sys/module/{m}"));
+            return Some(format!("/sys/module/{m}"));
         }
     }
-    if let Ok(mods) = std::fs::read_to_string("/proc/modules") {
-        if let Some(m) = mods
-            .lines()
-            .filter_map(|l| l.split_whitespace().next())
-            .find(|m| *m == "nvidia_peermem" || *m == "nv_peer_mem")
-        {
-            return probe.present(Prereq::Peermem, &format!("/proc/modules lists {m}"));
-        }
+    let mods = std::fs::read_to_string("/proc/modules").ok()?;
+    mods.lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .find(|m| *m == "nvidia_peermem" || *m == "nv_peer_mem")
+        .map(|m| format!("/proc/modules lists {m}"))
+}
+
+fn probe_peermem(probe: &mut Probe) {
+    match peermem_module() {
+        Some(seen) => probe.present(Prereq::Peermem, &seen),
+        None => probe.missing(
+            Prereq::Peermem,
+            "neither nvidia_peermem nor nv_peer_mem is loaded (/sys/module, /proc/modules)",
+        ),
     }
-    probe.missing(
-        Prereq::Peermem,
-        "neither nvidia_peermem nor nv_peer_mem is loaded (/sys/module, /proc/modules)",
-    );
 }

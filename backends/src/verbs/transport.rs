@@ -28,15 +28,16 @@ use std::time::{Duration, Instant};
 use rdma_sys as ffi;
 use zerohop_core::wire::{Flags, FrameKind, Header, HEADER_LEN};
 use zerohop_core::{
-    Access, Capabilities, Chunks, Error, Kind, Lease, PeerId, PoolConfig, Received, Rejected,
-    Transport,
+    Access, Capabilities, Error, Kind, Lease, PeerId, Received, Rejected, Transport,
 };
 
+use super::payload::{HostPayload, PayloadLease, PayloadMemory};
 use super::{call_failed, Device, Registry, VerbsError};
-use crate::{host_bytes, host_bytes_mut, HeapMemory, HeapTables, HostMemory, HostPool, Nic};
+use crate::{host_bytes, host_bytes_mut, HeapTables, HostPool};
 
-type Pool = HostPool<HeapTables>;
-type PoolLease = Lease<Arc<Pool>>;
+/// Frame headers live in host memory whatever the payloads' memory: the CPU parses them.
+type HeaderPool = HostPool<HeapTables>;
+type HeaderLease = Lease<Arc<HeaderPool>>;
 
 /// Settings of the verbs wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,80 +67,71 @@ impl Default for RdmaConfig {
 }
 
 const SEND_TAG: u64 = 1 << 63;
+/// The host pool of header rings, shared by every connection of a transport.
+const HEADER_POOL_BYTES: usize = 16 << 20;
 const CM_TIMEOUT_MS: i32 = 5000;
 
-enum Payload {
+enum Payload<M: PayloadMemory> {
     None,
     /// `len` bytes from the start of a registered lease.
-    Lease(PoolLease, usize),
+    Lease(PayloadLease<M>, usize),
 }
 
-struct Frame {
+struct Frame<M: PayloadMemory> {
     kind: FrameKind,
     seq: u64,
     total: u32,
     more: bool,
-    payload: Payload,
+    payload: Payload<M>,
 }
 
-struct Conn {
+struct Conn<M: PayloadMemory> {
     id: NonNull<ffi::rdma_cm_id>,
     /// A connecting side's own CM channel (accepted ids report on the listener's).
     channel: Option<NonNull<ffi::rdma_event_channel>>,
     comp: NonNull<ffi::ibv_comp_channel>,
     cq: NonNull<ffi::ibv_cq>,
-    headers: PoolLease,
-    recv: Vec<Option<PoolLease>>,
-    send: Vec<Option<Payload>>,
+    headers: HeaderLease,
+    recv: Vec<Option<PayloadLease<M>>>,
+    send: Vec<Option<Payload<M>>>,
     free_send: Vec<u32>,
-    pending: VecDeque<Frame>,
+    pending: VecDeque<Frame<M>>,
     credits: u32,
     owed: u32,
     tx_seq: u64,
     rx_next: u64,
-    assembling: Option<(PoolLease, usize)>,
+    assembling: Option<(PayloadLease<M>, usize)>,
     established: bool,
     closing: bool,
     peer_closed: bool,
 }
 
 /// An RDMA transport: RC connections to any number of peers.
-pub struct RdmaTransport {
+pub struct RdmaTransport<M: PayloadMemory = HostPayload> {
     device: Arc<Device>,
     config: RdmaConfig,
-    recv_pool: Arc<Pool>,
-    send_pool: Arc<Pool>,
+    memory: M,
+    header_pool: Arc<HeaderPool>,
+    recv_pool: Arc<M::Pool>,
+    send_pool: Arc<M::Pool>,
     listener: Option<(NonNull<ffi::rdma_event_channel>, NonNull<ffi::rdma_cm_id>)>,
-    peers: Vec<Option<Conn>>,
-    arrivals: VecDeque<Result<Received<PoolLease>, Error>>,
+    peers: Vec<Option<Conn<M>>>,
+    arrivals: VecDeque<Result<Received<PayloadLease<M>>, Error>>,
     closed: bool,
 }
 
 // SAFETY: every raw pointer is owned by the transport and used only through
 // `&mut self`; verbs objects may move between threads.
-unsafe impl Send for RdmaTransport {}
+unsafe impl<M: PayloadMemory> Send for RdmaTransport<M> {}
 
-impl std::fmt::Debug for RdmaTransport {
+impl<M: PayloadMemory> std::fmt::Debug for RdmaTransport<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RdmaTransport")
+            .field("kind", &self.memory.kind())
             .field("device", &self.device.name())
             .field("peers", &self.peer_count())
             .finish_non_exhaustive()
     }
-}
-
-fn registered_pool(registry: &Registry, budget: usize, access: Access) -> Result<Arc<Pool>, Error> {
-    let source = Chunks {
-        memory: HostMemory::Heap(HeapMemory::new()),
-        registrar: Some(Nic::Verbs(registry.clone())),
-    };
-    let mut config = PoolConfig::with_budget(budget);
-    config.access = access;
-    Ok(Arc::new(Pool::new(
-        source,
-        config,
-        HeapTables::for_budget(budget),
-    )?))
 }
 
 fn set_nonblocking(fd: i32) {
@@ -309,16 +301,28 @@ fn channel_and_id(
     }
 }
 
-impl RdmaTransport {
-    /// A transport on `device` with its own registered receive and send pools.
+impl RdmaTransport<HostPayload> {
+    /// The `rdma` kind on `device`: payloads in registered host memory.
     pub fn new(device: Arc<Device>, config: RdmaConfig) -> Result<Self, Error> {
+        Self::with_memory(device, config, HostPayload)
+    }
+}
+
+impl<M: PayloadMemory> RdmaTransport<M> {
+    /// A transport on `device` whose payloads live in `memory` (host memory:
+    /// `rdma`; GPU memory: `gpudirect`), with its own registered pools.
+    pub fn with_memory(device: Arc<Device>, config: RdmaConfig, memory: M) -> Result<Self, Error> {
         let registry = Registry::new(Arc::clone(&device));
         // Receive buffers need local write (the NIC writes them); send buffers only local read.
-        let recv_pool = registered_pool(&registry, config.recv_pool_bytes, Access::LOCAL_WRITE)?;
-        let send_pool = registered_pool(&registry, config.send_pool_bytes, Access::NONE)?;
+        let recv_pool = memory.pool(&registry, config.recv_pool_bytes, Access::LOCAL_WRITE)?;
+        let send_pool = memory.pool(&registry, config.send_pool_bytes, Access::NONE)?;
+        // Header rings: (depth + send depth) slots of 32 bytes per connection.
+        let header_pool = HostPayload.pool(&registry, HEADER_POOL_BYTES, Access::LOCAL_WRITE)?;
         Ok(RdmaTransport {
             device,
             config,
+            memory,
+            header_pool,
             recv_pool,
             send_pool,
             listener: None,
@@ -328,13 +332,18 @@ impl RdmaTransport {
         })
     }
 
+    /// What payloads live in.
+    pub fn memory(&self) -> &M {
+        &self.memory
+    }
+
     /// The receive pool.
-    pub fn pool(&self) -> &Arc<Pool> {
+    pub fn pool(&self) -> &Arc<M::Pool> {
         &self.recv_pool
     }
 
     /// The send pool (lease from it for zero-copy sends).
-    pub fn send_pool(&self) -> &Arc<Pool> {
+    pub fn send_pool(&self) -> &Arc<M::Pool> {
         &self.send_pool
     }
 
@@ -452,7 +461,7 @@ impl RdmaTransport {
         Ok(self.add(conn))
     }
 
-    fn add(&mut self, conn: Conn) -> PeerId {
+    fn add(&mut self, conn: Conn<M>) -> PeerId {
         match self.peers.iter().position(Option::is_none) {
             Some(i) => {
                 self.peers[i] = Some(conn);
@@ -470,7 +479,7 @@ impl RdmaTransport {
         &mut self,
         id: NonNull<ffi::rdma_cm_id>,
         channel: Option<NonNull<ffi::rdma_event_channel>>,
-    ) -> Result<Conn, VerbsError> {
+    ) -> Result<Conn<M>, VerbsError> {
         // SAFETY: a live id; after address resolution its `verbs` is the device context.
         if unsafe { (*id.as_ptr()).verbs } != self.device.ctx() {
             return Err(VerbsError::Connect(format!(
@@ -482,7 +491,7 @@ impl RdmaTransport {
         let send_depth = depth + 8;
         // The NIC writes received headers here: it needs the receive pool's local-write access.
         let headers = Lease::take(
-            Arc::clone(&self.recv_pool),
+            Arc::clone(&self.header_pool),
             (depth + send_depth) * HEADER_LEN,
         )
         .map_err(|e| VerbsError::Connect(format!("header ring: {e}")))?;
@@ -560,7 +569,7 @@ impl RdmaTransport {
         Ok(conn)
     }
 
-    fn post_recv(&self, conn: &mut Conn, slot: usize) -> Result<(), Error> {
+    fn post_recv(&self, conn: &mut Conn<M>, slot: usize) -> Result<(), Error> {
         let lease = Lease::take(Arc::clone(&self.recv_pool), self.config.fragment)?;
         let (hmr, pmr) = (
             conn.headers.mr().expect("registered"),
@@ -596,7 +605,7 @@ impl RdmaTransport {
     }
 
     /// Posts as many queued frames as credits and send slots allow.
-    fn pump(conn: &mut Conn, depth: u32) -> Result<bool, Error> {
+    fn pump(conn: &mut Conn<M>, depth: u32) -> Result<bool, Error> {
         let mut any = false;
         while let Some(f) = conn.pending.front() {
             let need = if f.kind == FrameKind::Data { 2 } else { 1 };
@@ -628,7 +637,7 @@ impl RdmaTransport {
         Ok(any)
     }
 
-    fn post_send(conn: &mut Conn, f: Frame) -> Result<(), Error> {
+    fn post_send(conn: &mut Conn<M>, f: Frame<M>) -> Result<(), Error> {
         let slot = conn.free_send.pop().expect("checked by the caller") as usize;
         let recv_depth = conn.recv.len();
         let (addr, len, lkey) = match &f.payload {
@@ -683,8 +692,8 @@ impl RdmaTransport {
         &mut self,
         peer: PeerId,
         bytes: Option<&[u8]>,
-        lease: Option<PoolLease>,
-    ) -> Result<(), (Error, Option<PoolLease>)> {
+        lease: Option<PayloadLease<M>>,
+    ) -> Result<(), (Error, Option<PayloadLease<M>>)> {
         if self.closed {
             return Err((Error::Closed, lease));
         }
@@ -727,11 +736,6 @@ impl RdmaTransport {
                 });
             }
             lease => {
-                let src: &[u8] = match (&bytes, &lease) {
-                    (Some(b), _) => b,
-                    (None, Some(l)) => host_bytes(l),
-                    (None, None) => &[],
-                };
                 let mut frames = Vec::new();
                 let mut off = 0;
                 loop {
@@ -745,7 +749,14 @@ impl RdmaTransport {
                             Err(Error::Pool(_)) => return Err((Error::WouldBlock, lease)),
                             Err(e) => return Err((e, lease)),
                         };
-                        host_bytes_mut(&mut buf).copy_from_slice(&src[off..off + n]);
+                        let copied = match (&bytes, &lease) {
+                            (Some(b), _) => self.memory.write(&mut buf, 0, &b[off..off + n]),
+                            (None, Some(l)) => self.memory.copy(&mut buf, 0, l, off, n),
+                            (None, None) => Ok(()),
+                        };
+                        if let Err(e) = copied {
+                            return Err((e, lease));
+                        }
                         Payload::Lease(buf, n)
                     };
                     off += n;
@@ -813,7 +824,7 @@ impl RdmaTransport {
         }
     }
 
-    fn poll_conn(&mut self, conn: &mut Conn, peer: PeerId) -> Result<bool, Error> {
+    fn poll_conn(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<bool, Error> {
         let mut any = false;
         // CM events of a connecting side arrive on its own channel.
         if let Some(ch) = conn.channel {
@@ -862,7 +873,7 @@ impl RdmaTransport {
         Ok(any)
     }
 
-    fn drain_cq(&mut self, conn: &mut Conn, peer: PeerId) -> Result<usize, Error> {
+    fn drain_cq(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<usize, Error> {
         // SAFETY: an all-zero work completion array is valid to pass for output.
         let mut wcs: [ffi::ibv_wc; 32] = unsafe { std::mem::zeroed() };
         // SAFETY: a live CQ and room for 32 completions.
@@ -891,7 +902,7 @@ impl RdmaTransport {
 
     fn received(
         &mut self,
-        conn: &mut Conn,
+        conn: &mut Conn<M>,
         peer: PeerId,
         slot: usize,
         byte_len: usize,
@@ -949,7 +960,7 @@ impl RdmaTransport {
                 error: zerohop_core::wire::DecodeError::UnexpectedPayload,
             });
         }
-        host_bytes_mut_range(whole, *have, len).copy_from_slice(&host_bytes(&lease)[..len]);
+        self.memory.copy(whole, *have, &lease, 0, len)?;
         *have += len;
         if !more {
             let (mut whole, have) = conn.assembling.take().expect("set above");
@@ -961,7 +972,7 @@ impl RdmaTransport {
 
     /// Hands a whole message to the application, reporting a gap in the
     /// sequence first (RC delivers in order, so a gap means a peer bug).
-    fn deliver(&mut self, conn: &mut Conn, peer: PeerId, seq: u64, lease: PoolLease) {
+    fn deliver(&mut self, conn: &mut Conn<M>, peer: PeerId, seq: u64, lease: PayloadLease<M>) {
         if seq != conn.rx_next {
             self.arrivals.push_back(Err(Error::SequenceGap {
                 peer,
@@ -1040,7 +1051,7 @@ impl RdmaTransport {
     }
 
     /// Destroys a connection's verbs objects; its leases go back to their pools.
-    fn teardown(&self, conn: &mut Conn) {
+    fn teardown(&self, conn: &mut Conn<M>) {
         // SAFETY: each object is destroyed once, QP first (so the NIC stops
         // touching the posted buffers before their leases are dropped below).
         unsafe {
@@ -1093,7 +1104,7 @@ impl RdmaTransport {
     }
 }
 
-impl Conn {
+impl<M: PayloadMemory> Conn<M> {
     /// Nothing queued and nothing in flight.
     fn idle(&self) -> bool {
         self.pending.is_empty() && self.send.iter().all(Option::is_none)
@@ -1112,19 +1123,19 @@ fn conn_param(private: &[u8; 4]) -> ffi::rdma_conn_param {
     p
 }
 
-fn host_bytes_mut_range(l: &mut PoolLease, at: usize, len: usize) -> &mut [u8] {
+fn host_bytes_mut_range(l: &mut HeaderLease, at: usize, len: usize) -> &mut [u8] {
     &mut host_bytes_mut(l)[at..at + len]
 }
 
-impl Transport for RdmaTransport {
-    type Lease = PoolLease;
+impl<M: PayloadMemory> Transport for RdmaTransport<M> {
+    type Lease = PayloadLease<M>;
 
     fn kind(&self) -> Kind {
-        Kind::Rdma
+        self.memory.kind()
     }
 
     fn caps(&self) -> Capabilities {
-        Capabilities::new(false, true, 2)
+        Capabilities::new(self.memory.kind() == Kind::Gpudirect, true, 2)
     }
 
     fn try_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<(), Error> {
@@ -1134,8 +1145,8 @@ impl Transport for RdmaTransport {
     fn try_send_lease(
         &mut self,
         peer: PeerId,
-        lease: PoolLease,
-    ) -> Result<(), Rejected<PoolLease>> {
+        lease: PayloadLease<M>,
+    ) -> Result<(), Rejected<PayloadLease<M>>> {
         match self.queue(peer, None, Some(lease)) {
             Ok(()) => Ok(()),
             Err((error, lease)) => Err(Rejected {
@@ -1145,7 +1156,7 @@ impl Transport for RdmaTransport {
         }
     }
 
-    fn try_recv(&mut self) -> Result<Received<PoolLease>, Error> {
+    fn try_recv(&mut self) -> Result<Received<PayloadLease<M>>, Error> {
         if self.arrivals.is_empty() {
             self.poll_fast();
         }
@@ -1181,7 +1192,7 @@ impl Transport for RdmaTransport {
     }
 }
 
-impl Drop for RdmaTransport {
+impl<M: PayloadMemory> Drop for RdmaTransport<M> {
     fn drop(&mut self) {
         for i in 0..self.peers.len() {
             if let Some(mut c) = self.peers[i].take() {
