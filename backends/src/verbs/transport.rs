@@ -824,6 +824,30 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         }
     }
 
+    /// A sender's own progress: when `peer`'s send ring is full or frames
+    /// wait for credits, reap its completions and post what they free, here,
+    /// rather than wait for the progress thread to be woken for it.
+    fn reap(&mut self, peer: PeerId) {
+        let i = peer.0 as usize;
+        let busy = matches!(self.peers.get(i), Some(Some(c)) if c.free_send.is_empty() || !c.pending.is_empty());
+        if !busy {
+            return;
+        }
+        let Some(mut conn) = self.peers[i].take() else {
+            return;
+        };
+        let r = self
+            .drain_cq(&mut conn, peer)
+            .and_then(|_| Self::pump(&mut conn, self.config.recv_depth));
+        match r {
+            Ok(_) => self.peers[i] = Some(conn),
+            Err(e) => {
+                self.arrivals.push_back(Err(e));
+                self.teardown(&mut conn);
+            }
+        }
+    }
+
     fn poll_conn(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<bool, Error> {
         let mut any = false;
         // CM events of a connecting side arrive on its own channel.
@@ -1139,6 +1163,7 @@ impl<M: PayloadMemory> Transport for RdmaTransport<M> {
     }
 
     fn try_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<(), Error> {
+        self.reap(peer);
         self.queue(peer, Some(bytes), None).map_err(|(e, _)| e)
     }
 
@@ -1147,6 +1172,7 @@ impl<M: PayloadMemory> Transport for RdmaTransport<M> {
         peer: PeerId,
         lease: PayloadLease<M>,
     ) -> Result<(), Rejected<PayloadLease<M>>> {
+        self.reap(peer);
         match self.queue(peer, None, Some(lease)) {
             Ok(()) => Ok(()),
             Err((error, lease)) => Err(Rejected {
