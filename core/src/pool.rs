@@ -177,6 +177,8 @@ impl<M: RawMemory, R: Registrar> ChunkSource for Chunks<M, R> {
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 pub struct SlotTicket {
     pub(crate) index: u32,
+    /// Its size class (`OVERSIZE` for an oversize buffer).
+    class: u8,
     /// The whole buffer (its class size, or the oversize length rounded up).
     pub region: Region,
     /// The chunk's registration.
@@ -187,6 +189,7 @@ impl SlotTicket {
     /// A placeholder (fills a cache's unused places; never released).
     pub(crate) const EMPTY: SlotTicket = SlotTicket {
         index: NONE,
+        class: OVERSIZE as u8,
         region: Region {
             addr: 0,
             len: 0,
@@ -510,6 +513,7 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
             .expect("a slot always points at a live chunk");
         SlotTicket {
             index,
+            class: slot.class,
             region: Region {
                 addr: mem.region.addr + u64::from(slot.offset),
                 len,
@@ -823,11 +827,8 @@ impl<S: ChunkSource, T: PoolTables> Pool for SlabPool<S, T> {
 impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
     /// The size class of a ticket's buffer, `None` for an oversize one.
     pub(crate) fn class_of(&self, ticket: &SlotTicket) -> Option<usize> {
-        self.config
-            .classes
-            .as_slice()
-            .iter()
-            .position(|&s| s == ticket.region.len)
+        let c = ticket.class as usize;
+        (c < OVERSIZE).then_some(c)
     }
 
     /// Fills `out` with free buffers of `class` under one lock, without
