@@ -57,6 +57,15 @@ pub trait Wire: Transport + Send + 'static {
     /// messages on any wire.
     fn read_lease(&self, lease: &Self::Lease, out: &mut [u8]) -> Result<(), Error>;
 
+    /// Readies the descriptors `waiter` is about to sleep on (a completion
+    /// channel must be armed, and its old events taken, before a sleep that
+    /// should end at the next completion). Returns true when something
+    /// arrived meanwhile: then the caller looks again instead of sleeping.
+    fn prepare_sleep(&mut self, waiter: Waiter) -> bool {
+        let _ = waiter;
+        false
+    }
+
     /// Bytes (or frames) accepted but not yet delivered as far as this wire
     /// can tell: `flush` and `close` wait for none.
     fn pending_sends(&self) -> usize {
@@ -263,12 +272,16 @@ impl<T: Wire> Endpoint<T> {
     /// descriptors wait for the progress thread's signal instead.
     fn wait_io<'a>(
         &'a self,
-        guard: MutexGuard<'a, T>,
+        mut guard: MutexGuard<'a, T>,
         deadline: Deadline,
         reading: bool,
     ) -> MutexGuard<'a, T> {
+        let waiter = Waiter::App { reading };
+        if guard.prepare_sleep(waiter) {
+            return guard; // something arrived while arming: look before sleeping
+        }
         let mut fds = Vec::new();
-        guard.poll_fds(&mut fds, Waiter::App { reading });
+        guard.poll_fds(&mut fds, waiter);
         if fds.is_empty() {
             return self.wait(guard, deadline);
         }
@@ -490,7 +503,7 @@ impl<T: Wire> Drop for Endpoint<T> {
             let pending = self.shared.lock().pending_sends();
             if pending > 0 {
                 log::warn!(
-                    "zerohop: endpoint dropped without close: {pending} queued bytes not sent"
+                    "zerohop: endpoint dropped without close: sends not yet delivered ({pending}, in the wire's unit: bytes or frames)"
                 );
             }
         }
@@ -578,6 +591,14 @@ impl<M: zerohop_backends::verbs::PayloadMemory> Wire for zerohop_backends::verbs
 
     fn pending_sends(&self) -> usize {
         self.pending_frames()
+    }
+
+    fn prepare_sleep(&mut self, waiter: Waiter) -> bool {
+        match waiter {
+            // The progress thread arms in its own progress (`poll_conn`).
+            Waiter::Progress { .. } => false,
+            Waiter::App { reading } => self.arm_completions() || (reading && self.has_arrivals()),
+        }
     }
 
     fn needs_progress(&self) -> bool {

@@ -848,22 +848,12 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         }
     }
 
-    fn poll_conn(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<bool, Error> {
+    /// Takes and acknowledges the completion-channel events already there (so
+    /// the channel is not left readable by a stale one), drains the CQ, arms
+    /// it for the next event and drains once more (a completion between the
+    /// last poll and the arming raises no event). Returns whether anything completed.
+    fn drain_and_arm(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<bool, Error> {
         let mut any = false;
-        // CM events of a connecting side arrive on its own channel.
-        if let Some(ch) = conn.channel {
-            while let Ok(Some(ev)) = next_event(ch, Duration::ZERO) {
-                any = true;
-                if ev.kind == ffi::rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED {
-                    // Expected after a Close either way; otherwise the peer vanished.
-                    if !conn.peer_closed && !conn.closing {
-                        return Err(Error::PeerLost(peer));
-                    }
-                    conn.peer_closed = true;
-                }
-            }
-        }
-        // Acknowledge completion-channel events, then poll, re-arm, poll again.
         let mut cq = ptr::null_mut();
         let mut ctx = ptr::null_mut();
         let mut events = 0;
@@ -884,8 +874,63 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 if self.drain_cq(conn, peer)? == 0 {
                     break;
                 }
+                any = true;
             }
         }
+        Ok(any)
+    }
+
+    /// Readies the completion channels for a thread about to sleep on them
+    /// (see `drain_and_arm`), so it sleeps only with every CQ armed and wakes
+    /// on the next completion, not on an old event. Returns whether anything
+    /// completed meanwhile (then it should not sleep).
+    pub fn arm_completions(&mut self) -> bool {
+        let before = self.arrivals.len();
+        let mut any = false;
+        for i in 0..self.peers.len() {
+            let Some(mut conn) = self.peers[i].take() else {
+                continue;
+            };
+            let peer = PeerId(i as u32);
+            let r = self
+                .drain_and_arm(&mut conn, peer)
+                .and_then(|a| Ok(a | Self::pump(&mut conn, self.config.recv_depth)?));
+            match r {
+                Ok(a) => {
+                    any |= a;
+                    self.peers[i] = Some(conn);
+                }
+                Err(e) => {
+                    any = true;
+                    self.arrivals.push_back(Err(e));
+                    self.teardown(&mut conn);
+                }
+            }
+        }
+        any || self.arrivals.len() != before
+    }
+
+    /// Messages (or errors) waiting for `try_recv`.
+    pub fn has_arrivals(&self) -> bool {
+        !self.arrivals.is_empty()
+    }
+
+    fn poll_conn(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<bool, Error> {
+        let mut any = false;
+        // CM events of a connecting side arrive on its own channel.
+        if let Some(ch) = conn.channel {
+            while let Ok(Some(ev)) = next_event(ch, Duration::ZERO) {
+                any = true;
+                if ev.kind == ffi::rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED {
+                    // Expected after a Close either way; otherwise the peer vanished.
+                    if !conn.peer_closed && !conn.closing {
+                        return Err(Error::PeerLost(peer));
+                    }
+                    conn.peer_closed = true;
+                }
+            }
+        }
+        any |= self.drain_and_arm(conn, peer)?;
         // Refill receives the pool could not serve earlier.
         for slot in 0..conn.recv.len() {
             if conn.recv[slot].is_none() && !conn.peer_closed && self.post_recv(conn, slot).is_err()
