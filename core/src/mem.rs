@@ -49,6 +49,7 @@ pub struct Region {
 
 impl Region {
     /// One past the last byte, or `None` when the range wraps the address space.
+    #[inline]
     pub const fn end(&self) -> Option<u64> {
         self.addr.checked_add(self.len as u64)
     }
@@ -68,6 +69,7 @@ impl Region {
     }
 
     /// Whether `[addr, addr+len)` lies inside this region (false on wrap).
+    #[inline]
     pub const fn covers(&self, addr: u64, len: usize) -> bool {
         match (self.end(), addr.checked_add(len as u64)) {
             (Some(end), Some(want_end)) => addr >= self.addr && want_end <= end,
@@ -128,6 +130,7 @@ impl Access {
     }
 
     /// Whether every flag of `other` is set here.
+    #[inline]
     pub const fn contains(self, other: Access) -> bool {
         self.0 & other.0 == other.0
     }
@@ -165,6 +168,7 @@ pub struct MrHandle {
 
 impl MrHandle {
     /// The registered range as a region of `kind`.
+    #[inline]
     pub const fn region(&self, kind: MemKind) -> Region {
         Region {
             addr: self.addr,
@@ -174,6 +178,7 @@ impl MrHandle {
     }
 
     /// Whether this registration covers `[addr, addr+len)` with at least `access`.
+    #[inline]
     pub const fn covers(&self, addr: u64, len: usize, access: Access) -> bool {
         self.region(MemKind::Host).covers(addr, len) && self.access.contains(access)
     }

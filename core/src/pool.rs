@@ -233,6 +233,12 @@ where
         Ok(Lease { pool, ticket, len })
     }
 
+    /// A lease over a ticket its pool has already handed out (a cache's fast path).
+    #[inline]
+    pub(crate) fn from_ticket(pool: P, ticket: SlotTicket, len: usize) -> Self {
+        Lease { pool, ticket, len }
+    }
+
     /// The message length (at most [`capacity`](Self::capacity)).
     pub fn len(&self) -> usize {
         self.len
