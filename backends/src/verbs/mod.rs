@@ -1,9 +1,11 @@
 //! The gpudirect-verbs backend: RDMA verbs through rdma-sys (libibverbs,
-//! librdmacm). It gives the `rdma` kind (host memory on the wire) and the
-//! registration path of the `gpudirect` kind (GPU memory through DMA-buf).
+//! librdmacm). One wire, two kinds: `rdma` (payloads in registered host
+//! memory, [`HostPayload`]) and, with `cuda-uma` too, `gpudirect` (payloads
+//! in GPU memory registered through DMA-buf or peermem, `GpuPayload`).
 //!
 //! Layers, as cudarc does it: raw FFI (rdma-sys) -> [`Device`] and
-//! [`Registry`] (owning wrappers, every call checked) -> [`RdmaTransport`].
+//! [`Registry`] (owning wrappers, every call checked) -> [`PayloadMemory`]
+//! (where payloads live) -> [`RdmaTransport`].
 
 mod payload;
 mod transport;

@@ -1,4 +1,5 @@
-//! RC queue pairs over librdmacm: the `rdma` transport.
+//! RC queue pairs over librdmacm: the `rdma` and `gpudirect` transports
+//! (the same wire; [`PayloadMemory`] says where payloads live).
 //!
 //! Each connection has one completion queue (with a completion channel, so
 //! a progress thread can sleep in `poll(2)`), one RC queue pair, and a ring
