@@ -94,6 +94,24 @@ impl Transport for ModelWire {
 }
 
 impl Wire for ModelWire {
+    fn lease(&self, _: usize) -> Result<u8, Error> {
+        Ok(0)
+    }
+
+    fn read_lease(&self, lease: &u8, out: &mut [u8]) -> Result<(), Error> {
+        match out {
+            [] => Ok(()),
+            [b] => {
+                *b = *lease;
+                Ok(())
+            }
+            _ => Err(Error::TooLarge {
+                len: out.len(),
+                max: 1,
+            }),
+        }
+    }
+
     fn pending_sends(&self) -> usize {
         self.queued.len()
     }
