@@ -159,60 +159,17 @@ impl<S: ChunkSource, T: PoolTables, const M: usize> Drop for LocalPool<'_, S, T,
 
 #[cfg(test)]
 mod tests {
-    use core::sync::atomic::{AtomicU64, Ordering};
-
     use super::*;
-    use crate::mem::{Access, MemKind, RawMemory, Region};
+    use crate::pool::tests::{source, CountingNic, FakeMemory};
     use crate::pool::{Chunks, InlineTables, PoolConfig};
-    use crate::{MrHandle, Registrar};
 
-    struct FakeMemory(AtomicU64);
-    impl RawMemory for FakeMemory {
-        fn alloc(&self, len: usize, align: usize) -> Result<Region, Error> {
-            // Relaxed: a bump counter.
-            let at = self.0.fetch_add((len + align) as u64, Ordering::Relaxed);
-            Ok(Region {
-                addr: at.next_multiple_of(align as u64),
-                len,
-                kind: MemKind::Host,
-            })
-        }
-        fn free(&self, _: Region) -> Result<(), Error> {
-            Ok(())
-        }
-        fn host_visible(&self) -> bool {
-            true
-        }
-    }
-
-    struct Nic;
-    impl Registrar for Nic {
-        fn register(&self, r: Region, access: Access) -> Result<MrHandle, Error> {
-            Ok(MrHandle {
-                addr: r.addr,
-                len: r.len,
-                lkey: 7,
-                rkey: 7,
-                access,
-                id: 7,
-            })
-        }
-        fn deregister(&self, _: MrHandle) -> Result<(), Error> {
-            Ok(())
-        }
-    }
-
-    type Shared = SlabPool<Chunks<FakeMemory, Nic>, InlineTables<8, 256>>;
+    type Shared = SlabPool<Chunks<FakeMemory, CountingNic>, InlineTables<8, 256>>;
 
     fn shared(budget: usize) -> Shared {
         let mut cfg = PoolConfig::with_budget(budget);
         cfg.chunk_bytes = 4096;
         cfg.classes = crate::SizeClasses::new(&[256, 1024]).unwrap();
-        let source = Chunks {
-            memory: FakeMemory(AtomicU64::new(1 << 20)),
-            registrar: Some(Nic),
-        };
-        SlabPool::new(source, cfg, InlineTables::new()).unwrap()
+        SlabPool::new(source(), cfg, InlineTables::new()).unwrap()
     }
 
     #[test]
@@ -222,7 +179,7 @@ mod tests {
         // The first lease finds the class empty: the shared pool grows.
         let a = local.lease(100).unwrap();
         assert_eq!(a.capacity(), 256);
-        assert_eq!(a.mr().unwrap().lkey, 7);
+        assert_eq!(a.mr().unwrap().lkey, 0, "the first chunk's registration");
         assert_eq!((pool.used_bytes(), local.cached_bytes()), (256, 0));
         let addr = a.buffer().addr;
         drop(a);

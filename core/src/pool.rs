@@ -909,14 +909,14 @@ where
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
     use super::*;
     use crate::mem::MemKind;
 
     /// Hands out addresses without memory behind them (core never dereferences).
-    struct FakeMemory {
+    pub(crate) struct FakeMemory {
         next: AtomicU64,
         skew: u64,
     }
@@ -942,7 +942,7 @@ mod tests {
         }
     }
 
-    struct CountingNic {
+    pub(crate) struct CountingNic {
         registered: AtomicU32,
         deregistered: AtomicU32,
     }
@@ -969,8 +969,9 @@ mod tests {
 
     type TestPool = SlabPool<Chunks<FakeMemory, CountingNic>, InlineTables<16, 1024>>;
 
-    fn pool(budget: usize) -> TestPool {
-        let source = Chunks {
+    /// Fake memory registered with a counting NIC (registration ids from 0).
+    pub(crate) fn source() -> Chunks<FakeMemory, CountingNic> {
+        Chunks {
             memory: FakeMemory {
                 next: AtomicU64::new(0x10_0000),
                 skew: 0,
@@ -979,7 +980,11 @@ mod tests {
                 registered: AtomicU32::new(0),
                 deregistered: AtomicU32::new(0),
             }),
-        };
+        }
+    }
+
+    fn pool(budget: usize) -> TestPool {
+        let source = source();
         let mut cfg = PoolConfig::with_budget(budget);
         cfg.chunk_bytes = 64 << 10;
         cfg.classes = SizeClasses::new(&[256, 4096, 16384]).unwrap();

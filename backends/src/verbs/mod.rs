@@ -348,18 +348,25 @@ impl Registry {
                 "device memory through ibv_reg_mr needs nvidia_peermem (or nv_peer_mem) loaded",
             ));
         }
+        // peermem resolves the device address for the NIC.
         self.register_with(region, access, "ibv_reg_mr (peermem)", || {
-            // SAFETY: a live PD; the range is device memory the caller owns for
-            // as long as the registration lives; peermem resolves it for the NIC.
-            unsafe {
-                ffi::ibv_reg_mr(
-                    self.device.pd(),
-                    region.addr as usize as *mut libc::c_void,
-                    region.len,
-                    to_verbs_access(access),
-                )
-            }
+            self.reg_mr(region, access)
         })
+    }
+
+    /// `ibv_reg_mr` of `region` (host memory, or device memory under peermem).
+    fn reg_mr(&self, region: Region, access: Access) -> *mut ffi::ibv_mr {
+        // SAFETY: a live PD; callers register only memory they own for as long
+        // as the registration lives (pools deregister a chunk before freeing
+        // it); the NIC pins the pages, nothing is dereferenced here.
+        unsafe {
+            ffi::ibv_reg_mr(
+                self.device.pd(),
+                region.addr as usize as *mut libc::c_void,
+                region.len,
+                to_verbs_access(access),
+            )
+        }
     }
 
     /// The registration covering `region` from the table, or a fresh one from
@@ -400,18 +407,7 @@ impl Registrar for Registry {
             // The NIC cannot reach managed memory; device memory goes through a DMA-buf.
             k => return Err(Error::Register(RegisterError::Unsupported(k))),
         }
-        self.register_with(region, access, "ibv_reg_mr", || {
-            // SAFETY: a live PD; the range is host memory the caller owns for as
-            // long as the registration lives (the pool deregisters before freeing).
-            unsafe {
-                ffi::ibv_reg_mr(
-                    self.device.pd(),
-                    region.addr as usize as *mut libc::c_void,
-                    region.len,
-                    to_verbs_access(access),
-                )
-            }
-        })
+        self.register_with(region, access, "ibv_reg_mr", || self.reg_mr(region, access))
     }
 
     fn deregister(&self, handle: MrHandle) -> Result<(), Error> {

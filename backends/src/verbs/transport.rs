@@ -803,25 +803,42 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         any
     }
 
+    /// Runs `work` on connection `i`, taken out of the table meanwhile; a
+    /// failure tears the connection down and is reported once through
+    /// `try_recv`. Returns what `work` said (true on a failure: something happened).
+    fn service(
+        &mut self,
+        i: usize,
+        work: impl FnOnce(&mut Self, &mut Conn<M>, PeerId) -> Result<bool, Error>,
+    ) -> bool {
+        let Some(mut conn) = self.peers.get_mut(i).and_then(Option::take) else {
+            return false;
+        };
+        match work(self, &mut conn, PeerId(i as u32)) {
+            Ok(any) => {
+                self.peers[i] = Some(conn);
+                any
+            }
+            Err(e) => {
+                self.arrivals.push_back(Err(e));
+                self.teardown(&mut conn);
+                true
+            }
+        }
+    }
+
+    /// Reaps completions and posts what they free: the caller's fast path.
+    fn drain_and_pump(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<bool, Error> {
+        let n = self.drain_cq(conn, peer)?;
+        Ok(Self::pump(conn, self.config.recv_depth)? || n > 0)
+    }
+
     /// The caller's fast path: completions only (no system call on providers
     /// whose CQ lives in user memory); CM events and channel re-arming are the
     /// progress thread's.
     fn poll_fast(&mut self) {
         for i in 0..self.peers.len() {
-            let Some(mut conn) = self.peers[i].take() else {
-                continue;
-            };
-            let peer = PeerId(i as u32);
-            let r = self
-                .drain_cq(&mut conn, peer)
-                .and_then(|_| Self::pump(&mut conn, self.config.recv_depth));
-            match r {
-                Ok(_) => self.peers[i] = Some(conn),
-                Err(e) => {
-                    self.arrivals.push_back(Err(e));
-                    self.teardown(&mut conn);
-                }
-            }
+            self.service(i, Self::drain_and_pump);
         }
     }
 
@@ -831,21 +848,8 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     fn reap(&mut self, peer: PeerId) {
         let i = peer.0 as usize;
         let busy = matches!(self.peers.get(i), Some(Some(c)) if c.free_send.is_empty() || !c.pending.is_empty());
-        if !busy {
-            return;
-        }
-        let Some(mut conn) = self.peers[i].take() else {
-            return;
-        };
-        let r = self
-            .drain_cq(&mut conn, peer)
-            .and_then(|_| Self::pump(&mut conn, self.config.recv_depth));
-        match r {
-            Ok(_) => self.peers[i] = Some(conn),
-            Err(e) => {
-                self.arrivals.push_back(Err(e));
-                self.teardown(&mut conn);
-            }
+        if busy {
+            self.service(i, Self::drain_and_pump);
         }
     }
 
@@ -889,24 +893,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         let before = self.arrivals.len();
         let mut any = false;
         for i in 0..self.peers.len() {
-            let Some(mut conn) = self.peers[i].take() else {
-                continue;
-            };
-            let peer = PeerId(i as u32);
-            let r = self
-                .drain_and_arm(&mut conn, peer)
-                .and_then(|a| Ok(a | Self::pump(&mut conn, self.config.recv_depth)?));
-            match r {
-                Ok(a) => {
-                    any |= a;
-                    self.peers[i] = Some(conn);
-                }
-                Err(e) => {
-                    any = true;
-                    self.arrivals.push_back(Err(e));
-                    self.teardown(&mut conn);
-                }
-            }
+            any |= self.service(i, |t, conn, peer| {
+                Ok(t.drain_and_arm(conn, peer)? | Self::pump(conn, t.config.recv_depth)?)
+            });
         }
         any || self.arrivals.len() != before
     }
