@@ -144,7 +144,11 @@ impl<S: ChunkSource, T: PoolTables, const M: usize> Pool for LocalPool<'_, S, T,
         // Last in, first out: the place usually still holds this very ticket
         // (it was leased from here), so a copy is skipped, and with it a
         // store-forwarding stall that cost half the time of the whole cycle.
-        if m.tickets[m.len].index != ticket.index {
+        // The whole ticket is compared, not its slot index: a stale copy left
+        // behind a flush may carry an index the shared pool has since given
+        // to a buffer of another chunk (reclaimed chunks hand their slot
+        // descriptors on), with another address and registration.
+        if m.tickets[m.len] != *ticket {
             m.tickets[m.len] = *ticket;
         }
         m.len += 1;

@@ -176,7 +176,7 @@ impl<M: RawMemory, R: Registrar> ChunkSource for Chunks<M, R> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 pub struct SlotTicket {
-    pub(crate) index: u32,
+    index: u32,
     /// Its size class (`OVERSIZE` for an oversize buffer).
     class: u8,
     /// The whole buffer (its class size, or the oversize length rounded up).

@@ -4,7 +4,9 @@
 //! comes back when the cache drops.
 #![no_main]
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
@@ -13,20 +15,40 @@ use zerohop_core::{
     PoolError, RawMemory, Region, Registrar, SizeClasses, SlabPool,
 };
 
+/// Bump-allocated addresses (never reused), with the live allocations kept,
+/// so a lease pointing into memory already given back is caught.
 #[derive(Default)]
-struct Fake(AtomicU64);
+struct Fake {
+    next: AtomicU64,
+    live: Mutex<BTreeMap<u64, usize>>,
+}
+
+impl Fake {
+    fn holds(&self, r: Region) -> bool {
+        let live = self.live.lock().unwrap();
+        live.range(..=r.addr)
+            .next_back()
+            .is_some_and(|(&a, &len)| r.addr + r.len as u64 <= a + len as u64)
+    }
+}
 
 impl RawMemory for Fake {
     fn alloc(&self, len: usize, align: usize) -> Result<Region, Error> {
         // Relaxed: a bump counter of a single-threaded fuzz run.
-        let a = self.0.fetch_add((len + align) as u64, Ordering::Relaxed);
+        let a = self.next.fetch_add((len + align) as u64, Ordering::Relaxed);
+        let addr = (0x1_0000 + a).next_multiple_of(align as u64);
+        self.live.lock().unwrap().insert(addr, len);
         Ok(Region {
-            addr: (0x1_0000 + a).next_multiple_of(align as u64),
+            addr,
             len,
             kind: MemKind::Host,
         })
     }
-    fn free(&self, _: Region) -> Result<(), Error> {
+    fn free(&self, r: Region) -> Result<(), Error> {
+        assert!(
+            self.live.lock().unwrap().remove(&r.addr).is_some(),
+            "double free"
+        );
         Ok(())
     }
     fn host_visible(&self) -> bool {
@@ -104,6 +126,14 @@ fuzz_target!(|ops: Vec<Op>| {
                 match r {
                     Ok((addr, cap, via)) => {
                         assert!(len > 0 && cap >= len);
+                        assert!(
+                            pool.source().memory.holds(Region {
+                                addr,
+                                len: cap,
+                                kind: MemKind::Host,
+                            }),
+                            "a lease inside memory the pool still holds"
+                        );
                         for &(a, c, _) in &spans {
                             assert!(
                                 addr + cap as u64 <= a || a + c as u64 <= addr,
