@@ -320,8 +320,9 @@ impl<T: Wire> Endpoint<T> {
         })?;
         // Like `recv`: retry for a short spin before sleeping until the socket
         // has room, since a sleeping thread's wake-up costs more than the
-        // receiver needs to make that room.
-        let spin_until = Instant::now() + self.shared.config.spin;
+        // receiver needs to make that room. The clock is read only once a
+        // send has to wait.
+        let mut spin_until = None;
         let mut spins = 0u32;
         while !done {
             if cancel.is_some_and(CancelToken::is_cancelled) {
@@ -334,6 +335,8 @@ impl<T: Wire> Endpoint<T> {
                 t.abandon_send(peer, bytes);
                 break;
             }
+            let spin_until =
+                *spin_until.get_or_insert_with(|| Instant::now() + self.shared.config.spin);
             if !check_clock || Instant::now() < spin_until {
                 drop(t);
                 std::hint::spin_loop();
@@ -410,7 +413,9 @@ impl<T: Wire> Endpoint<T> {
         deadline: Deadline,
         cancel: Option<&CancelToken>,
     ) -> Result<Received<T::Lease>, Error> {
-        let spin_until = Instant::now() + self.shared.config.spin;
+        // The spin is timed from the first clock check (CLOCK_EVERY polls in):
+        // a message that is already there costs no clock read.
+        let mut spin_until = None;
         // This thread reads for itself from here on, spinning and then asleep
         // in poll(2): the progress thread leaves reading to it, so one
         // arrival wakes one thread and the two do not fight for the lock.
@@ -445,7 +450,8 @@ impl<T: Wire> Endpoint<T> {
             if deadline.passed() {
                 break Err(Error::Timeout);
             }
-            if spinning && Instant::now() < spin_until {
+            let until = *spin_until.get_or_insert_with(|| Instant::now() + self.shared.config.spin);
+            if spinning && Instant::now() < until {
                 continue;
             }
             // 2. Sleep in poll(2) on the transport's descriptors.
@@ -462,17 +468,23 @@ impl<T: Wire> Endpoint<T> {
         self.shared.lock().pending_sends()
     }
 
-    /// Waits until every accepted send is with the OS.
+    /// Waits until every accepted send is with the OS (TCP) or completed (RDMA).
+    /// Drives the transport itself and waits on its descriptors, as a blocked
+    /// `send` does; the progress thread helps where there are none.
     pub fn flush(&self, deadline: Deadline) -> Result<(), Error> {
         let mut t = self.shared.lock();
-        while t.pending_sends() > 0 {
+        loop {
+            // Errors are the affected peers' and reach `recv`; flushing goes on.
+            let _ = t.progress();
+            if t.pending_sends() == 0 {
+                return Ok(());
+            }
             if deadline.passed() {
                 return Err(Error::Timeout);
             }
             self.shared.wake_progress();
-            t = self.wait(t, deadline);
+            t = self.wait_io(t, deadline, false);
         }
-        Ok(())
     }
 
     /// Closes: stops accepting work, flushes what is queued (until `deadline`),
@@ -576,8 +588,16 @@ impl<M: zerohop_backends::verbs::PayloadMemory> Wire for zerohop_backends::verbs
     }
 
     fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
+        // The progress thread watches completions for frames waiting for
+        // credits, and for an application that has stopped calling (then it
+        // drains arrivals, so the peer gets its credits back). An application
+        // that keeps calling reaps its own completions, its sends' included:
+        // a message wakes the thread that wants it and no other.
         let (cm, completions) = match waiter {
-            Waiter::Progress { app_reading } => (true, !app_reading),
+            Waiter::Progress { app_reading } => (
+                true,
+                !app_reading && (self.unposted_frames() > 0 || self.app_quiet()),
+            ),
             Waiter::App { .. } => (false, true),
         };
         let mut fds = Vec::new();

@@ -10,7 +10,7 @@ use zerohop_backends::host_bytes;
 use zerohop_backends::verbs::{Device, RdmaConfig, RdmaTransport, Registry};
 use zerohop_core::{
     crc32c, pick, Access, Error, Kind, MemKind, Preference, Prereq, Region, RegisterError,
-    Registrar, Status,
+    Registrar, Status, Transport,
 };
 use zerohop_std::{probe_host, Deadline, Endpoint, EndpointConfig};
 use zerohop_tests::harness::rdma_addr;
@@ -246,4 +246,97 @@ fn a_lease_from_a_foreign_pool_is_copied_not_trusted() {
         0,
         "the foreign lease went back after the copy"
     );
+}
+
+#[test]
+fn two_peers_out_of_credits_with_data_queued_still_return_credits() {
+    // Both sides post a ring's worth before either polls: each is left
+    // with one credit, owed a ring's worth, and a data frame queued (a data
+    // frame needs two credits). The last credit must carry a credit frame,
+    // or neither queue ever moves. Driven by hand, without progress threads,
+    // so the stall is certain rather than a race.
+    let dev = match Device::open() {
+        Ok(d) => d,
+        Err(e) => return eprintln!("SKIPPED: {e}"),
+    };
+    let config = RdmaConfig {
+        recv_depth: 8,
+        recv_pool_bytes: 16 << 20,
+        send_pool_bytes: 16 << 20,
+        ..RdmaConfig::default()
+    };
+    let addr = rdma_addr(19_004).expect("an RDMA address");
+    let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
+    b.listen(addr).unwrap();
+    let connecting = std::thread::spawn(move || {
+        let mut a = RdmaTransport::new(dev, config).unwrap();
+        let peer = a.connect(addr).unwrap();
+        (a, peer)
+    });
+    while !connecting.is_finished() || b.peer_count() == 0 {
+        b.progress().unwrap();
+    }
+    let (mut a, peer) = connecting.join().unwrap();
+    // The listener's table gives its first connection the first slot.
+    let back = zerohop_core::PeerId(0);
+    let n = u64::from(config.recv_depth);
+    for i in 0..n {
+        a.try_send(peer, &message(i, 100)).unwrap();
+    }
+    for i in 0..n {
+        b.try_send(back, &message(i, 100)).unwrap();
+    }
+    let (mut got_a, mut got_b) = (0, 0);
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    while (got_a < n || got_b < n) && std::time::Instant::now() < until {
+        for (t, got) in [(&mut a, &mut got_a), (&mut b, &mut got_b)] {
+            t.progress().unwrap();
+            while let Ok(r) = t.try_recv() {
+                let m = host_bytes(&r.lease);
+                assert_eq!(
+                    u64::from_le_bytes(m[..8].try_into().unwrap()),
+                    *got,
+                    "order kept"
+                );
+                *got += 1;
+            }
+        }
+    }
+    assert_eq!(
+        (got_a, got_b),
+        (n, n),
+        "every queued message arrived both ways"
+    );
+}
+
+#[test]
+fn a_receiver_that_is_not_receiving_yet_still_frees_its_ring() {
+    // The application of b does not call recv until a has sent many rings'
+    // worth and flushed: b's progress thread must drain arrivals (and hand
+    // credits back) for an application that is not polling.
+    let config = RdmaConfig {
+        recv_depth: 8,
+        recv_pool_bytes: 32 << 20,
+        send_pool_bytes: 32 << 20,
+        ..RdmaConfig::default()
+    };
+    let Some((a, b, peer)) = pair(19_005, config) else {
+        return;
+    };
+    let n = 200u64;
+    for i in 0..n {
+        a.send(peer, &message(i, 1000), Deadline::after(WAIT), None)
+            .unwrap();
+    }
+    a.flush(Deadline::after(WAIT))
+        .expect("every send completed with b not receiving");
+    for i in 0..n {
+        let r = b.recv(Deadline::after(WAIT), None).unwrap();
+        let m = host_bytes(&r.lease);
+        assert_eq!(
+            u64::from_le_bytes(m[..8].try_into().unwrap()),
+            i,
+            "order kept"
+        );
+    }
 }

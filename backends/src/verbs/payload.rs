@@ -19,6 +19,10 @@ pub trait PayloadMemory: Send + Sync + 'static {
     /// The registered slab pool payload buffers come from.
     type Pool: Pool + Send + Sync + 'static;
 
+    /// Whether the CPU can read the pool's buffers (host memory): only then
+    /// may a frame from them go inline, copied by the CPU at posting.
+    const HOST_VISIBLE: bool;
+
     /// The transport kind this memory makes: `rdma` or `gpudirect`.
     fn kind(&self) -> Kind;
 
@@ -71,6 +75,7 @@ pub struct HostPayload;
 
 impl PayloadMemory for HostPayload {
     type Pool = HostPool<HeapTables>;
+    const HOST_VISIBLE: bool = true;
 
     fn kind(&self) -> Kind {
         Kind::Rdma
@@ -238,6 +243,7 @@ mod gpu {
 
     impl PayloadMemory for GpuPayload {
         type Pool = GpuPool;
+        const HOST_VISIBLE: bool = false;
 
         fn kind(&self) -> Kind {
             Kind::Gpudirect

@@ -71,6 +71,11 @@ const SEND_TAG: u64 = 1 << 63;
 /// The host pool of header rings, shared by every connection of a transport.
 const HEADER_POOL_BYTES: usize = 16 << 20;
 const CM_TIMEOUT_MS: i32 = 5000;
+/// Inline room asked of a QP: a header and a small message (perftest's
+/// latency tests send this way too).
+const INLINE_WANT: usize = 256;
+/// Work completions taken per `ibv_poll_cq`.
+const POLL_BATCH: usize = 16;
 
 enum Payload<M: PayloadMemory> {
     None,
@@ -102,6 +107,9 @@ struct Conn<M: PayloadMemory> {
     tx_seq: u64,
     rx_next: u64,
     assembling: Option<(PayloadLease<M>, usize)>,
+    /// Longest frame (header and payload) the QP sends inline: copied into
+    /// the work request at posting, so its buffer is free at once.
+    inline_max: usize,
     established: bool,
     closing: bool,
     peer_closed: bool,
@@ -116,9 +124,14 @@ pub struct RdmaTransport<M: PayloadMemory = HostPayload> {
     recv_pool: Arc<M::Pool>,
     send_pool: Arc<M::Pool>,
     listener: Option<(NonNull<ffi::rdma_event_channel>, NonNull<ffi::rdma_cm_id>)>,
-    peers: Vec<Option<Conn<M>>>,
+    /// Boxed: the fast paths take a connection out of the table and put it back.
+    peers: Vec<Option<Box<Conn<M>>>>,
     arrivals: VecDeque<Result<Received<PayloadLease<M>>, Error>>,
     closed: bool,
+    /// Sends and receives the application asked for, and that count when
+    /// [`app_quiet`](Self::app_quiet) last looked.
+    app_calls: u64,
+    app_calls_seen: std::cell::Cell<u64>,
 }
 
 // SAFETY: every raw pointer is owned by the transport and used only through
@@ -328,6 +341,8 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             send_pool,
             listener: None,
             peers: Vec::new(),
+            app_calls: 0,
+            app_calls_seen: std::cell::Cell::new(0),
             arrivals: VecDeque::new(),
             closed: false,
         })
@@ -465,11 +480,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     fn add(&mut self, conn: Conn<M>) -> PeerId {
         match self.peers.iter().position(Option::is_none) {
             Some(i) => {
-                self.peers[i] = Some(conn);
+                self.peers[i] = Some(Box::new(conn));
                 PeerId(i as u32)
             }
             None => {
-                self.peers.push(Some(conn));
+                self.peers.push(Some(Box::new(conn)));
                 PeerId(self.peers.len() as u32 - 1)
             }
         }
@@ -524,8 +539,16 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         attr.cap.max_recv_wr = depth as u32;
         attr.cap.max_send_sge = 2;
         attr.cap.max_recv_sge = 2;
+        attr.cap.max_inline_data = INLINE_WANT as u32;
         // SAFETY: a live id, PD and CQ; the attr lives across the call.
-        if unsafe { ffi::rdma_create_qp(id.as_ptr(), self.device.pd(), &mut attr) } != 0 {
+        let mut created = unsafe { ffi::rdma_create_qp(id.as_ptr(), self.device.pd(), &mut attr) };
+        if created != 0 {
+            // A device without inline sends: every frame then leaves from registered memory.
+            attr.cap.max_inline_data = 0;
+            // SAFETY: as above.
+            created = unsafe { ffi::rdma_create_qp(id.as_ptr(), self.device.pd(), &mut attr) };
+        }
+        if created != 0 {
             let e = call_failed("rdma_create_qp");
             // SAFETY: CQ then channel, each once; no QP uses them.
             unsafe {
@@ -554,6 +577,8 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             tx_seq: 0,
             rx_next: 0,
             assembling: None,
+            // rdma_create_qp wrote back what the QP supports.
+            inline_max: attr.cap.max_inline_data as usize,
             established: false,
             closing: false,
             peer_closed: false,
@@ -617,8 +642,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             Self::post_send(conn, f)?;
             any = true;
         }
-        // Return credits on their own when enough are owed and no data frame carries them.
-        if conn.pending.is_empty()
+        // Return credits on their own when enough are owed and no data frame
+        // carries them: nothing is queued, or what is queued waits for credits
+        // (a data frame needs two; the last one is kept for this, so two
+        // peers that only send cannot starve each other).
+        if (conn.pending.is_empty() || conn.credits < 2)
             && conn.owed >= (depth / 4).max(1)
             && conn.credits >= 1
             && !conn.free_send.is_empty()
@@ -639,12 +667,37 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     }
 
     fn post_send(conn: &mut Conn<M>, f: Frame<M>) -> Result<(), Error> {
-        let slot = conn.free_send.pop().expect("checked by the caller") as usize;
-        let recv_depth = conn.recv.len();
-        let (addr, len, lkey) = match &f.payload {
+        let data = match &f.payload {
             Payload::None => (0, 0, 0),
             Payload::Lease(l, len) => (l.device_ptr(), *len, l.mr().expect("registered").lkey),
         };
+        // GPU memory cannot go inline: the CPU copies inline data.
+        let slot = Self::post_frame(conn, &f, data, M::HOST_VISIBLE)?;
+        conn.send[slot] = Some(if Self::inline(conn, data.1, M::HOST_VISIBLE) {
+            Payload::None // copied into the work request: the buffer goes back now
+        } else {
+            f.payload
+        });
+        Ok(())
+    }
+
+    /// Whether a frame with `len` payload bytes goes inline.
+    fn inline(conn: &Conn<M>, len: usize, may: bool) -> bool {
+        may && HEADER_LEN + len <= conn.inline_max
+    }
+
+    /// Posts `f`'s header (from its ring slot) and `data` (address, length,
+    /// lkey), inline when allowed and small enough. Returns the send slot;
+    /// what `data` points at must stay untouched until that slot's send
+    /// completes, unless it went inline.
+    fn post_frame(
+        conn: &mut Conn<M>,
+        f: &Frame<M>,
+        (addr, len, lkey): (u64, usize, u32),
+        may_inline: bool,
+    ) -> Result<usize, Error> {
+        let slot = conn.free_send.pop().expect("checked by the caller") as usize;
+        let recv_depth = conn.recv.len();
         let mut h = match f.kind {
             FrameKind::Data => Header::data(f.total, conn.owed, f.seq, &[], false, f.more),
             k => Header::control(k, 0, conn.owed, f.seq),
@@ -674,18 +727,21 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         wr.num_sge = if len > 0 { 2 } else { 1 };
         wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND;
         wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        if Self::inline(conn, len, may_inline) {
+            wr.send_flags |= ffi::ibv_send_flags::IBV_SEND_INLINE.0;
+        }
         let mut bad = ptr::null_mut();
-        // SAFETY: a live QP; the header slot and the payload lease stay
-        // untouched and alive (in `conn.send[slot]`) until the send completes.
+        // SAFETY: a live QP; the header slot stays untouched until the send
+        // completes, and the payload as the caller promised (inline data is
+        // copied before this call returns).
         let rc = unsafe { ffi::ibv_post_send((*conn.id.as_ptr()).qp, &mut wr, &mut bad) };
         if rc != 0 {
             conn.free_send.push(slot as u32);
             return Err(Error::Backend("ibv_post_send"));
         }
-        conn.send[slot] = Some(f.payload);
         conn.credits -= 1;
         conn.owed = 0;
-        Ok(())
+        Ok(slot)
     }
 
     /// Splits a message into frames: zero-copy when `lease` holds it in one fragment.
@@ -720,6 +776,29 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             return Err((Error::WouldBlock, lease));
         }
         let seq = conn.tx_seq;
+        // A small message with nothing queued ahead and credits to spare
+        // goes inline straight from the caller's bytes: no buffer, no copy
+        // of our own.
+        if let Some(b) = bytes {
+            if conn.pending.is_empty()
+                && conn.credits >= 2
+                && !conn.free_send.is_empty()
+                && Self::inline(conn, b.len(), true)
+            {
+                let f = Frame {
+                    kind: FrameKind::Data,
+                    seq,
+                    total: total as u32,
+                    more: false,
+                    payload: Payload::None,
+                };
+                let slot = Self::post_frame(conn, &f, (b.as_ptr() as u64, b.len(), 0), true)
+                    .map_err(|e| (e, None))?;
+                conn.send[slot] = Some(Payload::None);
+                conn.tx_seq += 1;
+                return Ok(());
+            }
+        }
         match lease {
             // One fragment from a lease of our own registered pools: zero copy.
             // Any other lease (another pool, another PD, no registration) is copied.
@@ -933,14 +1012,19 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     }
 
     fn drain_cq(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<usize, Error> {
-        // SAFETY: an all-zero work completion array is valid to pass for output.
-        let mut wcs: [ffi::ibv_wc; 32] = unsafe { std::mem::zeroed() };
-        // SAFETY: a live CQ and room for 32 completions.
-        let n = unsafe { ffi::ibv_poll_cq(conn.cq.as_ptr(), 32, wcs.as_mut_ptr()) };
+        // Not zeroed: this runs on every poll of a spinning receiver.
+        let mut wcs = std::mem::MaybeUninit::<[ffi::ibv_wc; POLL_BATCH]>::uninit();
+        // SAFETY: a live CQ and room for POLL_BATCH completions.
+        let n = unsafe {
+            ffi::ibv_poll_cq(conn.cq.as_ptr(), POLL_BATCH as i32, wcs.as_mut_ptr().cast())
+        };
         if n < 0 {
             return Err(Error::Backend("ibv_poll_cq"));
         }
-        for wc in &wcs[..n as usize] {
+        // SAFETY: ibv_poll_cq wrote the first `n` (<= POLL_BATCH) completions.
+        let wcs =
+            unsafe { std::slice::from_raw_parts(wcs.as_ptr().cast::<ffi::ibv_wc>(), n as usize) };
+        for wc in wcs {
             if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
                 // A QP in error (retries exceeded, peer gone): every pending send fails with it.
                 if conn.peer_closed && wc.status == ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
@@ -1148,6 +1232,14 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         }
     }
 
+    /// Whether the application has neither sent nor received since the last
+    /// call: how a progress thread that wakes now and then tells an
+    /// application that polls for itself from one that left its messages
+    /// to wait (and should have them drained, so its peers get credits).
+    pub fn app_quiet(&self) -> bool {
+        self.app_calls_seen.replace(self.app_calls) == self.app_calls
+    }
+
     /// Frames queued (waiting for credits) but not yet posted.
     pub fn unposted_frames(&self) -> usize {
         self.peers.iter().flatten().map(|c| c.pending.len()).sum()
@@ -1198,6 +1290,7 @@ impl<M: PayloadMemory> Transport for RdmaTransport<M> {
     }
 
     fn try_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<(), Error> {
+        self.app_calls += 1;
         self.reap(peer);
         self.queue(peer, Some(bytes), None).map_err(|(e, _)| e)
     }
@@ -1207,6 +1300,7 @@ impl<M: PayloadMemory> Transport for RdmaTransport<M> {
         peer: PeerId,
         lease: PayloadLease<M>,
     ) -> Result<(), Rejected<PayloadLease<M>>> {
+        self.app_calls += 1;
         self.reap(peer);
         match self.queue(peer, None, Some(lease)) {
             Ok(()) => Ok(()),
@@ -1218,6 +1312,7 @@ impl<M: PayloadMemory> Transport for RdmaTransport<M> {
     }
 
     fn try_recv(&mut self) -> Result<Received<PayloadLease<M>>, Error> {
+        self.app_calls += 1;
         if self.arrivals.is_empty() {
             self.poll_fast();
         }
