@@ -6,7 +6,10 @@
 //! waiters through a condvar. Application threads call the transport
 //! directly: `send` writes to the socket itself when nothing is queued, and
 //! `recv` polls `try_recv` for a short spin before sleeping, so a message
-//! that arrives while a receiver is waiting costs no thread hand-off.
+//! that arrives while a receiver is waiting costs no thread hand-off. The
+//! progress thread reads (or reaps completions) only for an application
+//! that has stopped calling: one that keeps polling is never raced for its
+//! own messages (UCX's rule: whoever polls, progresses).
 //! Why a mutex + condvar and not channels: the transport must be driven from
 //! both sides (the caller's fast path and the progress thread), and a
 //! channel would force every message through a hand-off.
@@ -26,11 +29,12 @@ const CLOCK_EVERY: u32 = 32;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Waiter {
     /// The progress thread: connection management and queued sends always;
-    /// incoming data only while no application thread is receiving
-    /// (`app_reading`), so one arrival wakes one thread.
+    /// incoming data (and completions) only for an application that is not
+    /// polling, so one arrival wakes one thread.
     Progress {
-        /// An application thread is blocked in `recv` and will read itself.
-        app_reading: bool,
+        /// An application thread is in `recv`, or one has sent or received
+        /// since the progress thread last looked: it reads for itself.
+        app_polling: bool,
     },
     /// An application thread blocked in `recv` (`reading`) or in `send`.
     App {
@@ -186,8 +190,11 @@ struct Shared<T> {
     transport: Mutex<T>,
     progressed: Condvar,
     stop: AtomicBool,
-    /// Application threads blocked in `recv`'s poll(2).
+    /// Application threads in `recv` (spinning or asleep in poll(2)).
     app_reading: AtomicUsize,
+    /// Sends and receives called so far (wrapping): the progress thread
+    /// tells an application that keeps polling from one that stopped.
+    app_calls: AtomicUsize,
     doorbell: Doorbell,
     config: EndpointConfig,
 }
@@ -226,6 +233,7 @@ impl<T: Wire> Endpoint<T> {
             progressed: Condvar::new(),
             stop: AtomicBool::new(false),
             app_reading: AtomicUsize::new(0),
+            app_calls: AtomicUsize::new(0),
             doorbell: Doorbell::new()?,
             config,
         });
@@ -387,6 +395,8 @@ impl<T: Wire> Endpoint<T> {
         cancel: Option<&CancelToken>,
         mut attempt: impl FnMut(&mut T) -> Result<(), Error>,
     ) -> Result<MutexGuard<'_, T>, Error> {
+        // Relaxed: a hint to the progress thread, which only compares counts.
+        self.shared.app_calls.fetch_add(1, Ordering::Relaxed);
         let mut t = self.shared.lock();
         loop {
             if cancel.is_some_and(CancelToken::is_cancelled) {
@@ -424,6 +434,7 @@ impl<T: Wire> Endpoint<T> {
         let mut t = self.shared.lock();
         // Relaxed: ordered by the transport mutex (see above).
         self.shared.app_reading.fetch_add(1, Ordering::Relaxed);
+        self.shared.app_calls.fetch_add(1, Ordering::Relaxed);
         let mut spinning = !self.shared.config.spin.is_zero();
         let mut spins = 0u32;
         let result = loop {
@@ -525,19 +536,24 @@ impl<T: Wire> Drop for Endpoint<T> {
 
 fn progress_loop<T: Wire>(s: &Shared<T>) {
     let mut fds: Vec<libc::pollfd> = Vec::new();
+    let mut calls_seen = 0;
     // Acquire: pairs with `stop`'s Release store.
     while !s.stop.load(Ordering::Acquire) {
         {
             let mut t = s.lock();
-            // Relaxed: read under the transport mutex, which orders it.
-            let app_reading = s.app_reading.load(Ordering::Relaxed) > 0;
-            match t.background_progress(!app_reading) {
+            // Relaxed: `app_reading` changes under the transport mutex, held
+            // here; `app_calls` is a hint (a stale count only delays the
+            // progress thread's taking over by one poll interval).
+            let calls = s.app_calls.load(Ordering::Relaxed);
+            let app_polling = s.app_reading.load(Ordering::Relaxed) > 0 || calls != calls_seen;
+            calls_seen = calls;
+            match t.background_progress(!app_polling) {
                 Ok(true) => s.progressed.notify_all(),
                 Ok(false) => {}
                 Err(e) => log::debug!("zerohop: progress: {e}"),
             }
             fds.clear();
-            t.poll_fds(&mut fds, Waiter::Progress { app_reading });
+            t.poll_fds(&mut fds, Waiter::Progress { app_polling });
         }
         // Waiters re-check on every wake; a notify per loop keeps senders
         // blocked on a full queue moving as the kernel drains it.
@@ -588,16 +604,13 @@ impl<M: zerohop_backends::verbs::PayloadMemory> Wire for zerohop_backends::verbs
     }
 
     fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
-        // The progress thread watches completions for frames waiting for
-        // credits, and for an application that has stopped calling (then it
-        // drains arrivals, so the peer gets its credits back). An application
-        // that keeps calling reaps its own completions, its sends' included:
-        // a message wakes the thread that wants it and no other.
+        // The progress thread watches completions only for an application
+        // that stopped polling (then it drains arrivals, so the peer gets its
+        // credits back, and posts frames that waited for them). One that
+        // keeps calling reaps its own, its sends' included: a message wakes
+        // the thread that wants it and no other.
         let (cm, completions) = match waiter {
-            Waiter::Progress { app_reading } => (
-                true,
-                !app_reading && (self.unposted_frames() > 0 || self.app_quiet()),
-            ),
+            Waiter::Progress { app_polling } => (true, !app_polling),
             Waiter::App { .. } => (false, true),
         };
         let mut fds = Vec::new();

@@ -138,6 +138,10 @@ struct Peer {
     rx_next: u64,
     /// Waiting for a pool buffer: reading from this peer is paused.
     dry: bool,
+    /// The last message was large enough to be read straight into its lease:
+    /// the next read into the stage takes only a header's worth and a
+    /// little more, so the next message is not staged and copied whole.
+    direct_stream: bool,
     /// We queued our Close frame.
     closing: bool,
     /// Our write side is shut down (Close sent).
@@ -248,6 +252,7 @@ impl TcpTransport {
             tx_seq: 0,
             rx_next: 0,
             dry: false,
+            direct_stream: false,
             closing: false,
             write_shut: false,
         };
@@ -483,6 +488,7 @@ impl TcpTransport {
                         }));
                     }
                     p.rx_next = part.header.seq + 1;
+                    p.direct_stream = part.header.len as usize >= DIRECT_MIN;
                     self.arrival_bytes += part.lease.len();
                     self.arrivals.push_back(Ok(Received {
                         peer: PeerId(i as u32),
@@ -535,7 +541,12 @@ impl TcpTransport {
                 p.stage_end -= p.stage_start;
                 p.stage_start = 0;
             }
-            match p.stream.read(&mut p.stage[p.stage_end..]) {
+            let room = if p.direct_stream {
+                (p.stage_end + READ_AHEAD).min(STAGE_BYTES)
+            } else {
+                STAGE_BYTES
+            };
+            match p.stream.read(&mut p.stage[p.stage_end..room]) {
                 Ok(0) => {
                     let clean = p.partial.is_none() && p.stage_start == p.stage_end && p.closing;
                     return ReadOutcome::Gone { clean };
@@ -698,7 +709,7 @@ impl Wire for TcpTransport {
 
     fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
         let (accept, data) = match waiter {
-            Waiter::Progress { app_reading } => (true, !app_reading),
+            Waiter::Progress { app_polling } => (true, !app_polling),
             Waiter::App { reading } => (false, reading),
         };
         if let (true, Some(l)) = (accept, &self.listener) {

@@ -128,10 +128,6 @@ pub struct RdmaTransport<M: PayloadMemory = HostPayload> {
     peers: Vec<Option<Box<Conn<M>>>>,
     arrivals: VecDeque<Result<Received<PayloadLease<M>>, Error>>,
     closed: bool,
-    /// Sends and receives the application asked for, and that count when
-    /// [`app_quiet`](Self::app_quiet) last looked.
-    app_calls: u64,
-    app_calls_seen: std::cell::Cell<u64>,
 }
 
 // SAFETY: every raw pointer is owned by the transport and used only through
@@ -341,8 +337,6 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             send_pool,
             listener: None,
             peers: Vec::new(),
-            app_calls: 0,
-            app_calls_seen: std::cell::Cell::new(0),
             arrivals: VecDeque::new(),
             closed: false,
         })
@@ -1232,14 +1226,6 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         }
     }
 
-    /// Whether the application has neither sent nor received since the last
-    /// call: how a progress thread that wakes now and then tells an
-    /// application that polls for itself from one that left its messages
-    /// to wait (and should have them drained, so its peers get credits).
-    pub fn app_quiet(&self) -> bool {
-        self.app_calls_seen.replace(self.app_calls) == self.app_calls
-    }
-
     /// Frames queued (waiting for credits) but not yet posted.
     pub fn unposted_frames(&self) -> usize {
         self.peers.iter().flatten().map(|c| c.pending.len()).sum()
@@ -1290,7 +1276,6 @@ impl<M: PayloadMemory> Transport for RdmaTransport<M> {
     }
 
     fn try_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<(), Error> {
-        self.app_calls += 1;
         self.reap(peer);
         self.queue(peer, Some(bytes), None).map_err(|(e, _)| e)
     }
@@ -1300,7 +1285,6 @@ impl<M: PayloadMemory> Transport for RdmaTransport<M> {
         peer: PeerId,
         lease: PayloadLease<M>,
     ) -> Result<(), Rejected<PayloadLease<M>>> {
-        self.app_calls += 1;
         self.reap(peer);
         match self.queue(peer, None, Some(lease)) {
             Ok(()) => Ok(()),
@@ -1312,7 +1296,6 @@ impl<M: PayloadMemory> Transport for RdmaTransport<M> {
     }
 
     fn try_recv(&mut self) -> Result<Received<PayloadLease<M>>, Error> {
-        self.app_calls += 1;
         if self.arrivals.is_empty() {
             self.poll_fast();
         }
