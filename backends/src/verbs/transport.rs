@@ -74,6 +74,10 @@ const CM_TIMEOUT_MS: i32 = 5000;
 /// Inline room asked of a QP: a header and a small message (perftest's
 /// latency tests send this way too).
 const INLINE_WANT: usize = 256;
+/// Inline frames ask for a completion one in this many (perftest's
+/// latency test does the same): the rest cost the NIC and the poller no
+/// completion. Well under the send ring's depth, so slots always come back.
+const SIGNAL_EVERY: usize = 16;
 /// Work completions taken per `ibv_poll_cq`.
 const POLL_BATCH: usize = 16;
 
@@ -99,7 +103,14 @@ struct Conn<M: PayloadMemory> {
     cq: NonNull<ffi::ibv_cq>,
     headers: HeaderLease,
     recv: Vec<Option<PayloadLease<M>>>,
+    /// Send slots whose completion was asked for, with what must live until it.
     send: Vec<Option<Payload<M>>>,
+    /// Send slots posted without a completion (inline frames), oldest first:
+    /// free once a later send completes (an RC queue completes in order).
+    unsignaled: VecDeque<u32>,
+    /// When each send slot was last posted (a count of posts).
+    posted_at: Vec<u64>,
+    posts: u64,
     free_send: Vec<u32>,
     pending: VecDeque<Frame<M>>,
     credits: u32,
@@ -564,6 +575,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             headers,
             recv: (0..depth).map(|_| None).collect(),
             send: (0..send_depth).map(|_| None).collect(),
+            unsignaled: VecDeque::new(),
+            posted_at: vec![0; send_depth],
+            posts: 0,
             free_send: (0..send_depth as u32).rev().collect(),
             pending: VecDeque::new(),
             credits: 0,
@@ -666,13 +680,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             Payload::Lease(l, len) => (l.device_ptr(), *len, l.mr().expect("registered").lkey),
         };
         // GPU memory cannot go inline: the CPU copies inline data.
-        let slot = Self::post_frame(conn, &f, data, M::HOST_VISIBLE)?;
-        conn.send[slot] = Some(if Self::inline(conn, data.1, M::HOST_VISIBLE) {
-            Payload::None // copied into the work request: the buffer goes back now
-        } else {
-            f.payload
-        });
-        Ok(())
+        Self::post_frame(conn, f, data, M::HOST_VISIBLE)
     }
 
     /// Whether a frame with `len` payload bytes goes inline.
@@ -681,15 +689,15 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     }
 
     /// Posts `f`'s header (from its ring slot) and `data` (address, length,
-    /// lkey), inline when allowed and small enough. Returns the send slot;
-    /// what `data` points at must stay untouched until that slot's send
-    /// completes, unless it went inline.
+    /// lkey: `f`'s payload, or a caller's bytes), inline when allowed and
+    /// small enough. `f.payload` stays in the send slot until the send
+    /// completes; an inline frame's goes back at once (the NIC has a copy).
     fn post_frame(
         conn: &mut Conn<M>,
-        f: &Frame<M>,
+        f: Frame<M>,
         (addr, len, lkey): (u64, usize, u32),
         may_inline: bool,
-    ) -> Result<usize, Error> {
+    ) -> Result<(), Error> {
         let slot = conn.free_send.pop().expect("checked by the caller") as usize;
         let recv_depth = conn.recv.len();
         let mut h = match f.kind {
@@ -714,28 +722,57 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 lkey,
             },
         ];
+        let inline = Self::inline(conn, len, may_inline);
+        // A frame from registered memory asks for its completion (its buffer
+        // is held until then, and `flush` waits for it); inline ones only
+        // one in SIGNAL_EVERY, which frees the slots of those before it.
+        let signaled = !inline || conn.unsignaled.len() + 1 >= SIGNAL_EVERY;
         // SAFETY: an all-zero send WR is valid; the fields are set below.
         let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = SEND_TAG | slot as u64;
         wr.sg_list = sge.as_mut_ptr();
         wr.num_sge = if len > 0 { 2 } else { 1 };
         wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND;
-        wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
-        if Self::inline(conn, len, may_inline) {
+        if signaled {
+            wr.send_flags |= ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        if inline {
             wr.send_flags |= ffi::ibv_send_flags::IBV_SEND_INLINE.0;
         }
         let mut bad = ptr::null_mut();
         // SAFETY: a live QP; the header slot stays untouched until the send
-        // completes, and the payload as the caller promised (inline data is
-        // copied before this call returns).
+        // completes (the slot is not reused before), and the payload as the
+        // caller promised (inline data is copied before this call returns).
         let rc = unsafe { ffi::ibv_post_send((*conn.id.as_ptr()).qp, &mut wr, &mut bad) };
         if rc != 0 {
             conn.free_send.push(slot as u32);
             return Err(Error::Backend("ibv_post_send"));
         }
+        conn.posts += 1;
+        conn.posted_at[slot] = conn.posts;
+        match (signaled, inline) {
+            (true, true) => conn.send[slot] = Some(Payload::None),
+            (true, false) => conn.send[slot] = Some(f.payload),
+            (false, _) => conn.unsignaled.push_back(slot as u32),
+        }
         conn.credits -= 1;
         conn.owed = 0;
-        Ok(slot)
+        Ok(())
+    }
+
+    /// A signaled send completed: its slot is free, and so are those of the
+    /// unsignaled sends posted before it.
+    fn send_completed(conn: &mut Conn<M>, slot: usize) {
+        conn.send[slot] = None; // the payload lease goes back to its pool
+        conn.free_send.push(slot as u32);
+        let upto = conn.posted_at[slot];
+        while let Some(&u) = conn.unsignaled.front() {
+            if conn.posted_at[u as usize] > upto {
+                break;
+            }
+            conn.unsignaled.pop_front();
+            conn.free_send.push(u);
+        }
     }
 
     /// Splits a message into frames: zero-copy when `lease` holds it in one fragment.
@@ -786,9 +823,8 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                     more: false,
                     payload: Payload::None,
                 };
-                let slot = Self::post_frame(conn, &f, (b.as_ptr() as u64, b.len(), 0), true)
+                Self::post_frame(conn, f, (b.as_ptr() as u64, b.len(), 0), true)
                     .map_err(|e| (e, None))?;
-                conn.send[slot] = Some(Payload::None);
                 conn.tx_seq += 1;
                 return Ok(());
             }
@@ -1027,9 +1063,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 return Err(Error::PeerLost(peer));
             }
             if wc.wr_id & SEND_TAG != 0 {
-                let slot = (wc.wr_id & !SEND_TAG) as usize;
-                conn.send[slot] = None; // the payload lease goes back to its pool
-                conn.free_send.push(slot as u32);
+                Self::send_completed(conn, (wc.wr_id & !SEND_TAG) as usize);
             } else {
                 self.received(conn, peer, wc.wr_id as usize, wc.byte_len as usize)?;
             }
@@ -1203,6 +1237,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         }
         conn.recv.clear();
         conn.send.clear();
+        conn.unsignaled.clear();
         conn.pending.clear();
         conn.assembling = None;
     }
@@ -1231,7 +1266,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         self.peers.iter().flatten().map(|c| c.pending.len()).sum()
     }
 
-    /// Frames queued or posted and not yet completed.
+    /// Frames queued, or posted and not yet completed (an unsignaled inline
+    /// frame counts as sent once posted: the NIC holds a copy, and a failure
+    /// still surfaces as an error completion).
     pub fn pending_frames(&self) -> usize {
         self.peers
             .iter()
