@@ -37,8 +37,10 @@ pub struct PerfArgs {
     #[arg(long, default_value = "1G")]
     stream_bytes: String,
     /// How long a receiver busy-polls before it sleeps, microseconds (perftest
-    /// and ucx_perftest always busy-poll; applications may prefer less).
-    #[arg(long, default_value_t = 200)]
+    /// and ucx_perftest always busy-poll; applications may prefer less). A
+    /// millisecond rides out a descheduled peer on a small host: a shorter
+    /// spin makes such a receiver pay a sleep and a wake-up.
+    #[arg(long, default_value_t = 1000)]
     spin_us: u64,
     /// Send from buffers leased from the wire's (registered) send pool and
     /// filled in place, as a zero-copy application does and as perftest
