@@ -218,6 +218,9 @@ where
 {
     pool: P,
     ticket: SlotTicket,
+    /// Where the message starts in the buffer (past a header read in place;
+    /// a u32 keeps the lease small: headers are short).
+    start: u32,
     len: usize,
 }
 
@@ -230,13 +233,23 @@ where
     #[inline]
     pub fn take(pool: P, len: usize) -> Result<Self, Error> {
         let ticket = pool.take_slot(len)?;
-        Ok(Lease { pool, ticket, len })
+        Ok(Lease {
+            pool,
+            ticket,
+            start: 0,
+            len,
+        })
     }
 
     /// A lease over a ticket its pool has already handed out (a cache's fast path).
     #[inline]
     pub(crate) fn from_ticket(pool: P, ticket: SlotTicket, len: usize) -> Self {
-        Lease { pool, ticket, len }
+        Lease {
+            pool,
+            ticket,
+            start: 0,
+            len,
+        }
     }
 
     /// The message length (at most [`capacity`](Self::capacity)).
@@ -249,9 +262,28 @@ where
         self.len == 0
     }
 
-    /// The buffer's size.
+    /// Room for the message: the buffer's size, less what [`advance`](Self::advance) skipped.
     pub fn capacity(&self) -> usize {
-        self.ticket.region.len
+        self.ticket.region.len - self.start as usize
+    }
+
+    /// Drops the first `n` bytes of the message from view (a header the
+    /// wire read in place): the message then starts `n` bytes further into
+    /// the buffer, so a frame received into one buffer, header first, is
+    /// handed on without moving its payload. More than the message is refused.
+    pub fn advance(&mut self, n: usize) -> Result<(), Error> {
+        let start = u32::try_from(n)
+            .ok()
+            .and_then(|n| self.start.checked_add(n));
+        let (Some(start), true) = (start, n <= self.len) else {
+            return Err(Error::TooLarge {
+                len: n,
+                max: self.len,
+            });
+        };
+        self.start = start;
+        self.len -= n;
+        Ok(())
     }
 
     /// Sets the message length; more than the capacity is refused.
@@ -269,19 +301,20 @@ where
     /// The message bytes' region `[addr, addr + len)`.
     pub fn region(&self) -> Region {
         Region {
+            addr: self.device_ptr(),
             len: self.len,
             ..self.ticket.region
         }
     }
 
-    /// The whole buffer's region.
+    /// The whole buffer's region (from its first byte, whatever was advanced).
     pub fn buffer(&self) -> Region {
         self.ticket.region
     }
 
-    /// The address a GPU kernel (or a NIC work request) is given.
+    /// The message's address, for a GPU kernel or a NIC work request.
     pub fn device_ptr(&self) -> u64 {
-        self.ticket.region.addr
+        self.ticket.region.addr + u64::from(self.start)
     }
 
     /// The registration of the chunk this buffer lives in (its lkey/rkey), if any.
@@ -989,6 +1022,30 @@ pub(crate) mod tests {
         cfg.chunk_bytes = 64 << 10;
         cfg.classes = SizeClasses::new(&[256, 4096, 16384]).unwrap();
         SlabPool::new(source, cfg, InlineTables::new()).unwrap()
+    }
+
+    #[test]
+    fn advance_skips_a_header_read_in_place() {
+        let p = pool(1 << 20);
+        let mut l = p.lease(100).unwrap();
+        let (buf, ptr) = (l.buffer(), l.device_ptr());
+        l.advance(32).unwrap();
+        assert_eq!((l.len(), l.capacity()), (68, 256 - 32));
+        assert_eq!(l.device_ptr(), ptr + 32);
+        assert_eq!(l.region().addr, ptr + 32);
+        assert_eq!(l.region().len, 68);
+        assert_eq!(l.buffer(), buf, "the buffer itself is unchanged");
+        l.set_len(224).unwrap();
+        assert!(l.set_len(225).is_err(), "no room past the buffer's end");
+        assert!(l.advance(225).is_err(), "more than the message is refused");
+        assert_eq!(l.len(), 224, "a refused advance changes nothing");
+        drop(l);
+        assert_eq!(p.used_bytes(), 0, "an advanced lease goes back whole");
+        assert_eq!(
+            p.lease(256).unwrap().device_ptr(),
+            buf.addr,
+            "and is leased again from its start"
+        );
     }
 
     #[test]

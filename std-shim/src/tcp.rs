@@ -302,7 +302,9 @@ impl TcpTransport {
     /// peer, from the caller's slice or lease. What the kernel did not take
     /// is queued (a slice is copied only then), or, with `direct`, left for
     /// the caller to write from its slice ([`Wire::continue_send`]): then
-    /// `Ok(false)`. Refused sources come back with the error.
+    /// `Ok(false)`. Refused sources come back with the error (a lease rides
+    /// back in it; boxing it would allocate on the back-pressure path).
+    #[allow(clippy::result_large_err)]
     fn send_frame<'a>(
         &mut self,
         peer: PeerId,

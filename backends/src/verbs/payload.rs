@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use zerohop_core::{Access, Error, Kind, Lease, Pool, PoolConfig};
+use zerohop_core::{Access, Error, Kind, Lease, Pool, PoolConfig, SizeClasses};
 
 use super::Registry;
 use crate::{host_bytes, host_bytes_mut, HeapMemory, HeapTables, HostMemory, HostPool, Nic};
@@ -26,14 +26,21 @@ pub trait PayloadMemory: Send + Sync + 'static {
     /// The transport kind this memory makes: `rdma` or `gpudirect`.
     fn kind(&self) -> Kind;
 
-    /// A pool of at most `budget` bytes, every chunk registered once on
-    /// `registry` with `access`.
+    /// A pool of at most `budget` bytes in buffers of `classes`, every chunk
+    /// registered once on `registry` with `access`.
     fn pool(
         &self,
         registry: &Registry,
         budget: usize,
         access: Access,
+        classes: SizeClasses,
     ) -> Result<Arc<Self::Pool>, Error>;
+
+    /// The message bytes where the CPU reads them in place: `Some` exactly
+    /// when [`HOST_VISIBLE`](Self::HOST_VISIBLE).
+    fn host_view<'a>(&self, lease: &'a PayloadLease<Self>) -> Option<&'a [u8]>
+    where
+        Self: Sized;
 
     /// Copies host bytes `src` into `dst` from byte `at` (a send of a caller's bytes).
     fn write(&self, dst: &mut PayloadLease<Self>, at: usize, src: &[u8]) -> Result<(), Error>
@@ -86,6 +93,7 @@ impl PayloadMemory for HostPayload {
         registry: &Registry,
         budget: usize,
         access: Access,
+        classes: SizeClasses,
     ) -> Result<Arc<Self::Pool>, Error> {
         let source = zerohop_core::Chunks {
             memory: HostMemory::Heap(HeapMemory::new()),
@@ -93,11 +101,16 @@ impl PayloadMemory for HostPayload {
         };
         let mut config = PoolConfig::with_budget(budget);
         config.access = access;
+        config.classes = classes;
         Ok(Arc::new(HostPool::new(
             source,
             config,
             HeapTables::for_budget(budget),
         )?))
+    }
+
+    fn host_view<'a>(&self, lease: &'a PayloadLease<Self>) -> Option<&'a [u8]> {
+        Some(host_bytes(lease))
     }
 
     fn write(&self, dst: &mut PayloadLease<Self>, at: usize, src: &[u8]) -> Result<(), Error> {
@@ -138,7 +151,7 @@ mod gpu {
 
     use zerohop_core::{
         Access, ChunkSource, Error, Kind, PoolConfig, RawMemory, Region, Registered, Registrar,
-        SlabPool,
+        SizeClasses, SlabPool,
     };
 
     use super::{span_check, PayloadLease, PayloadMemory};
@@ -237,6 +250,15 @@ mod gpu {
         }
     }
 
+    /// Where a lease's message may lie: from its start to its buffer's end.
+    fn room(l: &PayloadLease<GpuPayload>) -> Region {
+        Region {
+            addr: l.device_ptr(),
+            len: l.capacity(),
+            kind: l.buffer().kind,
+        }
+    }
+
     fn device(l: &PayloadLease<GpuPayload>) -> &DeviceMemory {
         l.pool().source().memory()
     }
@@ -254,9 +276,11 @@ mod gpu {
             registry: &Registry,
             budget: usize,
             access: Access,
+            classes: SizeClasses,
         ) -> Result<Arc<GpuPool>, Error> {
             let mut config = PoolConfig::with_budget(budget);
             config.access = access;
+            config.classes = classes;
             // DMA-buf export wants host-page-aligned ranges; chunks are 2 MiB.
             config.chunk_align = config.chunk_align.max(4096);
             Ok(Arc::new(SlabPool::new(
@@ -266,8 +290,12 @@ mod gpu {
             )?))
         }
 
+        fn host_view<'a>(&self, _: &'a PayloadLease<Self>) -> Option<&'a [u8]> {
+            None
+        }
+
         fn write(&self, dst: &mut PayloadLease<Self>, at: usize, src: &[u8]) -> Result<(), Error> {
-            let b = dst.buffer();
+            let b = room(dst);
             span_check(at, src.len(), b.len)?;
             let to = Region {
                 addr: b.addr + at as u64,
@@ -285,7 +313,7 @@ mod gpu {
             from: usize,
             len: usize,
         ) -> Result<(), Error> {
-            let (d, s) = (dst.buffer(), src.buffer());
+            let (d, s) = (room(dst), room(src));
             span_check(at, len, d.len)?;
             span_check(from, len, s.len)?;
             let to = Region {
@@ -304,7 +332,7 @@ mod gpu {
         }
 
         fn read(&self, src: &PayloadLease<Self>, out: &mut [u8]) -> Result<(), Error> {
-            let s = src.buffer();
+            let s = room(src);
             span_check(0, out.len(), s.len)?;
             device(src)
                 .copy_to_host(

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use rdma_sys as ffi;
 use zerohop_core::wire::{Flags, FrameKind, Header, HEADER_LEN};
 use zerohop_core::{
-    Access, Capabilities, Error, Kind, Lease, PeerId, Received, Rejected, Transport,
+    Access, Capabilities, Error, Kind, Lease, PeerId, Received, Rejected, SizeClasses, Transport,
 };
 
 use super::payload::{HostPayload, PayloadLease, PayloadMemory};
@@ -335,10 +335,25 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     pub fn with_memory(device: Arc<Device>, config: RdmaConfig, memory: M) -> Result<Self, Error> {
         let registry = Registry::new(Arc::clone(&device));
         // Receive buffers need local write (the NIC writes them); send buffers only local read.
-        let recv_pool = memory.pool(&registry, config.recv_pool_bytes, Access::LOCAL_WRITE)?;
-        let send_pool = memory.pool(&registry, config.send_pool_bytes, Access::NONE)?;
+        let recv_pool = memory.pool(
+            &registry,
+            config.recv_pool_bytes,
+            Access::LOCAL_WRITE,
+            receive_classes(config.fragment + if M::HOST_VISIBLE { HEADER_LEN } else { 0 })?,
+        )?;
+        let send_pool = memory.pool(
+            &registry,
+            config.send_pool_bytes,
+            Access::NONE,
+            SizeClasses::DEFAULT,
+        )?;
         // Header rings: (depth + send depth) slots of 32 bytes per connection.
-        let header_pool = HostPayload.pool(&registry, HEADER_POOL_BYTES, Access::LOCAL_WRITE)?;
+        let header_pool = HostPayload.pool(
+            &registry,
+            HEADER_POOL_BYTES,
+            Access::LOCAL_WRITE,
+            SizeClasses::DEFAULT,
+        )?;
         Ok(RdmaTransport {
             device,
             config,
@@ -603,29 +618,44 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         Ok(conn)
     }
 
+    /// Posts a receive into ring slot `slot`. Host payloads take the whole
+    /// frame into one buffer, header first (one scatter entry: in Soft-RoCE
+    /// each entry is a lookup and a copy in the kernel); device payloads
+    /// take the header into the host header ring and the payload into GPU
+    /// memory, so the CPU never reads a header out of device memory.
     fn post_recv(&self, conn: &mut Conn<M>, slot: usize) -> Result<(), Error> {
-        let lease = Lease::take(Arc::clone(&self.recv_pool), self.config.fragment)?;
+        let frag = self.config.fragment;
+        let whole = M::HOST_VISIBLE;
+        let lease = Lease::take(
+            Arc::clone(&self.recv_pool),
+            frag + if whole { HEADER_LEN } else { 0 },
+        )?;
         let (hmr, pmr) = (
             conn.headers.mr().expect("registered"),
             lease.mr().expect("registered"),
         );
-        let mut sge = [
-            ffi::ibv_sge {
-                addr: conn.headers.device_ptr() + (slot * HEADER_LEN) as u64,
-                length: HEADER_LEN as u32,
-                lkey: hmr.lkey,
-            },
-            ffi::ibv_sge {
-                addr: lease.device_ptr(),
-                length: self.config.fragment as u32,
-                lkey: pmr.lkey,
-            },
-        ];
+        let payload = ffi::ibv_sge {
+            addr: lease.device_ptr(),
+            length: lease.len() as u32,
+            lkey: pmr.lkey,
+        };
+        let mut sge = if whole {
+            [payload, payload]
+        } else {
+            [
+                ffi::ibv_sge {
+                    addr: conn.headers.device_ptr() + (slot * HEADER_LEN) as u64,
+                    length: HEADER_LEN as u32,
+                    lkey: hmr.lkey,
+                },
+                payload,
+            ]
+        };
         // SAFETY: an all-zero recv WR is valid; the fields are set below.
         let mut wr: ffi::ibv_recv_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = slot as u64;
         wr.sg_list = sge.as_mut_ptr();
-        wr.num_sge = 2;
+        wr.num_sge = if whole { 1 } else { 2 };
         let mut bad = ptr::null_mut();
         // SAFETY: a live QP; the SGEs name registered memory that stays leased
         // (in `conn.recv[slot]`) until this receive completes or the QP is destroyed.
@@ -776,6 +806,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     }
 
     /// Splits a message into frames: zero-copy when `lease` holds it in one fragment.
+    // The refused lease rides back in the error; boxing it would allocate on
+    // the back-pressure path.
+    #[allow(clippy::result_large_err)]
     fn queue(
         &mut self,
         peer: PeerId,
@@ -1081,12 +1114,19 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         let mut lease = conn.recv[slot]
             .take()
             .ok_or(Error::Backend("completion for an empty receive slot"))?;
-        let at = slot * HEADER_LEN;
-        let h = Header::decode(
-            &host_bytes(&conn.headers)[at..at + HEADER_LEN],
-            self.config.fragment,
-        )
-        .map_err(|error| Error::Protocol { peer, error })?;
+        // Host payloads carry their header in front (see `post_recv`).
+        let in_place = self.memory.host_view(&lease);
+        let header_in_place = in_place.is_some();
+        let header = match in_place {
+            Some(bytes) => bytes,
+            None => &host_bytes(&conn.headers)[slot * HEADER_LEN..(slot + 1) * HEADER_LEN],
+        };
+        let h = Header::decode(header, self.config.fragment)
+            .map_err(|error| Error::Protocol { peer, error })?;
+        if header_in_place {
+            // The payload follows the header in the same buffer: hand it on from there.
+            lease.advance(HEADER_LEN)?;
+        }
         conn.credits += h.dst;
         // Repost at once with a fresh buffer (the old one goes to the application).
         if self.post_recv(conn, slot).is_err() {
@@ -1297,6 +1337,28 @@ fn conn_param(private: &[u8; 4]) -> ffi::rdma_conn_param {
     p
 }
 
+/// The default buffer sizes with one of exactly `frame` bytes among them: the
+/// receive ring's buffers, filled to the byte by a full frame.
+fn receive_classes(frame: usize) -> Result<SizeClasses, Error> {
+    let mut sizes = [0usize; zerohop_core::MAX_CLASSES];
+    let mut n = 0;
+    for &c in SizeClasses::DEFAULT.as_slice() {
+        if c > frame && (n == 0 || sizes[n - 1] < frame) {
+            sizes[n] = frame;
+            n += 1;
+        }
+        if c != frame {
+            sizes[n] = c;
+            n += 1;
+        }
+    }
+    if sizes[n - 1] < frame {
+        sizes[n] = frame;
+        n += 1;
+    }
+    SizeClasses::new(&sizes[..n]).map_err(Error::Pool)
+}
+
 fn host_bytes_mut_range(l: &mut HeaderLease, at: usize, len: usize) -> &mut [u8] {
     &mut host_bytes_mut(l)[at..at + len]
 }
@@ -1382,5 +1444,30 @@ impl<M: PayloadMemory> Drop for RdmaTransport<M> {
                 ffi::rdma_destroy_event_channel(ch.as_ptr());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::receive_classes;
+
+    #[test]
+    fn receive_classes_hold_a_whole_frame_exactly() {
+        let c = |f| receive_classes(f).unwrap().as_slice().to_vec();
+        let k = 1 << 10;
+        assert_eq!(
+            c(64 * k + 32),
+            [256, k, 4 * k, 16 * k, 64 * k, 64 * k + 32, 1 << 20]
+        );
+        assert_eq!(
+            c(64 * k),
+            [256, k, 4 * k, 16 * k, 64 * k, 1 << 20],
+            "no duplicate"
+        );
+        assert_eq!(c(100), [100, 256, k, 4 * k, 16 * k, 64 * k, 1 << 20]);
+        assert_eq!(
+            c(4 << 20),
+            [256, k, 4 * k, 16 * k, 64 * k, 1 << 20, 4 << 20]
+        );
     }
 }
