@@ -3,18 +3,24 @@
 //!
 //! Each connection has one completion queue (with a completion channel, so
 //! a progress thread can sleep in `poll(2)`), one RC queue pair, and a ring
-//! of `recv_depth` posted receives. Every frame is two scatter/gather
-//! entries: the 32-byte zerohop header into a registered header slot, the
-//! payload into a pool lease of `fragment` bytes, so a message's bytes start
-//! at offset 0 of the buffer handed to the application. Messages longer than
-//! one fragment are split and reassembled (in order: RC delivers in order).
+//! of `recv_depth` posted receives. A frame leaves as the 32-byte zerohop
+//! header (from a registered header slot) then its payload; frames of up to
+//! 224 payload bytes go inline (copied into the work request, straight from
+//! the caller's bytes when nothing is queued) and ask for a completion one
+//! in 16. A host payload is received whole into one pool buffer, header
+//! first, and handed on from past the header (`Lease::advance`); a device
+//! payload is received as two entries, the header into a host header slot
+//! and the payload into GPU memory, so the CPU never reads a header out of
+//! device memory. Messages longer than one fragment are split and
+//! reassembled (in order: RC delivers in order).
 //!
 //! Flow control is credit based, so the receiver never sees RNR: a sender
 //! starts with the peer's receive depth (exchanged in the CM private data),
 //! spends one per frame, and gets them back in every header it receives
 //! (`dst` carries the number of receives reposted since the last report).
 //! Data frames need two credits, a credit-only frame one: the last credit is
-//! kept for returning credits, so two busy peers cannot starve each other.
+//! kept for returning credits (spent on a credit frame whenever data waits
+//! for credits), so two busy peers cannot starve each other.
 //!
 //! On this wire a data header's `src` carries the whole message's length
 //! (so the first fragment can lease the reassembly buffer) and `dst` the
