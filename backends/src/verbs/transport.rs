@@ -345,7 +345,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             &registry,
             config.recv_pool_bytes,
             Access::LOCAL_WRITE,
-            receive_classes(config.fragment + if M::HOST_VISIBLE { HEADER_LEN } else { 0 })?,
+            receive_classes(Self::receive_buffer_len(config.fragment))?,
         )?;
         let send_pool = memory.pool(
             &registry,
@@ -624,17 +624,22 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         Ok(conn)
     }
 
+    /// A receive buffer's size: a whole frame where the header lands in the
+    /// buffer too (host payloads, see `post_recv`), else one fragment.
+    fn receive_buffer_len(fragment: usize) -> usize {
+        fragment + if M::HOST_VISIBLE { HEADER_LEN } else { 0 }
+    }
+
     /// Posts a receive into ring slot `slot`. Host payloads take the whole
     /// frame into one buffer, header first (one scatter entry: in Soft-RoCE
     /// each entry is a lookup and a copy in the kernel); device payloads
     /// take the header into the host header ring and the payload into GPU
     /// memory, so the CPU never reads a header out of device memory.
     fn post_recv(&self, conn: &mut Conn<M>, slot: usize) -> Result<(), Error> {
-        let frag = self.config.fragment;
         let whole = M::HOST_VISIBLE;
         let lease = Lease::take(
             Arc::clone(&self.recv_pool),
-            frag + if whole { HEADER_LEN } else { 0 },
+            Self::receive_buffer_len(self.config.fragment),
         )?;
         let (hmr, pmr) = (
             conn.headers.mr().expect("registered"),
@@ -1127,7 +1132,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             Some(bytes) => bytes,
             None => &host_bytes(&conn.headers)[slot * HEADER_LEN..(slot + 1) * HEADER_LEN],
         };
-        let h = Header::decode(header, self.config.fragment)
+        // Only what arrived: a frame shorter than a header would otherwise
+        // be read against the stale bytes of the buffer's last frame.
+        let h = Header::decode(&header[..byte_len.min(header.len())], self.config.fragment)
             .map_err(|error| Error::Protocol { peer, error })?;
         if header_in_place {
             // The payload follows the header in the same buffer: hand it on from there.
