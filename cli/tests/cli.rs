@@ -97,29 +97,35 @@ fn perf_over_mock_and_tcp_reports_every_size_copying_and_zero_copy() {
 
 #[test]
 fn bad_flags_and_variables_are_errors_that_say_what_is_wrong() {
-    let out = zerohop(&["perf", "--transport", "mock", "--sizes", "0"], &[]);
-    assert!(!out.status.success());
-    assert!(stderr(&out).contains("--sizes"), "{}", stderr(&out));
-
-    let out = zerohop(&["info"], &[("ZEROHOP_TRANSPORT", "infiniband-please")]);
-    assert!(!out.status.success());
-    assert!(
-        stderr(&out).contains("ZEROHOP_TRANSPORT"),
-        "{}",
-        stderr(&out)
+    /// Arguments, environment, and what the error must name.
+    type Case = (
+        &'static [&'static str],
+        &'static [(&'static str, &'static str)],
+        &'static str,
     );
-
-    let out = zerohop(&["info"], &[("ZEROHOP_POOL_BYTES", "lots")]);
-    assert!(!out.status.success());
-    assert!(
-        stderr(&out).contains("ZEROHOP_POOL_BYTES"),
-        "{}",
-        stderr(&out)
-    );
-
-    let out = zerohop(&["perf", "--transport", "warp-drive"], &[]);
-    assert!(!out.status.success());
-    assert!(stderr(&out).contains("warp-drive"), "{}", stderr(&out));
+    let cases: [Case; 4] = [
+        (
+            &["perf", "--transport", "mock", "--sizes", "0"],
+            &[],
+            "--sizes",
+        ),
+        (
+            &["info"],
+            &[("ZEROHOP_TRANSPORT", "infiniband-please")],
+            "ZEROHOP_TRANSPORT",
+        ),
+        (
+            &["info"],
+            &[("ZEROHOP_POOL_BYTES", "lots")],
+            "ZEROHOP_POOL_BYTES",
+        ),
+        (&["perf", "--transport", "warp-drive"], &[], "warp-drive"),
+    ];
+    for (args, env, named) in cases {
+        let out = zerohop(args, env);
+        assert!(!out.status.success(), "{args:?} {env:?} succeeded");
+        assert!(stderr(&out).contains(named), "{}", stderr(&out));
+    }
 }
 
 #[test]
