@@ -42,8 +42,11 @@ mod os {
             let _ = (&self.tx).write(&[1]);
         }
 
-        /// Sleeps until one of `fds` is ready, a ring, or `timeout`; consumes the rings.
-        pub(crate) fn sleep(&self, fds: &mut Vec<libc::pollfd>, timeout: Duration) {
+        /// Sleeps until one of `fds` is ready, a ring, or `timeout`; consumes
+        /// the rings. Returns whether anything woke it before the timeout.
+        /// `fds` is left as given (its `revents` aside), so a caller may
+        /// sleep on it again.
+        pub(crate) fn sleep(&self, fds: &mut Vec<libc::pollfd>, timeout: Duration) -> bool {
             fds.push(libc::pollfd {
                 fd: self.rx.as_raw_fd(),
                 events: libc::POLLIN,
@@ -55,10 +58,11 @@ mod os {
             // descriptor closed by another thread meanwhile only yields
             // POLLNVAL or a spurious wake-up.
             let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-            if n > 0 && fds.last().is_some_and(|w| w.revents != 0) {
+            if fds.pop().is_some_and(|w| w.revents != 0) {
                 let mut sink = [0u8; 64];
                 while matches!((&self.rx).read(&mut sink), Ok(n) if n > 0) {}
             }
+            n != 0
         }
     }
 }
@@ -89,14 +93,16 @@ mod model {
             self.bell.notify_one();
         }
 
-        /// Model transports have no descriptors; loom has no clock.
-        pub(crate) fn sleep(&self, fds: &mut Vec<libc::pollfd>, _timeout: Duration) {
+        /// Model transports have no descriptors; loom has no clock, so
+        /// every sleep ends with a ring.
+        pub(crate) fn sleep(&self, fds: &mut Vec<libc::pollfd>, _timeout: Duration) -> bool {
             assert!(fds.is_empty(), "model transports have no descriptors");
             let mut rung = self.rung.lock().unwrap();
             while !*rung {
                 rung = self.bell.wait(rung).unwrap();
             }
             *rung = false;
+            true
         }
     }
 }

@@ -45,6 +45,12 @@ pub enum Waiter {
 
 /// What an [`Endpoint`] needs of a transport beyond core's trait.
 pub trait Wire: Transport + Send + 'static {
+    /// Whether what arrives on this wire wakes a thread asleep on its
+    /// [`poll_fds`](Self::poll_fds). A wire without (the mock link) is
+    /// driven by the progress thread's periodic pass instead, which then
+    /// wakes its waiters.
+    const WAKES_POLL: bool = false;
+
     /// The descriptors `waiter` should wait on, with the events wanted. A
     /// transport with none (the mock link) is polled on a timer instead.
     fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
@@ -537,16 +543,29 @@ impl<T: Wire> Drop for Endpoint<T> {
 fn progress_loop<T: Wire>(s: &Shared<T>) {
     let mut fds: Vec<libc::pollfd> = Vec::new();
     let mut calls_seen = 0;
+    let mut woken = true;
     // Acquire: pairs with `stop`'s Release store.
     while !s.stop.load(Ordering::Acquire) {
+        // Relaxed: `app_calls` is a hint (a stale count only delays the
+        // progress thread's taking over by one poll interval); `app_reading`
+        // is read again under the transport mutex below.
+        let calls = s.app_calls.load(Ordering::Relaxed);
+        let app_polling = s.app_reading.load(Ordering::Relaxed) > 0 || calls != calls_seen;
+        calls_seen = calls;
+        if T::WAKES_POLL && !woken && app_polling {
+            // A quiet interval while the application drives the wire itself:
+            // nothing for this thread, so it does not take the lock (it
+            // would stall a sender mid-`writev` and cost both threads a
+            // futex round trip and a context switch) and sleeps on the same
+            // descriptors. A ring, a new peer, a queued send or a dead
+            // descriptor (POLLNVAL) wakes it for a full pass.
+            woken = s.doorbell.sleep(&mut fds, s.config.poll_interval);
+            continue;
+        }
         {
             let mut t = s.lock();
-            // Relaxed: `app_reading` changes under the transport mutex, held
-            // here; `app_calls` is a hint (a stale count only delays the
-            // progress thread's taking over by one poll interval).
-            let calls = s.app_calls.load(Ordering::Relaxed);
-            let app_polling = s.app_reading.load(Ordering::Relaxed) > 0 || calls != calls_seen;
-            calls_seen = calls;
+            // Relaxed: `app_reading` changes under the transport mutex, held here.
+            let app_polling = app_polling || s.app_reading.load(Ordering::Relaxed) > 0;
             match t.background_progress(!app_polling) {
                 Ok(true) => s.progressed.notify_all(),
                 Ok(false) => {}
@@ -558,7 +577,7 @@ fn progress_loop<T: Wire>(s: &Shared<T>) {
         // Waiters re-check on every wake; a notify per loop keeps senders
         // blocked on a full queue moving as the kernel drains it.
         s.progressed.notify_all();
-        s.doorbell.sleep(&mut fds, s.config.poll_interval);
+        woken = s.doorbell.sleep(&mut fds, s.config.poll_interval);
     }
 }
 
@@ -589,6 +608,8 @@ pub(crate) fn copy_out(bytes: &[u8], out: &mut [u8]) -> Result<(), Error> {
 
 #[cfg(feature = "gpudirect-verbs")]
 impl<M: zerohop_backends::verbs::PayloadMemory> Wire for zerohop_backends::verbs::RdmaTransport<M> {
+    const WAKES_POLL: bool = true;
+
     fn lease(&self, len: usize) -> Result<Self::Lease, Error> {
         zerohop_core::Lease::take(Arc::clone(self.send_pool()), len)
     }

@@ -701,6 +701,8 @@ impl Transport for TcpTransport {
 }
 
 impl Wire for TcpTransport {
+    const WAKES_POLL: bool = true;
+
     fn lease(&self, len: usize) -> Result<StdLease, Error> {
         Lease::take(Arc::clone(&self.pool), len)
     }
