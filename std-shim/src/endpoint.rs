@@ -201,6 +201,8 @@ struct Shared<T> {
     /// Sends and receives called so far (wrapping): the progress thread
     /// tells an application that keeps polling from one that stopped.
     app_calls: AtomicUsize,
+    /// Passes the progress thread made with the transport locked.
+    passes: AtomicUsize,
     doorbell: Doorbell,
     config: EndpointConfig,
 }
@@ -240,6 +242,7 @@ impl<T: Wire> Endpoint<T> {
             stop: AtomicBool::new(false),
             app_reading: AtomicUsize::new(0),
             app_calls: AtomicUsize::new(0),
+            passes: AtomicUsize::new(0),
             doorbell: Doorbell::new()?,
             config,
         });
@@ -480,6 +483,15 @@ impl<T: Wire> Endpoint<T> {
         result
     }
 
+    /// How many times the progress thread has taken the transport lock to
+    /// work (a diagnostic): while an application keeps sending or receiving
+    /// on a wire that wakes `poll(2)`, it stays near zero, since every such
+    /// pass contends with the application for the lock.
+    pub fn progress_passes(&self) -> usize {
+        // Relaxed: a statistic.
+        self.shared.passes.load(Ordering::Relaxed)
+    }
+
     /// Bytes accepted but not yet handed to the OS.
     pub fn pending_sends(&self) -> usize {
         self.shared.lock().pending_sends()
@@ -564,6 +576,8 @@ fn progress_loop<T: Wire>(s: &Shared<T>) {
         }
         {
             let mut t = s.lock();
+            // Relaxed: a statistic.
+            s.passes.fetch_add(1, Ordering::Relaxed);
             // Relaxed: `app_reading` changes under the transport mutex, held here.
             let app_polling = app_polling || s.app_reading.load(Ordering::Relaxed) > 0;
             match t.background_progress(!app_polling) {

@@ -94,6 +94,68 @@ fn two_endpoints_exchange_messages_in_order_and_release_every_buffer() {
 }
 
 #[test]
+fn the_progress_threads_stay_out_of_the_way_of_applications_that_keep_polling() {
+    // Both sides call send / recv back to back for 300 ms; the progress
+    // threads, woken every 2 ms by their timers, must not take the transport
+    // lock for those quiet intervals (each such pass stalls the application
+    // behind the lock). Taking a pass on every timer would be about 150 each.
+    let quick = EndpointConfig {
+        poll_interval: Duration::from_millis(2),
+        ..EndpointConfig::default()
+    };
+    let mut t = transport(64 << 20, TcpConfig::default());
+    let addr = t.listen("127.0.0.1:0").unwrap();
+    let server = Endpoint::new(t, quick).unwrap();
+    let mut t = transport(64 << 20, TcpConfig::default());
+    let peer = t.connect(addr, SECOND).unwrap();
+    let c = Endpoint::new(t, quick).unwrap();
+    let start = Instant::now();
+    let mut round_trips = 0u64;
+    std::thread::scope(|s| {
+        s.spawn(|| loop {
+            let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+            let stop = r.lease.is_empty();
+            server
+                .send(
+                    r.peer,
+                    host_bytes(&r.lease),
+                    Deadline::after(5 * SECOND),
+                    None,
+                )
+                .unwrap();
+            if stop {
+                return;
+            }
+        });
+        let (client_before, server_before) = (c.progress_passes(), server.progress_passes());
+        while start.elapsed() < Duration::from_millis(300) {
+            c.send(peer, &[7u8; 64], Deadline::after(5 * SECOND), None)
+                .unwrap();
+            let r = c.recv(Deadline::after(5 * SECOND), None).unwrap();
+            assert_eq!(host_bytes(&r.lease), &[7u8; 64], "the echo");
+            round_trips += 1;
+        }
+        let passes = (
+            c.progress_passes() - client_before,
+            server.progress_passes() - server_before,
+        );
+        c.send(peer, &[], Deadline::after(5 * SECOND), None)
+            .unwrap();
+        c.recv(Deadline::after(5 * SECOND), None).unwrap();
+        assert!(
+            round_trips > 100,
+            "only {round_trips} round trips in 300 ms"
+        );
+        // A descheduled thread legitimately lets its progress thread take
+        // over for a pass or two; 30 leaves room for a loaded machine.
+        assert!(
+            passes.0 < 30 && passes.1 < 30,
+            "progress passes while both applications polled (client, server): {passes:?}"
+        );
+    });
+}
+
+#[test]
 fn a_zero_length_message_and_a_64_mib_message_arrive() {
     let (server, addr, _) = listener(512 << 20, TcpConfig::default());
     let (c, peer) = client(addr);
