@@ -61,7 +61,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     echo.join().expect("the echo thread")?;
     one_way.sort_by(f64::total_cmp);
     println!(
-        "64 B one-way latency: p50 {:.2} us, p99 {:.2} us over {iters} round trips",
+        "64 B one-way latency: min {:.2} us, p50 {:.2} us, p99 {:.2} us over {iters} round trips",
+        one_way[0],
         one_way[one_way.len() / 2],
         one_way[one_way.len() * 99 / 100]
     );
