@@ -106,14 +106,18 @@ fn registry_registers_host_memory_once_and_refuses_managed() {
     drop(buf);
 }
 
-fn pair(
-    port: u16,
-    config: RdmaConfig,
-) -> Option<(
+type Pair = (
     Endpoint<RdmaTransport>,
     Endpoint<RdmaTransport>,
     zerohop_core::PeerId,
-)> {
+);
+
+fn pair(port: u16, config: RdmaConfig) -> Option<Pair> {
+    pair_with(port, config, config)
+}
+
+/// `a` (with `a_config`) connected to a listening `b` (with `b_config`).
+fn pair_with(port: u16, a_config: RdmaConfig, b_config: RdmaConfig) -> Option<Pair> {
     let dev = match Device::open() {
         Ok(d) => d,
         Err(e) => {
@@ -122,10 +126,10 @@ fn pair(
         }
     };
     let addr = rdma_addr(port).expect("an RDMA address");
-    let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
+    let mut b = RdmaTransport::new(Arc::clone(&dev), b_config).unwrap();
     b.listen(addr).unwrap();
     let b = Endpoint::new(b, EndpointConfig::default()).unwrap();
-    let mut a = RdmaTransport::new(dev, config).unwrap();
+    let mut a = RdmaTransport::new(dev, a_config).unwrap();
     let peer = a.connect(addr).unwrap();
     Some((
         Endpoint::new(a, EndpointConfig::default()).unwrap(),
@@ -183,6 +187,57 @@ fn ten_thousand_messages_of_random_sizes_arrive_intact_and_in_order() {
     // their own pool): nothing delivered is leaked.
     assert_eq!(st.leases, config.recv_depth as usize, "{st:?}");
     eprintln!("10000 messages over RDMA RC: intact, in order; receive pool {st:?}");
+}
+
+#[test]
+fn a_receiver_that_takes_only_framed_messages_still_gets_every_one() {
+    // b receives as a GPU receiver must, every frame with its header (the
+    // header goes to host memory, the payload to the device); a takes
+    // headerless frames. Each learns the other's choice when connecting,
+    // and messages from empty to split go both ways intact.
+    let framed = RdmaConfig {
+        headerless: false,
+        recv_pool_bytes: 64 << 20,
+        send_pool_bytes: 64 << 20,
+        ..RdmaConfig::default()
+    };
+    let open = RdmaConfig {
+        headerless: true,
+        ..framed
+    };
+    let Some((a, b, peer)) = pair_with(19_006, open, framed) else {
+        return;
+    };
+    // The listener's table gives its first connection the first slot.
+    let back = zerohop_core::PeerId(0);
+    let sizes = [
+        0usize,
+        1,
+        64,
+        224,
+        4096,
+        64 << 10,
+        (64 << 10) + 1,
+        200 << 10,
+    ];
+    for (from, to, dst) in [(&a, &b, peer), (&b, &a, back)] {
+        for (i, &n) in sizes.iter().enumerate() {
+            let m: Vec<u8> = (0..n).map(|k| (k * 7 + i) as u8).collect();
+            from.send(dst, &m, Deadline::after(WAIT), None).unwrap();
+            let r = to.recv(Deadline::after(WAIT), None).unwrap();
+            assert_eq!(host_bytes(&r.lease), &m[..], "{n} bytes");
+        }
+    }
+    assert_eq!(
+        a.with(|t| t.sends_headerless(peer)),
+        Some(false),
+        "b announced framed receives only"
+    );
+    assert_eq!(
+        b.with(|t| t.sends_headerless(back)),
+        Some(true),
+        "a announced headerless receives"
+    );
 }
 
 #[test]

@@ -4,20 +4,26 @@
 //! Each connection has one completion queue (with a completion channel, so
 //! a progress thread can sleep in `poll(2)`), one RC queue pair, and a ring
 //! of `recv_depth` posted receives. A frame leaves as the 32-byte zerohop
-//! header (from a registered header slot) then its payload; frames of up to
-//! 224 payload bytes go inline (copied into the work request, straight from
-//! the caller's bytes when nothing is queued) and ask for a completion one
-//! in 16. A host payload is received whole into one pool buffer, header
-//! first, and handed on from past the header (`Lease::advance`); a device
-//! payload is received as two entries, the header into a host header slot
-//! and the payload into GPU memory, so the CPU never reads a header out of
-//! device memory. Messages longer than one fragment are split and
-//! reassembled (in order: RC delivers in order).
+//! header (from a registered header slot) then its payload, or, for a
+//! message that fits one fragment sent to a peer that announced it takes
+//! them, *headerless*: its bytes alone, as a send with immediate data that
+//! carries the credits returned (kind, length and sequence follow from the
+//! completion and RC's ordering), so a 64 B message is 64 B on the wire.
+//! Frames that fit the QP's inline room go inline (copied into the work
+//! request, straight from the caller's bytes when nothing is queued) and
+//! ask for a completion one in 16. A host payload is received whole into
+//! one pool buffer, header first (if any), and handed on from past the
+//! header (`Lease::advance`); a device payload is received as two entries,
+//! the header into a host header slot and the payload into GPU memory, so
+//! the CPU never reads a header out of device memory — which is why only a
+//! host receiver announces headerless frames. Messages longer than one
+//! fragment are split and reassembled (in order: RC delivers in order).
 //!
 //! Flow control is credit based, so the receiver never sees RNR: a sender
 //! starts with the peer's receive depth (exchanged in the CM private data),
-//! spends one per frame, and gets them back in every header it receives
-//! (`dst` carries the number of receives reposted since the last report).
+//! spends one per frame, and gets them back in every frame it receives
+//! (a header's `dst`, or a headerless frame's immediate data, carries the
+//! number of receives reposted since the last report).
 //! Data frames need two credits, a credit-only frame one: the last credit is
 //! kept for returning credits (spent on a credit frame whenever data waits
 //! for credits), so two busy peers cannot starve each other.
@@ -25,6 +31,10 @@
 //! On this wire a data header's `src` carries the whole message's length
 //! (so the first fragment can lease the reassembly buffer) and `dst` the
 //! credits returned.
+//!
+//! The CM private data is two little-endian words: the receive depth (the
+//! peer's starting credits), then flags (bit 0: takes headerless frames). A
+//! peer that sends one word gets framed messages only.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -59,6 +69,13 @@ pub struct RdmaConfig {
     pub recv_pool_bytes: usize,
     /// Budget of the send pool (registered host memory for copies and headers).
     pub send_pool_bytes: usize,
+    /// Accept headerless frames: a message that fits one fragment arrives as
+    /// its bytes alone, the credits it returns in the immediate data (so a
+    /// 64 B message is 64 B on the wire, as perftest's is). Announced in the
+    /// CM private data; only a receiver whose payloads land in host memory
+    /// takes them (a device receiver needs its header in the host header
+    /// ring). Default on.
+    pub headerless: bool,
 }
 
 impl Default for RdmaConfig {
@@ -69,6 +86,7 @@ impl Default for RdmaConfig {
             max_message: 64 << 20,
             recv_pool_bytes: 512 << 20,
             send_pool_bytes: 256 << 20,
+            headerless: true,
         }
     }
 }
@@ -86,6 +104,9 @@ const INLINE_WANT: usize = 256;
 const SIGNAL_EVERY: usize = 16;
 /// Work completions taken per `ibv_poll_cq`.
 const POLL_BATCH: usize = 16;
+/// CM private data flag (second word): this side takes headerless frames
+/// ([`RdmaConfig::headerless`]).
+const PRIVATE_HEADERLESS: u32 = 1;
 
 enum Payload<M: PayloadMemory> {
     None,
@@ -127,6 +148,8 @@ struct Conn<M: PayloadMemory> {
     /// Longest frame (header and payload) the QP sends inline: copied into
     /// the work request at posting, so its buffer is free at once.
     inline_max: usize,
+    /// The peer takes headerless frames (see [`RdmaConfig::headerless`]).
+    peer_headerless: bool,
     established: bool,
     closing: bool,
     peer_closed: bool,
@@ -214,6 +237,8 @@ struct Event {
     id: *mut ffi::rdma_cm_id,
     status: i32,
     peer_depth: Option<u32>,
+    /// The peer's [`Private`] flags (0 from a peer that sent none).
+    peer_flags: u32,
 }
 
 /// Takes one CM event from `channel` if one is ready within `timeout`.
@@ -260,13 +285,21 @@ fn next_event(
     let out = unsafe {
         let e = &*ev;
         let conn = e.param.conn;
-        let peer_depth = (!conn.private_data.is_null() && conn.private_data_len >= 4)
-            .then(|| u32::from_le_bytes(ptr::read_unaligned(conn.private_data.cast::<[u8; 4]>())));
+        let word = |i: usize| {
+            (!conn.private_data.is_null() && conn.private_data_len as usize >= 4 * (i + 1)).then(
+                || {
+                    u32::from_le_bytes(ptr::read_unaligned(
+                        conn.private_data.cast::<[u8; 4]>().add(i),
+                    ))
+                },
+            )
+        };
         Event {
             kind: e.event,
             id: e.id,
             status: e.status,
-            peer_depth,
+            peer_depth: word(0),
+            peer_flags: word(1).unwrap_or(0),
         }
     };
     // SAFETY: acked once, after its data was copied out.
@@ -478,9 +511,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             "route resolution",
         )?;
         let mut conn = self.setup(id, Some(ch))?;
-        let depth = self.config.recv_depth.to_le_bytes();
-        let mut param = conn_param(&depth);
-        // SAFETY: a live id with a QP; `param` and `depth` outlive the call.
+        let private = self.private();
+        let mut param = conn_param(&private);
+        // SAFETY: a live id with a QP; `param` and `private` outlive the call.
         if unsafe { ffi::rdma_connect(id.as_ptr(), &mut param) } != 0 {
             let e = call_failed("rdma_connect");
             self.teardown(&mut conn);
@@ -491,7 +524,10 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             ffi::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
             "connection",
         ) {
-            Ok(ev) => conn.credits = ev.peer_depth.unwrap_or(0),
+            Ok(ev) => {
+                conn.credits = ev.peer_depth.unwrap_or(0);
+                conn.peer_headerless = ev.peer_flags & PRIVATE_HEADERLESS != 0;
+            }
             Err(e) => {
                 self.teardown(&mut conn);
                 return Err(e);
@@ -608,6 +644,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             assembling: None,
             // rdma_create_qp wrote back what the QP supports.
             inline_max: attr.cap.max_inline_data as usize,
+            peer_headerless: false,
             established: false,
             closing: false,
             peer_closed: false,
@@ -622,6 +659,19 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         }
         conn.owed = 0; // the initial ring is announced in the private data, not as credits
         Ok(conn)
+    }
+
+    /// This side's CM private data: receive depth, flags.
+    fn private(&self) -> [u8; 8] {
+        let flags = if self.config.headerless && M::HOST_VISIBLE {
+            PRIVATE_HEADERLESS
+        } else {
+            0
+        };
+        let mut p = [0u8; 8];
+        p[..4].copy_from_slice(&self.config.recv_depth.to_le_bytes());
+        p[4..].copy_from_slice(&flags.to_le_bytes());
+        p
     }
 
     /// A receive buffer's size: a whole frame where the header lands in the
@@ -724,9 +774,15 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         Self::post_frame(conn, f, data, M::HOST_VISIBLE)
     }
 
-    /// Whether a frame with `len` payload bytes goes inline.
-    fn inline(conn: &Conn<M>, len: usize, may: bool) -> bool {
-        may && HEADER_LEN + len <= conn.inline_max
+    /// Whether a data frame goes without a header: a whole message in one
+    /// fragment, to a peer that takes headerless frames.
+    fn headerless(conn: &Conn<M>, kind: FrameKind, more: bool, total: u32, len: usize) -> bool {
+        conn.peer_headerless && kind == FrameKind::Data && !more && total as usize == len
+    }
+
+    /// Whether a frame of `wire_len` bytes (header included, if any) goes inline.
+    fn inline(conn: &Conn<M>, wire_len: usize, may: bool) -> bool {
+        may && wire_len <= conn.inline_max
     }
 
     /// Posts `f`'s header (from its ring slot) and `data` (address, length,
@@ -740,30 +796,34 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         may_inline: bool,
     ) -> Result<(), Error> {
         let slot = conn.free_send.pop().expect("checked by the caller") as usize;
-        let recv_depth = conn.recv.len();
-        let mut h = match f.kind {
-            FrameKind::Data => Header::data(f.total, conn.owed, f.seq, &[], false, f.more),
-            k => Header::control(k, 0, conn.owed, f.seq),
+        let data = ffi::ibv_sge {
+            addr,
+            length: len as u32,
+            lkey,
         };
-        h.len = len as u32;
-        h.flags = if f.more { Flags::MORE } else { Flags::NONE };
-        h.checksum = h.compute_checksum(&[]);
-        let at = (recv_depth + slot) * HEADER_LEN;
-        host_bytes_mut_range(&mut conn.headers, at, HEADER_LEN).copy_from_slice(&h.encode());
-        let hmr = conn.headers.mr().expect("registered");
-        let mut sge = [
-            ffi::ibv_sge {
+        let headerless = Self::headerless(conn, f.kind, f.more, f.total, len);
+        let (mut sge, entries) = if headerless {
+            // The bytes alone; the credits ride in the immediate data.
+            ([data, data], usize::from(len > 0))
+        } else {
+            let mut h = match f.kind {
+                FrameKind::Data => Header::data(f.total, conn.owed, f.seq, &[], false, f.more),
+                k => Header::control(k, 0, conn.owed, f.seq),
+            };
+            h.len = len as u32;
+            h.flags = if f.more { Flags::MORE } else { Flags::NONE };
+            h.checksum = h.compute_checksum(&[]);
+            let at = (conn.recv.len() + slot) * HEADER_LEN;
+            host_bytes_mut_range(&mut conn.headers, at, HEADER_LEN).copy_from_slice(&h.encode());
+            let header = ffi::ibv_sge {
                 addr: conn.headers.device_ptr() + at as u64,
                 length: HEADER_LEN as u32,
-                lkey: hmr.lkey,
-            },
-            ffi::ibv_sge {
-                addr,
-                length: len as u32,
-                lkey,
-            },
-        ];
-        let inline = Self::inline(conn, len, may_inline);
+                lkey: conn.headers.mr().expect("registered").lkey,
+            };
+            ([header, data], if len > 0 { 2 } else { 1 })
+        };
+        let wire_len = len + if headerless { 0 } else { HEADER_LEN };
+        let inline = Self::inline(conn, wire_len, may_inline);
         // A frame from registered memory asks for its completion (its buffer
         // is held until then, and `flush` waits for it); inline ones only
         // one in SIGNAL_EVERY, which frees the slots of those before it.
@@ -772,8 +832,13 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = SEND_TAG | slot as u64;
         wr.sg_list = sge.as_mut_ptr();
-        wr.num_sge = if len > 0 { 2 } else { 1 };
-        wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND;
+        wr.num_sge = entries as i32;
+        if headerless {
+            wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
+            wr.imm_data_invalidated_rkey_union.imm_data = conn.owed.to_be();
+        } else {
+            wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND;
+        }
         if signaled {
             wr.send_flags |= ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
@@ -855,10 +920,15 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         // goes inline straight from the caller's bytes: no buffer, no copy
         // of our own.
         if let Some(b) = bytes {
+            let header = if Self::headerless(conn, FrameKind::Data, false, total as u32, b.len()) {
+                0
+            } else {
+                HEADER_LEN
+            };
             if conn.pending.is_empty()
                 && conn.credits >= 2
                 && !conn.free_send.is_empty()
-                && Self::inline(conn, b.len(), true)
+                && Self::inline(conn, header + b.len(), true)
             {
                 let f = Frame {
                     kind: FrameKind::Data,
@@ -1109,7 +1179,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             if wc.wr_id & SEND_TAG != 0 {
                 Self::send_completed(conn, (wc.wr_id & !SEND_TAG) as usize);
             } else {
-                self.received(conn, peer, wc.wr_id as usize, wc.byte_len as usize)?;
+                let imm = (wc.wc_flags & ffi::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0).then(|| {
+                    // SAFETY: the flag says the union holds the immediate data.
+                    u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data })
+                });
+                self.received(conn, peer, wc.wr_id as usize, wc.byte_len as usize, imm)?;
             }
         }
         Ok(n as usize)
@@ -1121,10 +1195,14 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         peer: PeerId,
         slot: usize,
         byte_len: usize,
+        imm: Option<u32>,
     ) -> Result<(), Error> {
         let mut lease = conn.recv[slot]
             .take()
             .ok_or(Error::Backend("completion for an empty receive slot"))?;
+        if let Some(credits) = imm {
+            return self.received_headerless(conn, peer, slot, lease, byte_len, credits);
+        }
         // Host payloads carry their header in front (see `post_recv`).
         let in_place = self.memory.host_view(&lease);
         let header_in_place = in_place.is_some();
@@ -1140,7 +1218,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             // The payload follows the header in the same buffer: hand it on from there.
             lease.advance(HEADER_LEN)?;
         }
-        conn.credits += h.dst;
+        conn.credits = conn.credits.saturating_add(h.dst);
         // Repost at once with a fresh buffer (the old one goes to the application).
         if self.post_recv(conn, slot).is_err() {
             conn.recv[slot] = None; // retried in poll_conn
@@ -1194,6 +1272,36 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         Ok(())
     }
 
+    /// A headerless frame: a whole message at the start of the buffer, the
+    /// credits it returns in the immediate data. Only a receiver that
+    /// announced it takes them, and never inside a split message (a sender
+    /// sends a message's fragments back to back, with headers).
+    fn received_headerless(
+        &mut self,
+        conn: &mut Conn<M>,
+        peer: PeerId,
+        slot: usize,
+        mut lease: PayloadLease<M>,
+        byte_len: usize,
+        credits: u32,
+    ) -> Result<(), Error> {
+        let announced = self.config.headerless && M::HOST_VISIBLE;
+        if !announced || conn.assembling.is_some() || byte_len > self.config.fragment {
+            return Err(Error::Protocol {
+                peer,
+                error: zerohop_core::wire::DecodeError::UnexpectedPayload,
+            });
+        }
+        conn.credits = conn.credits.saturating_add(credits);
+        if self.post_recv(conn, slot).is_err() {
+            conn.recv[slot] = None; // retried in poll_conn
+        }
+        lease.set_len(byte_len)?;
+        let seq = conn.rx_next;
+        self.deliver(conn, peer, seq, lease);
+        Ok(())
+    }
+
     /// Hands a whole message to the application, reporting a gap in the
     /// sequence first (RC delivers in order, so a gap means a peer bug).
     fn deliver(&mut self, conn: &mut Conn<M>, peer: PeerId, seq: u64, lease: PayloadLease<M>) {
@@ -1231,8 +1339,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                     match self.setup(id, None) {
                         Ok(mut conn) => {
                             conn.credits = ev.peer_depth.unwrap_or(0);
-                            let depth = self.config.recv_depth.to_le_bytes();
-                            let mut param = conn_param(&depth);
+                            conn.peer_headerless = ev.peer_flags & PRIVATE_HEADERLESS != 0;
+                            let private = self.private();
+                            let mut param = conn_param(&private);
                             // SAFETY: a live id with a QP; `param` outlives the call.
                             if unsafe { ffi::rdma_accept(id.as_ptr(), &mut param) } != 0 {
                                 self.teardown(&mut conn);
@@ -1314,6 +1423,13 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         }
     }
 
+    /// Whether messages to `peer` that fit one fragment leave without a
+    /// header (the peer announced it takes them); `None` for no such peer.
+    pub fn sends_headerless(&self, peer: PeerId) -> Option<bool> {
+        let conn = self.peers.get(peer.0 as usize)?.as_ref()?;
+        Some(conn.peer_headerless)
+    }
+
     /// Frames queued (waiting for credits) but not yet posted.
     pub fn unposted_frames(&self) -> usize {
         self.peers.iter().flatten().map(|c| c.pending.len()).sum()
@@ -1338,11 +1454,11 @@ impl<M: PayloadMemory> Conn<M> {
     }
 }
 
-fn conn_param(private: &[u8; 4]) -> ffi::rdma_conn_param {
+fn conn_param(private: &[u8; 8]) -> ffi::rdma_conn_param {
     // SAFETY: an all-zero conn param is valid; the fields are set below.
     let mut p: ffi::rdma_conn_param = unsafe { std::mem::zeroed() };
     p.private_data = private.as_ptr().cast();
-    p.private_data_len = 4;
+    p.private_data_len = private.len() as u8;
     p.responder_resources = 1;
     p.initiator_depth = 1;
     p.retry_count = 7;
