@@ -7,8 +7,10 @@
 //! in bytes, so a receiver that stops reading makes `try_send` say
 //! `WouldBlock`. Receives read through a small staging buffer and land in pool
 //! leases; a payload larger than what is staged is read straight into its
-//! lease. A declared length is checked against `max_message` before anything
-//! is leased for it.
+//! lease, and only once no earlier message waits for the application (so a
+//! stream of large messages reuses the buffer the application just gave
+//! back, as a program reading into one buffer would). A declared length is
+//! checked against `max_message` before anything is leased for it.
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
@@ -44,7 +46,9 @@ pub struct TcpConfig {
     pub inbox_messages: usize,
     /// Received bytes held for the application before reading stops (default
     /// 8 MiB): beyond it the kernel's window pushes back on the sender, and
-    /// the receive pool stays small however far the sender runs ahead.
+    /// the receive pool stays small however far the sender runs ahead. (A
+    /// message too large to be staged is not read at all while another
+    /// waits for the application: it stays in the socket.)
     pub inbox_bytes: usize,
     /// Checksum payloads as well as headers (default off: TCP checksums its segments).
     pub check_payload: bool,
@@ -138,6 +142,10 @@ struct Peer {
     rx_next: u64,
     /// Waiting for a pool buffer: reading from this peer is paused.
     dry: bool,
+    /// A large message's header is staged, but a message already waits
+    /// for the application: its bytes stay in the socket until that one is
+    /// taken (see `read_peer`), and its fd is not polled for reading.
+    deferred: bool,
     /// The last message was large enough to be read straight into its lease:
     /// the next read into the stage takes only a header's worth and a
     /// little more, so the next message is not staged and copied whole.
@@ -252,6 +260,7 @@ impl TcpTransport {
             tx_seq: 0,
             rx_next: 0,
             dry: false,
+            deferred: false,
             direct_stream: false,
             closing: false,
             write_shut: false,
@@ -508,6 +517,19 @@ impl TcpTransport {
                 match h.kind {
                     FrameKind::Data => {
                         let len = h.len as usize;
+                        // A payload that must be read from the socket into
+                        // its own lease waits while a message is already
+                        // waiting for the application: reading it now would
+                        // fill a second (cache-cold) buffer, and a stream
+                        // would cycle through the whole inbox's worth. Left
+                        // in the socket, it is read into the buffer the
+                        // application is about to give back.
+                        let staged = p.stage_end - p.stage_start - HEADER_LEN;
+                        p.deferred =
+                            len.saturating_sub(staged) >= DIRECT_MIN && !self.arrivals.is_empty();
+                        if p.deferred {
+                            return ReadOutcome::Idle;
+                        }
                         let mut lease = match Lease::take(Arc::clone(&self.pool), len.max(1)) {
                             Ok(l) => l,
                             Err(Error::Pool(_)) => {
@@ -726,7 +748,7 @@ impl Wire for TcpTransport {
         let reading = data && !self.inbox_full();
         for p in self.peers.iter().flatten() {
             let mut events = 0;
-            if reading && !p.dry {
+            if reading && !p.dry && !p.deferred {
                 events |= libc::POLLIN;
             }
             // The queue can move only when no caller is mid-frame; that

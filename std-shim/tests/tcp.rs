@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use zerohop_backends::host_bytes;
 use zerohop_core::wire::DecodeError;
 use zerohop_core::wire::{Header, HEADER_LEN};
-use zerohop_core::{crc32c, Error, Kind, PeerId};
+use zerohop_core::{crc32c, Error, Kind, PeerId, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, StdPool};
 
@@ -412,6 +412,47 @@ fn a_receiver_reads_ahead_at_most_inbox_bytes_so_its_pool_stays_small() {
         let m = server.recv(Deadline::after(10 * SECOND), None).unwrap();
         assert_eq!(m.lease.len(), 64 << 10);
     }
+}
+
+#[test]
+fn a_large_message_waits_in_the_socket_while_another_waits_for_the_application() {
+    // Two 40 KiB messages: the receiver's first 64 KiB read takes the first
+    // whole and the second's header with part of its payload. While the
+    // first waits for the application, the second takes no buffer (its rest
+    // stays in the socket): a stream of large messages then reuses the
+    // buffer the application gives back instead of cycling through new ones.
+    let mut b = transport(16 << 20, TcpConfig::default());
+    let addr = b.listen("127.0.0.1:0").unwrap();
+    let mut a = transport(16 << 20, TcpConfig::default());
+    let peer = a.connect(addr, SECOND).unwrap();
+    let m = |i: u8| vec![i; 40 << 10];
+    a.try_send(peer, &m(1)).unwrap();
+    a.try_send(peer, &m(2)).unwrap();
+    let until = Instant::now() + 5 * SECOND;
+    while a.queued_bytes() > 0 && Instant::now() < until {
+        a.progress().unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Let both messages reach b's socket before it reads at all.
+    std::thread::sleep(Duration::from_millis(50));
+    let mut next = || loop {
+        assert!(Instant::now() < until, "no message");
+        b.progress().unwrap();
+        match b.try_recv() {
+            Ok(r) => return (r, b.pool().used_bytes()),
+            Err(Error::WouldBlock) => std::thread::sleep(Duration::from_millis(1)),
+            Err(e) => panic!("{e}"),
+        }
+    };
+    let (first, held_with_first) = next();
+    assert_eq!(host_bytes(&first.lease), &m(1)[..]);
+    drop(first);
+    let (second, held_with_second) = next();
+    assert_eq!(host_bytes(&second.lease), &m(2)[..]);
+    assert_eq!(
+        held_with_first, held_with_second,
+        "while the first message waited, the second took no buffer of its own"
+    );
 }
 
 /// Reads one frame from a raw socket: (header, payload).
