@@ -237,7 +237,8 @@ struct Event {
     id: *mut ffi::rdma_cm_id,
     status: i32,
     peer_depth: Option<u32>,
-    /// The peer's [`Private`] flags (0 from a peer that sent none).
+    /// The second word of the peer's private data: flags such as
+    /// `PRIVATE_HEADERLESS` (0 from a peer that sent one word).
     peer_flags: u32,
 }
 
@@ -786,8 +787,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     }
 
     /// Posts `f`'s header (from its ring slot) and `data` (address, length,
-    /// lkey: `f`'s payload, or a caller's bytes), inline when allowed and
-    /// small enough. `f.payload` stays in the send slot until the send
+    /// lkey: `f`'s payload, or a caller's bytes) — or, headerless, `data`
+    /// alone with the credits in the immediate data — inline when allowed
+    /// and small enough. `f.payload` stays in the send slot until the send
     /// completes; an inline frame's goes back at once (the NIC has a copy).
     fn post_frame(
         conn: &mut Conn<M>,
