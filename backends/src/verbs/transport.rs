@@ -281,31 +281,44 @@ fn next_event(
             Err(e)
         };
     }
-    // SAFETY: the event is valid until acked below; its conn param is read
-    // only for connection events, whose union member is `conn`.
+    // SAFETY: the event is valid until acked below. Both members of its
+    // param union (`conn`, `ud`) begin with the private-data pointer and
+    // length, which librdmacm sets for every event (null and 0 where there
+    // is none), and the data it points to lives as long as the event.
     let out = unsafe {
         let e = &*ev;
         let conn = e.param.conn;
-        let word = |i: usize| {
-            (!conn.private_data.is_null() && conn.private_data_len as usize >= 4 * (i + 1)).then(
-                || {
-                    u32::from_le_bytes(ptr::read_unaligned(
-                        conn.private_data.cast::<[u8; 4]>().add(i),
-                    ))
-                },
+        let private = if conn.private_data.is_null() {
+            &[][..]
+        } else {
+            std::slice::from_raw_parts(
+                conn.private_data.cast::<u8>(),
+                usize::from(conn.private_data_len),
             )
         };
+        let (peer_depth, peer_flags) = parse_private(private);
         Event {
             kind: e.event,
             id: e.id,
             status: e.status,
-            peer_depth: word(0),
-            peer_flags: word(1).unwrap_or(0),
+            peer_depth,
+            peer_flags,
         }
     };
     // SAFETY: acked once, after its data was copied out.
     unsafe { ffi::rdma_ack_cm_event(ev) };
     Ok(Some(out))
+}
+
+/// The peer's CM private data: its receive depth (`None` if it sent none)
+/// and its flags (0 from a peer that sent one word; the CM pads what it
+/// carries with zeros, so an older peer reads as "no flags").
+fn parse_private(p: &[u8]) -> (Option<u32>, u32) {
+    let word = |i: usize| {
+        p.get(4 * i..4 * i + 4)
+            .map(|w| u32::from_le_bytes(w.try_into().expect("four bytes")))
+    };
+    (word(0), word(1).unwrap_or(0))
 }
 
 fn expect_event(
@@ -1580,7 +1593,24 @@ impl<M: PayloadMemory> Drop for RdmaTransport<M> {
 
 #[cfg(test)]
 mod tests {
-    use super::receive_classes;
+    use super::{parse_private, receive_classes, PRIVATE_HEADERLESS};
+
+    #[test]
+    fn private_data_of_old_and_new_peers_reads_as_depth_and_flags() {
+        // This side: depth 64, takes headerless frames.
+        let mut ours = [0u8; 8];
+        ours[..4].copy_from_slice(&64u32.to_le_bytes());
+        ours[4..].copy_from_slice(&PRIVATE_HEADERLESS.to_le_bytes());
+        assert_eq!(parse_private(&ours), (Some(64), PRIVATE_HEADERLESS));
+        // A one-word peer, as the CM delivers it (zero padded to 56 bytes): no flags.
+        let mut old = [0u8; 56];
+        old[..4].copy_from_slice(&32u32.to_le_bytes());
+        assert_eq!(parse_private(&old), (Some(32), 0));
+        assert_eq!(parse_private(&old[..4]), (Some(32), 0));
+        // Nothing, or less than a word: no depth (no credits), no flags.
+        assert_eq!(parse_private(&[]), (None, 0));
+        assert_eq!(parse_private(&[1, 2, 3]), (None, 0));
+    }
 
     #[test]
     fn receive_classes_hold_a_whole_frame_exactly() {
