@@ -675,9 +675,16 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         Ok(conn)
     }
 
+    /// Whether this side takes headerless frames: configured to, and its
+    /// payloads land in host memory (announced in the private data, and
+    /// required of every headerless frame that arrives).
+    fn takes_headerless(&self) -> bool {
+        self.config.headerless && M::HOST_VISIBLE
+    }
+
     /// This side's CM private data: receive depth, flags.
     fn private(&self) -> [u8; 8] {
-        let flags = if self.config.headerless && M::HOST_VISIBLE {
+        let flags = if self.takes_headerless() {
             PRIVATE_HEADERLESS
         } else {
             0
@@ -1234,10 +1241,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             lease.advance(HEADER_LEN)?;
         }
         conn.credits = conn.credits.saturating_add(h.dst);
-        // Repost at once with a fresh buffer (the old one goes to the application).
-        if self.post_recv(conn, slot).is_err() {
-            conn.recv[slot] = None; // retried in poll_conn
-        }
+        self.repost(conn, slot);
         match h.kind {
             FrameKind::Data => {}
             FrameKind::Close => {
@@ -1287,6 +1291,14 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         Ok(())
     }
 
+    /// Reposts receive `slot` at once with a fresh buffer (the old one goes
+    /// to the application); a dry pool leaves it to `poll_conn`'s retry.
+    fn repost(&self, conn: &mut Conn<M>, slot: usize) {
+        if self.post_recv(conn, slot).is_err() {
+            conn.recv[slot] = None;
+        }
+    }
+
     /// A headerless frame: a whole message at the start of the buffer, the
     /// credits it returns in the immediate data. Only a receiver that
     /// announced it takes them, and never inside a split message (a sender
@@ -1300,17 +1312,15 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         byte_len: usize,
         credits: u32,
     ) -> Result<(), Error> {
-        let announced = self.config.headerless && M::HOST_VISIBLE;
-        if !announced || conn.assembling.is_some() || byte_len > self.config.fragment {
+        if !self.takes_headerless() || conn.assembling.is_some() || byte_len > self.config.fragment
+        {
             return Err(Error::Protocol {
                 peer,
                 error: zerohop_core::wire::DecodeError::UnexpectedPayload,
             });
         }
         conn.credits = conn.credits.saturating_add(credits);
-        if self.post_recv(conn, slot).is_err() {
-            conn.recv[slot] = None; // retried in poll_conn
-        }
+        self.repost(conn, slot);
         lease.set_len(byte_len)?;
         let seq = conn.rx_next;
         self.deliver(conn, peer, seq, lease);
