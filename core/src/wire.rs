@@ -59,7 +59,12 @@ impl Flags {
     pub const PAYLOAD_CHECKED: Flags = Flags(1);
     /// More fragments of this message follow.
     pub const MORE: Flags = Flags(2);
-    const KNOWN: u16 = 0b11;
+    /// The payload is striped (TCP): this frame carries the header and the
+    /// first part; the rest follows on the peer's second connection (its
+    /// lane), which carries nothing else. Where the split falls is the
+    /// transport's rule, known to both sides.
+    pub const STRIPED: Flags = Flags(4);
+    const KNOWN: u16 = 0b111;
 
     /// Whether all of `other` is set.
     pub const fn contains(self, other: Flags) -> bool {
@@ -165,23 +170,21 @@ impl fmt::Display for DecodeError {
 impl core::error::Error for DecodeError {}
 
 impl Header {
-    /// A data header for `payload` (checksummed over the payload when `check_payload`).
+    /// A data header for `payload` (checksummed over the payload when
+    /// `check_payload`), with `extra` flags ([`Flags::MORE`], [`Flags::STRIPED`]).
     pub fn data(
         src: u32,
         dst: u32,
         seq: u64,
         payload: &[u8],
         check_payload: bool,
-        more: bool,
+        extra: Flags,
     ) -> Header {
-        let mut flags = if check_payload {
-            Flags::PAYLOAD_CHECKED
+        let flags = if check_payload {
+            Flags::PAYLOAD_CHECKED | extra
         } else {
-            Flags::NONE
+            extra
         };
-        if more {
-            flags = flags | Flags::MORE;
-        }
         let mut h = Header {
             kind: FrameKind::Data,
             flags,
@@ -308,7 +311,7 @@ mod tests {
 
     #[test]
     fn data_frame_round_trips_with_a_byte_fixture() {
-        let h = Header::data(7, 9, 0x0102_0304_0506_0708, b"hi", true, false);
+        let h = Header::data(7, 9, 0x0102_0304_0506_0708, b"hi", true, Flags::NONE);
         let bytes = h.encode();
         assert_eq!(
             &bytes[..4],
@@ -366,7 +369,7 @@ mod tests {
 
     #[test]
     fn a_huge_declared_length_is_refused_before_any_payload() {
-        let mut h = Header::data(1, 2, 0, &[], false, false);
+        let mut h = Header::data(1, 2, 0, &[], false, Flags::NONE);
         h.len = u32::MAX;
         h.checksum = h.compute_checksum(&[]);
         assert_eq!(

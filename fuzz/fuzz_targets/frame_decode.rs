@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use zerohop_core::wire::{Header, HEADER_LEN};
+use zerohop_core::wire::{Flags, Header, HEADER_LEN};
 
 fuzz_target!(|data: &[u8]| {
     let max = 1usize << 20;
@@ -22,7 +22,8 @@ fuzz_target!(|data: &[u8]| {
         let src = u32::from_le_bytes(data[8..12].try_into().unwrap());
         let dst = u32::from_le_bytes(data[12..16].try_into().unwrap());
         let payload = &data[24..];
-        let h = Header::data(src, dst, seq, payload, data[16] & 1 == 1, data[17] & 1 == 1);
+        let extra = [Flags::NONE, Flags::MORE, Flags::STRIPED][data[17] as usize % 3];
+        let h = Header::data(src, dst, seq, payload, data[16] & 1 == 1, extra);
         let back = Header::decode(&h.encode(), payload.len()).expect("an encoded header decodes");
         assert_eq!(back, h);
         assert!(back.verify(payload).is_ok());

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use zerohop_backends::host_bytes;
 use zerohop_core::wire::DecodeError;
-use zerohop_core::wire::{Header, HEADER_LEN};
+use zerohop_core::wire::{Flags, FrameKind, Header, HEADER_LEN};
 use zerohop_core::{crc32c, Error, Kind, PeerId, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, StdPool};
@@ -35,7 +35,11 @@ fn listener(
 }
 
 fn client(addr: SocketAddr) -> (Endpoint<TcpTransport>, PeerId) {
-    let mut t = transport(64 << 20, TcpConfig::default());
+    client_with(addr, TcpConfig::default())
+}
+
+fn client_with(addr: SocketAddr, config: TcpConfig) -> (Endpoint<TcpTransport>, PeerId) {
+    let mut t = transport(64 << 20, config);
     let peer = t.connect(addr, SECOND).unwrap();
     (Endpoint::new(t, EndpointConfig::default()).unwrap(), peer)
 }
@@ -224,7 +228,7 @@ fn garbage_and_a_huge_declared_length_close_only_that_connection() {
 
     // A valid header declaring the largest length the wire can carry (u32::MAX,
     // 4 GiB; a 1 TiB length cannot be expressed): refused before any lease.
-    let mut h = Header::data(0, 0, 0, &[], false, false);
+    let mut h = Header::data(0, 0, 0, &[], false, Flags::NONE);
     h.len = u32::MAX;
     h.checksum = h.compute_checksum(&[]);
     let mut liar = TcpStream::connect(addr).unwrap();
@@ -273,7 +277,7 @@ fn a_peer_that_dies_mid_message_is_reported_and_leaks_nothing() {
     for abort in [false, true] {
         let mut dying = TcpStream::connect(addr).unwrap();
         let payload = vec![7u8; 1 << 20];
-        let h = Header::data(0, 0, 0, &payload, false, false);
+        let h = Header::data(0, 0, 0, &payload, false, Flags::NONE);
         dying.write_all(&h.encode()).unwrap();
         dying.write_all(&payload[..300_000]).unwrap();
         // Let the server take the header and lease a buffer for the payload.
@@ -455,6 +459,212 @@ fn a_large_message_waits_in_the_socket_while_another_waits_for_the_application()
     );
 }
 
+/// Sizes around the striping threshold and well past it, with small ones
+/// between, so order across the two connections is tested too.
+const STRIPE_SIZES: [usize; 9] = [
+    100,
+    (256 << 10) - 1,
+    256 << 10,
+    (256 << 10) + 1,
+    12,
+    (1 << 20) + 4095,
+    3 << 20,
+    64 << 10,
+    (4 << 20) + 3,
+];
+
+/// Message `i` of `len` bytes: `i`, then bytes from `i`, then the CRC (see `check`).
+fn sized(i: u64, len: usize) -> Vec<u8> {
+    let mut m: Vec<u8> = (0..len - 4).map(|k| (k as u64 * 31 + i) as u8).collect();
+    m[..8].copy_from_slice(&i.to_le_bytes());
+    let c = crc32c(0, &m);
+    m.extend_from_slice(&c.to_le_bytes());
+    m
+}
+
+#[test]
+fn large_messages_are_striped_over_two_connections_and_arrive_whole_and_in_order() {
+    for check_payload in [false, true] {
+        let config = TcpConfig {
+            check_payload,
+            ..TcpConfig::default()
+        };
+        let (server, addr, server_pool) = listener(64 << 20, config);
+        let (c, peer) = client_with(addr, config);
+        assert_eq!(
+            c.with(|t| t.connections(peer)),
+            Some(2),
+            "the client opened a lane"
+        );
+        let rounds = 3u64;
+        let striped = STRIPE_SIZES.iter().filter(|&&n| n >= 256 << 10).count() as u64;
+        let echo = std::thread::spawn(move || {
+            // Echo every message back; the acceptor's replies are striped too
+            // once it has paired the lane.
+            for _ in 0..rounds * STRIPE_SIZES.len() as u64 {
+                let r = server.recv(Deadline::after(10 * SECOND), None).unwrap();
+                server
+                    .send_lease(r.peer, r.lease, Deadline::after(10 * SECOND), None)
+                    .unwrap();
+            }
+            server
+        });
+        let mut i = 0u64;
+        for _ in 0..rounds {
+            // All of a round in flight at once, then all of its echoes.
+            for &len in &STRIPE_SIZES {
+                c.send(peer, &sized(i, len), Deadline::after(10 * SECOND), None)
+                    .unwrap();
+                i += 1;
+            }
+            for (k, &len) in STRIPE_SIZES.iter().enumerate() {
+                let r = c.recv(Deadline::after(10 * SECOND), None).unwrap();
+                let got = host_bytes(&r.lease);
+                assert_eq!(got.len(), len);
+                assert_eq!(
+                    check(got),
+                    i - STRIPE_SIZES.len() as u64 + k as u64,
+                    "order kept"
+                );
+            }
+        }
+        assert_eq!(
+            c.with(|t| t.striped_sent(peer)),
+            rounds * striped,
+            "each large message striped"
+        );
+        let server = echo.join().unwrap();
+        let (connections, echoed_striped) =
+            server.with(|t| (t.connections(PeerId(0)), t.striped_sent(PeerId(0))));
+        assert_eq!(connections, Some(2), "the acceptor paired the lane");
+        assert_eq!(echoed_striped, rounds * striped, "its large echoes striped");
+        c.close(Deadline::after(10 * SECOND)).unwrap();
+        server.close(Deadline::after(10 * SECOND)).unwrap();
+        assert_eq!(server_pool.used_bytes(), 0, "every receive lease went back");
+    }
+}
+
+#[test]
+fn with_striping_off_a_peer_has_one_connection() {
+    let one = TcpConfig {
+        stripe_min: None,
+        ..TcpConfig::default()
+    };
+    let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());
+    let (c, peer) = client_with(addr, one);
+    let big = sized(0, 1 << 20);
+    c.send(peer, &big, Deadline::after(10 * SECOND), None)
+        .unwrap();
+    let r = server.recv(Deadline::after(10 * SECOND), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), &big[..]);
+    assert_eq!(
+        c.with(|t| (t.connections(peer), t.striped_sent(peer))),
+        (Some(1), 0)
+    );
+    assert_eq!(server.with(|t| t.connections(r.peer)), Some(1));
+}
+
+/// A raw client speaking the striped wire: a main connection and its lane,
+/// each announced by a Hello with `token`.
+struct RawStriped {
+    main: TcpStream,
+    lane: TcpStream,
+}
+
+impl RawStriped {
+    fn hello(token: u64, lane: u32) -> [u8; HEADER_LEN] {
+        Header::control(FrameKind::Hello, 0, lane, token).encode()
+    }
+
+    /// The documented split: half the payload, rounded down to 4 KiB, on the
+    /// main connection after the header; the rest on the lane.
+    fn halves(payload: &[u8]) -> (&[u8], &[u8]) {
+        payload.split_at((payload.len() / 2) & !4095)
+    }
+
+    fn header(seq: u64, payload: &[u8]) -> [u8; HEADER_LEN] {
+        Header::data(0, 0, seq, payload, false, Flags::STRIPED).encode()
+    }
+}
+
+#[test]
+fn a_lane_that_says_hello_before_its_main_connection_is_paired_with_its_early_bytes() {
+    let (server, addr, pool) = listener(64 << 20, TcpConfig::default());
+    let token = 0x5EED;
+    let payload = sized(9, 600 << 10);
+    let (first, rest) = RawStriped::halves(&payload);
+    let mut raw = RawStriped {
+        main: TcpStream::connect(addr).unwrap(),
+        lane: TcpStream::connect(addr).unwrap(),
+    };
+    // The lane speaks first, and its bytes of the message come with its Hello.
+    raw.lane.write_all(&RawStriped::hello(token, 1)).unwrap();
+    raw.lane.write_all(rest).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    raw.main.write_all(&RawStriped::hello(token, 0)).unwrap();
+    raw.main
+        .write_all(&RawStriped::header(0, &payload))
+        .unwrap();
+    raw.main.write_all(first).unwrap();
+    let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), &payload[..]);
+    assert_eq!(
+        server.with(|t| (t.peer_count(), t.connections(r.peer))),
+        (1, Some(2))
+    );
+    drop(r);
+    assert_eq!(pool.used_bytes(), 0);
+}
+
+#[test]
+fn a_lane_that_dies_mid_message_loses_its_peer_and_leaks_nothing() {
+    let (server, addr, pool) = listener(64 << 20, TcpConfig::default());
+    let (good, peer) = client(addr);
+    let used_before = pool.used_bytes();
+    let token = 0xD1E5;
+    let mut raw = RawStriped {
+        main: TcpStream::connect(addr).unwrap(),
+        lane: TcpStream::connect(addr).unwrap(),
+    };
+    raw.main.write_all(&RawStriped::hello(token, 0)).unwrap();
+    raw.lane.write_all(&RawStriped::hello(token, 1)).unwrap();
+    let payload = sized(1, 1 << 20);
+    let (first, rest) = RawStriped::halves(&payload);
+    raw.main
+        .write_all(&RawStriped::header(0, &payload))
+        .unwrap();
+    raw.main.write_all(first).unwrap();
+    raw.lane.write_all(&rest[..100_000]).unwrap();
+    let t0 = Instant::now();
+    while pool.used_bytes() == used_before && t0.elapsed() < 5 * SECOND {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        pool.used_bytes() > used_before,
+        "the partial message holds a lease"
+    );
+    // The lane goes (a reset, as from a killed process); the main
+    // connection stays open, with its part of the message delivered.
+    socket_linger_zero(&raw.lane);
+    drop(raw.lane);
+    let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+    assert!(matches!(e, Error::PeerLost(_)), "{e:?}");
+    assert_eq!(
+        pool.used_bytes(),
+        used_before,
+        "the partial message's lease went back"
+    );
+    assert_eq!(
+        server.with(|t| t.peer_count()),
+        1,
+        "only the good peer is left"
+    );
+    good.send(peer, b"still here", Deadline::after(SECOND), None)
+        .unwrap();
+    let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), b"still here");
+}
+
 /// Reads one frame from a raw socket: (header, payload).
 fn read_frame(s: &mut TcpStream) -> (Header, Vec<u8>) {
     use std::io::Read;
@@ -469,7 +679,12 @@ fn read_frame(s: &mut TcpStream) -> (Header, Vec<u8>) {
 #[test]
 fn a_large_send_is_finished_from_the_callers_slice_or_from_a_copy_when_its_deadline_strikes() {
     let raw = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let (c, peer) = client(raw.local_addr().unwrap());
+    // One connection (no lane), so the raw reader sees every frame whole.
+    let one = TcpConfig {
+        stripe_min: None,
+        ..TcpConfig::default()
+    };
+    let (c, peer) = client_with(raw.local_addr().unwrap(), one);
     let (mut reader, _) = raw.accept().unwrap();
     let big = message(1, 1 << 20);
     let big: Vec<u8> = big.iter().copied().cycle().take(16 << 20).collect();

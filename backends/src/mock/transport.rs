@@ -2,7 +2,7 @@
 
 use core::ops::Deref;
 
-use zerohop_core::wire::{FrameKind, Header, HEADER_LEN};
+use zerohop_core::wire::{Flags, FrameKind, Header, HEADER_LEN};
 use zerohop_core::{
     Access, Capabilities, Error, Kind, Lease, PeerId, Pool, Received, Rejected, Transport,
 };
@@ -86,7 +86,7 @@ where
                 max: self.max_message,
             });
         }
-        let h = Header::data(0, 0, self.tx_seq, payload, true, false);
+        let h = Header::data(0, 0, self.tx_seq, payload, true, Flags::NONE);
         self.link.transmit(&h.encode(), payload)?;
         self.tx_seq += 1;
         Ok(())

@@ -829,7 +829,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             ([data, data], usize::from(len > 0))
         } else {
             let mut h = match f.kind {
-                FrameKind::Data => Header::data(f.total, conn.owed, f.seq, &[], false, f.more),
+                FrameKind::Data => Header::data(f.total, conn.owed, f.seq, &[], false, Flags::NONE),
                 k => Header::control(k, 0, conn.owed, f.seq),
             };
             h.len = len as u32;
