@@ -8,7 +8,10 @@
 //! register, microseconds) happens *outside* the lock, with its bytes reserved
 //! against the budget first so concurrent growers cannot overshoot it.
 //! Requests larger than the largest class take the oversize path: a dedicated
-//! chunk, freed when its lease is released.
+//! chunk. A released one is kept (the last [`SPARE_OVERSIZE`]) for the next
+//! oversize request it fits, so a stream of large messages does not fault in
+//! and register fresh memory for each one; kept buffers go back to the source
+//! when the budget needs their room, or with the pool.
 //!
 //! Capacity is fixed when the pool is made: its descriptor tables come from
 //! a [`PoolTables`] — [`InlineTables`] (arrays in the pool itself, for
@@ -25,6 +28,8 @@ pub const MAX_CLASSES: usize = 8;
 const NONE: u32 = u32::MAX;
 /// Class index used for oversize slots.
 const OVERSIZE: usize = MAX_CLASSES;
+/// Released oversize buffers kept for reuse, at most.
+pub const SPARE_OVERSIZE: usize = 2;
 
 /// Ascending buffer sizes, at most [`MAX_CLASSES`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -357,8 +362,13 @@ pub struct PoolStats {
     pub registrations: u64,
     /// Oversize leases served, ever.
     pub oversize: u64,
-    /// Idle class chunks given back to make room for another class, ever.
+    /// Of those, served from a kept (released) oversize buffer.
+    pub oversize_reused: u64,
+    /// Idle chunks (or kept oversize buffers) given back to make room, ever.
     pub reclaimed: u64,
+    /// Chunks and oversize buffers given back to the source, ever (while
+    /// the pool lives: `grows - given_back` are held now).
+    pub given_back: u64,
 }
 
 /// One chunk descriptor (opaque): an entry of a pool's chunk table.
@@ -464,6 +474,8 @@ struct State<T> {
     growing: u32,
     /// The chunk each class is carving, or `NONE`.
     carving: [u32; MAX_CLASSES],
+    /// Released oversize chunks kept for reuse, or `NONE`.
+    spare_oversize: [u32; SPARE_OVERSIZE],
     stats: PoolStats,
 }
 
@@ -512,6 +524,7 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
                 growing: 0,
                 free: [NONE; MAX_CLASSES + 1],
                 carving: [NONE; MAX_CLASSES],
+                spare_oversize: [NONE; SPARE_OVERSIZE],
                 stats: PoolStats {
                     budget: config.budget,
                     ..PoolStats::default()
@@ -598,6 +611,13 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
     /// memory is returned for the caller to give back outside the lock.
     /// O(chunks + free slots of that class): a cold path, run only at the budget.
     fn reclaim_idle(st: &mut State<T>) -> Option<Registered> {
+        // A kept oversize buffer first: nothing points into it.
+        if let Some(k) = st.spare_oversize.iter().position(|&c| c != NONE) {
+            let c = core::mem::replace(&mut st.spare_oversize[k], NONE);
+            let mem = Self::free_chunk(st, c);
+            st.stats.reclaimed += u64::from(mem.is_some());
+            return mem;
+        }
         let made = st.chunks_made;
         let victim = st.tables.chunks()[..made]
             .iter()
@@ -628,15 +648,51 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
         if st.carving[class] == victim {
             st.carving[class] = NONE;
         }
-        let mem = st.tables.chunks()[victim as usize].mem.take()?;
-        st.tables.chunks()[victim as usize] = Chunk {
+        let mem = Self::free_chunk(st, victim);
+        st.stats.reclaimed += u64::from(mem.is_some());
+        mem
+    }
+
+    /// Empties chunk descriptor `c` (no lease in it) onto the free list and
+    /// returns its memory, for the caller to give back outside the lock.
+    fn free_chunk(st: &mut State<T>, c: u32) -> Option<Registered> {
+        let mem = st.tables.chunks()[c as usize].mem.take();
+        st.tables.chunks()[c as usize] = Chunk {
             next_free: st.free_chunks,
             ..Chunk::EMPTY
         };
-        st.free_chunks = victim;
-        st.stats.reserved_bytes -= mem.region.len;
-        st.stats.reclaimed += 1;
-        Some(mem)
+        st.free_chunks = c;
+        if let Some(m) = mem {
+            st.stats.reserved_bytes -= m.region.len;
+            st.stats.given_back += 1;
+        }
+        mem
+    }
+
+    /// Serves an oversize request of `grow_len` bytes from a kept buffer
+    /// that fits it without wasting more than as much again.
+    fn reuse_oversize(&self, st: &mut State<T>, grow_len: usize) -> Option<SlotTicket> {
+        let (k, len) = (0..SPARE_OVERSIZE).find_map(|k| {
+            let c = st.spare_oversize[k];
+            if c == NONE {
+                return None;
+            }
+            let len = st.tables.chunks()[c as usize]
+                .mem
+                .map_or(0, |m| m.region.len);
+            (len >= grow_len && len / 2 <= grow_len).then_some((k, len))
+        })?;
+        let index = Self::slot_descriptor(st)?;
+        let c = core::mem::replace(&mut st.spare_oversize[k], NONE);
+        st.tables.slots()[index as usize] = Slot {
+            chunk: c,
+            offset: 0,
+            next: NONE,
+            class: OVERSIZE as u8,
+        };
+        st.stats.oversize += 1;
+        st.stats.oversize_reused += 1;
+        Some(self.finish_take(st, index, None, len))
     }
 
     fn chunk_descriptor(st: &mut State<T>) -> Option<u32> {
@@ -679,6 +735,11 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
         };
         let chunk_index = {
             let mut st = self.state.lock();
+            if class.is_none() {
+                if let Some(ticket) = self.reuse_oversize(&mut st, grow_len) {
+                    return Ok(Some(ticket));
+                }
+            }
             // At the budget, idle chunks of other classes go back to the source
             // first (in batches, given back outside the lock): a class must not
             // starve while another hoards free memory.
@@ -793,10 +854,7 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
             }
             None => {
                 let Some(i) = Self::slot_descriptor(&mut st) else {
-                    let m = st.tables.chunks()[chunk_index as usize].mem.take();
-                    st.tables.chunks()[chunk_index as usize].next_free = st.free_chunks;
-                    st.free_chunks = chunk_index;
-                    st.stats.reserved_bytes -= grow_len;
+                    let m = Self::free_chunk(&mut st, chunk_index);
                     let slots = st.slot_cap;
                     drop(st);
                     if let Some(m) = m {
@@ -910,16 +968,15 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
         if class != OVERSIZE {
             return None;
         }
-        // Oversize: the buffer's chunk goes back to the source.
-        let c = slot.chunk as usize;
-        let mem = st.tables.chunks()[c].mem.take();
-        st.tables.chunks()[c].next_free = st.free_chunks;
-        st.free_chunks = slot.chunk;
+        // Oversize: its slot descriptor is free (above); its chunk is kept
+        // for reuse while there is room among the spares, else it goes
+        // back to the source.
         st.tables.slots()[i].chunk = NONE;
-        if let Some(m) = mem {
-            st.stats.reserved_bytes -= m.region.len;
+        if let Some(k) = st.spare_oversize.iter().position(|&c| c == NONE) {
+            st.spare_oversize[k] = slot.chunk;
+            return None;
         }
-        mem
+        Self::free_chunk(st, slot.chunk)
     }
 }
 
@@ -1113,13 +1170,11 @@ pub(crate) mod tests {
         assert_eq!(p.stats().oversize, 1);
         assert_eq!(p.stats().reserved_bytes, 102_400);
         drop(big);
-        assert_eq!(
-            p.stats().reserved_bytes,
-            0,
-            "an oversize buffer goes back to its source"
-        );
+        assert_eq!(p.stats().reserved_bytes, 102_400, "kept for reuse");
         let nic = p.source().registrar.as_ref().unwrap();
-        assert_eq!(nic.deregistered.load(Ordering::Relaxed), 1);
+        assert_eq!(nic.deregistered.load(Ordering::Relaxed), 0);
+        // Too large for the budget: the kept buffer goes back first, and
+        // the refusal counts nothing held.
         assert_eq!(
             p.lease(2 << 20).unwrap_err(),
             Error::Pool(PoolError::Exhausted {
@@ -1127,6 +1182,52 @@ pub(crate) mod tests {
                 cap: 1 << 20
             })
         );
+        assert_eq!(nic.deregistered.load(Ordering::Relaxed), 1);
+        assert_eq!(p.stats().reserved_bytes, 0);
+    }
+
+    #[test]
+    fn released_oversize_buffers_are_reused_then_given_back_when_their_room_is_needed() {
+        let p = pool(1 << 20);
+        let nic = p.source().registrar.as_ref().unwrap();
+        let first = p.lease(300_000).unwrap();
+        let addr = first.buffer().addr;
+        drop(first);
+        // The same size again, and one a little smaller: the kept buffer, no
+        // new memory or registration.
+        for len in [300_000, 200_000] {
+            let again = p.lease(len).unwrap();
+            assert_eq!(again.buffer().addr, addr, "{len}: the kept buffer");
+            assert!(again.capacity() >= len);
+            assert_eq!(p.used_bytes(), again.capacity());
+        }
+        let st = p.stats();
+        assert_eq!((st.grows, st.oversize, st.oversize_reused), (1, 3, 2));
+        assert_eq!(nic.registered.load(Ordering::Relaxed), 1);
+        // Less than half its size: a buffer of its own (the kept one would
+        // waste more than it serves).
+        let small = p.lease(100_000).unwrap();
+        assert_ne!(small.buffer().addr, addr);
+        assert_eq!(p.stats().oversize_reused, 2);
+        // Three released: the first two kept, the third given back.
+        let (a, b) = (p.lease(300_000).unwrap(), p.lease(300_000).unwrap());
+        drop(small);
+        drop(a);
+        drop(b);
+        let st = p.stats();
+        assert_eq!(st.given_back, 1);
+        assert_eq!(st.reserved_bytes, 102_400 + 303_104, "the two kept");
+        // Class chunks that need the room get it: the kept buffers go back.
+        // (12 chunks of four: with both kept buffers, over the budget.)
+        let held: [_; 48] = core::array::from_fn(|_| p.lease(16384).unwrap());
+        let st = p.stats();
+        assert!(st.reserved_bytes <= 1 << 20, "{st:?}");
+        assert_eq!((st.given_back, st.reclaimed), (3, 2), "{st:?}");
+        assert_eq!(
+            u64::from(nic.deregistered.load(Ordering::Relaxed)),
+            st.given_back
+        );
+        drop(held);
     }
 
     #[test]

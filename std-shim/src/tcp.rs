@@ -46,6 +46,13 @@ const STAGE_BYTES: usize = 64 << 10;
 const DIRECT_MIN: usize = 1 << 10;
 /// How far past a message read straight into its lease the same read goes.
 const READ_AHEAD: usize = 4 << 10;
+/// The default [`TcpConfig::stripe_min`], where striping is on.
+pub const STRIPE_MIN: usize = 256 << 10;
+/// Fewest CPUs on which striping is on by default: it pays where both
+/// sides' kernels can work on the two connections at once, and costs CPU
+/// time where they cannot (BENCHMARKS.md: 2 vCPUs vs 16 cores).
+pub const STRIPE_MIN_CPUS: usize = 4;
+
 /// Lanes whose main connection has not said Hello yet, kept at most (the
 /// oldest is closed first): a forged lane Hello cannot pile up sockets.
 const UNCLAIMED_LANES: usize = 8;
@@ -76,9 +83,10 @@ pub struct TcpConfig {
     /// Checksum payloads as well as headers (default off: TCP checksums its segments).
     pub check_payload: bool,
     /// Messages of at least this many bytes are striped over a second
-    /// connection per peer (default 256 KiB; see the module docs). `None`:
-    /// `connect` opens one connection, and nothing is striped. Striped
-    /// messages from a peer are received either way.
+    /// connection per peer (see the module docs). `None`: `connect` opens one
+    /// connection, and nothing is striped. Striped messages from a peer are
+    /// received either way. Default: [`STRIPE_MIN`] on a host with at least
+    /// [`STRIPE_MIN_CPUS`] CPUs, else `None`.
     pub stripe_min: Option<usize>,
 }
 
@@ -90,7 +98,9 @@ impl Default for TcpConfig {
             inbox_messages: 4096,
             inbox_bytes: 8 << 20,
             check_payload: false,
-            stripe_min: Some(256 << 10),
+            stripe_min: std::thread::available_parallelism()
+                .is_ok_and(|n| n.get() >= STRIPE_MIN_CPUS)
+                .then_some(STRIPE_MIN),
         }
     }
 }

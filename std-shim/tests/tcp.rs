@@ -11,7 +11,7 @@ use zerohop_backends::host_bytes;
 use zerohop_core::wire::DecodeError;
 use zerohop_core::wire::{Flags, FrameKind, Header, HEADER_LEN};
 use zerohop_core::{crc32c, Error, Kind, PeerId, Transport};
-use zerohop_std::tcp::{TcpConfig, TcpTransport};
+use zerohop_std::tcp::{TcpConfig, TcpTransport, STRIPE_MIN};
 use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, StdPool};
 
 const SECOND: Duration = Duration::from_secs(1);
@@ -463,9 +463,9 @@ fn a_large_message_waits_in_the_socket_while_another_waits_for_the_application()
 /// between, so order across the two connections is tested too.
 const STRIPE_SIZES: [usize; 9] = [
     100,
-    (256 << 10) - 1,
-    256 << 10,
-    (256 << 10) + 1,
+    STRIPE_MIN - 1,
+    STRIPE_MIN,
+    STRIPE_MIN + 1,
     12,
     (1 << 20) + 4095,
     3 << 20,
@@ -487,6 +487,7 @@ fn large_messages_are_striped_over_two_connections_and_arrive_whole_and_in_order
     for check_payload in [false, true] {
         let config = TcpConfig {
             check_payload,
+            stripe_min: Some(STRIPE_MIN),
             ..TcpConfig::default()
         };
         let (server, addr, server_pool) = listener(64 << 20, config);
@@ -497,7 +498,7 @@ fn large_messages_are_striped_over_two_connections_and_arrive_whole_and_in_order
             "the client opened a lane"
         );
         let rounds = 3u64;
-        let striped = STRIPE_SIZES.iter().filter(|&&n| n >= 256 << 10).count() as u64;
+        let striped = STRIPE_SIZES.iter().filter(|&&n| n >= STRIPE_MIN).count() as u64;
         let echo = std::thread::spawn(move || {
             // Echo every message back; the acceptor's replies are striped too
             // once it has paired the lane.
