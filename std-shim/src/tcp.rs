@@ -18,12 +18,12 @@
 //! the token, `dst` 0 for the main connection, 1 for the lane). A message of
 //! at least `stripe_min` bytes leaves with the [`Flags::STRIPED`] flag: its
 //! header and first half on the main connection, the rest on the lane
-//! (payload bytes only, in message order), written turn about; the receiver
-//! reads both halves straight into the one lease. On loopback this lets the
-//! sender's kernel work on one socket while the receiver copies out of the
-//! other (one socket: 5.1 GB/s at 1 MiB here; two: 6.0). A peer without a
-//! lane (it never sent a Hello: another implementation, or striping off)
-//! gets every message whole on one connection.
+//! (payload bytes only, in message order), written one after the other; the
+//! receiver reads both halves straight into the one lease. This lets the
+//! sender's kernel fill one socket while the receiver copies out of the
+//! other, rather than the two taking turns at one socket's lock. A peer
+//! without a lane (it never sent a Hello: another implementation, or
+//! striping off) gets every message whole on one connection.
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
@@ -46,12 +46,10 @@ const STAGE_BYTES: usize = 64 << 10;
 const DIRECT_MIN: usize = 1 << 10;
 /// How far past a message read straight into its lease the same read goes.
 const READ_AHEAD: usize = 4 << 10;
-/// The default [`TcpConfig::stripe_min`], where striping is on.
-pub const STRIPE_MIN: usize = 256 << 10;
-/// Fewest CPUs on which striping is on by default: it pays where both
-/// sides' kernels can work on the two connections at once, and costs CPU
-/// time where they cannot (BENCHMARKS.md: 2 vCPUs vs 16 cores).
-pub const STRIPE_MIN_CPUS: usize = 4;
+/// The default [`TcpConfig::stripe_min`]. Measured on the 16-core H200
+/// host (BENCHMARKS.md), striping costs 2-15% of bandwidth from 256 to 768
+/// KiB and gains from 1 MiB up (1.0-1.45x at 1 MiB, 1.3-1.4x at 4 MiB).
+pub const STRIPE_MIN: usize = 1 << 20;
 
 /// Lanes whose main connection has not said Hello yet, kept at most (the
 /// oldest is closed first): a forged lane Hello cannot pile up sockets.
@@ -85,8 +83,7 @@ pub struct TcpConfig {
     /// Messages of at least this many bytes are striped over a second
     /// connection per peer (see the module docs). `None`: `connect` opens one
     /// connection, and nothing is striped. Striped messages from a peer are
-    /// received either way. Default: [`STRIPE_MIN`] on a host with at least
-    /// [`STRIPE_MIN_CPUS`] CPUs, else `None`.
+    /// received either way. Default: [`STRIPE_MIN`].
     pub stripe_min: Option<usize>,
 }
 
@@ -98,9 +95,7 @@ impl Default for TcpConfig {
             inbox_messages: 4096,
             inbox_bytes: 8 << 20,
             check_payload: false,
-            stripe_min: std::thread::available_parallelism()
-                .is_ok_and(|n| n.get() >= STRIPE_MIN_CPUS)
-                .then_some(STRIPE_MIN),
+            stripe_min: Some(STRIPE_MIN),
         }
     }
 }
