@@ -622,39 +622,43 @@ fn a_lane_that_dies_mid_message_loses_its_peer_and_leaks_nothing() {
     let (server, addr, pool) = listener(64 << 20, TcpConfig::default());
     let (good, peer) = client(addr);
     let used_before = pool.used_bytes();
-    let token = 0xD1E5;
-    let mut raw = RawStriped {
-        main: TcpStream::connect(addr).unwrap(),
-        lane: TcpStream::connect(addr).unwrap(),
-    };
-    raw.main.write_all(&RawStriped::hello(token, 0)).unwrap();
-    raw.lane.write_all(&RawStriped::hello(token, 1)).unwrap();
-    let payload = sized(1, 1 << 20);
-    let (first, rest) = RawStriped::halves(&payload);
-    raw.main
-        .write_all(&RawStriped::header(0, &payload))
-        .unwrap();
-    raw.main.write_all(first).unwrap();
-    raw.lane.write_all(&rest[..100_000]).unwrap();
-    let t0 = Instant::now();
-    while pool.used_bytes() == used_before && t0.elapsed() < 5 * SECOND {
-        std::thread::sleep(Duration::from_millis(1));
+    // The lane closes (end of stream), then, for a second peer, resets (as
+    // from a killed process); each main connection stays open, with its part
+    // of the message delivered.
+    for (token, abort) in [(0xD1E5, false), (0xD1E6, true)] {
+        let mut raw = RawStriped {
+            main: TcpStream::connect(addr).unwrap(),
+            lane: TcpStream::connect(addr).unwrap(),
+        };
+        raw.main.write_all(&RawStriped::hello(token, 0)).unwrap();
+        raw.lane.write_all(&RawStriped::hello(token, 1)).unwrap();
+        let payload = sized(1, 1 << 20);
+        let (first, rest) = RawStriped::halves(&payload);
+        raw.main
+            .write_all(&RawStriped::header(0, &payload))
+            .unwrap();
+        raw.main.write_all(first).unwrap();
+        raw.lane.write_all(&rest[..100_000]).unwrap();
+        let t0 = Instant::now();
+        while pool.used_bytes() == used_before && t0.elapsed() < 5 * SECOND {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(
+            pool.used_bytes() > used_before,
+            "the partial message holds a lease"
+        );
+        if abort {
+            socket_linger_zero(&raw.lane);
+        }
+        drop(raw.lane);
+        let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+        assert!(matches!(e, Error::PeerLost(_)), "{abort}: {e:?}");
+        assert_eq!(
+            pool.used_bytes(),
+            used_before,
+            "{abort}: the partial message's lease went back"
+        );
     }
-    assert!(
-        pool.used_bytes() > used_before,
-        "the partial message holds a lease"
-    );
-    // The lane goes (a reset, as from a killed process); the main
-    // connection stays open, with its part of the message delivered.
-    socket_linger_zero(&raw.lane);
-    drop(raw.lane);
-    let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
-    assert!(matches!(e, Error::PeerLost(_)), "{e:?}");
-    assert_eq!(
-        pool.used_bytes(),
-        used_before,
-        "the partial message's lease went back"
-    );
     assert_eq!(
         server.with(|t| t.peer_count()),
         1,
