@@ -684,15 +684,20 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
         })?;
         let index = Self::slot_descriptor(st)?;
         let c = core::mem::replace(&mut st.spare_oversize[k], NONE);
+        Self::oversize_slot(st, index, c);
+        st.stats.oversize_reused += 1;
+        Some(self.finish_take(st, index, None, len))
+    }
+
+    /// Points slot descriptor `index` at the whole of oversize chunk `chunk`.
+    fn oversize_slot(st: &mut State<T>, index: u32, chunk: u32) {
         st.tables.slots()[index as usize] = Slot {
-            chunk: c,
+            chunk,
             offset: 0,
             next: NONE,
             class: OVERSIZE as u8,
         };
         st.stats.oversize += 1;
-        st.stats.oversize_reused += 1;
-        Some(self.finish_take(st, index, None, len))
     }
 
     fn chunk_descriptor(st: &mut State<T>) -> Option<u32> {
@@ -862,13 +867,7 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
                     }
                     return Err(PoolError::TooManyBuffers { slots }.into());
                 };
-                st.tables.slots()[i as usize] = Slot {
-                    chunk: chunk_index,
-                    offset: 0,
-                    next: NONE,
-                    class: OVERSIZE as u8,
-                };
-                st.stats.oversize += 1;
+                Self::oversize_slot(&mut st, i, chunk_index);
                 i
             }
         };

@@ -281,26 +281,13 @@ fn a_peer_that_dies_mid_message_is_reported_and_leaks_nothing() {
         dying.write_all(&h.encode()).unwrap();
         dying.write_all(&payload[..300_000]).unwrap();
         // Let the server take the header and lease a buffer for the payload.
-        let t0 = Instant::now();
-        while pool.used_bytes() == used_before && t0.elapsed() < 5 * SECOND {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert!(
-            pool.used_bytes() > used_before,
-            "the partial message holds a lease"
-        );
+        await_partial_lease(&pool, used_before);
         if abort {
             // SO_LINGER 0: the kernel sends RST, as for a killed process with unread data.
             socket_linger_zero(&dying);
         }
         drop(dying);
-        let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
-        assert!(matches!(e, Error::PeerLost(_)), "{e:?}");
-        assert_eq!(
-            pool.used_bytes(),
-            used_before,
-            "the partial message's lease went back"
-        );
+        expect_lost_with_its_lease_back(&server, &pool, used_before);
     }
     good.send(peer, b"still here", Deadline::after(SECOND), None)
         .unwrap();
@@ -312,6 +299,29 @@ fn a_peer_that_dies_mid_message_is_reported_and_leaks_nothing() {
                 .lease
         ),
         b"still here"
+    );
+}
+
+/// Waits until a partial message holds a receive lease (`pool` above `before`).
+fn await_partial_lease(pool: &StdPool, before: usize) {
+    let t0 = Instant::now();
+    while pool.used_bytes() == before && t0.elapsed() < 5 * SECOND {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        pool.used_bytes() > before,
+        "the partial message holds a lease"
+    );
+}
+
+/// The next `recv` reports a lost peer, and its partial message's lease is back.
+fn expect_lost_with_its_lease_back(server: &Endpoint<TcpTransport>, pool: &StdPool, before: usize) {
+    let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+    assert!(matches!(e, Error::PeerLost(_)), "{e:?}");
+    assert_eq!(
+        pool.used_bytes(),
+        before,
+        "the partial message's lease went back"
     );
 }
 
@@ -639,25 +649,12 @@ fn a_lane_that_dies_mid_message_loses_its_peer_and_leaks_nothing() {
             .unwrap();
         raw.main.write_all(first).unwrap();
         raw.lane.write_all(&rest[..100_000]).unwrap();
-        let t0 = Instant::now();
-        while pool.used_bytes() == used_before && t0.elapsed() < 5 * SECOND {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert!(
-            pool.used_bytes() > used_before,
-            "the partial message holds a lease"
-        );
+        await_partial_lease(&pool, used_before);
         if abort {
             socket_linger_zero(&raw.lane);
         }
         drop(raw.lane);
-        let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
-        assert!(matches!(e, Error::PeerLost(_)), "{abort}: {e:?}");
-        assert_eq!(
-            pool.used_bytes(),
-            used_before,
-            "{abort}: the partial message's lease went back"
-        );
+        expect_lost_with_its_lease_back(&server, &pool, used_before);
     }
     assert_eq!(
         server.with(|t| t.peer_count()),
