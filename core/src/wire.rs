@@ -131,6 +131,9 @@ pub enum DecodeError {
     },
     /// A control frame that carries a payload.
     UnexpectedPayload,
+    /// A [`Flags::STRIPED`] frame on a connection whose second lane is not
+    /// paired (the sender may stripe only once the receiver confirmed it).
+    NoLane,
     /// The checksum does not match.
     BadChecksum {
         /// Carried in the frame.
@@ -157,6 +160,7 @@ impl fmt::Display for DecodeError {
                 "declared payload of {len} bytes exceeds the maximum of {max}"
             ),
             DecodeError::UnexpectedPayload => f.write_str("control frame with a payload"),
+            DecodeError::NoLane => f.write_str("striped frame without a paired second connection"),
             DecodeError::BadChecksum { carried, computed } => {
                 write!(
                     f,
@@ -284,7 +288,9 @@ impl Header {
             len,
             checksum: u32_at(28),
         };
-        if !h.flags.contains(Flags::PAYLOAD_CHECKED) {
+        // A frame without payload bytes is checked now, whatever its flags
+        // say: nothing will follow to check it against later.
+        if !h.flags.contains(Flags::PAYLOAD_CHECKED) || h.len == 0 {
             h.verify(&[])?;
         }
         Ok(h)
@@ -379,6 +385,19 @@ mod tests {
                 max: 64 << 20
             })
         );
+    }
+
+    #[test]
+    fn a_frame_without_payload_is_checked_at_once_even_when_flagged_payload_checked() {
+        let mut h = Header::control(FrameKind::Hello, 1, 2, 7);
+        h.flags = Flags::PAYLOAD_CHECKED;
+        h.checksum = h.compute_checksum(&[]);
+        assert_eq!(Header::decode(&h.encode(), 0), Ok(h));
+        h.checksum ^= 1;
+        assert!(matches!(
+            Header::decode(&h.encode(), 0),
+            Err(DecodeError::BadChecksum { .. })
+        ));
     }
 
     #[test]

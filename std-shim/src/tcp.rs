@@ -15,7 +15,12 @@
 //! Large messages are striped over two connections per peer, as UCX's
 //! rendezvous uses two lanes: the connecting side opens a second connection
 //! (the peer's *lane*) and names both with a token in a Hello frame (`seq`
-//! the token, `dst` 0 for the main connection, 1 for the lane). A message of
+//! the token, `dst` 0 for the main connection, 1 for the lane). The acceptor
+//! pairs them and acks on the lane (its own Hello with the token, the first
+//! bytes that way); the connecting side stripes only once it has read the
+//! ack, so a striped frame on a connection without a paired lane is a
+//! protocol error (`DecodeError::NoLane`), never a wait for a lane that may
+//! not come. A message of
 //! at least `stripe_min` bytes leaves with the [`Flags::STRIPED`] flag: its
 //! header and first half on the main connection, the rest on the lane
 //! (payload bytes only, in message order), written one after the other; the
@@ -195,6 +200,16 @@ impl Partial {
 /// in message order, and nothing else.
 struct Lane {
     stream: TcpStream,
+    /// The pairing token both connections said Hello with.
+    token: u64,
+    /// The acceptor has paired it: its Hello back (the ack) is the first
+    /// thing on the lane towards the connecting side, which stripes only
+    /// after reading it, so a striped frame never reaches an acceptor
+    /// whose lane is not paired. The acceptor's own lanes start confirmed.
+    confirmed: bool,
+    /// The ack, as far as it has arrived (connecting side).
+    ack: [u8; HEADER_LEN],
+    ack_have: usize,
     /// Bytes read from it before it was known to be a lane (after its
     /// Hello); they come first.
     early: Vec<u8>,
@@ -202,8 +217,46 @@ struct Lane {
 }
 
 impl Lane {
-    /// Reads into `dst` (not empty): `Ok(0)` only at end of stream.
+    /// A lane with nothing read from it beyond its Hello but `early`.
+    fn new(stream: TcpStream, token: u64, confirmed: bool, early: Vec<u8>) -> Lane {
+        Lane {
+            stream,
+            token,
+            confirmed,
+            ack: [0; HEADER_LEN],
+            ack_have: 0,
+            early,
+            early_start: 0,
+        }
+    }
+
+    /// Reads what has arrived of the acceptor's ack: `Ok(true)` once it is
+    /// all in and names this lane's token; an error for anything else.
+    fn confirm(&mut self) -> io::Result<bool> {
+        while !self.confirmed {
+            match self.stream.read(&mut self.ack[self.ack_have..]) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => self.ack_have += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+            if self.ack_have == HEADER_LEN {
+                let h = Header::decode(&self.ack, 0).map_err(|_| io::ErrorKind::InvalidData)?;
+                if h.kind != FrameKind::Hello || h.seq != self.token {
+                    return Err(io::ErrorKind::InvalidData.into());
+                }
+                self.confirmed = true;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Reads into `dst` (not empty), the ack first: `Ok(0)` only at end of stream.
     fn read(&mut self, dst: &mut [u8]) -> io::Result<usize> {
+        if !self.confirm()? {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
         if let Some(early) = self.early.get(self.early_start..).filter(|e| !e.is_empty()) {
             let n = early.len().min(dst.len());
             dst[..n].copy_from_slice(&early[..n]);
@@ -382,19 +435,17 @@ impl TcpTransport {
         lane.set_nodelay(true)?;
         lane.write_all(&hello(1))?;
         lane.set_nonblocking(true)?;
-        p.lane = Some(Lane {
-            stream: lane,
-            early: Vec::new(),
-            early_start: 0,
-        });
+        p.lane = Some(Lane::new(lane, token, false, Vec::new()));
         Ok(())
     }
 
     /// How many connections carry `peer`'s messages: 2 once its lane is
-    /// paired (large messages are striped), else 1; `None` for no such peer.
+    /// paired (accepting side) and confirmed (connecting side: the ack has
+    /// been read, by a large send or a striped receive), so large messages
+    /// are striped; else 1. `None` for no such peer.
     pub fn connections(&self, peer: PeerId) -> Option<usize> {
         let p = self.peers.get(peer.0 as usize)?.as_ref()?;
-        Some(1 + usize::from(p.lane.is_some()))
+        Some(1 + usize::from(p.lane.as_ref().is_some_and(|l| l.confirmed)))
     }
 
     /// Messages sent to `peer` striped over its two connections so far (0
@@ -518,7 +569,12 @@ impl TcpTransport {
         if p.queued_bytes > 0 && p.queued_bytes + HEADER_LEN + len > limit {
             return Err((Error::WouldBlock, src));
         }
-        let striped = p.lane.is_some() && stripe_min.is_some_and(|m| len >= m);
+        // (A lane not yet confirmed is checked for the ack here: a sender
+        // that never receives still starts striping.)
+        let striped = stripe_min.is_some_and(|m| len >= m)
+            && p.lane
+                .as_mut()
+                .is_some_and(|l| matches!(l.confirm(), Ok(true)));
         let (split, extra) = match striped {
             true => (stripe_split(len), Flags::STRIPED),
             false => (len, Flags::NONE),
@@ -639,27 +695,23 @@ impl TcpTransport {
             let Some(k) = self.unclaimed.iter().position(|(t, _)| *t == token) else {
                 return false;
             };
-            p.lane = self.unclaimed.remove(k).map(|(_, l)| l);
-            return true;
+            let Some((_, lane)) = self.unclaimed.remove(k) else {
+                return false;
+            };
+            return pair(p, lane);
         }
         let Some(p) = self.peers[i].take() else {
             return false;
         };
-        let lane = Lane {
-            early: p.stage[p.stage_start..p.stage_end].to_vec(),
-            early_start: 0,
-            stream: p.stream,
-        };
+        let early = p.stage[p.stage_start..p.stage_end].to_vec();
+        let lane = Lane::new(p.stream, token, true, early);
         let main = self
             .peers
             .iter_mut()
             .flatten()
             .find(|q| q.token == Some(token) && q.lane.is_none());
         match main {
-            Some(q) => {
-                q.lane = Some(lane);
-                true
-            }
+            Some(q) => pair(q, lane),
             None => {
                 if self.unclaimed.len() == UNCLAIMED_LANES {
                     self.unclaimed.pop_front();
@@ -701,8 +753,8 @@ impl TcpTransport {
             }
             // 1. Finish the message in progress.
             if let Some(part) = p.partial.as_mut() {
-                // 1a. A striped message's rest, from the lane into its place.
-                // Not paired yet (its Hello unread): the rest waits for it.
+                // 1a. A striped message's rest, from the lane into its place
+                // (on the connecting side, the acceptor's ack is read first).
                 let mut lane_idle = true;
                 if let (true, Some(lane)) = (part.lane_missing() > 0, p.lane.as_mut()) {
                     let at = part.split + part.lane_have;
@@ -800,6 +852,9 @@ impl TcpTransport {
                 match h.kind {
                     FrameKind::Data => {
                         let len = h.len as usize;
+                        if h.flags.contains(Flags::STRIPED) && p.lane.is_none() {
+                            return ReadOutcome::Bad(DecodeError::NoLane);
+                        }
                         // A payload that must be read from the socket into
                         // its own lease waits while a message is already
                         // waiting for the application: reading it now would
@@ -887,6 +942,24 @@ impl TcpTransport {
     fn pool_dry(&self) -> bool {
         self.peers.iter().flatten().any(|p| p.dry)
     }
+}
+
+/// Pairs `lane` with main connection `p` (accepting side) and acks it on the
+/// lane, so the connecting side starts striping. Returns whether it paired:
+/// a lane that cannot take the ack is dropped (the peer keeps one connection).
+fn pair(p: &mut Peer, mut lane: Lane) -> bool {
+    let ack = Header::control(FrameKind::Hello, 0, 1, lane.token).encode();
+    // The first bytes this way on a fresh connection: the socket takes them whole.
+    if let Err(e) = lane.stream.write_all(&ack) {
+        log::info!(
+            "tcp: could not ack the second connection of {} ({e})",
+            p.addr
+        );
+        return false;
+    }
+    lane.confirmed = true;
+    p.lane = Some(lane);
+    true
 }
 
 /// Writes as much of a frame as the sockets take: `header` and
