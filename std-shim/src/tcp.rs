@@ -20,9 +20,9 @@
 //! bytes that way); the connecting side stripes only once it has read the
 //! ack, so a striped frame on a connection without a paired lane is a
 //! protocol error (`DecodeError::NoLane`), never a wait for a lane that may
-//! not come. A message of
-//! at least `stripe_min` bytes leaves with the [`Flags::STRIPED`] flag: its
-//! header and first half on the main connection, the rest on the lane
+//! not come. A message of at least `stripe_min` bytes leaves with the
+//! [`Flags::STRIPED`] flag: its header and first half on the main
+//! connection, the rest on the lane
 //! (payload bytes only, in message order), written one after the other; the
 //! receiver reads both halves straight into the one lease. This lets the
 //! sender's kernel fill one socket while the receiver copies out of the
