@@ -1,7 +1,8 @@
 //! The TCP wire: kind `tcp` (heap receive pool) and kind `uma` (the same wire
 //! receiving into CUDA managed memory).
 //!
-//! Non-blocking sockets, one per peer, framed with core's [`wire`]. Sends go
+//! Non-blocking sockets, one per peer (two for large messages: below),
+//! framed with core's [`wire`](zerohop_core::wire). Sends go
 //! straight to the socket with `writev` when the peer's queue is empty and are
 //! copied only for what the kernel did not take; each peer's queue is bounded
 //! in bytes, so a receiver that stops reading makes `try_send` say
