@@ -253,18 +253,7 @@ fn garbage_and_a_huge_declared_length_close_only_that_connection() {
         pool.stats()
     );
 
-    // The well-behaved peer is unaffected.
-    good.send(peer, b"after", Deadline::after(SECOND), None)
-        .unwrap();
-    assert_eq!(
-        host_bytes(
-            &server
-                .recv(Deadline::after(5 * SECOND), None)
-                .unwrap()
-                .lease
-        ),
-        b"after"
-    );
+    expect_still_served(&server, &good, peer);
     assert_eq!(server.with(|t| t.peer_count()), 1);
     assert_eq!(pool.used_bytes(), 0);
 }
@@ -289,17 +278,19 @@ fn a_peer_that_dies_mid_message_is_reported_and_leaks_nothing() {
         drop(dying);
         expect_lost_with_its_lease_back(&server, &pool, used_before);
     }
+    expect_still_served(&server, &good, peer);
+}
+
+/// The well-behaved peer is unaffected: its next message still arrives.
+fn expect_still_served(
+    server: &Endpoint<TcpTransport>,
+    good: &Endpoint<TcpTransport>,
+    peer: PeerId,
+) {
     good.send(peer, b"still here", Deadline::after(SECOND), None)
         .unwrap();
-    assert_eq!(
-        host_bytes(
-            &server
-                .recv(Deadline::after(5 * SECOND), None)
-                .unwrap()
-                .lease
-        ),
-        b"still here"
-    );
+    let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), b"still here");
 }
 
 /// Waits until a partial message holds a receive lease (`pool` above `before`).
@@ -694,10 +685,7 @@ fn a_striped_frame_without_a_paired_lane_is_a_protocol_error() {
         "only the good peer is left"
     );
     assert_eq!(pool.used_bytes(), used_before, "nothing leased for them");
-    good.send(peer, b"still here", Deadline::after(SECOND), None)
-        .unwrap();
-    let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
-    assert_eq!(host_bytes(&r.lease), b"still here");
+    expect_still_served(&server, &good, peer);
 }
 
 #[test]
@@ -735,10 +723,7 @@ fn a_lane_that_dies_mid_message_loses_its_peer_and_leaks_nothing() {
         1,
         "only the good peer is left"
     );
-    good.send(peer, b"still here", Deadline::after(SECOND), None)
-        .unwrap();
-    let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
-    assert_eq!(host_bytes(&r.lease), b"still here");
+    expect_still_served(&server, &good, peer);
 }
 
 /// Reads one frame from a raw socket: (header, payload).
