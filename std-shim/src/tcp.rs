@@ -216,9 +216,8 @@ struct Lane {
     ack: [u8; HEADER_LEN],
     ack_have: usize,
     /// Bytes read from it before it was known to be a lane (after its
-    /// Hello); they come first.
+    /// Hello) and not yet taken; they come first.
     early: Vec<u8>,
-    early_start: usize,
 }
 
 impl Lane {
@@ -231,7 +230,6 @@ impl Lane {
             ack: [0; HEADER_LEN],
             ack_have: 0,
             early,
-            early_start: 0,
         }
     }
 
@@ -262,10 +260,10 @@ impl Lane {
         if !self.confirm()? {
             return Err(io::ErrorKind::WouldBlock.into());
         }
-        if let Some(early) = self.early.get(self.early_start..).filter(|e| !e.is_empty()) {
-            let n = early.len().min(dst.len());
-            dst[..n].copy_from_slice(&early[..n]);
-            self.early_start += n;
+        if !self.early.is_empty() {
+            let n = self.early.len().min(dst.len());
+            dst[..n].copy_from_slice(&self.early[..n]);
+            self.early.drain(..n);
             return Ok(n);
         }
         self.stream.read(dst)
