@@ -828,12 +828,12 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             // The bytes alone; the credits ride in the immediate data.
             ([data, data], usize::from(len > 0))
         } else {
+            let more = if f.more { Flags::MORE } else { Flags::NONE };
             let mut h = match f.kind {
-                FrameKind::Data => Header::data(f.total, conn.owed, f.seq, &[], false, Flags::NONE),
+                FrameKind::Data => Header::data(f.total, conn.owed, f.seq, &[], false, more),
                 k => Header::control(k, 0, conn.owed, f.seq),
             };
             h.len = len as u32;
-            h.flags = if f.more { Flags::MORE } else { Flags::NONE };
             h.checksum = h.compute_checksum(&[]);
             let at = (conn.recv.len() + slot) * HEADER_LEN;
             host_bytes_mut_range(&mut conn.headers, at, HEADER_LEN).copy_from_slice(&h.encode());
