@@ -53,8 +53,9 @@ const DIRECT_MIN: usize = 1 << 10;
 /// How far past a message read straight into its lease the same read goes.
 const READ_AHEAD: usize = 4 << 10;
 /// The default [`TcpConfig::stripe_min`]. Measured on the 16-core H200
-/// host (BENCHMARKS.md), striping costs 2-15% of bandwidth from 256 to 768
-/// KiB and gains from 1 MiB up (1.0-1.45x at 1 MiB, 1.3-1.4x at 4 MiB).
+/// host (BENCHMARKS.md), striping loses bandwidth from 256 to 768 KiB
+/// (0.72-1.01x) and gains from 1 MiB up (1.02-1.45x at 1 MiB, 1.28-1.43x
+/// at 4 MiB).
 pub const STRIPE_MIN: usize = 1 << 20;
 
 /// A message at least this long re-arms quick ACKs on the connections it
