@@ -5,7 +5,7 @@
 #[cfg(not(loom))]
 pub(crate) use std::{
     sync::atomic::{AtomicBool, AtomicUsize},
-    sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError},
+    sync::{Arc, Condvar, Mutex, MutexGuard},
     thread,
 };
 
@@ -15,6 +15,3 @@ pub(crate) use loom::{
     sync::{Arc, Condvar, Mutex, MutexGuard},
     thread,
 };
-/// loom's `try_lock` reports std's error type.
-#[cfg(loom)]
-pub(crate) use std::sync::TryLockError;

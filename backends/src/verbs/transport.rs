@@ -10,8 +10,8 @@
 //! carries the credits returned (kind, length and sequence follow from the
 //! completion and RC's ordering), so a 64 B message is 64 B on the wire.
 //! Frames that fit the QP's inline room go inline (copied into the work
-//! request, straight from the caller's bytes or host lease when nothing is
-//! queued) and ask for a completion one in 16. A host payload is received whole into
+//! request, straight from the caller's bytes when nothing is queued) and
+//! ask for a completion one in 16. A host payload is received whole into
 //! one pool buffer, header first (if any), and handed on from past the
 //! header (`Lease::advance`); a device payload is received as two entries,
 //! the header into a host header slot and the payload into GPU memory, so
@@ -23,9 +23,7 @@
 //! starts with the peer's receive depth (exchanged in the CM private data),
 //! spends one per frame, and gets them back in every frame it receives
 //! (a header's `dst`, or a headerless frame's immediate data, carries the
-//! number of receives reposted since the last report). A delivered
-//! message's receive is reposted at the receiver's next call, after any
-//! reply it sends (`refill`): the repost stays off the round trip.
+//! number of receives reposted since the last report).
 //! Data frames need two credits, a credit-only frame one: the last credit is
 //! kept for returning credits (spent on a credit frame whenever data waits
 //! for credits), so two busy peers cannot starve each other.
@@ -132,8 +130,6 @@ struct Conn<M: PayloadMemory> {
     cq: NonNull<ffi::ibv_cq>,
     headers: HeaderLease,
     recv: Vec<Option<PayloadLease<M>>>,
-    /// Receive slots with no buffer posted (see `refill`).
-    unposted: Vec<u32>,
     /// Send slots whose completion was asked for, with what must live until it.
     send: Vec<Option<Payload<M>>>,
     /// Send slots posted without a completion (inline frames), oldest first:
@@ -649,7 +645,6 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             cq,
             headers,
             recv: (0..depth).map(|_| None).collect(),
-            unposted: Vec::with_capacity(depth),
             send: (0..send_depth).map(|_| None).collect(),
             unsignaled: VecDeque::new(),
             posted_at: vec![0; send_depth],
@@ -669,8 +664,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             peer_closed: false,
         };
         for slot in 0..depth {
-            if let Err(e) = Self::post_recv(&self.recv_pool, self.config.fragment, &mut conn, slot)
-            {
+            if let Err(e) = self.post_recv(&mut conn, slot) {
                 self.teardown(&mut conn);
                 return Err(VerbsError::Connect(format!(
                     "posting the receive ring: {e}"
@@ -712,14 +706,12 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// each entry is a lookup and a copy in the kernel); device payloads
     /// take the header into the host header ring and the payload into GPU
     /// memory, so the CPU never reads a header out of device memory.
-    fn post_recv(
-        pool: &Arc<M::Pool>,
-        fragment: usize,
-        conn: &mut Conn<M>,
-        slot: usize,
-    ) -> Result<(), Error> {
+    fn post_recv(&self, conn: &mut Conn<M>, slot: usize) -> Result<(), Error> {
         let whole = M::HOST_VISIBLE;
-        let lease = Lease::take(Arc::clone(pool), Self::receive_buffer_len(fragment))?;
+        let lease = Lease::take(
+            Arc::clone(&self.recv_pool),
+            Self::receive_buffer_len(self.config.fragment),
+        )?;
         let (hmr, pmr) = (
             conn.headers.mr().expect("registered"),
             lease.mr().expect("registered"),
@@ -756,27 +748,6 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         conn.recv[slot] = Some(lease);
         conn.owed += 1;
         Ok(())
-    }
-
-    /// Posts fresh buffers into the receive slots that have none, until the
-    /// pool runs dry (the rest wait for the next call). A completed receive
-    /// is not reposted before its message is delivered but here, at the
-    /// caller's next call — after the reply it sends, for one that answers —
-    /// so the pool lease and the post stay off the round trip's path. Every
-    /// poll starts here, and so does a send's end, so a slot waits at most
-    /// until its receiver calls again (or the progress thread's pass for one
-    /// that stopped). The peer's credits count posted receives only, so a
-    /// slot waiting here is one the peer cannot send into.
-    fn refill(pool: &Arc<M::Pool>, fragment: usize, conn: &mut Conn<M>) {
-        if conn.peer_closed {
-            return;
-        }
-        while let Some(&slot) = conn.unposted.last() {
-            if Self::post_recv(pool, fragment, conn, slot as usize).is_err() {
-                break;
-            }
-            conn.unposted.pop();
-        }
     }
 
     /// Posts as many queued frames as credits and send slots allow.
@@ -956,11 +927,6 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             ));
         }
         let frag = self.config.fragment;
-        // A lease of our own registered pools goes as it is (zero copy);
-        // any other (another pool, another PD, no registration) is copied.
-        let own = lease.as_ref().is_some_and(|l| {
-            Arc::ptr_eq(l.pool(), &self.send_pool) || Arc::ptr_eq(l.pool(), &self.recv_pool)
-        });
         let Some(Some(conn)) = self.peers.get_mut(peer.0 as usize) else {
             return Err((Error::UnknownPeer(peer), lease));
         };
@@ -973,16 +939,10 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         }
         let seq = conn.tx_seq;
         // A small message with nothing queued ahead and credits to spare
-        // goes inline straight from where it is — the caller's bytes, or a
-        // host lease of our own — without a buffer or a queue entry of ours
-        // (the lease goes back once posted: the NIC has a copy).
-        let inline_from = match (bytes, &lease) {
-            (Some(b), _) => Some(b.as_ptr() as u64),
-            (None, Some(l)) if own && M::HOST_VISIBLE => Some(l.device_ptr()),
-            _ => None,
-        };
-        if let Some(addr) = inline_from {
-            let header = if Self::headerless(conn, FrameKind::Data, false, total as u32, total) {
+        // goes inline straight from the caller's bytes: no buffer, no copy
+        // of our own.
+        if let Some(b) = bytes {
+            let header = if Self::headerless(conn, FrameKind::Data, false, total as u32, b.len()) {
                 0
             } else {
                 HEADER_LEN
@@ -990,7 +950,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             if conn.pending.is_empty()
                 && conn.credits >= 2
                 && !conn.free_send.is_empty()
-                && Self::inline(conn, header + total, true)
+                && Self::inline(conn, header + b.len(), true)
             {
                 let f = Frame {
                     kind: FrameKind::Data,
@@ -999,17 +959,20 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                     more: false,
                     payload: Payload::None,
                 };
-                if let Err(e) = Self::post_frame(conn, f, (addr, total, 0), true) {
-                    return Err((e, lease));
-                }
+                Self::post_frame(conn, f, (b.as_ptr() as u64, b.len(), 0), true)
+                    .map_err(|e| (e, None))?;
                 conn.tx_seq += 1;
-                Self::refill(&self.recv_pool, frag, conn);
                 return Ok(());
             }
         }
         match lease {
             // One fragment from a lease of our own registered pools: zero copy.
-            Some(l) if total <= frag && own => {
+            // Any other lease (another pool, another PD, no registration) is copied.
+            Some(l)
+                if total <= frag
+                    && (Arc::ptr_eq(l.pool(), &self.send_pool)
+                        || Arc::ptr_eq(l.pool(), &self.recv_pool)) =>
+            {
                 conn.pending.push_back(Frame {
                     kind: FrameKind::Data,
                     seq,
@@ -1061,7 +1024,6 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         // The message is queued: a posting failure now means a broken QP,
         // which the next progress reports for this peer.
         let _ = Self::pump(conn, self.config.recv_depth);
-        Self::refill(&self.recv_pool, frag, conn);
         Ok(())
     }
 
@@ -1204,12 +1166,18 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             }
         }
         any |= self.drain_and_arm(conn, peer)?;
+        // Refill receives the pool could not serve earlier.
+        for slot in 0..conn.recv.len() {
+            if conn.recv[slot].is_none() && !conn.peer_closed && self.post_recv(conn, slot).is_err()
+            {
+                break;
+            }
+        }
         any |= Self::pump(conn, self.config.recv_depth)?;
         Ok(any)
     }
 
     fn drain_cq(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<usize, Error> {
-        Self::refill(&self.recv_pool, self.config.fragment, conn);
         // Not zeroed: this runs on every poll of a spinning receiver.
         let mut wcs = std::mem::MaybeUninit::<[ffi::ibv_wc; POLL_BATCH]>::uninit();
         // SAFETY: a live CQ and room for POLL_BATCH completions.
@@ -1273,7 +1241,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             lease.advance(HEADER_LEN)?;
         }
         conn.credits = conn.credits.saturating_add(h.dst);
-        conn.unposted.push(slot as u32);
+        self.repost(conn, slot);
         match h.kind {
             FrameKind::Data => {}
             FrameKind::Close => {
@@ -1323,6 +1291,14 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         Ok(())
     }
 
+    /// Reposts receive `slot` at once with a fresh buffer (the old one goes
+    /// to the application); a dry pool leaves it to `poll_conn`'s retry.
+    fn repost(&self, conn: &mut Conn<M>, slot: usize) {
+        if self.post_recv(conn, slot).is_err() {
+            conn.recv[slot] = None;
+        }
+    }
+
     /// A headerless frame: a whole message at the start of the buffer, the
     /// credits it returns in the immediate data. Only a receiver that
     /// announced it takes them, and never inside a split message (a sender
@@ -1344,7 +1320,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             });
         }
         conn.credits = conn.credits.saturating_add(credits);
-        conn.unposted.push(slot as u32);
+        self.repost(conn, slot);
         lease.set_len(byte_len)?;
         let seq = conn.rx_next;
         self.deliver(conn, peer, seq, lease);
@@ -1447,7 +1423,6 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             }
         }
         conn.recv.clear();
-        conn.unposted.clear();
         conn.send.clear();
         conn.unsignaled.clear();
         conn.pending.clear();
