@@ -209,13 +209,10 @@ where
         // sat on the path being measured: a read costs ~140 ns in the
         // Soft-RoCE VM.)
         let mut stamps = Vec::with_capacity(n + 1);
-        for i in 0..=n + WARMUP {
+        for i in 0..n + WARMUP {
             let now = Instant::now();
             if i >= WARMUP {
                 stamps.push(now);
-            }
-            if i == n + WARMUP {
-                break;
             }
             let deadline = Deadline::at(now + LONG);
             send_one(deadline)?;
@@ -224,6 +221,7 @@ where
                 return Err(Error::Backend("perf: echo of the wrong size"));
             }
         }
+        stamps.push(Instant::now()); // the end of the last round trip
         let mut rtts: Vec<Duration> = stamps.windows(2).map(|w| w[1] - w[0]).collect();
         rtts.sort_unstable();
         bar.inc(1);
