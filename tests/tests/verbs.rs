@@ -365,6 +365,64 @@ fn two_peers_out_of_credits_with_data_queued_still_return_credits() {
 }
 
 #[test]
+fn a_listener_answers_a_first_message_that_arrives_before_its_established_event() {
+    // The connecting side may send once its own side is established; the
+    // RTU that raises the listener's ESTABLISHED event trails that message,
+    // and the listener reads CM events only in `progress` (its endpoint's
+    // progress thread, which a loaded host can hold back). Its reply must
+    // not be refused meanwhile: a message that arrived proves the
+    // connection. Here `b` takes the connect request and then only polls
+    // for data, so its ESTABLISHED event stays unread.
+    let dev = match Device::open() {
+        Ok(d) => d,
+        Err(e) => return eprintln!("SKIPPED: {e}"),
+    };
+    let config = RdmaConfig {
+        recv_depth: 8,
+        recv_pool_bytes: 16 << 20,
+        send_pool_bytes: 16 << 20,
+        ..RdmaConfig::default()
+    };
+    let until = std::time::Instant::now() + WAIT;
+    let next = |t: &mut RdmaTransport| loop {
+        match t.try_recv() {
+            Err(Error::WouldBlock) => assert!(std::time::Instant::now() < until, "no message"),
+            r => return r.unwrap(),
+        }
+    };
+    // The RTU can beat the end of the pass that accepts (then that pass
+    // reads the event, and there is no race to test): a fresh pair then.
+    for port in 19_100..19_120 {
+        let addr = rdma_addr(port).expect("an RDMA address");
+        let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
+        b.listen(addr).unwrap();
+        let d = Arc::clone(&dev);
+        let connecting = std::thread::spawn(move || {
+            let mut a = RdmaTransport::new(d, config).unwrap();
+            let peer = a.connect(addr).unwrap();
+            (a, peer)
+        });
+        // The first CM event a listener reads is the connect request (accepted there).
+        while !b.progress().unwrap() {
+            assert!(std::time::Instant::now() < until, "no connect request");
+        }
+        let (mut a, peer) = connecting.join().unwrap();
+        if b.peer_count() != 0 {
+            continue;
+        }
+        a.try_send(peer, b"first").unwrap();
+        let r = next(&mut b);
+        assert_eq!(host_bytes(&r.lease), b"first");
+        b.try_send(r.peer, b"reply")
+            .expect("a reply to a message that arrived goes out");
+        assert_eq!(b.peer_count(), 1, "the arrival established the connection");
+        assert_eq!(host_bytes(&next(&mut a).lease), b"reply");
+        return;
+    }
+    eprintln!("note: each listener read its ESTABLISHED event while accepting: the race was not exercised");
+}
+
+#[test]
 fn a_receiver_that_is_not_receiving_yet_still_frees_its_ring() {
     // The application of b does not call recv until a has sent many rings'
     // worth and flushed: b's progress thread must drain arrivals (and hand

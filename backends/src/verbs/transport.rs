@@ -150,6 +150,8 @@ struct Conn<M: PayloadMemory> {
     inline_max: usize,
     /// The peer takes headerless frames (see [`RdmaConfig::headerless`]).
     peer_headerless: bool,
+    /// Sends may go: the CM said so, or (on the accepting side) a frame
+    /// from the peer arrived first (see `established_by_arrival`).
     established: bool,
     closing: bool,
     peer_closed: bool,
@@ -930,8 +932,12 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         let Some(Some(conn)) = self.peers.get_mut(peer.0 as usize) else {
             return Err((Error::UnknownPeer(peer), lease));
         };
-        if !conn.established || conn.closing {
+        if conn.closing {
             return Err((Error::UnknownPeer(peer), lease));
+        }
+        if !conn.established {
+            // Accepted, not yet established: the caller tries again.
+            return Err((Error::WouldBlock, lease));
         }
         // Bounded queue: at most one ring's worth of frames waiting.
         if conn.pending.len() > conn.send.len() * 2 {
@@ -1201,6 +1207,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             if wc.wr_id & SEND_TAG != 0 {
                 Self::send_completed(conn, (wc.wr_id & !SEND_TAG) as usize);
             } else {
+                if !conn.established {
+                    Self::established_by_arrival(conn);
+                }
                 let imm = (wc.wc_flags & ffi::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0).then(|| {
                     // SAFETY: the flag says the union holds the immediate data.
                     u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data })
@@ -1209,6 +1218,21 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             }
         }
         Ok(n as usize)
+    }
+
+    /// The accepting side's first receive can complete before its CM event
+    /// channel reports the connection established: the peer may send as
+    /// soon as its own side is, and the RTU that raises our event travels
+    /// (and is read, by whoever polls the CM next) behind it. A frame that
+    /// arrived proves the connection, so replies may go at once — a reply
+    /// refused meanwhile failed a server's first answer under load — and
+    /// librdmacm is told, as `rdma_notify` is for.
+    fn established_by_arrival(conn: &mut Conn<M>) {
+        conn.established = true;
+        // SAFETY: a live id with a QP. Its only effect is the ESTABLISHED
+        // event, which `accept_all` takes as a no-op now; a failure (the
+        // event already on its way) changes nothing here.
+        unsafe { ffi::rdma_notify(conn.id.as_ptr(), ffi::ibv_event_type::IBV_EVENT_COMM_EST) };
     }
 
     fn received(
