@@ -10,7 +10,7 @@ use serde::Serialize;
 use std::ops::Deref;
 
 use zerohop_core::{pick, Error, Kind, Lease, PeerId, Pool, Preference};
-use zerohop_std::{probe_host, Config, Deadline, Endpoint, EndpointConfig, Wire};
+use zerohop_std::{probe_host, CancelToken, Config, Deadline, Endpoint, EndpointConfig, Wire};
 
 use crate::transports;
 #[cfg(feature = "gpudirect-verbs")]
@@ -130,13 +130,13 @@ fn parse_control(b: &[u8]) -> Option<(u8, usize, usize)> {
 const LONG: Duration = Duration::from_secs(60);
 
 /// Serves one client session: echo for latency, count and acknowledge for streams.
-fn serve<T, P>(ep: &Endpoint<T>) -> Result<(), Error>
+fn serve<T, P>(ep: &Endpoint<T>, cancel: Option<&CancelToken>) -> Result<(), Error>
 where
     T: Wire<Lease = Lease<P>>,
     P: Deref<Target: Pool>,
 {
     loop {
-        let r = ep.recv(Deadline::never(), None)?;
+        let r = ep.recv(Deadline::never(), cancel)?;
         let Some((tag, _size, count)) = read_control(ep, &r.lease) else {
             return Err(Error::Backend("perf: expected a control message"));
         };
@@ -149,16 +149,16 @@ where
                     // arrives: a clock read between the arrival and the
                     // reply would lengthen the round trip being measured.
                     let deadline = Deadline::after(LONG);
-                    let m = ep.recv(deadline, None)?;
-                    ep.send_lease(peer, m.lease, deadline, None)?; // zero-copy echo
+                    let m = ep.recv(deadline, cancel)?;
+                    ep.send_lease(peer, m.lease, deadline, cancel)?; // zero-copy echo
                 }
             }
             STREAM => {
                 let mut bytes = 0u64;
                 for _ in 0..count {
-                    bytes += ep.recv(Deadline::after(LONG), None)?.lease.len() as u64;
+                    bytes += ep.recv(Deadline::after(LONG), cancel)?.lease.len() as u64;
                 }
-                ep.send(peer, &bytes.to_le_bytes(), Deadline::after(LONG), None)?;
+                ep.send(peer, &bytes.to_le_bytes(), Deadline::after(LONG), cancel)?;
             }
             QUIT => return Ok(()),
             _ => return Err(Error::Backend("perf: unknown control message")),
@@ -176,6 +176,7 @@ fn client<T, P>(
     peer: PeerId,
     plan: &Plan,
     bar: &ProgressBar,
+    cancel: Option<&CancelToken>,
 ) -> Result<Vec<Row>, Error>
 where
     T: Wire<Lease = Lease<P>>,
@@ -189,9 +190,9 @@ where
         let send_one = |deadline| {
             if plan.zero_copy {
                 let lease = ep.lease(size)?;
-                ep.send_lease(peer, lease, deadline, None)
+                ep.send_lease(peer, lease, deadline, cancel)
             } else {
-                ep.send(peer, &buf, deadline, None)
+                ep.send(peer, &buf, deadline, cancel)
             }
         };
         let n = plan.round_trips(size);
@@ -216,7 +217,7 @@ where
             }
             let deadline = Deadline::at(now + LONG);
             send_one(deadline)?;
-            let r = ep.recv(deadline, None)?;
+            let r = ep.recv(deadline, cancel)?;
             if r.lease.len() != size {
                 return Err(Error::Backend("perf: echo of the wrong size"));
             }
@@ -237,7 +238,7 @@ where
         for _ in 0..count {
             send_one(Deadline::after(LONG))?;
         }
-        let ack = ep.recv(Deadline::after(LONG), None)?;
+        let ack = ep.recv(Deadline::after(LONG), cancel)?;
         let secs = t0.elapsed().as_secs_f64();
         let mut got = [0u8; 8];
         if ack.lease.len() != got.len() || ep.read(&ack.lease, &mut got).is_err() {
@@ -260,7 +261,7 @@ where
             msg_per_s: count as f64 / secs,
         });
     }
-    ep.send(peer, &control(QUIT, 0, 0), Deadline::after(LONG), None)?;
+    ep.send(peer, &control(QUIT, 0, 0), Deadline::after(LONG), cancel)?;
     Ok(rows)
 }
 
@@ -320,15 +321,26 @@ where
     T: Wire<Lease = Lease<P>>,
     P: Deref<Target: Pool>,
 {
+    // Whichever side fails first cancels the other, which would otherwise
+    // wait out its deadline (or, for the server's next command, forever)
+    // for a message that will not come; the first failure is the one reported.
+    fn cancel_on_error<R>(token: &CancelToken, r: Result<R, Error>) -> Result<R, Error> {
+        if r.is_err() {
+            token.cancel();
+        }
+        r
+    }
+    let failed = CancelToken::new();
     let rows = std::thread::scope(|s| {
-        let srv = s.spawn(|| serve(&server));
-        let rows = client(&client_ep, peer, plan, bar);
+        let srv = s.spawn(|| cancel_on_error(&failed, serve(&server, Some(&failed))));
+        let rows = cancel_on_error(&failed, client(&client_ep, peer, plan, bar, Some(&failed)));
         let served = srv
             .join()
             .unwrap_or(Err(Error::Backend("perf: the server thread panicked")));
-        let rows = rows?;
-        served?;
-        Ok::<_, Error>(rows)
+        match (rows, served) {
+            (Ok(rows), Ok(())) => Ok(rows),
+            (Err(Error::Cancelled), Err(e)) | (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+        }
     })?;
     // Close both: every send delivered (the last acknowledgement included).
     client_ep.close(Deadline::after(LONG))?;
@@ -371,12 +383,12 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
         (Kind::Tcp | Kind::Uma, Some(addr), _) => {
             let (ep, bound) = transports::tcp_listen(kind, addr, budget, &ep)?;
             eprintln!("zerohop perf: serving {} on {bound}", kind.name());
-            serve(&ep)?;
+            serve(&ep, None)?;
             return Ok(());
         }
         (Kind::Tcp | Kind::Uma, None, Some(addr)) => {
             let (ep, peer) = transports::tcp_connect(kind, addr, budget, &ep)?;
-            (format!("to {addr}"), client(&ep, peer, &plan, &bar)?)
+            (format!("to {addr}"), client(&ep, peer, &plan, &bar, None)?)
         }
         (Kind::Tcp | Kind::Uma, None, None) => {
             let (server, addr) = transports::tcp_listen(kind, "127.0.0.1:0", budget, &ep)?;
@@ -391,13 +403,13 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
             let addr: SocketAddr = addr.parse().map_err(|e| format!("--listen {addr}: {e}"))?;
             let ep = transports::rdma::listen(addr, budget, &ep, HostPayload)?;
             eprintln!("zerohop perf: serving rdma on {addr}");
-            serve(&ep)?;
+            serve(&ep, None)?;
             return Ok(());
         }
         #[cfg(feature = "gpudirect-verbs")]
         (Kind::Rdma, None, Some(addr)) => {
             let (ep, peer) = transports::rdma::connect(addr, budget, &ep, HostPayload)?;
-            (format!("to {addr}"), client(&ep, peer, &plan, &bar)?)
+            (format!("to {addr}"), client(&ep, peer, &plan, &bar, None)?)
         }
         #[cfg(feature = "gpudirect-verbs")]
         (Kind::Rdma, None, None) => {
@@ -415,7 +427,7 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
             let gpu = transports::rdma::gpu_memory()?;
             let ep = transports::rdma::listen(addr, budget, &ep, gpu)?;
             eprintln!("zerohop perf: serving gpudirect on {addr} (payloads in GPU memory)");
-            serve(&ep)?;
+            serve(&ep, None)?;
             return Ok(());
         }
         #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
@@ -424,7 +436,7 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
             let (ep, peer) = transports::rdma::connect(addr, budget, &ep, gpu)?;
             (
                 format!("to {addr}, payloads in GPU memory"),
-                client(&ep, peer, &plan, &bar)?,
+                client(&ep, peer, &plan, &bar, None)?,
             )
         }
         #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
