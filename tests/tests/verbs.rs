@@ -9,8 +9,8 @@ use std::time::Duration;
 use zerohop_backends::host_bytes;
 use zerohop_backends::verbs::{Device, RdmaConfig, RdmaTransport, Registry};
 use zerohop_core::{
-    crc32c, pick, Access, Error, Kind, MemKind, Preference, Prereq, Region, RegisterError,
-    Registrar, Status, Transport,
+    crc32c, pick, Access, Error, Kind, MemKind, PeerId, Preference, Prereq, Received, Region,
+    RegisterError, Registrar, Status, Transport,
 };
 use zerohop_std::{probe_host, Deadline, Endpoint, EndpointConfig};
 use zerohop_tests::harness::rdma_addr;
@@ -182,6 +182,9 @@ fn ten_thousand_messages_of_random_sizes_arrive_intact_and_in_order() {
             );
         }
     });
+    // The last message's receive slot is refilled at the receiver's next
+    // call (after the reply it would send): one more pass makes the ring whole.
+    b.flush(Deadline::after(WAIT)).unwrap();
     let st = b_pool.stats();
     // Only the posted receive ring still holds buffers (header rings have
     // their own pool): nothing delivered is leaked.
@@ -303,24 +306,18 @@ fn a_lease_from_a_foreign_pool_is_copied_not_trusted() {
     );
 }
 
-#[test]
-fn two_peers_out_of_credits_with_data_queued_still_return_credits() {
-    // Both sides post a ring's worth before either polls: each is left
-    // with one credit, owed a ring's worth, and a data frame queued (a data
-    // frame needs two credits). The last credit must carry a credit frame,
-    // or neither queue ever moves. Driven by hand, without progress threads,
-    // so the stall is certain rather than a race.
+/// Two transports connected by hand, without endpoints (so no progress
+/// thread moves anything behind a test's back): `a`, `b`, and the peer id
+/// `a` has for `b`. `b` gives its first connection the first slot.
+fn raw_pair(port: u16, config: RdmaConfig) -> Option<(RdmaTransport, RdmaTransport, PeerId)> {
     let dev = match Device::open() {
         Ok(d) => d,
-        Err(e) => return eprintln!("SKIPPED: {e}"),
+        Err(e) => {
+            eprintln!("SKIPPED: {e}");
+            return None;
+        }
     };
-    let config = RdmaConfig {
-        recv_depth: 8,
-        recv_pool_bytes: 16 << 20,
-        send_pool_bytes: 16 << 20,
-        ..RdmaConfig::default()
-    };
-    let addr = rdma_addr(19_004).expect("an RDMA address");
+    let addr = rdma_addr(port).expect("an RDMA address");
     let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
     b.listen(addr).unwrap();
     let connecting = std::thread::spawn(move || {
@@ -331,7 +328,74 @@ fn two_peers_out_of_credits_with_data_queued_still_return_credits() {
     while !connecting.is_finished() || b.peer_count() == 0 {
         b.progress().unwrap();
     }
-    let (mut a, peer) = connecting.join().unwrap();
+    let (a, peer) = connecting.join().unwrap();
+    Some((a, b, peer))
+}
+
+/// Polls `t` until a message arrives.
+fn next(t: &mut RdmaTransport) -> Received<<RdmaTransport as Transport>::Lease> {
+    loop {
+        match t.try_recv() {
+            Err(Error::WouldBlock) => std::hint::spin_loop(),
+            r => return r.unwrap(),
+        }
+    }
+}
+
+#[test]
+fn a_delivered_receive_is_reposted_after_the_reply_leaves_or_at_the_next_poll() {
+    // A delivered message's receive slot is refilled at the receiver's next
+    // call: after the reply it sends (so the pool lease and the post stay
+    // off the round trip), or at its next poll when it sends nothing.
+    let config = RdmaConfig {
+        recv_depth: 8,
+        recv_pool_bytes: 16 << 20,
+        send_pool_bytes: 16 << 20,
+        ..RdmaConfig::default()
+    };
+    let Some((mut a, mut b, peer)) = raw_pair(19_007, config) else {
+        return;
+    };
+    let depth = config.recv_depth as usize;
+    let leases = |b: &RdmaTransport| b.pool().stats().leases;
+    assert_eq!(leases(&b), depth, "the ring is posted");
+
+    a.try_send(peer, b"ping").unwrap();
+    let r = next(&mut b);
+    assert_eq!(host_bytes(&r.lease), b"ping");
+    assert_eq!(
+        leases(&b),
+        depth,
+        "the message held, its slot not yet refilled"
+    );
+    b.try_send(r.peer, b"pong").unwrap();
+    assert_eq!(leases(&b), depth + 1, "refilled once the reply was posted");
+    drop(r);
+    assert_eq!(host_bytes(&next(&mut a).lease), b"pong");
+
+    a.try_send(peer, b"no reply").unwrap();
+    drop(next(&mut b));
+    assert_eq!(leases(&b), depth - 1, "the slot waits for the next call");
+    assert!(matches!(b.try_recv(), Err(Error::WouldBlock)));
+    assert_eq!(leases(&b), depth, "refilled by the next poll");
+}
+
+#[test]
+fn two_peers_out_of_credits_with_data_queued_still_return_credits() {
+    // Both sides post a ring's worth before either polls: each is left
+    // with one credit, owed a ring's worth, and a data frame queued (a data
+    // frame needs two credits). The last credit must carry a credit frame,
+    // or neither queue ever moves. Driven by hand, without progress threads,
+    // so the stall is certain rather than a race.
+    let config = RdmaConfig {
+        recv_depth: 8,
+        recv_pool_bytes: 16 << 20,
+        send_pool_bytes: 16 << 20,
+        ..RdmaConfig::default()
+    };
+    let Some((mut a, mut b, peer)) = raw_pair(19_004, config) else {
+        return;
+    };
     // The listener's table gives its first connection the first slot.
     let back = zerohop_core::PeerId(0);
     let n = u64::from(config.recv_depth);

@@ -130,6 +130,8 @@ struct Conn<M: PayloadMemory> {
     cq: NonNull<ffi::ibv_cq>,
     headers: HeaderLease,
     recv: Vec<Option<PayloadLease<M>>>,
+    /// Receive slots with no buffer posted (see `refill`).
+    unposted: Vec<u32>,
     /// Send slots whose completion was asked for, with what must live until it.
     send: Vec<Option<Payload<M>>>,
     /// Send slots posted without a completion (inline frames), oldest first:
@@ -647,6 +649,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             cq,
             headers,
             recv: (0..depth).map(|_| None).collect(),
+            unposted: Vec::with_capacity(depth),
             send: (0..send_depth).map(|_| None).collect(),
             unsignaled: VecDeque::new(),
             posted_at: vec![0; send_depth],
@@ -666,7 +669,8 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             peer_closed: false,
         };
         for slot in 0..depth {
-            if let Err(e) = self.post_recv(&mut conn, slot) {
+            if let Err(e) = Self::post_recv(&self.recv_pool, self.config.fragment, &mut conn, slot)
+            {
                 self.teardown(&mut conn);
                 return Err(VerbsError::Connect(format!(
                     "posting the receive ring: {e}"
@@ -708,12 +712,14 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// each entry is a lookup and a copy in the kernel); device payloads
     /// take the header into the host header ring and the payload into GPU
     /// memory, so the CPU never reads a header out of device memory.
-    fn post_recv(&self, conn: &mut Conn<M>, slot: usize) -> Result<(), Error> {
+    fn post_recv(
+        pool: &Arc<M::Pool>,
+        fragment: usize,
+        conn: &mut Conn<M>,
+        slot: usize,
+    ) -> Result<(), Error> {
         let whole = M::HOST_VISIBLE;
-        let lease = Lease::take(
-            Arc::clone(&self.recv_pool),
-            Self::receive_buffer_len(self.config.fragment),
-        )?;
+        let lease = Lease::take(Arc::clone(pool), Self::receive_buffer_len(fragment))?;
         let (hmr, pmr) = (
             conn.headers.mr().expect("registered"),
             lease.mr().expect("registered"),
@@ -750,6 +756,27 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         conn.recv[slot] = Some(lease);
         conn.owed += 1;
         Ok(())
+    }
+
+    /// Posts fresh buffers into the receive slots that have none, until the
+    /// pool runs dry (the rest wait for the next call). A completed receive
+    /// is not reposted before its message is delivered but here, at the
+    /// caller's next call — after the reply it sends, for one that answers —
+    /// so the pool lease and the post stay off the round trip's path. Every
+    /// poll starts here, and so does a send's end, so a slot waits at most
+    /// until its receiver calls again (or the progress thread's pass for one
+    /// that stopped). The peer's credits count posted receives only, so a
+    /// slot waiting here is one the peer cannot send into.
+    fn refill(pool: &Arc<M::Pool>, fragment: usize, conn: &mut Conn<M>) {
+        if conn.peer_closed {
+            return;
+        }
+        while let Some(&slot) = conn.unposted.last() {
+            if Self::post_recv(pool, fragment, conn, slot as usize).is_err() {
+                break;
+            }
+            conn.unposted.pop();
+        }
     }
 
     /// Posts as many queued frames as credits and send slots allow.
@@ -968,6 +995,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 Self::post_frame(conn, f, (b.as_ptr() as u64, b.len(), 0), true)
                     .map_err(|e| (e, None))?;
                 conn.tx_seq += 1;
+                Self::refill(&self.recv_pool, frag, conn);
                 return Ok(());
             }
         }
@@ -1030,6 +1058,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         // The message is queued: a posting failure now means a broken QP,
         // which the next progress reports for this peer.
         let _ = Self::pump(conn, self.config.recv_depth);
+        Self::refill(&self.recv_pool, frag, conn);
         Ok(())
     }
 
@@ -1172,18 +1201,12 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             }
         }
         any |= self.drain_and_arm(conn, peer)?;
-        // Refill receives the pool could not serve earlier.
-        for slot in 0..conn.recv.len() {
-            if conn.recv[slot].is_none() && !conn.peer_closed && self.post_recv(conn, slot).is_err()
-            {
-                break;
-            }
-        }
         any |= Self::pump(conn, self.config.recv_depth)?;
         Ok(any)
     }
 
     fn drain_cq(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<usize, Error> {
+        Self::refill(&self.recv_pool, self.config.fragment, conn);
         // Not zeroed: this runs on every poll of a spinning receiver.
         let mut wcs = std::mem::MaybeUninit::<[ffi::ibv_wc; POLL_BATCH]>::uninit();
         // SAFETY: a live CQ and room for POLL_BATCH completions.
@@ -1265,7 +1288,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             lease.advance(HEADER_LEN)?;
         }
         conn.credits = conn.credits.saturating_add(h.dst);
-        self.repost(conn, slot);
+        conn.unposted.push(slot as u32);
         match h.kind {
             FrameKind::Data => {}
             FrameKind::Close => {
@@ -1315,14 +1338,6 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         Ok(())
     }
 
-    /// Reposts receive `slot` at once with a fresh buffer (the old one goes
-    /// to the application); a dry pool leaves it to `poll_conn`'s retry.
-    fn repost(&self, conn: &mut Conn<M>, slot: usize) {
-        if self.post_recv(conn, slot).is_err() {
-            conn.recv[slot] = None;
-        }
-    }
-
     /// A headerless frame: a whole message at the start of the buffer, the
     /// credits it returns in the immediate data. Only a receiver that
     /// announced it takes them, and never inside a split message (a sender
@@ -1344,7 +1359,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             });
         }
         conn.credits = conn.credits.saturating_add(credits);
-        self.repost(conn, slot);
+        conn.unposted.push(slot as u32);
         lease.set_len(byte_len)?;
         let seq = conn.rx_next;
         self.deliver(conn, peer, seq, lease);
@@ -1447,6 +1462,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             }
         }
         conn.recv.clear();
+        conn.unposted.clear();
         conn.send.clear();
         conn.unsignaled.clear();
         conn.pending.clear();
