@@ -6,7 +6,10 @@
 //! waiters through a condvar. Application threads call the transport
 //! directly: `send` writes to the socket itself when nothing is queued, and
 //! `recv` polls `try_recv` for a short spin before sleeping, so a message
-//! that arrives while a receiver is waiting costs no thread hand-off. The
+//! that arrives while a receiver is waiting costs no thread hand-off. A
+//! spinning call keeps the transport locked between its polls while no
+//! other thread waits for it (polling back to back, as perftest and UCX
+//! do), and lets a waiting thread in between two polls. The
 //! progress thread reads (or reaps completions) only for an application
 //! that has stopped calling: one that keeps polling is never raced for its
 //! own messages (UCX's rule: whoever polls, progresses).
@@ -20,7 +23,7 @@ use std::time::{Duration, Instant};
 use zerohop_core::{Error, PeerId, Received, Transport};
 
 use crate::doorbell::Doorbell;
-use crate::sync::{thread, Arc, AtomicBool, AtomicUsize, Condvar, Mutex, MutexGuard};
+use crate::sync::{thread, Arc, AtomicBool, AtomicUsize, Condvar, Mutex, MutexGuard, TryLockError};
 
 /// How many polls of a spinning call pass between two reads of the clock.
 const CLOCK_EVERY: u32 = 32;
@@ -146,6 +149,11 @@ impl Deadline {
     fn passed(&self) -> bool {
         self.remaining() == Some(Duration::ZERO)
     }
+
+    /// Whether passed at `now` (a clock read the caller already has).
+    fn passed_at(&self, now: Instant) -> bool {
+        self.0.is_some_and(|t| now >= t)
+    }
 }
 
 /// Cancels blocking calls from another thread (Go's `context` in miniature).
@@ -197,10 +205,15 @@ struct Shared<T> {
     progressed: Condvar,
     stop: AtomicBool,
     /// Application threads in `recv` (spinning or asleep in poll(2)).
+    /// Changed under the transport mutex only.
     app_reading: AtomicUsize,
     /// Sends and receives called so far (wrapping): the progress thread
     /// tells an application that keeps polling from one that stopped.
+    /// Changed under the transport mutex only.
     app_calls: AtomicUsize,
+    /// Threads waiting for the transport mutex (or asleep on `progressed`,
+    /// which takes it on waking): a spinning call lets them in.
+    contended: AtomicUsize,
     /// Passes the progress thread made with the transport locked.
     passes: AtomicUsize,
     doorbell: Doorbell,
@@ -211,7 +224,42 @@ impl<T> Shared<T> {
     fn lock(&self) -> MutexGuard<'_, T> {
         // A panic inside a transport call leaves it in a state its own methods
         // handle (peers drop, queues stay consistent per operation): carry on.
-        self.transport.lock().unwrap_or_else(|e| e.into_inner())
+        match self.transport.try_lock() {
+            Ok(t) => return t,
+            Err(TryLockError::Poisoned(e)) => return e.into_inner(),
+            Err(TryLockError::WouldBlock) => {}
+        }
+        // Relaxed: a hint to spinning calls (see `relax`); the mutex orders the rest.
+        self.contended.fetch_add(1, Ordering::Relaxed);
+        let t = self.transport.lock().unwrap_or_else(|e| e.into_inner());
+        self.contended.fetch_sub(1, Ordering::Relaxed);
+        t
+    }
+
+    /// Between two polls of a spinning call: keeps the transport locked,
+    /// unless another thread waits for it; then lets go for a moment. A
+    /// release and re-lock per poll (with a `pause` between, to give a
+    /// waiter its chance) made each poll slower for nothing when no one
+    /// waits, which is the common case: an application's one receiving
+    /// thread, the progress thread asleep while it polls.
+    fn relax<'a>(&'a self, t: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+        // Relaxed: a hint; a waiter seen a poll late costs one poll's time.
+        if self.contended.load(Ordering::Relaxed) == 0 {
+            return t;
+        }
+        drop(t);
+        std::hint::spin_loop();
+        self.lock()
+    }
+
+    /// Adds `delta` to `app_calls` or `app_reading`, which change under the
+    /// transport mutex only (`_locked` proves it held): a load and a store,
+    /// where an atomic add would be a locked instruction on every call.
+    fn adjust(counter: &AtomicUsize, delta: isize, _locked: &MutexGuard<'_, T>) {
+        // Relaxed: the mutex orders the writers; the progress thread reads
+        // them as hints (see `progress_loop`).
+        let n = counter.load(Ordering::Relaxed);
+        counter.store(n.wrapping_add_signed(delta), Ordering::Relaxed);
     }
 
     fn wake_progress(&self) {
@@ -242,6 +290,7 @@ impl<T: Wire> Endpoint<T> {
             stop: AtomicBool::new(false),
             app_reading: AtomicUsize::new(0),
             app_calls: AtomicUsize::new(0),
+            contended: AtomicUsize::new(0),
             passes: AtomicUsize::new(0),
             doorbell: Doorbell::new()?,
             config,
@@ -276,11 +325,17 @@ impl<T: Wire> Endpoint<T> {
     fn wait<'a>(&self, guard: MutexGuard<'a, T>, deadline: Deadline) -> MutexGuard<'a, T> {
         let cap = self.shared.config.poll_interval;
         let d = deadline.remaining().map_or(cap, |r| r.min(cap));
-        self.shared
+        // Relaxed: as in `Shared::lock`. Counted while asleep too: on waking
+        // this thread takes the mutex without a `lock` call.
+        self.shared.contended.fetch_add(1, Ordering::Relaxed);
+        let t = self
+            .shared
             .progressed
             .wait_timeout(guard, d)
             .unwrap_or_else(|e| e.into_inner())
-            .0
+            .0;
+        self.shared.contended.fetch_sub(1, Ordering::Relaxed);
+        t
     }
 
     /// Waits until the transport's descriptors are ready (or the deadline or
@@ -347,17 +402,15 @@ impl<T: Wire> Endpoint<T> {
                 break;
             }
             spins = spins.wrapping_add(1);
-            let check_clock = spins % CLOCK_EVERY == 0;
-            if check_clock && deadline.passed() {
+            // One clock read serves the deadline and the spin.
+            let now = (spins % CLOCK_EVERY == 0).then(Instant::now);
+            if now.is_some_and(|now| deadline.passed_at(now)) {
                 t.abandon_send(peer, bytes);
                 break;
             }
-            let spin_until =
-                *spin_until.get_or_insert_with(|| Instant::now() + self.shared.config.spin);
-            if !check_clock || Instant::now() < spin_until {
-                drop(t);
-                std::hint::spin_loop();
-                t = self.shared.lock();
+            if now.is_none_or(|now| now < *spin_until.get_or_insert(now + self.shared.config.spin))
+            {
+                t = self.shared.relax(t);
             } else {
                 t = self.wait_io(t, deadline, false);
             }
@@ -404,9 +457,8 @@ impl<T: Wire> Endpoint<T> {
         cancel: Option<&CancelToken>,
         mut attempt: impl FnMut(&mut T) -> Result<(), Error>,
     ) -> Result<MutexGuard<'_, T>, Error> {
-        // Relaxed: a hint to the progress thread, which only compares counts.
-        self.shared.app_calls.fetch_add(1, Ordering::Relaxed);
         let mut t = self.shared.lock();
+        Shared::adjust(&self.shared.app_calls, 1, &t);
         loop {
             if cancel.is_some_and(CancelToken::is_cancelled) {
                 return Err(Error::Cancelled);
@@ -441,9 +493,8 @@ impl<T: Wire> Endpoint<T> {
         // The count changes under the transport lock, which the progress
         // thread holds while it decides whether to read.
         let mut t = self.shared.lock();
-        // Relaxed: ordered by the transport mutex (see above).
-        self.shared.app_reading.fetch_add(1, Ordering::Relaxed);
-        self.shared.app_calls.fetch_add(1, Ordering::Relaxed);
+        Shared::adjust(&self.shared.app_reading, 1, &t);
+        Shared::adjust(&self.shared.app_calls, 1, &t);
         let mut spinning = !self.shared.config.spin.is_zero();
         let mut spins = 0u32;
         let result = loop {
@@ -457,28 +508,29 @@ impl<T: Wire> Endpoint<T> {
                 Err(e) => break Err(e),
             }
             // 1. Spin: poll the transport directly for a short while, letting
-            // go of the lock between attempts. The clock is read every
-            // `CLOCK_EVERY` attempts only: where it is a system call (virtual
-            // machines without a stable TSC) it would cost more than a poll.
+            // a thread that waits for the lock in between attempts. The clock
+            // is read every `CLOCK_EVERY` attempts only: where it is a system
+            // call (virtual machines without a stable TSC) it would cost more
+            // than a poll.
             spins = spins.wrapping_add(1);
             if spinning && spins % CLOCK_EVERY != 0 {
-                drop(t);
-                std::hint::spin_loop();
-                t = self.shared.lock();
+                t = self.shared.relax(t);
                 continue;
             }
-            if deadline.passed() {
+            // One clock read serves the deadline and the spin.
+            let now = Instant::now();
+            if deadline.passed_at(now) {
                 break Err(Error::Timeout);
             }
-            let until = *spin_until.get_or_insert_with(|| Instant::now() + self.shared.config.spin);
-            if spinning && Instant::now() < until {
+            let until = *spin_until.get_or_insert(now + self.shared.config.spin);
+            if spinning && now < until {
                 continue;
             }
             // 2. Sleep in poll(2) on the transport's descriptors.
             spinning = false;
             t = self.wait_io(t, deadline, true);
         };
-        self.shared.app_reading.fetch_sub(1, Ordering::Relaxed);
+        Shared::adjust(&self.shared.app_reading, -1, &t);
         drop(t);
         result
     }

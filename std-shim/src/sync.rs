@@ -5,7 +5,7 @@
 #[cfg(not(loom))]
 pub(crate) use std::{
     sync::atomic::{AtomicBool, AtomicUsize},
-    sync::{Arc, Condvar, Mutex, MutexGuard},
+    sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError},
     thread,
 };
 
@@ -15,3 +15,6 @@ pub(crate) use loom::{
     sync::{Arc, Condvar, Mutex, MutexGuard},
     thread,
 };
+/// loom's `try_lock` reports std's error type.
+#[cfg(loom)]
+pub(crate) use std::sync::TryLockError;

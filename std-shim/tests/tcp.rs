@@ -98,6 +98,48 @@ fn two_endpoints_exchange_messages_in_order_and_release_every_buffer() {
 }
 
 #[test]
+fn a_thread_sends_while_another_spins_in_recv_on_the_same_endpoint() {
+    // A receiver spinning in `recv` keeps the transport locked between its
+    // polls while no other thread wants it; a sender on the same endpoint
+    // must get in at once, not when the (here 20 s) spin runs out.
+    let (server, addr, _) = listener(64 << 20, TcpConfig::default());
+    let mut t = transport(64 << 20, TcpConfig::default());
+    let peer = t.connect(addr, SECOND).unwrap();
+    let spinning = EndpointConfig {
+        spin: 20 * SECOND,
+        ..EndpointConfig::default()
+    };
+    let c = Endpoint::new(t, spinning).unwrap();
+    std::thread::scope(|s| {
+        let echo = s.spawn(|| {
+            let r = server.recv(Deadline::after(30 * SECOND), None).unwrap();
+            server
+                .send(
+                    r.peer,
+                    host_bytes(&r.lease),
+                    Deadline::after(30 * SECOND),
+                    None,
+                )
+                .unwrap();
+        });
+        let receiver = s.spawn(|| c.recv(Deadline::after(30 * SECOND), None));
+        // Let the receiver start spinning (it holds the lock from its first poll).
+        std::thread::sleep(Duration::from_millis(200));
+        let start = Instant::now();
+        c.send(peer, b"through", Deadline::after(30 * SECOND), None)
+            .unwrap();
+        let took = start.elapsed();
+        let r = receiver.join().unwrap().unwrap();
+        echo.join().unwrap();
+        assert_eq!(host_bytes(&r.lease), b"through");
+        assert!(
+            took < 5 * SECOND,
+            "the send waited {took:?} for a spinning receiver"
+        );
+    });
+}
+
+#[test]
 fn the_progress_threads_stay_out_of_the_way_of_applications_that_keep_polling() {
     // Both sides call send / recv back to back for 300 ms; the progress
     // threads, woken every 2 ms by their timers, must not take the transport
