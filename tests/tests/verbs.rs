@@ -381,6 +381,38 @@ fn a_delivered_receive_is_reposted_after_the_reply_leaves_or_at_the_next_poll() 
 }
 
 #[test]
+fn a_small_lease_goes_inline_and_back_to_its_pool_once_posted() {
+    // A lease of the wire's own pools small enough to go inline leaves
+    // straight from its buffer, which is free again once posted (the NIC
+    // has a copy): a send-pool lease, and a received one echoed back.
+    let config = RdmaConfig {
+        recv_depth: 8,
+        recv_pool_bytes: 16 << 20,
+        send_pool_bytes: 16 << 20,
+        ..RdmaConfig::default()
+    };
+    let Some((mut a, mut b, peer)) = raw_pair(19_008, config) else {
+        return;
+    };
+    let want: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37)).collect();
+    let mut lease = zerohop_core::Lease::take(Arc::clone(a.send_pool()), want.len()).unwrap();
+    zerohop_backends::host_bytes_mut(&mut lease).copy_from_slice(&want);
+    assert!(a.try_send_lease(peer, lease).is_ok());
+    assert_eq!(a.send_pool().stats().leases, 0, "back once posted");
+
+    let r = next(&mut b);
+    assert_eq!(host_bytes(&r.lease), &want[..]);
+    // The received buffer itself goes back (zero-copy echo).
+    assert!(b.try_send_lease(r.peer, r.lease).is_ok());
+    assert_eq!(
+        b.pool().stats().leases,
+        config.recv_depth as usize,
+        "the echoed buffer went back and its slot was refilled"
+    );
+    assert_eq!(host_bytes(&next(&mut a).lease), &want[..]);
+}
+
+#[test]
 fn two_peers_out_of_credits_with_data_queued_still_return_credits() {
     // Both sides post a ring's worth before either polls: each is left
     // with one credit, owed a ring's worth, and a data frame queued (a data

@@ -956,6 +956,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             ));
         }
         let frag = self.config.fragment;
+        // A lease of our own registered pools goes as it is (zero copy);
+        // any other (another pool, another PD, no registration) is copied.
+        let own = lease.as_ref().is_some_and(|l| {
+            Arc::ptr_eq(l.pool(), &self.send_pool) || Arc::ptr_eq(l.pool(), &self.recv_pool)
+        });
         let Some(Some(conn)) = self.peers.get_mut(peer.0 as usize) else {
             return Err((Error::UnknownPeer(peer), lease));
         };
@@ -972,10 +977,16 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         }
         let seq = conn.tx_seq;
         // A small message with nothing queued ahead and credits to spare
-        // goes inline straight from the caller's bytes: no buffer, no copy
-        // of our own.
-        if let Some(b) = bytes {
-            let header = if Self::headerless(conn, FrameKind::Data, false, total as u32, b.len()) {
+        // goes inline straight from where it is — the caller's bytes, or a
+        // host lease of our own — without a buffer or a queue entry of ours
+        // (the lease goes back once posted: the NIC has a copy).
+        let inline_from = match (bytes, &lease) {
+            (Some(b), _) => Some(b.as_ptr() as u64),
+            (None, Some(l)) if own && M::HOST_VISIBLE => Some(l.device_ptr()),
+            _ => None,
+        };
+        if let Some(addr) = inline_from {
+            let header = if Self::headerless(conn, FrameKind::Data, false, total as u32, total) {
                 0
             } else {
                 HEADER_LEN
@@ -983,7 +994,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             if conn.pending.is_empty()
                 && conn.credits >= 2
                 && !conn.free_send.is_empty()
-                && Self::inline(conn, header + b.len(), true)
+                && Self::inline(conn, header + total, true)
             {
                 let f = Frame {
                     kind: FrameKind::Data,
@@ -992,8 +1003,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                     more: false,
                     payload: Payload::None,
                 };
-                Self::post_frame(conn, f, (b.as_ptr() as u64, b.len(), 0), true)
-                    .map_err(|e| (e, None))?;
+                if let Err(e) = Self::post_frame(conn, f, (addr, total, 0), true) {
+                    return Err((e, lease));
+                }
                 conn.tx_seq += 1;
                 Self::refill(&self.recv_pool, frag, conn);
                 return Ok(());
@@ -1001,12 +1013,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         }
         match lease {
             // One fragment from a lease of our own registered pools: zero copy.
-            // Any other lease (another pool, another PD, no registration) is copied.
-            Some(l)
-                if total <= frag
-                    && (Arc::ptr_eq(l.pool(), &self.send_pool)
-                        || Arc::ptr_eq(l.pool(), &self.recv_pool)) =>
-            {
+            Some(l) if total <= frag && own => {
                 conn.pending.push_back(Frame {
                     kind: FrameKind::Data,
                     seq,
