@@ -112,19 +112,24 @@ type Pair = (
     zerohop_core::PeerId,
 );
 
+/// The RDMA device, or `None` (saying the test is skipped) where there is none.
+fn device_or_skip() -> Option<Arc<Device>> {
+    match Device::open() {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("SKIPPED: {e}");
+            None
+        }
+    }
+}
+
 fn pair(port: u16, config: RdmaConfig) -> Option<Pair> {
     pair_with(port, config, config)
 }
 
 /// `a` (with `a_config`) connected to a listening `b` (with `b_config`).
 fn pair_with(port: u16, a_config: RdmaConfig, b_config: RdmaConfig) -> Option<Pair> {
-    let dev = match Device::open() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("SKIPPED: {e}");
-            return None;
-        }
-    };
+    let dev = device_or_skip()?;
     let addr = rdma_addr(port).expect("an RDMA address");
     let mut b = RdmaTransport::new(Arc::clone(&dev), b_config).unwrap();
     b.listen(addr).unwrap();
@@ -306,17 +311,21 @@ fn a_lease_from_a_foreign_pool_is_copied_not_trusted() {
     );
 }
 
+/// An 8-deep receive ring and small pools: the hand-driven tests below.
+fn small_ring() -> RdmaConfig {
+    RdmaConfig {
+        recv_depth: 8,
+        recv_pool_bytes: 16 << 20,
+        send_pool_bytes: 16 << 20,
+        ..RdmaConfig::default()
+    }
+}
+
 /// Two transports connected by hand, without endpoints (so no progress
 /// thread moves anything behind a test's back): `a`, `b`, and the peer id
 /// `a` has for `b`. `b` gives its first connection the first slot.
 fn raw_pair(port: u16, config: RdmaConfig) -> Option<(RdmaTransport, RdmaTransport, PeerId)> {
-    let dev = match Device::open() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("SKIPPED: {e}");
-            return None;
-        }
-    };
+    let dev = device_or_skip()?;
     let addr = rdma_addr(port).expect("an RDMA address");
     let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
     b.listen(addr).unwrap();
@@ -347,12 +356,7 @@ fn a_delivered_receive_is_reposted_after_the_reply_leaves_or_at_the_next_poll() 
     // A delivered message's receive slot is refilled at the receiver's next
     // call: after the reply it sends (so the pool lease and the post stay
     // off the round trip), or at its next poll when it sends nothing.
-    let config = RdmaConfig {
-        recv_depth: 8,
-        recv_pool_bytes: 16 << 20,
-        send_pool_bytes: 16 << 20,
-        ..RdmaConfig::default()
-    };
+    let config = small_ring();
     let Some((mut a, mut b, peer)) = raw_pair(19_007, config) else {
         return;
     };
@@ -385,12 +389,7 @@ fn a_small_lease_goes_inline_and_back_to_its_pool_once_posted() {
     // A lease of the wire's own pools small enough to go inline leaves
     // straight from its buffer, which is free again once posted (the NIC
     // has a copy): a send-pool lease, and a received one echoed back.
-    let config = RdmaConfig {
-        recv_depth: 8,
-        recv_pool_bytes: 16 << 20,
-        send_pool_bytes: 16 << 20,
-        ..RdmaConfig::default()
-    };
+    let config = small_ring();
     let Some((mut a, mut b, peer)) = raw_pair(19_008, config) else {
         return;
     };
@@ -419,12 +418,7 @@ fn two_peers_out_of_credits_with_data_queued_still_return_credits() {
     // frame needs two credits). The last credit must carry a credit frame,
     // or neither queue ever moves. Driven by hand, without progress threads,
     // so the stall is certain rather than a race.
-    let config = RdmaConfig {
-        recv_depth: 8,
-        recv_pool_bytes: 16 << 20,
-        send_pool_bytes: 16 << 20,
-        ..RdmaConfig::default()
-    };
+    let config = small_ring();
     let Some((mut a, mut b, peer)) = raw_pair(19_004, config) else {
         return;
     };

@@ -10,8 +10,8 @@
 //! carries the credits returned (kind, length and sequence follow from the
 //! completion and RC's ordering), so a 64 B message is 64 B on the wire.
 //! Frames that fit the QP's inline room go inline (copied into the work
-//! request, straight from the caller's bytes when nothing is queued) and
-//! ask for a completion one in 16. A host payload is received whole into
+//! request, straight from the caller's bytes or host lease when nothing is
+//! queued) and ask for a completion one in 16. A host payload is received whole into
 //! one pool buffer, header first (if any), and handed on from past the
 //! header (`Lease::advance`); a device payload is received as two entries,
 //! the header into a host header slot and the payload into GPU memory, so
@@ -23,7 +23,9 @@
 //! starts with the peer's receive depth (exchanged in the CM private data),
 //! spends one per frame, and gets them back in every frame it receives
 //! (a header's `dst`, or a headerless frame's immediate data, carries the
-//! number of receives reposted since the last report).
+//! number of receives reposted since the last report). A delivered
+//! message's receive is reposted at the receiver's next call, after any
+//! reply it sends (`refill`): the repost stays off the round trip.
 //! Data frames need two credits, a credit-only frame one: the last credit is
 //! kept for returning credits (spent on a credit frame whenever data waits
 //! for credits), so two busy peers cannot starve each other.
