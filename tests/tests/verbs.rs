@@ -325,20 +325,35 @@ fn small_ring() -> RdmaConfig {
 /// thread moves anything behind a test's back): `a`, `b`, and the peer id
 /// `a` has for `b`. `b` gives its first connection the first slot.
 fn raw_pair(port: u16, config: RdmaConfig) -> Option<(RdmaTransport, RdmaTransport, PeerId)> {
-    let dev = device_or_skip()?;
-    let addr = rdma_addr(port).expect("an RDMA address");
-    let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
-    b.listen(addr).unwrap();
-    let connecting = std::thread::spawn(move || {
-        let mut a = RdmaTransport::new(dev, config).unwrap();
-        let peer = a.connect(addr).unwrap();
-        (a, peer)
-    });
+    let (mut b, connecting) = listen_and_connect(&device_or_skip()?, port, config);
     while !connecting.is_finished() || b.peer_count() == 0 {
         b.progress().unwrap();
     }
     let (a, peer) = connecting.join().unwrap();
     Some((a, b, peer))
+}
+
+/// A transport listening on `port`, and a thread connecting another to it
+/// (it ends with that one and its peer id for the listener once the
+/// connecting side is established). Driving the listener is the caller's.
+fn listen_and_connect(
+    dev: &Arc<Device>,
+    port: u16,
+    config: RdmaConfig,
+) -> (
+    RdmaTransport,
+    std::thread::JoinHandle<(RdmaTransport, PeerId)>,
+) {
+    let addr = rdma_addr(port).expect("an RDMA address");
+    let mut b = RdmaTransport::new(Arc::clone(dev), config).unwrap();
+    b.listen(addr).unwrap();
+    let dev = Arc::clone(dev);
+    let connecting = std::thread::spawn(move || {
+        let mut a = RdmaTransport::new(dev, config).unwrap();
+        let peer = a.connect(addr).unwrap();
+        (a, peer)
+    });
+    (b, connecting)
 }
 
 /// Polls `t` until a message arrives.
@@ -471,15 +486,7 @@ fn a_listener_answers_a_first_message_that_arrives_before_its_established_event(
     // The RTU can beat the end of the pass that accepts (then that pass
     // reads the event, and there is no race to test): a fresh pair then.
     for port in 19_100..19_120 {
-        let addr = rdma_addr(port).expect("an RDMA address");
-        let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
-        b.listen(addr).unwrap();
-        let d = Arc::clone(&dev);
-        let connecting = std::thread::spawn(move || {
-            let mut a = RdmaTransport::new(d, config).unwrap();
-            let peer = a.connect(addr).unwrap();
-            (a, peer)
-        });
+        let (mut b, connecting) = listen_and_connect(&dev, port, config);
         // The first CM event a listener reads is the connect request (accepted there).
         while !b.progress().unwrap() {
             assert!(std::time::Instant::now() < until, "no connect request");
