@@ -538,3 +538,192 @@ fn a_receiver_that_is_not_receiving_yet_still_frees_its_ring() {
         );
     }
 }
+
+#[test]
+fn an_accepted_connection_its_peer_refuses_goes_quietly_and_leaks_nothing() {
+    // A peer can go away between the listener's accept and its own RTU
+    // (refused, crashed, unreachable): the CM then tells the listener
+    // REJECTED / CONNECT_ERROR / UNREACHABLE instead of ESTABLISHED. The
+    // connection must leave the table and its receive ring the pool; the
+    // application never saw the peer, so nothing is reported to it (it
+    // was told `PeerLost` for a peer id it had never been given, when the
+    // ring's flushed receives were the only sign).
+    let Some(dev) = device_or_skip() else {
+        return;
+    };
+    let addr = rdma_addr(19_130).expect("an RDMA address");
+    let mut b = RdmaTransport::new(dev, small_ring()).unwrap();
+    b.listen(addr).unwrap();
+    let pool = Arc::clone(b.pool());
+    let (answered_tx, answered) = std::sync::mpsc::channel();
+    let (go, go_rx) = std::sync::mpsc::channel();
+    let client = std::thread::spawn(move || refusing_peer::connect(addr, &answered_tx, &go_rx));
+    let until = std::time::Instant::now() + WAIT;
+    // `b` accepts; its reply reaches the peer, which holds its answer back.
+    while answered.try_recv().is_err() {
+        b.progress().unwrap();
+        if client.is_finished() {
+            panic!(
+                "the peer ended before the listener's reply: {:?}",
+                client.join()
+            );
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "no reply from the listener"
+        );
+    }
+    assert_eq!(
+        pool.stats().leases,
+        small_ring().recv_depth as usize,
+        "the accepted connection posted its receive ring"
+    );
+    go.send(()).unwrap();
+    client.join().unwrap().unwrap();
+    while pool.stats().leases != 0 {
+        b.progress().unwrap();
+        assert!(
+            std::time::Instant::now() < until,
+            "the refused connection kept its receive ring: {:?}",
+            pool.stats()
+        );
+    }
+    assert_eq!(b.peer_count(), 0);
+    assert!(
+        matches!(b.try_recv(), Err(Error::WouldBlock)),
+        "a peer the application never saw is not reported"
+    );
+}
+
+/// A connecting side written against librdmacm directly, to do what
+/// zerohop's own never does: take the listener's reply and refuse it.
+mod refusing_peer {
+    use std::net::SocketAddr;
+    use std::ptr;
+    use std::sync::mpsc::{Receiver, Sender};
+
+    use rdma_sys as ffi;
+
+    /// The next CM event's type (acknowledged), waiting at most 10 s.
+    fn next_event(
+        ch: *mut ffi::rdma_event_channel,
+    ) -> Result<ffi::rdma_cm_event_type::Type, String> {
+        // SAFETY: a live channel.
+        let fd = unsafe { (*ch).fd };
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        if unsafe { libc::poll(&mut pfd, 1, 10_000) } != 1 {
+            return Err("no CM event within 10 s".into());
+        }
+        let mut ev = ptr::null_mut();
+        // SAFETY: a live, readable channel and a valid out-pointer.
+        if unsafe { ffi::rdma_get_cm_event(ch, &mut ev) } != 0 {
+            return Err("rdma_get_cm_event failed".into());
+        }
+        // SAFETY: `ev` is valid until acknowledged, once, right after.
+        let kind = unsafe { (*ev).event };
+        // SAFETY: as above.
+        unsafe { ffi::rdma_ack_cm_event(ev) };
+        Ok(kind)
+    }
+
+    fn expect(
+        ch: *mut ffi::rdma_event_channel,
+        want: ffi::rdma_cm_event_type::Type,
+    ) -> Result<(), String> {
+        match next_event(ch)? {
+            k if k == want => Ok(()),
+            k => Err(format!("CM event {k}, expected {want}")),
+        }
+    }
+
+    /// Connects to `addr` with an id that has no QP, so librdmacm hands the
+    /// listener's reply up as CONNECT_RESPONSE instead of answering it with
+    /// an RTU; says so on `answered`, waits for `go`, then rejects.
+    pub fn connect(
+        addr: SocketAddr,
+        answered: &Sender<()>,
+        go: &Receiver<()>,
+    ) -> Result<(), String> {
+        let SocketAddr::V4(v4) = addr else {
+            return Err("this test speaks IPv4".into());
+        };
+        let mut sin = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: v4.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_ne_bytes(v4.ip().octets()),
+            },
+            sin_zero: [0; 8],
+        };
+        // SAFETY: creates a channel we own and destroy below.
+        let ch = unsafe { ffi::rdma_create_event_channel() };
+        if ch.is_null() {
+            return Err("rdma_create_event_channel failed".into());
+        }
+        let mut id = ptr::null_mut();
+        // SAFETY: a live channel and a valid out-pointer.
+        if unsafe {
+            ffi::rdma_create_id(
+                ch,
+                &mut id,
+                ptr::null_mut(),
+                ffi::rdma_port_space::RDMA_PS_TCP,
+            )
+        } != 0
+        {
+            // SAFETY: the channel has no ids.
+            unsafe { ffi::rdma_destroy_event_channel(ch) };
+            return Err("rdma_create_id failed".into());
+        }
+        let steps = (|| {
+            // SAFETY: a live id and a sockaddr_in that outlives the call.
+            if unsafe {
+                ffi::rdma_resolve_addr(
+                    id,
+                    ptr::null_mut(),
+                    (&mut sin as *mut libc::sockaddr_in).cast(),
+                    2000,
+                )
+            } != 0
+            {
+                return Err("rdma_resolve_addr failed".to_string());
+            }
+            expect(ch, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED)?;
+            // SAFETY: a live id with a resolved address.
+            if unsafe { ffi::rdma_resolve_route(id, 2000) } != 0 {
+                return Err("rdma_resolve_route failed".into());
+            }
+            expect(ch, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED)?;
+            // SAFETY: an all-zero conn param is valid; the fields are set below.
+            let mut param: ffi::rdma_conn_param = unsafe { std::mem::zeroed() };
+            param.responder_resources = 1;
+            param.initiator_depth = 1;
+            param.retry_count = 7;
+            param.rnr_retry_count = 7;
+            param.qp_num = 0x00ab_cdef; // no QP: the listener's QP points at nothing
+                                        // SAFETY: a live id with a resolved route; `param` outlives the call.
+            if unsafe { ffi::rdma_connect(id, &mut param) } != 0 {
+                return Err("rdma_connect failed".into());
+            }
+            expect(ch, ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_RESPONSE)?;
+            answered.send(()).map_err(|e| e.to_string())?;
+            go.recv().map_err(|e| e.to_string())?;
+            // SAFETY: a live id whose connect was answered.
+            if unsafe { ffi::rdma_reject(id, ptr::null(), 0) } != 0 {
+                return Err("rdma_reject failed".into());
+            }
+            Ok(())
+        })();
+        // SAFETY: the id (no QP) and then its channel, each destroyed once.
+        unsafe {
+            ffi::rdma_destroy_id(id);
+            ffi::rdma_destroy_event_channel(ch);
+        }
+        steps
+    }
+}

@@ -1083,10 +1083,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             match outcome {
                 Ok(_) if !(conn.peer_closed && conn.idle()) => self.peers[i] = Some(conn),
                 Ok(_) => self.teardown(&mut conn),
-                Err(e) => {
-                    self.arrivals.push_back(Err(e));
-                    self.teardown(&mut conn);
-                }
+                Err(e) => self.retire(&mut conn, Some(e)),
             }
         }
         any
@@ -1109,8 +1106,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 any
             }
             Err(e) => {
-                self.arrivals.push_back(Err(e));
-                self.teardown(&mut conn);
+                self.retire(&mut conn, Some(e));
                 true
             }
         }
@@ -1436,24 +1432,41 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                         c.established = true;
                     }
                 }
-                ffi::rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED => {
+                // The peer went away, or an accepted connection never came
+                // up (the peer refused our reply, or it was lost): either way
+                // the connection leaves the table and its ring goes back to
+                // the pool. (librdmacm also moves a failed one's QP to
+                // error: whichever `drain_cq`'s flushed receives or this
+                // event comes first takes it down.)
+                ffi::rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED
+                | ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED
+                | ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_ERROR
+                | ffi::rdma_cm_event_type::RDMA_CM_EVENT_UNREACHABLE => {
                     if let Some(i) = self
                         .peers
                         .iter()
                         .position(|c| c.as_ref().is_some_and(|c| c.id == id))
                     {
                         let mut conn = self.peers[i].take().expect("found");
-                        if !conn.peer_closed && !conn.closing {
-                            self.arrivals
-                                .push_back(Err(Error::PeerLost(PeerId(i as u32))));
-                        }
-                        self.teardown(&mut conn);
+                        let lost = !conn.peer_closed && !conn.closing;
+                        self.retire(&mut conn, lost.then_some(Error::PeerLost(PeerId(i as u32))));
                     }
                 }
                 _ => {}
             }
         }
         any
+    }
+
+    /// Takes down a connection that failed (`error`) or ended. The error
+    /// reaches `try_recv` only if the application can know the peer: an
+    /// accepted connection that never came up (no ESTABLISHED event, no
+    /// frame) was never handed out, and sends to it were refused.
+    fn retire(&mut self, conn: &mut Conn<M>, error: Option<Error>) {
+        if let (Some(e), true) = (error, conn.established) {
+            self.arrivals.push_back(Err(e));
+        }
+        self.teardown(conn);
     }
 
     /// Destroys a connection's verbs objects; its leases go back to their pools.
