@@ -46,6 +46,9 @@ pub enum Waiter {
     },
 }
 
+/// Takes a zero-copy send buffer of the given length: see [`Wire::leaser`].
+pub type Leaser<L> = Box<dyn Fn(usize) -> Result<L, Error> + Send + Sync>;
+
 /// What an [`Endpoint`] needs of a transport beyond core's trait.
 pub trait Wire: Transport + Send + 'static {
     /// Whether what arrives on this wire wakes a thread asleep on its
@@ -60,10 +63,13 @@ pub trait Wire: Transport + Send + 'static {
         let _ = (out, waiter);
     }
 
-    /// A buffer of `len` bytes from the pool this wire's zero-copy sends
-    /// leave from (registered with the NIC where there is one): fill it in
-    /// place, then [`Endpoint::send_lease`] it.
-    fn lease(&self, len: usize) -> Result<Self::Lease, Error>;
+    /// Where zero-copy sends get their buffers: a lease of `len` bytes from
+    /// the pool this wire's sends leave from (registered with the NIC where
+    /// there is one), to fill in place and [`Endpoint::send_lease`]. The
+    /// endpoint keeps it and leases without the transport lock: a pool has
+    /// its own, and a thread taking a buffer must not wait for one that
+    /// spins in `recv` holding the transport.
+    fn leaser(&self) -> Leaser<Self::Lease>;
 
     /// Copies the start of a message into `out`: the way to read a message
     /// whose bytes are not host-visible (GPU memory), and small control
@@ -200,8 +206,10 @@ impl Default for EndpointConfig {
     }
 }
 
-struct Shared<T> {
+struct Shared<T: Wire> {
     transport: Mutex<T>,
+    /// The wire's [`Wire::leaser`], outside the transport lock.
+    leaser: Leaser<T::Lease>,
     progressed: Condvar,
     stop: AtomicBool,
     /// Application threads in `recv` (spinning or asleep in poll(2)).
@@ -220,7 +228,7 @@ struct Shared<T> {
     config: EndpointConfig,
 }
 
-impl<T> Shared<T> {
+impl<T: Wire> Shared<T> {
     fn lock(&self) -> MutexGuard<'_, T> {
         // A panic inside a transport call leaves it in a state its own methods
         // handle (peers drop, queues stay consistent per operation): carry on.
@@ -285,6 +293,7 @@ impl<T: Wire> Endpoint<T> {
     /// Wraps `transport` and starts its progress thread.
     pub fn new(transport: T, config: EndpointConfig) -> std::io::Result<Self> {
         let shared = Arc::new(Shared {
+            leaser: transport.leaser(),
             transport: Mutex::new(transport),
             progressed: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -305,9 +314,10 @@ impl<T: Wire> Endpoint<T> {
         })
     }
 
-    /// A buffer for a zero-copy send: see [`Wire::lease`].
+    /// A buffer for a zero-copy send: see [`Wire::leaser`]. Takes no
+    /// transport lock.
     pub fn lease(&self, len: usize) -> Result<T::Lease, Error> {
-        self.shared.lock().lease(len)
+        (self.shared.leaser)(len)
     }
 
     /// Copies the start of a received message into `out`: see [`Wire::read_lease`].
@@ -653,8 +663,9 @@ where
     L: zerohop_backends::mock::Link + Send + 'static,
     T: zerohop_core::PoolTables + Send + Sync + 'static,
 {
-    fn lease(&self, len: usize) -> Result<Self::Lease, Error> {
-        zerohop_core::Lease::take(Arc::clone(self.pool()), len)
+    fn leaser(&self) -> Leaser<Self::Lease> {
+        let pool = Arc::clone(self.pool());
+        Box::new(move |len| zerohop_core::Lease::take(Arc::clone(&pool), len))
     }
 
     fn read_lease(&self, lease: &Self::Lease, out: &mut [u8]) -> Result<(), Error> {
@@ -676,8 +687,9 @@ pub(crate) fn copy_out(bytes: &[u8], out: &mut [u8]) -> Result<(), Error> {
 impl<M: zerohop_backends::verbs::PayloadMemory> Wire for zerohop_backends::verbs::RdmaTransport<M> {
     const WAKES_POLL: bool = true;
 
-    fn lease(&self, len: usize) -> Result<Self::Lease, Error> {
-        zerohop_core::Lease::take(Arc::clone(self.send_pool()), len)
+    fn leaser(&self) -> Leaser<Self::Lease> {
+        let pool = Arc::clone(self.send_pool());
+        Box::new(move |len| zerohop_core::Lease::take(Arc::clone(&pool), len))
     }
 
     fn read_lease(&self, lease: &Self::Lease, out: &mut [u8]) -> Result<(), Error> {

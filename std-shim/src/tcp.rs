@@ -44,7 +44,7 @@ use zerohop_core::{
     Capabilities, Error, Kind, Lease, PeerId, PoolError, Received, Rejected, Transport,
 };
 
-use crate::endpoint::{Waiter, Wire};
+use crate::endpoint::{Leaser, Waiter, Wire};
 use crate::host::{StdLease, StdPool};
 
 const STAGE_BYTES: usize = 64 << 10;
@@ -1153,8 +1153,9 @@ impl Transport for TcpTransport {
 impl Wire for TcpTransport {
     const WAKES_POLL: bool = true;
 
-    fn lease(&self, len: usize) -> Result<StdLease, Error> {
-        Lease::take(Arc::clone(&self.pool), len)
+    fn leaser(&self) -> Leaser<StdLease> {
+        let pool = Arc::clone(&self.pool);
+        Box::new(move |len| Lease::take(Arc::clone(&pool), len))
     }
 
     fn read_lease(&self, lease: &StdLease, out: &mut [u8]) -> Result<(), Error> {

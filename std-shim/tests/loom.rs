@@ -13,7 +13,7 @@ use std::time::Duration;
 use loom::sync::{Arc, Mutex};
 use loom::thread;
 use zerohop_core::{Capabilities, Error, Kind, PeerId, Received, Rejected, Transport};
-use zerohop_std::{Deadline, Endpoint, EndpointConfig, Wire};
+use zerohop_std::{Deadline, Endpoint, EndpointConfig, Leaser, Wire};
 
 /// What left the model wire, seen from outside the endpoint.
 #[derive(Default)]
@@ -94,8 +94,8 @@ impl Transport for ModelWire {
 }
 
 impl Wire for ModelWire {
-    fn lease(&self, _: usize) -> Result<u8, Error> {
-        Ok(0)
+    fn leaser(&self) -> Leaser<u8> {
+        Box::new(|_| Ok(0))
     }
 
     fn read_lease(&self, lease: &u8, out: &mut [u8]) -> Result<(), Error> {

@@ -123,6 +123,35 @@ pub fn zero_copy_send_arrives<H: Harness>() {
     );
 }
 
+/// A zero-copy buffer comes from the endpoint without its transport lock:
+/// a thread taking one does not wait for another that holds the transport
+/// (as a receiver spinning in `recv` does between its polls), and the
+/// buffer is the wire's own, sent as it is.
+pub fn a_lease_needs_no_transport_lock<H: Harness>() {
+    let Some(p) = pair_or_skip::<H>("a_lease_needs_no_transport_lock") else {
+        return;
+    };
+    let a = Arc::new(p.a);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let taken = a.with(|_locked| {
+        let a = Arc::clone(&a);
+        std::thread::spawn(move || {
+            let _ = tx.send(a.lease(1000));
+        });
+        // Bounded: a lease behind the transport lock would wait for the end of `with`.
+        rx.recv_timeout(Duration::from_secs(10))
+    });
+    let mut lease = taken
+        .expect("a lease while another thread holds the transport")
+        .unwrap();
+    let want = message(9, 1000);
+    zerohop_backends::host_bytes_mut(&mut lease).copy_from_slice(&want);
+    a.send_lease(p.to_b, lease, Deadline::after(WAIT), None)
+        .unwrap();
+    let r = p.b.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), &want[..]);
+}
+
 /// Replies flow back: b answers a on the peer id it received from.
 pub fn replies_reach_the_sender<H: Harness>() {
     let Some(p) = pair_or_skip::<H>("replies_reach_the_sender") else {
@@ -188,6 +217,10 @@ macro_rules! suite {
             #[test]
             fn zero_copy_send_arrives() {
                 $crate::zero_copy_send_arrives::<$harness>()
+            }
+            #[test]
+            fn a_lease_needs_no_transport_lock() {
+                $crate::a_lease_needs_no_transport_lock::<$harness>()
             }
             #[test]
             fn replies_reach_the_sender() {
