@@ -12,7 +12,9 @@
 //! do), and lets a waiting thread in between two polls. The
 //! progress thread reads (or reaps completions) only for an application
 //! that has stopped calling: one that keeps polling is never raced for its
-//! own messages (UCX's rule: whoever polls, progresses).
+//! own messages (UCX's rule: whoever polls, progresses). Zero-copy buffers
+//! are leased from the wire's pool without the transport lock (the pool
+//! has its own), so taking one never waits for a spinning receiver.
 //! Why a mutex + condvar and not channels: the transport must be driven from
 //! both sides (the caller's fast path and the progress thread), and a
 //! channel would force every message through a hand-off.
