@@ -51,6 +51,15 @@ pub enum Waiter {
 /// Takes a zero-copy send buffer of the given length: see [`Wire::leaser`].
 pub type Leaser<L> = Box<dyn Fn(usize) -> Result<L, Error> + Send + Sync>;
 
+/// The leaser of a wire whose zero-copy buffers all come from one pool
+/// (every wire here): each call leases from `pool`.
+pub(crate) fn pool_leaser<P>(pool: P) -> Leaser<zerohop_core::Lease<P>>
+where
+    P: std::ops::Deref<Target: zerohop_core::Pool> + Clone + Send + Sync + 'static,
+{
+    Box::new(move |len| zerohop_core::Lease::take(pool.clone(), len))
+}
+
 /// What an [`Endpoint`] needs of a transport beyond core's trait.
 pub trait Wire: Transport + Send + 'static {
     /// Whether what arrives on this wire wakes a thread asleep on its
@@ -666,8 +675,7 @@ where
     T: zerohop_core::PoolTables + Send + Sync + 'static,
 {
     fn leaser(&self) -> Leaser<Self::Lease> {
-        let pool = Arc::clone(self.pool());
-        Box::new(move |len| zerohop_core::Lease::take(Arc::clone(&pool), len))
+        pool_leaser(Arc::clone(self.pool()))
     }
 
     fn read_lease(&self, lease: &Self::Lease, out: &mut [u8]) -> Result<(), Error> {
@@ -690,8 +698,7 @@ impl<M: zerohop_backends::verbs::PayloadMemory> Wire for zerohop_backends::verbs
     const WAKES_POLL: bool = true;
 
     fn leaser(&self) -> Leaser<Self::Lease> {
-        let pool = Arc::clone(self.send_pool());
-        Box::new(move |len| zerohop_core::Lease::take(Arc::clone(&pool), len))
+        pool_leaser(Arc::clone(self.send_pool()))
     }
 
     fn read_lease(&self, lease: &Self::Lease, out: &mut [u8]) -> Result<(), Error> {

@@ -44,7 +44,7 @@ use zerohop_core::{
     Capabilities, Error, Kind, Lease, PeerId, PoolError, Received, Rejected, Transport,
 };
 
-use crate::endpoint::{Leaser, Waiter, Wire};
+use crate::endpoint::{pool_leaser, Leaser, Waiter, Wire};
 use crate::host::{StdLease, StdPool};
 
 const STAGE_BYTES: usize = 64 << 10;
@@ -1154,8 +1154,7 @@ impl Wire for TcpTransport {
     const WAKES_POLL: bool = true;
 
     fn leaser(&self) -> Leaser<StdLease> {
-        let pool = Arc::clone(&self.pool);
-        Box::new(move |len| Lease::take(Arc::clone(&pool), len))
+        pool_leaser(Arc::clone(&self.pool))
     }
 
     fn read_lease(&self, lease: &StdLease, out: &mut [u8]) -> Result<(), Error> {
