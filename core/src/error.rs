@@ -80,6 +80,8 @@ pub enum Error {
     NotHostVisible(MemKind),
     /// A backend call failed; the name is the failing call (e.g. `"ibv_post_send"`).
     Backend(&'static str),
+    /// A setting cannot work; the text names it and what it needs.
+    BadConfig(&'static str),
 }
 
 impl fmt::Display for Error {
@@ -126,6 +128,7 @@ impl fmt::Display for Error {
             }
             Error::NotHostVisible(k) => write!(f, "{} memory is not visible to the CPU", k.name()),
             Error::Backend(call) => write!(f, "{call} failed"),
+            Error::BadConfig(what) => write!(f, "unusable setting: {what}"),
         }
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use zerohop_backends::host_bytes;
-use zerohop_backends::verbs::{Device, RdmaConfig, RdmaTransport, Registry};
+use zerohop_backends::verbs::{Device, RdmaConfig, RdmaTransport, Registry, MIN_RECV_DEPTH};
 use zerohop_core::{
     crc32c, pick, Access, Error, Kind, MemKind, PeerId, Preference, Prereq, Received, Region,
     RegisterError, Registrar, Status, Transport,
@@ -467,6 +467,94 @@ fn two_peers_out_of_credits_with_data_queued_still_return_credits() {
         (n, n),
         "every queued message arrived both ways"
     );
+}
+
+/// Polls `t` for a message, driving `other` as well (its queued frames, or
+/// the credits it owes, may be what `t` waits for), until `until`.
+fn next_driving(
+    t: &mut RdmaTransport,
+    other: &mut RdmaTransport,
+    until: std::time::Instant,
+) -> Option<Received<<RdmaTransport as Transport>::Lease>> {
+    while std::time::Instant::now() < until {
+        other.progress().unwrap();
+        match t.try_recv() {
+            Ok(r) => return Some(r),
+            Err(Error::WouldBlock) => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    None
+}
+
+#[test]
+fn the_shallowest_rings_keep_moving_both_ways() {
+    // Rings of the least depth accepted and two more: a stream each way at
+    // once, then a ping-pong, driven by hand. A send ring is the receive
+    // depth plus 8; below 8, it held fewer slots than the one-in-16 inline
+    // frames that ask for a completion, so unsignaled frames took every slot
+    // and none came back (`zerohop perf` with a ring of 4 never finished).
+    for (depth, port) in [
+        (MIN_RECV_DEPTH, 19_010),
+        (MIN_RECV_DEPTH + 1, 19_011),
+        (MIN_RECV_DEPTH + 2, 19_012),
+    ] {
+        let config = RdmaConfig {
+            recv_depth: depth,
+            ..small_ring()
+        };
+        let Some((mut a, mut b, peer)) = raw_pair(port, config) else {
+            return;
+        };
+        let back = zerohop_core::PeerId(0);
+        let n = 300u64;
+        let until = std::time::Instant::now() + Duration::from_secs(60);
+        let (mut sent, mut got) = ([0u64; 2], [0u64; 2]);
+        while got != [n, n] && std::time::Instant::now() < until {
+            for (k, t, to) in [(0, &mut a, peer), (1, &mut b, back)] {
+                if sent[k] < n {
+                    match t.try_send(to, &message(sent[k], 100)) {
+                        Ok(()) => sent[k] += 1,
+                        Err(Error::WouldBlock) => {}
+                        Err(e) => panic!("depth {depth}: {e}"),
+                    }
+                }
+                t.progress().unwrap();
+                while let Ok(r) = t.try_recv() {
+                    let m = host_bytes(&r.lease);
+                    assert_eq!(u64::from_le_bytes(m[..8].try_into().unwrap()), got[k]);
+                    got[k] += 1;
+                }
+            }
+        }
+        assert_eq!(got, [n, n], "depth {depth}: both streams arrived whole");
+        for i in 0..n {
+            let want = message(i, 100);
+            a.try_send(peer, &want).unwrap();
+            let r = next_driving(&mut b, &mut a, until)
+                .unwrap_or_else(|| panic!("depth {depth}: ping {i} stalled"));
+            assert_eq!(host_bytes(&r.lease), &want[..]);
+            b.try_send_lease(r.peer, r.lease).unwrap();
+            let r = next_driving(&mut a, &mut b, until)
+                .unwrap_or_else(|| panic!("depth {depth}: pong {i} stalled"));
+            assert_eq!(host_bytes(&r.lease), &want[..]);
+        }
+    }
+}
+
+#[test]
+fn a_ring_too_shallow_to_move_is_refused() {
+    let Some(dev) = device_or_skip() else {
+        return;
+    };
+    let config = RdmaConfig {
+        recv_depth: MIN_RECV_DEPTH - 1,
+        ..small_ring()
+    };
+    assert!(matches!(
+        RdmaTransport::new(dev, config),
+        Err(Error::BadConfig(_))
+    ));
 }
 
 #[test]

@@ -25,7 +25,7 @@ use zerohop_core::{
 #[cfg(feature = "cuda-uma")]
 pub use payload::{GpuChunks, GpuPayload, GpuPool};
 pub use payload::{HostPayload, PayloadMemory};
-pub use transport::{RdmaConfig, RdmaTransport};
+pub use transport::{RdmaConfig, RdmaTransport, MIN_RECV_DEPTH};
 
 /// The environment variable naming the RDMA device to use (e.g. `rxe0`, `mlx5_0`).
 pub const DEVICE_ENV: &str = "ZEROHOP_RDMA_DEVICE";

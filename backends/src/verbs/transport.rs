@@ -61,7 +61,8 @@ type HeaderLease = Lease<Arc<HeaderPool>>;
 /// Settings of the verbs wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RdmaConfig {
-    /// Receives kept posted per connection (and the credits a peer starts with).
+    /// Receives kept posted per connection (and the credits a peer starts
+    /// with); at least [`MIN_RECV_DEPTH`].
     pub recv_depth: u32,
     /// Largest payload of one frame; longer messages are split.
     pub fragment: usize,
@@ -93,6 +94,9 @@ impl Default for RdmaConfig {
     }
 }
 
+/// The shallowest receive ring: a data frame needs two credits (see `pump`).
+pub const MIN_RECV_DEPTH: u32 = 2;
+
 const SEND_TAG: u64 = 1 << 63;
 /// The host pool of header rings, shared by every connection of a transport.
 const HEADER_POOL_BYTES: usize = 16 << 20;
@@ -102,7 +106,8 @@ const CM_TIMEOUT_MS: i32 = 5000;
 const INLINE_WANT: usize = 256;
 /// Inline frames ask for a completion one in this many (perftest's
 /// latency test does the same): the rest cost the NIC and the poller no
-/// completion. Well under the send ring's depth, so slots always come back.
+/// completion. The last free send slot is signaled as well, so slots come
+/// back on a send ring shallower than this too.
 const SIGNAL_EVERY: usize = 16;
 /// Work completions taken per `ibv_poll_cq`.
 const POLL_BATCH: usize = 16;
@@ -392,6 +397,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// A transport on `device` whose payloads live in `memory` (host memory:
     /// `rdma`; GPU memory: `gpudirect`), with its own registered pools.
     pub fn with_memory(device: Arc<Device>, config: RdmaConfig, memory: M) -> Result<Self, Error> {
+        if config.recv_depth < MIN_RECV_DEPTH {
+            return Err(Error::BadConfig(
+                "RdmaConfig::recv_depth must be at least 2",
+            ));
+        }
         let registry = Registry::new(Arc::clone(&device));
         // Receive buffers need local write (the NIC writes them); send buffers only local read.
         let recv_pool = memory.pool(
@@ -880,7 +890,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         // A frame from registered memory asks for its completion (its buffer
         // is held until then, and `flush` waits for it); inline ones only
         // one in SIGNAL_EVERY, which frees the slots of those before it.
-        let signaled = !inline || conn.unsignaled.len() + 1 >= SIGNAL_EVERY;
+        // The last free slot is always signaled: on a ring shallower than
+        // SIGNAL_EVERY, unsignaled frames would otherwise take every slot and
+        // no completion would ever give them back.
+        let signaled =
+            !inline || conn.unsignaled.len() + 1 >= SIGNAL_EVERY || conn.free_send.is_empty();
         // SAFETY: an all-zero send WR is valid; the fields are set below.
         let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = SEND_TAG | slot as u64;
