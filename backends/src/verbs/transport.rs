@@ -399,7 +399,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     pub fn with_memory(device: Arc<Device>, config: RdmaConfig, memory: M) -> Result<Self, Error> {
         if config.recv_depth < MIN_RECV_DEPTH {
             return Err(Error::BadConfig(
-                "RdmaConfig::recv_depth must be at least 2",
+                "RdmaConfig::recv_depth is below verbs::MIN_RECV_DEPTH",
             ));
         }
         let registry = Registry::new(Arc::clone(&device));
