@@ -6,8 +6,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use rdma_sys as ffi;
 use zerohop_backends::host_bytes;
-use zerohop_backends::verbs::{Device, RdmaConfig, RdmaTransport, Registry, MIN_RECV_DEPTH};
+use zerohop_backends::verbs::{
+    Device, RdmaConfig, RdmaTransport, Registry, VerbsError, MIN_RECV_DEPTH,
+};
 use zerohop_core::{
     crc32c, pick, Access, Error, Kind, MemKind, PeerId, Preference, Prereq, Received, Region,
     RegisterError, Registrar, Status, Transport,
@@ -645,7 +648,16 @@ fn an_accepted_connection_its_peer_refuses_goes_quietly_and_leaks_nothing() {
     let pool = Arc::clone(b.pool());
     let (answered_tx, answered) = std::sync::mpsc::channel();
     let (go, go_rx) = std::sync::mpsc::channel();
-    let client = std::thread::spawn(move || refusing_peer::connect(addr, &answered_tx, &go_rx));
+    // A peer with a ring like zerohop's (so the listener accepts), no QP
+    // (so librdmacm hands the listener's reply up instead of answering
+    // it), which says it was answered, waits for `go`, then rejects.
+    let client = std::thread::spawn(move || -> Result<(), String> {
+        let peer = cm_peer::Peer::connect(addr, &cm_peer::ring(8))?;
+        peer.expect(ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_RESPONSE)?;
+        answered_tx.send(()).map_err(|e| e.to_string())?;
+        go_rx.recv().map_err(|e| e.to_string())?;
+        peer.reject()
+    });
     let until = std::time::Instant::now() + WAIT;
     // `b` accepts; its reply reaches the peer, which holds its answer back.
     while answered.try_recv().is_err() {
@@ -683,135 +695,336 @@ fn an_accepted_connection_its_peer_refuses_goes_quietly_and_leaks_nothing() {
     );
 }
 
-/// A connecting side written against librdmacm directly, to do what
-/// zerohop's own never does: take the listener's reply and refuse it.
-mod refusing_peer {
+#[test]
+fn a_listener_refuses_a_peer_whose_ring_cannot_take_a_data_frame() {
+    // A data frame needs two credits: a peer announcing a ring of 1, of 0,
+    // or nothing zerohop can read would never be sent a message (the last
+    // session's note: it was accepted, and sends to it waited out their
+    // deadlines). It is refused at the request, before a ring is posted.
+    let Some(dev) = device_or_skip() else {
+        return;
+    };
+    let addr = rdma_addr(19_131).expect("an RDMA address");
+    let mut b = RdmaTransport::new(dev, small_ring()).unwrap();
+    b.listen(addr).unwrap();
+    let pool = Arc::clone(b.pool());
+    for private in [cm_peer::ring(1), cm_peer::ring(0), Vec::new()] {
+        let shown = format!("{private:?}");
+        let client = std::thread::spawn(move || {
+            cm_peer::Peer::connect(addr, &private).and_then(|p| p.next())
+        });
+        let until = std::time::Instant::now() + WAIT;
+        while !client.is_finished() {
+            b.progress().unwrap();
+            assert_eq!(pool.stats().leases, 0, "a ring was posted for {shown}");
+            assert!(std::time::Instant::now() < until, "no answer for {shown}");
+        }
+        assert_eq!(
+            client.join().unwrap(),
+            Ok(ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED),
+            "private data {shown}"
+        );
+        assert_eq!(b.peer_count(), 0);
+        assert!(matches!(b.try_recv(), Err(Error::WouldBlock)));
+    }
+}
+
+#[test]
+fn connecting_to_a_peer_whose_ring_cannot_take_a_data_frame_is_refused_and_leaks_nothing() {
+    let Some(dev) = device_or_skip() else {
+        return;
+    };
+    let addr = rdma_addr(19_132).expect("an RDMA address");
+    let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
+    let pools = [Arc::clone(a.pool()), Arc::clone(a.send_pool())];
+    // A ring of 1, and no private data at all.
+    for (private, announced) in [(cm_peer::ring(1), Some(1)), (Vec::new(), None)] {
+        let shown = format!("{private:?}");
+        let listener = cm_peer::Peer::listen(addr).unwrap();
+        // Accepts, then reports the events it sees until DISCONNECTED.
+        let server = std::thread::spawn(move || -> Result<Vec<u32>, String> {
+            let mut listener = listener;
+            listener.accept(&private)?;
+            let mut seen = Vec::new();
+            while seen.last() != Some(&ffi::rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED) {
+                seen.push(listener.next().map_err(|e| format!("{e} after {seen:?}"))?);
+            }
+            Ok(seen)
+        });
+        let err = a.connect(addr).unwrap_err();
+        match (&err, announced) {
+            // The CM pads private data with zeros: "nothing" reads as 0 on IB and RoCE.
+            (VerbsError::ShallowPeer { depth: Some(1) }, Some(1)) => {}
+            (
+                VerbsError::ShallowPeer {
+                    depth: Some(0) | None,
+                },
+                None,
+            ) => {}
+            _ => panic!("private data {shown}: {err:?}"),
+        }
+        assert!(err.to_string().contains("receive ring"), "{err}");
+        assert_eq!(a.peer_count(), 0);
+        for pool in &pools {
+            assert_eq!(pool.stats().leases, 0, "{shown}: {:?}", pool.stats());
+        }
+        let seen = server.join().unwrap().unwrap();
+        eprintln!("the peer with private data {shown} saw CM events {seen:?}");
+    }
+}
+
+#[test]
+fn connecting_where_nobody_listens_is_a_typed_error_and_leaks_nothing() {
+    // A refused connect tears down what it set up once: the QP, CQ and
+    // ring, then the CM id and channel (they were destroyed twice: by the
+    // connection's teardown, then again by `connect`).
+    let Some(dev) = device_or_skip() else {
+        return;
+    };
+    let addr = rdma_addr(19_133).expect("an RDMA address");
+    let mut a = RdmaTransport::new(Arc::clone(&dev), small_ring()).unwrap();
+    let pools = [Arc::clone(a.pool()), Arc::clone(a.send_pool())];
+    for _ in 0..3 {
+        let err = a.connect(addr).unwrap_err();
+        assert!(
+            matches!(&err, VerbsError::Connect(why) if why.contains("REJECTED")),
+            "{err:?}"
+        );
+        assert_eq!(a.peer_count(), 0);
+        for pool in &pools {
+            assert_eq!(pool.stats().leases, 0, "{:?}", pool.stats());
+        }
+    }
+    // The same transport then connects once someone listens, and a message crosses.
+    let mut b = RdmaTransport::new(dev, small_ring()).unwrap();
+    b.listen(addr).unwrap();
+    let listening = std::thread::spawn(move || {
+        let until = std::time::Instant::now() + WAIT;
+        loop {
+            b.progress().unwrap();
+            match b.try_recv() {
+                Ok(r) => return host_bytes(&r.lease).to_vec(),
+                Err(Error::WouldBlock) => assert!(std::time::Instant::now() < until),
+                Err(e) => panic!("{e}"),
+            }
+        }
+    });
+    let peer = a.connect(addr).unwrap();
+    a.try_send(peer, b"after three refusals").unwrap();
+    let until = std::time::Instant::now() + WAIT;
+    while !listening.is_finished() {
+        a.progress().unwrap();
+        assert!(std::time::Instant::now() < until);
+    }
+    assert_eq!(listening.join().unwrap(), b"after three refusals");
+}
+
+/// A peer written against librdmacm directly, to do what zerohop's own
+/// never does: announce a ring too shallow, refuse a listener's reply, or
+/// accept with no QP behind it. Its ids have no QP (a connect or accept
+/// names a QP number that points at nothing).
+mod cm_peer {
     use std::net::SocketAddr;
     use std::ptr;
-    use std::sync::mpsc::{Receiver, Sender};
 
     use rdma_sys as ffi;
 
-    /// The next CM event's type (acknowledged), waiting at most 10 s.
-    fn next_event(
-        ch: *mut ffi::rdma_event_channel,
-    ) -> Result<ffi::rdma_cm_event_type::Type, String> {
-        // SAFETY: a live channel.
-        let fd = unsafe { (*ch).fd };
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        if unsafe { libc::poll(&mut pfd, 1, 10_000) } != 1 {
-            return Err("no CM event within 10 s".into());
-        }
-        let mut ev = ptr::null_mut();
-        // SAFETY: a live, readable channel and a valid out-pointer.
-        if unsafe { ffi::rdma_get_cm_event(ch, &mut ev) } != 0 {
-            return Err("rdma_get_cm_event failed".into());
-        }
-        // SAFETY: `ev` is valid until acknowledged, once, right after.
-        let kind = unsafe { (*ev).event };
-        // SAFETY: as above.
-        unsafe { ffi::rdma_ack_cm_event(ev) };
-        Ok(kind)
+    /// Private data announcing a receive ring of `depth` (no flags).
+    pub fn ring(depth: u32) -> Vec<u8> {
+        let mut p = depth.to_le_bytes().to_vec();
+        p.extend_from_slice(&0u32.to_le_bytes());
+        p
     }
 
-    fn expect(
+    pub struct Peer {
         ch: *mut ffi::rdma_event_channel,
-        want: ffi::rdma_cm_event_type::Type,
-    ) -> Result<(), String> {
-        match next_event(ch)? {
-            k if k == want => Ok(()),
-            k => Err(format!("CM event {k}, expected {want}")),
-        }
+        /// The connecting id, or the listening one.
+        id: *mut ffi::rdma_cm_id,
+        /// On a listener, the id of the request it accepted.
+        accepted: *mut ffi::rdma_cm_id,
     }
 
-    /// Connects to `addr` with an id that has no QP, so librdmacm hands the
-    /// listener's reply up as CONNECT_RESPONSE instead of answering it with
-    /// an RTU; says so on `answered`, waits for `go`, then rejects.
-    pub fn connect(
-        addr: SocketAddr,
-        answered: &Sender<()>,
-        go: &Receiver<()>,
-    ) -> Result<(), String> {
-        let SocketAddr::V4(v4) = addr else {
-            return Err("this test speaks IPv4".into());
-        };
-        let mut sin = libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: v4.port().to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from_ne_bytes(v4.ip().octets()),
-            },
-            sin_zero: [0; 8],
-        };
-        // SAFETY: creates a channel we own and destroy below.
-        let ch = unsafe { ffi::rdma_create_event_channel() };
-        if ch.is_null() {
-            return Err("rdma_create_event_channel failed".into());
-        }
-        let mut id = ptr::null_mut();
-        // SAFETY: a live channel and a valid out-pointer.
-        if unsafe {
-            ffi::rdma_create_id(
+    // SAFETY: librdmacm's channel and ids may be used from any thread; a
+    // `Peer` is used by one thread at a time (it moves, it is not shared).
+    unsafe impl Send for Peer {}
+
+    impl Peer {
+        fn new() -> Result<Self, String> {
+            // SAFETY: creates a channel this peer owns and destroys on drop.
+            let ch = unsafe { ffi::rdma_create_event_channel() };
+            if ch.is_null() {
+                return Err("rdma_create_event_channel failed".into());
+            }
+            let mut peer = Peer {
                 ch,
-                &mut id,
-                ptr::null_mut(),
-                ffi::rdma_port_space::RDMA_PS_TCP,
-            )
-        } != 0
-        {
-            // SAFETY: the channel has no ids.
-            unsafe { ffi::rdma_destroy_event_channel(ch) };
-            return Err("rdma_create_id failed".into());
+                id: ptr::null_mut(),
+                accepted: ptr::null_mut(),
+            };
+            // SAFETY: a live channel and a valid out-pointer.
+            if unsafe {
+                ffi::rdma_create_id(
+                    ch,
+                    &mut peer.id,
+                    ptr::null_mut(),
+                    ffi::rdma_port_space::RDMA_PS_TCP,
+                )
+            } != 0
+            {
+                return Err("rdma_create_id failed".into());
+            }
+            Ok(peer)
         }
-        let steps = (|| {
+
+        /// Resolves `addr` and sends a connect request with `private` data.
+        pub fn connect(addr: SocketAddr, private: &[u8]) -> Result<Self, String> {
+            let peer = Self::new()?;
+            let mut sin = sockaddr_in(addr)?;
             // SAFETY: a live id and a sockaddr_in that outlives the call.
             if unsafe {
                 ffi::rdma_resolve_addr(
-                    id,
+                    peer.id,
                     ptr::null_mut(),
                     (&mut sin as *mut libc::sockaddr_in).cast(),
                     2000,
                 )
             } != 0
             {
-                return Err("rdma_resolve_addr failed".to_string());
+                return Err("rdma_resolve_addr failed".into());
             }
-            expect(ch, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED)?;
+            peer.expect(ffi::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED)?;
             // SAFETY: a live id with a resolved address.
-            if unsafe { ffi::rdma_resolve_route(id, 2000) } != 0 {
+            if unsafe { ffi::rdma_resolve_route(peer.id, 2000) } != 0 {
                 return Err("rdma_resolve_route failed".into());
             }
-            expect(ch, ffi::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED)?;
-            // SAFETY: an all-zero conn param is valid; the fields are set below.
-            let mut param: ffi::rdma_conn_param = unsafe { std::mem::zeroed() };
-            param.responder_resources = 1;
-            param.initiator_depth = 1;
-            param.retry_count = 7;
-            param.rnr_retry_count = 7;
-            param.qp_num = 0x00ab_cdef; // no QP: the listener's QP points at nothing
-                                        // SAFETY: a live id with a resolved route; `param` outlives the call.
-            if unsafe { ffi::rdma_connect(id, &mut param) } != 0 {
+            peer.expect(ffi::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED)?;
+            let mut param = conn_param(private);
+            // SAFETY: a live id with a resolved route; `param` and the
+            // private data it points to outlive the call.
+            if unsafe { ffi::rdma_connect(peer.id, &mut param) } != 0 {
                 return Err("rdma_connect failed".into());
             }
-            expect(ch, ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_RESPONSE)?;
-            answered.send(()).map_err(|e| e.to_string())?;
-            go.recv().map_err(|e| e.to_string())?;
+            Ok(peer)
+        }
+
+        /// Listens on `addr`.
+        pub fn listen(addr: SocketAddr) -> Result<Self, String> {
+            let peer = Self::new()?;
+            let mut sin = sockaddr_in(addr)?;
+            // SAFETY: a live id and a sockaddr_in that outlives the call.
+            if unsafe { ffi::rdma_bind_addr(peer.id, (&mut sin as *mut libc::sockaddr_in).cast()) }
+                != 0
+            {
+                return Err("rdma_bind_addr failed".into());
+            }
+            // SAFETY: a live, bound id.
+            if unsafe { ffi::rdma_listen(peer.id, 1) } != 0 {
+                return Err("rdma_listen failed".into());
+            }
+            Ok(peer)
+        }
+
+        /// Waits for a connect request and accepts it with `private` data.
+        pub fn accept(&mut self, private: &[u8]) -> Result<(), String> {
+            let (kind, id) = self.event()?;
+            if kind != ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST {
+                return Err(format!("CM event {kind}, expected a connect request"));
+            }
+            self.accepted = id;
+            let mut param = conn_param(private);
+            // SAFETY: the request's live id; `param` and its data outlive the call.
+            if unsafe { ffi::rdma_accept(id, &mut param) } != 0 {
+                return Err("rdma_accept failed".into());
+            }
+            Ok(())
+        }
+
+        /// Rejects the answer to this peer's connect request.
+        pub fn reject(&self) -> Result<(), String> {
             // SAFETY: a live id whose connect was answered.
-            if unsafe { ffi::rdma_reject(id, ptr::null(), 0) } != 0 {
+            if unsafe { ffi::rdma_reject(self.id, ptr::null(), 0) } != 0 {
                 return Err("rdma_reject failed".into());
             }
             Ok(())
-        })();
-        // SAFETY: the id (no QP) and then its channel, each destroyed once.
-        unsafe {
-            ffi::rdma_destroy_id(id);
-            ffi::rdma_destroy_event_channel(ch);
         }
-        steps
+
+        /// The next CM event's type and id (acknowledged), waiting at most 10 s.
+        fn event(&self) -> Result<(ffi::rdma_cm_event_type::Type, *mut ffi::rdma_cm_id), String> {
+            let mut pfd = libc::pollfd {
+                // SAFETY: a live channel.
+                fd: unsafe { (*self.ch).fd },
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            if unsafe { libc::poll(&mut pfd, 1, 10_000) } != 1 {
+                return Err("no CM event within 10 s".into());
+            }
+            let mut ev = ptr::null_mut();
+            // SAFETY: a live, readable channel and a valid out-pointer.
+            if unsafe { ffi::rdma_get_cm_event(self.ch, &mut ev) } != 0 {
+                return Err("rdma_get_cm_event failed".into());
+            }
+            // SAFETY: `ev` is valid until acknowledged, once, right after.
+            let out = unsafe { ((*ev).event, (*ev).id) };
+            // SAFETY: as above.
+            unsafe { ffi::rdma_ack_cm_event(ev) };
+            Ok(out)
+        }
+
+        /// The next CM event's type.
+        pub fn next(&self) -> Result<ffi::rdma_cm_event_type::Type, String> {
+            self.event().map(|(kind, _)| kind)
+        }
+
+        pub fn expect(&self, want: ffi::rdma_cm_event_type::Type) -> Result<(), String> {
+            match self.next()? {
+                k if k == want => Ok(()),
+                k => Err(format!("CM event {k}, expected {want}")),
+            }
+        }
+    }
+
+    impl Drop for Peer {
+        fn drop(&mut self) {
+            // SAFETY: the ids (no QPs) and then their channel, each destroyed once.
+            unsafe {
+                for id in [self.accepted, self.id] {
+                    if !id.is_null() {
+                        ffi::rdma_destroy_id(id);
+                    }
+                }
+                ffi::rdma_destroy_event_channel(self.ch);
+            }
+        }
+    }
+
+    fn sockaddr_in(addr: SocketAddr) -> Result<libc::sockaddr_in, String> {
+        let SocketAddr::V4(v4) = addr else {
+            return Err("this peer speaks IPv4".into());
+        };
+        Ok(libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: v4.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_ne_bytes(v4.ip().octets()),
+            },
+            sin_zero: [0; 8],
+        })
+    }
+
+    /// Connection parameters naming a QP that does not exist, carrying `private`.
+    fn conn_param(private: &[u8]) -> ffi::rdma_conn_param {
+        // SAFETY: an all-zero conn param is valid; the fields are set below.
+        let mut param: ffi::rdma_conn_param = unsafe { std::mem::zeroed() };
+        param.responder_resources = 1;
+        param.initiator_depth = 1;
+        param.retry_count = 7;
+        param.rnr_retry_count = 7;
+        param.qp_num = 0x00ab_cdef;
+        if !private.is_empty() {
+            param.private_data = private.as_ptr().cast();
+            param.private_data_len = private.len() as u8;
+        }
+        param
     }
 }

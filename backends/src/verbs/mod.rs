@@ -45,6 +45,13 @@ pub enum VerbsError {
     },
     /// An address or route could not be resolved, or the peer refused.
     Connect(String),
+    /// The peer announced a receive ring too shallow to ever take a data
+    /// frame (below [`MIN_RECV_DEPTH`]), or none at all (not a zerohop
+    /// peer): the connection was refused rather than left to stall.
+    ShallowPeer {
+        /// The receive depth in the peer's CM private data, if it sent one.
+        depth: Option<u32>,
+    },
 }
 
 impl fmt::Display for VerbsError {
@@ -57,6 +64,16 @@ impl fmt::Display for VerbsError {
                 std::io::Error::from_raw_os_error(*errno)
             ),
             VerbsError::Connect(why) => write!(f, "RDMA connection failed: {why}"),
+            VerbsError::ShallowPeer { depth: Some(d) } => write!(
+                f,
+                "RDMA connection refused: the peer announced a receive ring of {d}, \
+                 and a data frame needs {MIN_RECV_DEPTH}"
+            ),
+            VerbsError::ShallowPeer { depth: None } => write!(
+                f,
+                "RDMA connection refused: the peer announced no receive ring \
+                 (its CM private data is not zerohop's)"
+            ),
         }
     }
 }
@@ -69,6 +86,7 @@ impl From<VerbsError> for Error {
             VerbsError::NoDevice(_) => "verbs: no RDMA device",
             VerbsError::Call { call, .. } => call,
             VerbsError::Connect(_) => "rdma_connect",
+            VerbsError::ShallowPeer { .. } => "rdma: the peer's receive ring is too shallow",
         })
     }
 }

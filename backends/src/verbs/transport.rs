@@ -36,7 +36,8 @@
 //!
 //! The CM private data is two little-endian words: the receive depth (the
 //! peer's starting credits), then flags (bit 0: takes headerless frames). A
-//! peer that sends one word gets framed messages only.
+//! peer that sends one word gets framed messages only; one whose ring is
+//! below [`MIN_RECV_DEPTH`] (or that sends none) is refused, on either side.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -332,6 +333,15 @@ fn parse_private(p: &[u8]) -> (Option<u32>, u32) {
     (word(0), word(1).unwrap_or(0))
 }
 
+/// The credits a peer starts with: the receive depth it announced, if a
+/// data frame fits (`MIN_RECV_DEPTH`); otherwise the connection is refused.
+fn usable_depth(depth: Option<u32>) -> Result<u32, VerbsError> {
+    match depth {
+        Some(d) if d >= MIN_RECV_DEPTH => Ok(d),
+        depth => Err(VerbsError::ShallowPeer { depth }),
+    }
+}
+
 fn expect_event(
     channel: NonNull<ffi::rdma_event_channel>,
     want: ffi::rdma_cm_event_type::Type,
@@ -493,26 +503,40 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         Ok(())
     }
 
-    /// Connects to a listening transport (blocking until established or `CM_TIMEOUT`).
+    /// Connects to a listening transport (blocking until established or
+    /// `CM_TIMEOUT`). A peer that announces a receive ring shallower than
+    /// [`MIN_RECV_DEPTH`] is disconnected and refused (`ShallowPeer`).
     pub fn connect(&mut self, addr: SocketAddr) -> Result<PeerId, VerbsError> {
         let (ch, id) = channel_and_id()?;
-        let result = self.connect_on(ch, id, addr);
-        if result.is_err() {
-            // SAFETY: the id never got a QP that outlives this (connect_on tears its own down).
-            unsafe {
-                ffi::rdma_destroy_id(id.as_ptr());
-                ffi::rdma_destroy_event_channel(ch.as_ptr());
+        let conn = Self::resolve(ch, id, addr).and_then(|()| self.setup(id, Some(ch)));
+        let mut conn = match conn {
+            Ok(conn) => conn,
+            Err(e) => {
+                // SAFETY: neither resolution nor a failed setup keeps the id
+                // or channel: they are still ours, destroyed once, id first.
+                unsafe {
+                    ffi::rdma_destroy_id(id.as_ptr());
+                    ffi::rdma_destroy_event_channel(ch.as_ptr());
+                }
+                return Err(e);
+            }
+        };
+        // From here the connection owns the id and the channel: `teardown`
+        // destroys them.
+        match self.handshake(ch, &mut conn) {
+            Ok(()) => Ok(self.add(conn)),
+            Err(e) => {
+                self.teardown(&mut conn);
+                Err(e)
             }
         }
-        result
     }
 
-    fn connect_on(
-        &mut self,
+    fn resolve(
         ch: NonNull<ffi::rdma_event_channel>,
         id: NonNull<ffi::rdma_cm_id>,
         addr: SocketAddr,
-    ) -> Result<PeerId, VerbsError> {
+    ) -> Result<(), VerbsError> {
         let (mut ss, _) = sockaddr(addr);
         // SAFETY: a live id and a valid destination sockaddr.
         if unsafe {
@@ -540,33 +564,33 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             ffi::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED,
             "route resolution",
         )?;
-        let mut conn = self.setup(id, Some(ch))?;
+        Ok(())
+    }
+
+    /// Sends the connect request and waits for the connection to come up
+    /// with a peer whose ring can take data frames.
+    fn handshake(
+        &self,
+        ch: NonNull<ffi::rdma_event_channel>,
+        conn: &mut Conn<M>,
+    ) -> Result<(), VerbsError> {
         let private = self.private();
         let mut param = conn_param(&private);
         // SAFETY: a live id with a QP; `param` and `private` outlive the call.
-        if unsafe { ffi::rdma_connect(id.as_ptr(), &mut param) } != 0 {
-            let e = call_failed("rdma_connect");
-            self.teardown(&mut conn);
-            return Err(e);
+        if unsafe { ffi::rdma_connect(conn.id.as_ptr(), &mut param) } != 0 {
+            return Err(call_failed("rdma_connect"));
         }
-        match expect_event(
+        let ev = expect_event(
             ch,
             ffi::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
             "connection",
-        ) {
-            Ok(ev) => {
-                conn.credits = ev.peer_depth.unwrap_or(0);
-                conn.peer_headerless = ev.peer_flags & PRIVATE_HEADERLESS != 0;
-            }
-            Err(e) => {
-                self.teardown(&mut conn);
-                return Err(e);
-            }
-        }
+        )?;
+        conn.credits = usable_depth(ev.peer_depth)?;
+        conn.peer_headerless = ev.peer_flags & PRIVATE_HEADERLESS != 0;
         conn.established = true;
         // SAFETY: a live channel.
         set_nonblocking(unsafe { (*ch.as_ptr()).fd });
-        Ok(self.add(conn))
+        Ok(())
     }
 
     fn add(&mut self, conn: Conn<M>) -> PeerId {
@@ -683,7 +707,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         for slot in 0..depth {
             if let Err(e) = Self::post_recv(&self.recv_pool, self.config.fragment, &mut conn, slot)
             {
-                self.teardown(&mut conn);
+                Self::release_verbs(&mut conn);
                 return Err(VerbsError::Connect(format!(
                     "posting the receive ring: {e}"
                 )));
@@ -1411,17 +1435,22 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             };
             match ev.kind {
                 ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST => {
-                    if self.closed {
-                        // SAFETY: refuse the request on its own id; the CM destroys nothing of ours.
-                        unsafe {
-                            ffi::rdma_reject(id.as_ptr(), ptr::null(), 0);
-                            ffi::rdma_destroy_id(id.as_ptr());
+                    // A closed listener, or a peer whose ring could never
+                    // take a data frame: refused before anything is set up.
+                    let credits = match usable_depth(ev.peer_depth) {
+                        Ok(credits) if !self.closed => credits,
+                        _ => {
+                            // SAFETY: refuse the request on its own id, which nothing else holds.
+                            unsafe {
+                                ffi::rdma_reject(id.as_ptr(), ptr::null(), 0);
+                                ffi::rdma_destroy_id(id.as_ptr());
+                            }
+                            continue;
                         }
-                        continue;
-                    }
+                    };
                     match self.setup(id, None) {
                         Ok(mut conn) => {
-                            conn.credits = ev.peer_depth.unwrap_or(0);
+                            conn.credits = credits;
                             conn.peer_headerless = ev.peer_flags & PRIVATE_HEADERLESS != 0;
                             let private = self.private();
                             let mut param = conn_param(&private);
@@ -1484,18 +1513,31 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     }
 
     /// Destroys a connection's verbs objects; its leases go back to their pools.
+    /// Disconnects and destroys everything the connection owns, its CM id
+    /// (and, on the connecting side, its event channel) included.
     fn teardown(&self, conn: &mut Conn<M>) {
-        // SAFETY: each object is destroyed once, QP first (so the NIC stops
-        // touching the posted buffers before their leases are dropped below).
+        // SAFETY: a live id; disconnecting moves its QP to error first.
+        unsafe { ffi::rdma_disconnect(conn.id.as_ptr()) };
+        Self::release_verbs(conn);
+        // SAFETY: the id's QP is gone; the id and then its channel, each destroyed once.
         unsafe {
-            ffi::rdma_disconnect(conn.id.as_ptr());
-            ffi::rdma_destroy_qp(conn.id.as_ptr());
-            ffi::ibv_destroy_cq(conn.cq.as_ptr());
-            ffi::ibv_destroy_comp_channel(conn.comp.as_ptr());
             ffi::rdma_destroy_id(conn.id.as_ptr());
             if let Some(ch) = conn.channel.take() {
                 ffi::rdma_destroy_event_channel(ch.as_ptr());
             }
+        }
+    }
+
+    /// Destroys the QP, CQ and completion channel and drops every buffer
+    /// the connection holds; the CM id and its channel stay (`setup` hands
+    /// them back to its caller on failure).
+    fn release_verbs(conn: &mut Conn<M>) {
+        // SAFETY: each object is destroyed once, QP first (so the NIC stops
+        // touching the posted buffers before their leases are dropped below).
+        unsafe {
+            ffi::rdma_destroy_qp(conn.id.as_ptr());
+            ffi::ibv_destroy_cq(conn.cq.as_ptr());
+            ffi::ibv_destroy_comp_channel(conn.comp.as_ptr());
         }
         conn.recv.clear();
         conn.unposted.clear();
