@@ -698,9 +698,9 @@ fn an_accepted_connection_its_peer_refuses_goes_quietly_and_leaks_nothing() {
 #[test]
 fn a_listener_refuses_a_peer_whose_ring_cannot_take_a_data_frame() {
     // A data frame needs two credits: a peer announcing a ring of 1, of 0,
-    // or nothing zerohop can read would never be sent a message (the last
-    // session's note: it was accepted, and sends to it waited out their
-    // deadlines). It is refused at the request, before a ring is posted.
+    // or nothing zerohop can read could never be sent a message (it was
+    // accepted, and data frames to it would have waited for credits that
+    // cannot come). It is refused at the request, before a ring is posted.
     let Some(dev) = device_or_skip() else {
         return;
     };
