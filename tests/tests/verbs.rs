@@ -819,6 +819,75 @@ fn connecting_where_nobody_listens_is_a_typed_error_and_leaks_nothing() {
     assert_eq!(listening.join().unwrap(), b"after three refusals");
 }
 
+#[test]
+fn a_listener_out_of_receive_buffers_refuses_the_next_peer_and_keeps_the_first() {
+    // One 2 MiB chunk of 64 KiB (+ header) receive buffers holds 31: a
+    // ring of 16 for the first peer, not a second. The second is refused
+    // at its request (its ring's partial post undone, its id rejected once:
+    // it was destroyed twice, by the failed setup and then by the reject
+    // path), and the first keeps working.
+    let Some(dev) = device_or_skip() else {
+        return;
+    };
+    let addr = rdma_addr(19_134).expect("an RDMA address");
+    let config = RdmaConfig {
+        recv_depth: 16,
+        recv_pool_bytes: 2 << 20,
+        ..small_ring()
+    };
+    let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
+    b.listen(addr).unwrap();
+    let pool = Arc::clone(b.pool());
+    let connect = |dev: &Arc<Device>| {
+        let dev = Arc::clone(dev);
+        std::thread::spawn(move || {
+            let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
+            let peer = a.connect(addr);
+            (a, peer)
+        })
+    };
+    let drive = |b: &mut RdmaTransport, t: &std::thread::JoinHandle<_>| {
+        let until = std::time::Instant::now() + WAIT;
+        while !t.is_finished() {
+            b.progress().unwrap();
+            assert!(std::time::Instant::now() < until, "no answer");
+        }
+    };
+    let first = connect(&dev);
+    drive(&mut b, &first);
+    let (mut a1, to_b) = first.join().unwrap();
+    let to_b = to_b.expect("the first peer connects");
+    let second = connect(&dev);
+    drive(&mut b, &second);
+    let (a2, refused) = second.join().unwrap();
+    match refused {
+        Err(VerbsError::Connect(why)) if why.contains("REJECTED") => {}
+        other => panic!("the second peer: {other:?}"),
+    }
+    assert_eq!(a2.peer_count(), 0);
+    assert_eq!(a2.pool().stats().leases, 0);
+    drop(a2);
+    let until = std::time::Instant::now() + WAIT;
+    while b.peer_count() != 1 {
+        b.progress().unwrap();
+        assert!(
+            std::time::Instant::now() < until,
+            "{} peers",
+            b.peer_count()
+        );
+    }
+    assert_eq!(
+        pool.stats().leases,
+        16,
+        "the first ring only: {:?}",
+        pool.stats()
+    );
+    a1.try_send(to_b, b"still here").unwrap();
+    let r = next_driving(&mut b, &mut a1, std::time::Instant::now() + WAIT)
+        .expect("the first peer's message");
+    assert_eq!(host_bytes(&r.lease), b"still here");
+}
+
 /// A peer written against librdmacm directly, to do what zerohop's own
 /// never does: announce a ring too shallow, refuse a listener's reply, or
 /// accept with no QP behind it. Its ids have no QP (a connect or accept
