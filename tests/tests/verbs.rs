@@ -734,11 +734,15 @@ fn connecting_to_a_peer_whose_ring_cannot_take_a_data_frame_is_refused_and_leaks
     let Some(dev) = device_or_skip() else {
         return;
     };
-    let addr = rdma_addr(19_132).expect("an RDMA address");
     let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
     let pools = [Arc::clone(a.pool()), Arc::clone(a.send_pool())];
-    // A ring of 1, and no private data at all.
-    for (private, announced) in [(cm_peer::ring(1), Some(1)), (Vec::new(), None)] {
+    // A ring of 1, and no private data at all; a port each (the CM may
+    // hold a port a little while after its last connection went).
+    for (port, private, announced) in [
+        (19_132, cm_peer::ring(1), Some(1)),
+        (19_135, Vec::new(), None),
+    ] {
+        let addr = rdma_addr(port).expect("an RDMA address");
         let shown = format!("{private:?}");
         let listener = cm_peer::Peer::listen(addr).unwrap();
         // Accepts, then reports the events it sees until DISCONNECTED.
