@@ -1512,9 +1512,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         self.teardown(conn);
     }
 
-    /// Destroys a connection's verbs objects; its leases go back to their pools.
-    /// Disconnects and destroys everything the connection owns, its CM id
-    /// (and, on the connecting side, its event channel) included.
+    /// Disconnects and destroys everything the connection owns: its verbs
+    /// objects, its CM id and, on the connecting side, its event channel;
+    /// its leases go back to their pools.
     fn teardown(&self, conn: &mut Conn<M>) {
         // SAFETY: a live id; disconnecting moves its QP to error first.
         unsafe { ffi::rdma_disconnect(conn.id.as_ptr()) };
