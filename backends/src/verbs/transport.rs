@@ -342,6 +342,23 @@ fn usable_depth(depth: Option<u32>) -> Result<u32, VerbsError> {
     }
 }
 
+/// What a REJECTED event's status says, for the two a zerohop peer meets:
+/// the IB CM's reject reasons (RoCE and InfiniBand), as `ib_cm.h` numbers them.
+fn rejected_because(kind: ffi::rdma_cm_event_type::Type, status: i32) -> &'static str {
+    const INVALID_SERVICE_ID: i32 = 8;
+    const CONSUMER_DEFINED: i32 = 28;
+    match (kind, status) {
+        (ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED, INVALID_SERVICE_ID) => {
+            ": nothing listens on that port"
+        }
+        (ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED, CONSUMER_DEFINED) => {
+            ": the listener refused (it is closing, out of receive buffers, \
+             or our receive ring is too shallow for it)"
+        }
+        _ => "",
+    }
+}
+
 fn expect_event(
     channel: NonNull<ffi::rdma_event_channel>,
     want: ffi::rdma_cm_event_type::Type,
@@ -361,8 +378,9 @@ fn expect_event(
             let name =
                 unsafe { std::ffi::CStr::from_ptr(ffi::rdma_event_str(ev.kind)) }.to_string_lossy();
             return Err(VerbsError::Connect(format!(
-                "{what}: got {name} (status {})",
-                ev.status
+                "{what}: got {name} (status {}){}",
+                ev.status,
+                rejected_because(ev.kind, ev.status)
             )));
         }
     }
@@ -507,6 +525,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// `CM_TIMEOUT`). A peer that announces a receive ring shallower than
     /// [`MIN_RECV_DEPTH`] is disconnected and refused (`ShallowPeer`).
     pub fn connect(&mut self, addr: SocketAddr) -> Result<PeerId, VerbsError> {
+        // Failures to connect name the address.
+        let at = |e| match e {
+            VerbsError::Connect(why) => VerbsError::Connect(format!("to {addr}: {why}")),
+            e => e,
+        };
         let (ch, id) = channel_and_id()?;
         let conn = Self::resolve(ch, id, addr).and_then(|()| self.setup(id, Some(ch)));
         let mut conn = match conn {
@@ -518,7 +541,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                     ffi::rdma_destroy_id(id.as_ptr());
                     ffi::rdma_destroy_event_channel(ch.as_ptr());
                 }
-                return Err(e);
+                return Err(at(e));
             }
         };
         // From here the connection owns the id and the channel: `teardown`
@@ -527,7 +550,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             Ok(()) => Ok(self.add(conn)),
             Err(e) => {
                 self.teardown(&mut conn);
-                Err(e)
+                Err(at(e))
             }
         }
     }
