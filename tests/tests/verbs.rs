@@ -359,6 +359,19 @@ fn listen_and_connect(
     (b, connecting)
 }
 
+/// Drives `t` until `thread` (which waits on `t`'s side of a connection)
+/// ends, for at most `WAIT`.
+fn drive_until_finished<R>(t: &mut RdmaTransport, thread: &std::thread::JoinHandle<R>) {
+    let until = std::time::Instant::now() + WAIT;
+    while !thread.is_finished() {
+        t.progress().unwrap();
+        assert!(
+            std::time::Instant::now() < until,
+            "the other side never finished"
+        );
+    }
+}
+
 /// Polls `t` until a message arrives.
 fn next(t: &mut RdmaTransport) -> Received<<RdmaTransport as Transport>::Lease> {
     loop {
@@ -817,11 +830,7 @@ fn connecting_where_nobody_listens_is_a_typed_error_and_leaks_nothing() {
     });
     let peer = a.connect(addr).unwrap();
     a.try_send(peer, b"after three refusals").unwrap();
-    let until = std::time::Instant::now() + WAIT;
-    while !listening.is_finished() {
-        a.progress().unwrap();
-        assert!(std::time::Instant::now() < until);
-    }
+    drive_until_finished(&mut a, &listening);
     assert_eq!(listening.join().unwrap(), b"after three refusals");
 }
 
@@ -852,19 +861,12 @@ fn a_listener_out_of_receive_buffers_refuses_the_next_peer_and_keeps_the_first()
             (a, peer)
         })
     };
-    let drive = |b: &mut RdmaTransport, t: &std::thread::JoinHandle<_>| {
-        let until = std::time::Instant::now() + WAIT;
-        while !t.is_finished() {
-            b.progress().unwrap();
-            assert!(std::time::Instant::now() < until, "no answer");
-        }
-    };
     let first = connect(&dev);
-    drive(&mut b, &first);
+    drive_until_finished(&mut b, &first);
     let (mut a1, to_b) = first.join().unwrap();
     let to_b = to_b.expect("the first peer connects");
     let second = connect(&dev);
-    drive(&mut b, &second);
+    drive_until_finished(&mut b, &second);
     let (a2, refused) = second.join().unwrap();
     match refused {
         Err(VerbsError::Connect(why))
