@@ -4,7 +4,7 @@ use core::fmt;
 
 use crate::mem::MemKind;
 use crate::transport::PeerId;
-use crate::wire::DecodeError;
+use crate::wire_v1::DecodeError;
 
 /// Everything a zerohop operation can fail with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,7 +8,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-#[cfg(any(test, loom))]
+#[cfg(any(test, loom, feature = "testing"))]
 extern crate std;
 
 // The log facade comes first so every later module sees its macros.
@@ -22,9 +22,15 @@ mod mem;
 mod mr_table;
 mod pick;
 mod pool;
+pub mod session;
 mod sync;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 mod transport;
 pub mod wire;
+/// The version-1 header, spoken by the drivers not yet moved onto
+/// [`session`]; it goes with the last of them.
+pub mod wire_v1;
 
 pub use crc::crc32c;
 pub use error::{Error, MrError, PoolError, RegisterError};

@@ -1,13 +1,26 @@
-//! The frame: a fixed 32-byte little-endian header, then `len` payload bytes.
+//! The frame: a fixed 32-byte little-endian header, then (data frames only)
+//! `len` payload bytes. Every wire speaks it; the session engine
+//! ([`crate::session`]) is its only interpreter.
 //!
 //! ```text
-//!  0      2    3     4       6        8     12    16         24     28        32
-//!  | magic | ver | kind | flags | resvd | src | dst |   seq    | len | checksum |
+//!  0      2    3     4       6                                      28        32
+//!  | magic | ver | kind | flags |      body (22 bytes, per kind)     | checksum |
 //! ```
 //!
-//! `checksum` is CRC-32C over header bytes 0..28, continued over the payload
-//! when [`Flags::PAYLOAD_CHECKED`] is set. The decoder bounds `len` against the
-//! caller's maximum *before* anyone reserves memory for the payload.
+//! The body, per kind (offsets from the start of the header):
+//!
+//! | kind | fields |
+//! | --- | --- |
+//! | Data | `credits` u16 @6, `seq` u64 @8, `msg_len` u32 @16, `len` u32 @20, `offset` u32 @24; flags [`DataFlags`] |
+//! | Credit | `frames` u32 @8, `limit` u64 @12; flag [`WAITING`](Credit::waiting) |
+//! | Hello | `window` u32 @8, `max_message` u32 @12, `frame_max` u32 @16, `ring` u16 @20, `lane` u8 @22, `takes` u8 @23, `token` u32 @24 |
+//! | Close | `seq` u64 @8 |
+//! | Want | `offset` u64 @8, `len` u32 @16 |
+//!
+//! Bytes of a body that its kind does not name are zero. `checksum` is
+//! CRC-32C over header bytes 0..28, continued over the payload when
+//! [`DataFlags::PAYLOAD_CHECKED`] is set. The decoder bounds every length
+//! before anyone reserves memory for it and never panics.
 
 use core::fmt;
 
@@ -17,22 +30,25 @@ use crate::crc::crc32c;
 pub const HEADER_LEN: usize = 32;
 /// `"ZH"` little-endian.
 pub const MAGIC: u16 = 0x485A;
-/// The only version this code speaks.
-pub const VERSION: u8 = 1;
+/// The protocol version this code speaks. Version 1 (one header layout
+/// whose fields meant different things per wire) is refused by name.
+pub const VERSION: u8 = 2;
 
-/// What a frame carries.
+/// What a frame carries: its kind byte.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 #[repr(u8)]
 pub enum FrameKind {
-    /// A message (or one fragment of it).
+    /// A message, or one fragment of it.
     Data = 1,
-    /// Receive credits returned to the sender; `len` = 0, `seq` = credits granted.
+    /// Credit returned: receive slots reposted, and the byte limit raised.
     Credit = 2,
-    /// The first frame on a connection: `src` names the sender's endpoint.
+    /// The first frame each side sends: its version, limits and lane.
     Hello = 3,
-    /// The sender is closing cleanly; nothing follows.
+    /// The sender starts no more messages (credit may still follow).
     Close = 4,
+    /// The sender waits to start a message its credit does not cover.
+    Want = 5,
 }
 
 impl FrameKind {
@@ -42,32 +58,44 @@ impl FrameKind {
             2 => FrameKind::Credit,
             3 => FrameKind::Hello,
             4 => FrameKind::Close,
+            5 => FrameKind::Want,
             _ => return None,
         })
     }
+
+    /// Lower-case name, for reports.
+    pub const fn name(self) -> &'static str {
+        match self {
+            FrameKind::Data => "data",
+            FrameKind::Credit => "credit",
+            FrameKind::Hello => "hello",
+            FrameKind::Close => "close",
+            FrameKind::Want => "want",
+        }
+    }
 }
 
-/// Header flags.
+/// The flags of a data frame (the only kind that has any).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
-pub struct Flags(u16);
+pub struct DataFlags(u16);
 
-impl Flags {
+impl DataFlags {
     /// No flags.
-    pub const NONE: Flags = Flags(0);
+    pub const NONE: DataFlags = DataFlags(0);
     /// The checksum covers the payload too.
-    pub const PAYLOAD_CHECKED: Flags = Flags(1);
+    pub const PAYLOAD_CHECKED: DataFlags = DataFlags(1);
     /// More fragments of this message follow.
-    pub const MORE: Flags = Flags(2);
-    /// The payload is striped (TCP): this frame carries the header and the
-    /// first part; the rest follows on the peer's second connection (its
-    /// lane), which carries nothing else. Where the split falls is the
-    /// transport's rule, known to both sides.
-    pub const STRIPED: Flags = Flags(4);
+    pub const MORE: DataFlags = DataFlags(2);
+    /// The payload is striped: the frame's connection carries the header and
+    /// the first part, the rest comes on a second connection of the same
+    /// peer. Where the split falls is the wire's rule, known to both sides;
+    /// a wire without second connections refuses it.
+    pub const STRIPED: DataFlags = DataFlags(4);
     const KNOWN: u16 = 0b111;
 
     /// Whether all of `other` is set.
-    pub const fn contains(self, other: Flags) -> bool {
+    pub const fn contains(self, other: DataFlags) -> bool {
         self.0 & other.0 == other.0
     }
 
@@ -75,33 +103,345 @@ impl Flags {
     pub const fn bits(self) -> u16 {
         self.0
     }
+
+    /// `self` with `other` set when `on`.
+    #[must_use]
+    pub const fn with(self, other: DataFlags, on: bool) -> DataFlags {
+        if on {
+            DataFlags(self.0 | other.0)
+        } else {
+            self
+        }
+    }
 }
 
-impl core::ops::BitOr for Flags {
-    type Output = Flags;
-    fn bitor(self, rhs: Flags) -> Flags {
-        Flags(self.0 | rhs.0)
+impl core::ops::BitOr for DataFlags {
+    type Output = DataFlags;
+    fn bitor(self, rhs: DataFlags) -> DataFlags {
+        DataFlags(self.0 | rhs.0)
     }
+}
+
+/// A data frame's header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Data {
+    /// Flags.
+    pub flags: DataFlags,
+    /// The message's sequence number (every fragment carries it).
+    pub seq: u64,
+    /// The whole message's length.
+    pub msg_len: u32,
+    /// Payload bytes in this frame.
+    pub len: u32,
+    /// Where this fragment's payload starts in the message.
+    pub offset: u32,
+    /// Receive slots the sender reposted since its last report (ring wires; 0 elsewhere).
+    pub credits: u16,
+}
+
+/// A credit frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Credit {
+    /// Receive slots reposted since the last report.
+    pub frames: u32,
+    /// Message bytes the receiver takes in all, counted from the first
+    /// message: the sender may start a message that ends at or below it.
+    pub limit: u64,
+    /// The sender is out of frame credits (flag bit 0): the receiver
+    /// returns what it owes at once, however little.
+    pub waiting: bool,
+}
+
+/// [`Credit::waiting`]'s flag bit.
+const CREDIT_WAITING: u16 = 1;
+
+/// What a Hello's sender takes (the `takes` byte).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Takes(u8);
+
+impl Takes {
+    /// Nothing special.
+    pub const NONE: Takes = Takes(0);
+    /// Headerless frames: a one-fragment message as its bytes alone, its
+    /// credits in the wire's immediate data (verbs).
+    pub const HEADERLESS: Takes = Takes(1);
+    const KNOWN: u8 = 0b1;
+
+    /// Whether all of `other` is set.
+    pub const fn contains(self, other: Takes) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// Raw bits.
+    pub const fn bits(self) -> u8 {
+        self.0
+    }
+}
+
+/// A Hello frame: the sender's limits, and which of a peer's connections
+/// this one is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Hello {
+    /// Message bytes the sender takes from this peer before it returns
+    /// credit (its first `limit`).
+    pub window: u32,
+    /// The longest message the sender takes.
+    pub max_message: u32,
+    /// The longest frame payload the sender takes (longer messages are fragmented).
+    pub frame_max: u32,
+    /// Receive slots the sender keeps posted (its peer's first frame
+    /// credits); 0 on wires without a ring.
+    pub ring: u16,
+    /// Which of the peer's connections this is: 0 the main one, 1 its
+    /// second (striped payloads only).
+    pub lane: u8,
+    /// What the sender takes.
+    pub takes: Takes,
+    /// Names the connections of one peer alike (a lane is paired by it).
+    pub token: u32,
+}
+
+/// A close frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Close {
+    /// The sequence number the sender's next message would have had: how
+    /// many it sent, so a lost tail is seen.
+    pub seq: u64,
+}
+
+/// A want frame: the sender waits to start a message of `len` bytes
+/// after `offset` bytes of earlier messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Want {
+    /// Message bytes the sender started before this message.
+    pub offset: u64,
+    /// The message's length.
+    pub len: u32,
 }
 
 /// A decoded header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
-pub struct Header {
-    /// What the frame carries.
-    pub kind: FrameKind,
-    /// Flags.
-    pub flags: Flags,
-    /// Sender endpoint id.
-    pub src: u32,
-    /// Receiver endpoint id.
-    pub dst: u32,
-    /// Per-connection sequence number (0, 1, 2, ... for data frames).
-    pub seq: u64,
-    /// Payload bytes that follow.
-    pub len: u32,
-    /// CRC-32C (see the module docs).
-    pub checksum: u32,
+pub enum Frame {
+    /// A message or a fragment of one.
+    Data(Data),
+    /// Credit returned.
+    Credit(Credit),
+    /// The first frame on a connection.
+    Hello(Hello),
+    /// A clean close.
+    Close(Close),
+    /// A request for credit.
+    Want(Want),
+}
+
+impl Frame {
+    /// Its kind.
+    pub const fn kind(&self) -> FrameKind {
+        match self {
+            Frame::Data(_) => FrameKind::Data,
+            Frame::Credit(_) => FrameKind::Credit,
+            Frame::Hello(_) => FrameKind::Hello,
+            Frame::Close(_) => FrameKind::Close,
+            Frame::Want(_) => FrameKind::Want,
+        }
+    }
+
+    /// Payload bytes that follow the header.
+    pub const fn payload_len(&self) -> usize {
+        match self {
+            Frame::Data(d) => d.len as usize,
+            _ => 0,
+        }
+    }
+
+    /// The 32 header bytes, checksummed over the header and, for a data
+    /// frame flagged [`DataFlags::PAYLOAD_CHECKED`], over `payload` too.
+    pub fn encode(&self, payload: &[u8]) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..2].copy_from_slice(&MAGIC.to_le_bytes());
+        b[2] = VERSION;
+        b[3] = self.kind() as u8;
+        match *self {
+            Frame::Data(d) => {
+                b[4..6].copy_from_slice(&d.flags.0.to_le_bytes());
+                b[6..8].copy_from_slice(&d.credits.to_le_bytes());
+                b[8..16].copy_from_slice(&d.seq.to_le_bytes());
+                b[16..20].copy_from_slice(&d.msg_len.to_le_bytes());
+                b[20..24].copy_from_slice(&d.len.to_le_bytes());
+                b[24..28].copy_from_slice(&d.offset.to_le_bytes());
+            }
+            Frame::Credit(c) => {
+                let flags = if c.waiting { CREDIT_WAITING } else { 0 };
+                b[4..6].copy_from_slice(&flags.to_le_bytes());
+                b[8..12].copy_from_slice(&c.frames.to_le_bytes());
+                b[12..20].copy_from_slice(&c.limit.to_le_bytes());
+            }
+            Frame::Hello(h) => {
+                b[8..12].copy_from_slice(&h.window.to_le_bytes());
+                b[12..16].copy_from_slice(&h.max_message.to_le_bytes());
+                b[16..20].copy_from_slice(&h.frame_max.to_le_bytes());
+                b[20..22].copy_from_slice(&h.ring.to_le_bytes());
+                b[22] = h.lane;
+                b[23] = h.takes.0;
+                b[24..28].copy_from_slice(&h.token.to_le_bytes());
+            }
+            Frame::Close(c) => b[8..16].copy_from_slice(&c.seq.to_le_bytes()),
+            Frame::Want(w) => {
+                b[8..16].copy_from_slice(&w.offset.to_le_bytes());
+                b[16..20].copy_from_slice(&w.len.to_le_bytes());
+            }
+        }
+        let mut sum = crc32c(0, &b[..28]);
+        if self.payload_checked() {
+            sum = crc32c(sum, payload);
+        }
+        b[28..32].copy_from_slice(&sum.to_le_bytes());
+        b
+    }
+
+    /// Whether the checksum covers the payload.
+    pub const fn payload_checked(&self) -> bool {
+        matches!(self, Frame::Data(d) if d.flags.contains(DataFlags::PAYLOAD_CHECKED))
+    }
+
+    /// Decodes and checks a header: magic, version, kind, flags and the
+    /// bytes its kind leaves zero, every length against `max_payload`
+    /// (before anyone reserves memory for it), and the checksum — in full
+    /// where no payload bytes follow, else over the header part, returned
+    /// as [`Decoded::pending`] for [`Decoded::verify`] once the payload is in.
+    pub fn decode(bytes: &[u8], max_payload: usize) -> Result<Decoded, DecodeError> {
+        let Some(b) = bytes.get(..HEADER_LEN) else {
+            return Err(DecodeError::Truncated { have: bytes.len() });
+        };
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| u64::from(u32_at(i)) | (u64::from(u32_at(i + 4)) << 32);
+        let magic = u16_at(0);
+        if magic != MAGIC {
+            return Err(DecodeError::BadMagic(magic));
+        }
+        if b[2] != VERSION {
+            return Err(DecodeError::UnsupportedVersion {
+                theirs: b[2],
+                ours: VERSION,
+            });
+        }
+        let kind = FrameKind::from_u8(b[3]).ok_or(DecodeError::UnknownKind(b[3]))?;
+        let flags = u16_at(4);
+        let flags_known = match kind {
+            FrameKind::Data => DataFlags::KNOWN,
+            FrameKind::Credit => CREDIT_WAITING,
+            _ => 0,
+        };
+        // Each kind names its bytes; any other set byte is a frame from a
+        // version this code does not speak, or garbage.
+        let unused = match kind {
+            FrameKind::Data | FrameKind::Hello => 0..0,
+            FrameKind::Credit => 20..28,
+            FrameKind::Close => 16..28,
+            FrameKind::Want => 20..28,
+        };
+        // Bytes 6..8 belong to the data kind only.
+        let word6 = kind != FrameKind::Data && u16_at(6) != 0;
+        if flags & !flags_known != 0 || word6 || b[unused].iter().any(|&x| x != 0) {
+            return Err(DecodeError::ReservedBits);
+        }
+        let frame = match kind {
+            FrameKind::Data => Frame::Data(Data {
+                flags: DataFlags(flags),
+                credits: u16_at(6),
+                seq: u64_at(8),
+                msg_len: u32_at(16),
+                len: u32_at(20),
+                offset: u32_at(24),
+            }),
+            FrameKind::Credit => Frame::Credit(Credit {
+                frames: u32_at(8),
+                limit: u64_at(12),
+                waiting: flags & CREDIT_WAITING != 0,
+            }),
+            FrameKind::Hello => {
+                let takes = b[23];
+                if takes & !Takes::KNOWN != 0 {
+                    return Err(DecodeError::ReservedBits);
+                }
+                Frame::Hello(Hello {
+                    window: u32_at(8),
+                    max_message: u32_at(12),
+                    frame_max: u32_at(16),
+                    ring: u16_at(20),
+                    lane: b[22],
+                    takes: Takes(takes),
+                    token: u32_at(24),
+                })
+            }
+            FrameKind::Close => Frame::Close(Close { seq: u64_at(8) }),
+            FrameKind::Want => Frame::Want(Want {
+                offset: u64_at(8),
+                len: u32_at(16),
+            }),
+        };
+        if let Frame::Data(d) = frame {
+            if u64::from(d.len) > max_payload as u64 {
+                return Err(DecodeError::TooLong {
+                    len: d.len,
+                    max: max_payload,
+                });
+            }
+        }
+        let carried = u32_at(28);
+        let header_sum = crc32c(0, &b[..28]);
+        let decoded = Decoded {
+            frame,
+            carried,
+            header_sum,
+        };
+        // A frame without payload bytes is checked now, whatever its flags
+        // say: nothing will follow to check it against later.
+        if !frame.payload_checked() || frame.payload_len() == 0 {
+            decoded.verify(&[])?;
+        }
+        Ok(decoded)
+    }
+}
+
+/// A header that decoded, with what checking its payload needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Decoded {
+    /// The frame.
+    pub frame: Frame,
+    /// The checksum it carried.
+    carried: u32,
+    /// CRC-32C over its bytes 0..28.
+    header_sum: u32,
+}
+
+impl Decoded {
+    /// Checks the carried checksum against the header and `payload` (for a
+    /// frame whose checksum covers its payload; the header alone for the others).
+    pub fn verify(&self, payload: &[u8]) -> Result<(), DecodeError> {
+        let computed = if self.frame.payload_checked() {
+            crc32c(self.header_sum, payload)
+        } else {
+            self.header_sum
+        };
+        if computed == self.carried {
+            Ok(())
+        } else {
+            Err(DecodeError::BadChecksum {
+                carried: self.carried,
+                computed,
+            })
+        }
+    }
 }
 
 /// Why bytes are not a valid header.
@@ -116,24 +456,24 @@ pub enum DecodeError {
     },
     /// Not a zerohop frame.
     BadMagic(u16),
-    /// A version this code does not speak.
-    UnsupportedVersion(u8),
+    /// A protocol version this code does not speak.
+    UnsupportedVersion {
+        /// The peer's.
+        theirs: u8,
+        /// This code's ([`VERSION`]).
+        ours: u8,
+    },
     /// An unknown frame kind.
     UnknownKind(u8),
-    /// Flag or reserved bits this version does not define.
+    /// Flags or bytes this version leaves zero are set.
     ReservedBits,
     /// The payload would exceed the receiver's maximum.
     TooLong {
         /// Declared length.
-        len: u64,
+        len: u32,
         /// The maximum.
         max: usize,
     },
-    /// A control frame that carries a payload.
-    UnexpectedPayload,
-    /// A [`Flags::STRIPED`] frame on a connection whose second lane is not
-    /// paired (the sender may stripe only once the receiver confirmed it).
-    NoLane,
     /// The checksum does not match.
     BadChecksum {
         /// Carried in the frame.
@@ -150,264 +490,343 @@ impl fmt::Display for DecodeError {
                 write!(f, "truncated header: {have} of {HEADER_LEN} bytes")
             }
             DecodeError::BadMagic(m) => write!(f, "bad magic {m:#06x} (not a zerohop frame)"),
-            DecodeError::UnsupportedVersion(v) => {
-                write!(f, "unsupported version {v} (this is {VERSION})")
-            }
+            DecodeError::UnsupportedVersion { theirs, ours } => write!(
+                f,
+                "the peer speaks zerohop protocol version {theirs}, this side speaks {ours}"
+            ),
             DecodeError::UnknownKind(k) => write!(f, "unknown frame kind {k}"),
             DecodeError::ReservedBits => f.write_str("reserved bits set"),
             DecodeError::TooLong { len, max } => write!(
                 f,
                 "declared payload of {len} bytes exceeds the maximum of {max}"
             ),
-            DecodeError::UnexpectedPayload => f.write_str("control frame with a payload"),
-            DecodeError::NoLane => f.write_str("striped frame without a paired second connection"),
-            DecodeError::BadChecksum { carried, computed } => {
-                write!(
-                    f,
-                    "checksum {carried:#010x} does not match {computed:#010x}"
-                )
-            }
+            DecodeError::BadChecksum { carried, computed } => write!(
+                f,
+                "checksum {carried:#010x} does not match {computed:#010x}"
+            ),
         }
     }
 }
 
 impl core::error::Error for DecodeError {}
 
-impl Header {
-    /// A data header for `payload` (checksummed over the payload when
-    /// `check_payload`), with `extra` flags ([`Flags::MORE`], [`Flags::STRIPED`]).
-    pub fn data(
-        src: u32,
-        dst: u32,
-        seq: u64,
-        payload: &[u8],
-        check_payload: bool,
-        extra: Flags,
-    ) -> Header {
-        let flags = if check_payload {
-            Flags::PAYLOAD_CHECKED | extra
-        } else {
-            extra
-        };
-        let mut h = Header {
-            kind: FrameKind::Data,
-            flags,
-            src,
-            dst,
-            seq,
-            len: payload.len() as u32,
-            checksum: 0,
-        };
-        h.checksum = h.compute_checksum(payload);
-        h
-    }
-
-    /// A control header (no payload).
-    pub fn control(kind: FrameKind, src: u32, dst: u32, seq: u64) -> Header {
-        let mut h = Header {
-            kind,
-            flags: Flags::NONE,
-            src,
-            dst,
-            seq,
-            len: 0,
-            checksum: 0,
-        };
-        h.checksum = h.compute_checksum(&[]);
-        h
-    }
-
-    fn body(&self) -> [u8; HEADER_LEN] {
-        let mut b = [0u8; HEADER_LEN];
-        b[0..2].copy_from_slice(&MAGIC.to_le_bytes());
-        b[2] = VERSION;
-        b[3] = self.kind as u8;
-        b[4..6].copy_from_slice(&self.flags.0.to_le_bytes());
-        // 6..8 reserved, zero
-        b[8..12].copy_from_slice(&self.src.to_le_bytes());
-        b[12..16].copy_from_slice(&self.dst.to_le_bytes());
-        b[16..24].copy_from_slice(&self.seq.to_le_bytes());
-        b[24..28].copy_from_slice(&self.len.to_le_bytes());
-        b
-    }
-
-    /// The checksum this header should carry for `payload`.
-    pub fn compute_checksum(&self, payload: &[u8]) -> u32 {
-        let c = crc32c(0, &self.body()[..28]);
-        if self.flags.contains(Flags::PAYLOAD_CHECKED) {
-            crc32c(c, payload)
-        } else {
-            c
-        }
-    }
-
-    /// The 32 header bytes.
-    pub fn encode(&self) -> [u8; HEADER_LEN] {
-        let mut b = self.body();
-        b[28..32].copy_from_slice(&self.checksum.to_le_bytes());
-        b
-    }
-
-    /// Decodes and checks a header: magic, version, kind, reserved bits, the
-    /// length against `max_payload`, and the header part of the checksum when
-    /// the payload is not covered. Never panics.
-    pub fn decode(bytes: &[u8], max_payload: usize) -> Result<Header, DecodeError> {
-        let Some(b) = bytes.get(..HEADER_LEN) else {
-            return Err(DecodeError::Truncated { have: bytes.len() });
-        };
-        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
-        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let magic = u16_at(0);
-        if magic != MAGIC {
-            return Err(DecodeError::BadMagic(magic));
-        }
-        if b[2] != VERSION {
-            return Err(DecodeError::UnsupportedVersion(b[2]));
-        }
-        let kind = FrameKind::from_u8(b[3]).ok_or(DecodeError::UnknownKind(b[3]))?;
-        let flags = u16_at(4);
-        if flags & !Flags::KNOWN != 0 || u16_at(6) != 0 {
-            return Err(DecodeError::ReservedBits);
-        }
-        let len = u32_at(24);
-        if len as u64 > max_payload as u64 {
-            return Err(DecodeError::TooLong {
-                len: len as u64,
-                max: max_payload,
-            });
-        }
-        if kind != FrameKind::Data && len != 0 {
-            return Err(DecodeError::UnexpectedPayload);
-        }
-        let h = Header {
-            kind,
-            flags: Flags(flags),
-            src: u32_at(8),
-            dst: u32_at(12),
-            seq: u64::from_le_bytes([b[16], b[17], b[18], b[19], b[20], b[21], b[22], b[23]]),
-            len,
-            checksum: u32_at(28),
-        };
-        // A frame without payload bytes is checked now, whatever its flags
-        // say: nothing will follow to check it against later.
-        if !h.flags.contains(Flags::PAYLOAD_CHECKED) || h.len == 0 {
-            h.verify(&[])?;
-        }
-        Ok(h)
-    }
-
-    /// Checks the checksum against `payload` (call it once the payload is in,
-    /// for frames with [`Flags::PAYLOAD_CHECKED`]; harmless for the others).
-    pub fn verify(&self, payload: &[u8]) -> Result<(), DecodeError> {
-        let computed = self.compute_checksum(payload);
-        if computed == self.checksum {
-            Ok(())
-        } else {
-            Err(DecodeError::BadChecksum {
-                carried: self.checksum,
-                computed,
-            })
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn hello() -> Hello {
+        Hello {
+            window: 0x0100_0000,
+            max_message: 0x0400_0000,
+            frame_max: 0x1_0000,
+            ring: 64,
+            lane: 1,
+            takes: Takes::HEADERLESS,
+            token: 0xA1B2_C3D4,
+        }
+    }
+
+    /// Every kind's bytes, field by field: the layout in the module docs.
     #[test]
-    fn data_frame_round_trips_with_a_byte_fixture() {
-        let h = Header::data(7, 9, 0x0102_0304_0506_0708, b"hi", true, Flags::NONE);
-        let bytes = h.encode();
+    fn each_kind_encodes_to_its_byte_fixture() {
+        let data = Frame::Data(Data {
+            flags: DataFlags::PAYLOAD_CHECKED | DataFlags::MORE,
+            seq: 0x0102_0304_0506_0708,
+            msg_len: 0x0A0B_0C0D,
+            len: 2,
+            offset: 0x0100,
+            credits: 0x0211,
+        })
+        .encode(b"hi");
         assert_eq!(
-            &bytes[..4],
-            &[0x5A, 0x48, 1, 1],
-            "magic 'ZH', version 1, kind data"
+            &data[..4],
+            &[0x5A, 0x48, 2, 1],
+            "magic 'ZH', version 2, data"
         );
-        assert_eq!(&bytes[4..6], &[1, 0], "payload-checked flag");
+        assert_eq!(&data[4..8], &[3, 0, 0x11, 0x02], "checked + more; credits");
+        assert_eq!(&data[8..16], &[8, 7, 6, 5, 4, 3, 2, 1], "seq");
+        assert_eq!(&data[16..20], &[0x0D, 0x0C, 0x0B, 0x0A], "msg_len");
+        assert_eq!(&data[20..28], &[2, 0, 0, 0, 0, 1, 0, 0], "len, offset");
+
+        let credit = Frame::Credit(Credit {
+            frames: 5,
+            limit: 0x0102_0304_0506_0708,
+            waiting: true,
+        })
+        .encode(&[]);
+        assert_eq!(&credit[2..6], &[2, 2, 1, 0], "waiting flag");
+        assert_eq!(&credit[8..12], &[5, 0, 0, 0], "frames");
+        assert_eq!(&credit[12..20], &[8, 7, 6, 5, 4, 3, 2, 1], "limit");
+        assert_eq!(&credit[20..28], &[0; 8]);
+
+        let h = Frame::Hello(hello()).encode(&[]);
+        assert_eq!(&h[2..4], &[2, 3]);
+        assert_eq!(&h[8..12], &[0, 0, 0, 1], "window");
+        assert_eq!(&h[12..16], &[0, 0, 0, 4], "max_message");
+        assert_eq!(&h[16..20], &[0, 0, 1, 0], "frame_max");
+        assert_eq!(&h[20..24], &[64, 0, 1, 1], "ring, lane, takes");
+        assert_eq!(&h[24..28], &[0xD4, 0xC3, 0xB2, 0xA1], "token");
+
+        let close = Frame::Close(Close { seq: 9 }).encode(&[]);
+        assert_eq!(&close[2..4], &[2, 4]);
         assert_eq!(
-            &bytes[16..24],
-            &[8, 7, 6, 5, 4, 3, 2, 1],
-            "seq little-endian"
+            &close[8..28],
+            &[9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
         );
-        assert_eq!(&bytes[24..28], &[2, 0, 0, 0]);
-        let back = Header::decode(&bytes, 16).unwrap();
-        assert_eq!(back, h);
-        assert_eq!(back.verify(b"hi"), Ok(()));
+
+        let want = Frame::Want(Want {
+            offset: 0x100,
+            len: 0x0200_0000,
+        })
+        .encode(&[]);
+        assert_eq!(&want[2..4], &[2, 5]);
+        assert_eq!(&want[8..20], &[0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
+
+        // The checksum is CRC-32C of bytes 0..28 (and the payload, when checked).
+        for (bytes, payload) in [(data, &b"hi"[..]), (credit, &[][..]), (h, &[][..])] {
+            let want = crc32c(crc32c(0, &bytes[..28]), payload);
+            assert_eq!(bytes[28..32], want.to_le_bytes());
+        }
+    }
+
+    #[test]
+    fn every_kind_round_trips() {
+        let frames = [
+            Frame::Data(Data {
+                flags: DataFlags::STRIPED,
+                seq: u64::MAX,
+                msg_len: 7,
+                len: 7,
+                offset: u32::MAX,
+                credits: u16::MAX,
+            }),
+            Frame::Credit(Credit {
+                frames: 3,
+                limit: u64::MAX,
+                waiting: false,
+            }),
+            Frame::Credit(Credit {
+                frames: 0,
+                limit: 0,
+                waiting: true,
+            }),
+            Frame::Hello(hello()),
+            Frame::Close(Close { seq: 42 }),
+            Frame::Want(Want {
+                offset: 1 << 40,
+                len: 99,
+            }),
+        ];
+        for f in frames {
+            let payload = [0x5Au8; 7];
+            let payload = &payload[..f.payload_len()];
+            let d = Frame::decode(&f.encode(payload), 1 << 20).unwrap();
+            assert_eq!(d.frame, f);
+            assert_eq!(d.verify(payload), Ok(()));
+        }
+    }
+
+    #[test]
+    fn a_checked_payload_is_verified_once_it_is_in() {
+        let f = Frame::Data(Data {
+            flags: DataFlags::PAYLOAD_CHECKED,
+            seq: 0,
+            msg_len: 2,
+            len: 2,
+            offset: 0,
+            credits: 0,
+        });
+        let d = Frame::decode(&f.encode(b"hi"), 16).unwrap();
+        assert_eq!(d.verify(b"hi"), Ok(()));
         assert!(matches!(
-            back.verify(b"ho"),
+            d.verify(b"ho"),
             Err(DecodeError::BadChecksum { .. })
         ));
+        // Unchecked: the payload does not enter the sum.
+        let plain = Frame::Data(Data {
+            flags: DataFlags::NONE,
+            ..match f {
+                Frame::Data(d) => d,
+                _ => unreachable!(),
+            }
+        });
+        let d = Frame::decode(&plain.encode(b"hi"), 16).unwrap();
+        assert_eq!(d.verify(b"anything"), Ok(()));
     }
 
     #[test]
     fn truncated_and_garbage_headers_are_typed_errors() {
-        let good = Header::control(FrameKind::Hello, 1, 2, 0).encode();
+        let good = Frame::Hello(hello()).encode(&[]);
         for n in 0..HEADER_LEN {
             assert_eq!(
-                Header::decode(&good[..n], 0),
+                Frame::decode(&good[..n], 0),
                 Err(DecodeError::Truncated { have: n })
             );
         }
         assert_eq!(
-            Header::decode(&[0xAB; 32], 0),
+            Frame::decode(&[0xAB; 32], 0),
             Err(DecodeError::BadMagic(0xABAB))
         );
         let mut v = good;
-        v[2] = 9;
+        v[2] = 1;
         assert_eq!(
-            Header::decode(&v, 0),
-            Err(DecodeError::UnsupportedVersion(9))
+            Frame::decode(&v, 0),
+            Err(DecodeError::UnsupportedVersion { theirs: 1, ours: 2 })
         );
         let mut k = good;
         k[3] = 77;
-        assert_eq!(Header::decode(&k, 0), Err(DecodeError::UnknownKind(77)));
+        assert_eq!(Frame::decode(&k, 0), Err(DecodeError::UnknownKind(77)));
+        k[3] = 0;
+        assert_eq!(Frame::decode(&k, 0), Err(DecodeError::UnknownKind(0)));
         let mut r = good;
         r[6] = 1;
-        assert_eq!(Header::decode(&r, 0), Err(DecodeError::ReservedBits));
+        assert_eq!(Frame::decode(&r, 0), Err(DecodeError::ReservedBits));
         let mut c = good;
-        c[10] ^= 0x40; // src flipped: the header checksum catches it
+        c[10] ^= 0x40; // the window flipped: the header checksum catches it
         assert!(matches!(
-            Header::decode(&c, 0),
+            Frame::decode(&c, 0),
             Err(DecodeError::BadChecksum { .. })
         ));
+    }
+
+    #[test]
+    fn flags_and_bytes_a_kind_does_not_name_are_refused() {
+        let resum = |mut b: [u8; 32]| {
+            let s = crc32c(0, &b[..28]);
+            b[28..].copy_from_slice(&s.to_le_bytes());
+            b
+        };
+        // A control frame with a data flag.
+        let mut b = Frame::Close(Close { seq: 1 }).encode(&[]);
+        b[4] = 1;
+        assert_eq!(Frame::decode(&resum(b), 0), Err(DecodeError::ReservedBits));
+        // Bytes 6..8 on a kind other than data.
+        let mut b = Frame::Want(Want { offset: 1, len: 1 }).encode(&[]);
+        b[7] = 1;
+        assert_eq!(Frame::decode(&resum(b), 0), Err(DecodeError::ReservedBits));
+        // A credit frame with a flag beyond its one.
+        let mut b = Frame::Credit(Credit {
+            frames: 0,
+            limit: 0,
+            waiting: true,
+        })
+        .encode(&[]);
+        b[4] = 3;
+        assert_eq!(Frame::decode(&resum(b), 0), Err(DecodeError::ReservedBits));
+        // A data frame with a flag no version defines.
+        let mut b = Frame::Data(Data {
+            flags: DataFlags::NONE,
+            seq: 0,
+            msg_len: 0,
+            len: 0,
+            offset: 0,
+            credits: 0,
+        })
+        .encode(&[]);
+        b[4] = 8;
+        assert_eq!(Frame::decode(&resum(b), 0), Err(DecodeError::ReservedBits));
+        // Bytes past a kind's last field: each of them.
+        for (frame, from) in [
+            (Frame::Close(Close { seq: 1 }), 16),
+            (
+                Frame::Credit(Credit {
+                    frames: 1,
+                    limit: 1,
+                    waiting: false,
+                }),
+                20,
+            ),
+            (Frame::Want(Want { offset: 1, len: 1 }), 20),
+        ] {
+            for i in from..28 {
+                let mut b = frame.encode(&[]);
+                b[i] = 1;
+                assert_eq!(
+                    Frame::decode(&resum(b), 0),
+                    Err(DecodeError::ReservedBits),
+                    "{:?} byte {i}",
+                    frame.kind()
+                );
+            }
+        }
+        // Unknown Hello capabilities.
+        let mut b = Frame::Hello(hello()).encode(&[]);
+        b[23] = 2;
+        assert_eq!(Frame::decode(&resum(b), 0), Err(DecodeError::ReservedBits));
     }
 
     #[test]
     fn a_huge_declared_length_is_refused_before_any_payload() {
-        let mut h = Header::data(1, 2, 0, &[], false, Flags::NONE);
-        h.len = u32::MAX;
-        h.checksum = h.compute_checksum(&[]);
+        let f = Frame::Data(Data {
+            flags: DataFlags::NONE,
+            seq: 0,
+            msg_len: u32::MAX,
+            len: u32::MAX,
+            offset: 0,
+            credits: 0,
+        });
         assert_eq!(
-            Header::decode(&h.encode(), 64 << 20),
+            Frame::decode(&f.encode(&[]), 64 << 20),
             Err(DecodeError::TooLong {
-                len: u32::MAX as u64,
+                len: u32::MAX,
                 max: 64 << 20
             })
         );
+        // At the bound exactly: accepted.
+        let f = Frame::Data(Data {
+            flags: DataFlags::NONE,
+            seq: 0,
+            msg_len: 64,
+            len: 64,
+            offset: 0,
+            credits: 0,
+        });
+        assert!(Frame::decode(&f.encode(&[]), 64).is_ok());
     }
 
     #[test]
     fn a_frame_without_payload_is_checked_at_once_even_when_flagged_payload_checked() {
-        let mut h = Header::control(FrameKind::Hello, 1, 2, 7);
-        h.flags = Flags::PAYLOAD_CHECKED;
-        h.checksum = h.compute_checksum(&[]);
-        assert_eq!(Header::decode(&h.encode(), 0), Ok(h));
-        h.checksum ^= 1;
+        let f = Frame::Data(Data {
+            flags: DataFlags::PAYLOAD_CHECKED,
+            seq: 3,
+            msg_len: 0,
+            len: 0,
+            offset: 0,
+            credits: 0,
+        });
+        let mut b = f.encode(&[]);
+        assert_eq!(Frame::decode(&b, 0).map(|d| d.frame), Ok(f));
+        b[28] ^= 1;
         assert!(matches!(
-            Header::decode(&h.encode(), 0),
+            Frame::decode(&b, 0),
             Err(DecodeError::BadChecksum { .. })
         ));
     }
 
     #[test]
-    fn control_frames_carry_no_payload() {
-        let mut h = Header::control(FrameKind::Credit, 1, 2, 5);
-        h.len = 3;
-        h.checksum = h.compute_checksum(&[]);
+    fn flag_helpers_say_what_is_set() {
+        let f = DataFlags::MORE | DataFlags::STRIPED;
+        assert_eq!(f.bits(), 6);
+        assert!(f.contains(DataFlags::MORE));
+        assert!(!f.contains(DataFlags::PAYLOAD_CHECKED));
+        assert!(!DataFlags::NONE.contains(DataFlags::MORE));
+        assert_eq!(DataFlags::NONE.with(DataFlags::MORE, true), DataFlags::MORE);
         assert_eq!(
-            Header::decode(&h.encode(), 100),
-            Err(DecodeError::UnexpectedPayload)
+            DataFlags::NONE.with(DataFlags::MORE, false),
+            DataFlags::NONE
         );
+        assert_eq!(Takes::HEADERLESS.bits(), 1);
+        assert!(Takes::HEADERLESS.contains(Takes::HEADERLESS));
+        assert!(!Takes::NONE.contains(Takes::HEADERLESS));
+        for k in [
+            FrameKind::Data,
+            FrameKind::Credit,
+            FrameKind::Hello,
+            FrameKind::Close,
+            FrameKind::Want,
+        ] {
+            assert_eq!(FrameKind::from_u8(k as u8), Some(k));
+            assert!(!k.name().is_empty());
+        }
     }
 }

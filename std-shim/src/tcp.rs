@@ -2,7 +2,7 @@
 //! receiving into CUDA managed memory).
 //!
 //! Non-blocking sockets, one per peer (two for large messages: below),
-//! framed with core's [`wire`](zerohop_core::wire). Sends go
+//! framed with core's [`wire`](zerohop_core::wire_v1). Sends go
 //! straight to the socket with `writev` when the peer's queue is empty and are
 //! copied only for what the kernel did not take; each peer's queue is bounded
 //! in bytes, so a receiver that stops reading makes `try_send` say
@@ -39,7 +39,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use zerohop_backends::{host_bytes, host_bytes_mut};
-use zerohop_core::wire::{DecodeError, Flags, FrameKind, Header, HEADER_LEN};
+use zerohop_core::wire_v1::{DecodeError, Flags, FrameKind, Header, HEADER_LEN};
 use zerohop_core::{
     Capabilities, Error, Kind, Lease, PeerId, PoolError, Received, Rejected, Transport,
 };
@@ -824,7 +824,7 @@ impl TcpTransport {
                     if part
                         .header
                         .flags
-                        .contains(zerohop_core::wire::Flags::PAYLOAD_CHECKED)
+                        .contains(zerohop_core::wire_v1::Flags::PAYLOAD_CHECKED)
                     {
                         if let Err(e) = part.header.verify(host_bytes(&part.lease)) {
                             return ReadOutcome::Bad(e);

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zerohop_backends::host_bytes;
-use zerohop_core::wire::DecodeError;
-use zerohop_core::wire::{Flags, FrameKind, Header, HEADER_LEN};
+use zerohop_core::wire_v1::DecodeError;
+use zerohop_core::wire_v1::{Flags, FrameKind, Header, HEADER_LEN};
 use zerohop_core::{crc32c, Error, Kind, PeerId, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport, STRIPE_MIN};
 use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, StdPool};

@@ -1,6 +1,6 @@
 //! A fault-injecting [`Link`] decorator: drop, corrupt, duplicate, reorder.
 
-use zerohop_core::wire::HEADER_LEN;
+use zerohop_core::wire_v1::HEADER_LEN;
 use zerohop_core::Error;
 
 use super::link::Link;

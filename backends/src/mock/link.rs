@@ -1,6 +1,6 @@
 //! A loopback pair of fixed byte rings carrying whole frames.
 
-use zerohop_core::wire::HEADER_LEN;
+use zerohop_core::wire_v1::HEADER_LEN;
 use zerohop_core::Error;
 
 /// A frame carrier (the mock's "phy"). Fault injectors wrap it.

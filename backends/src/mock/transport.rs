@@ -2,7 +2,7 @@
 
 use core::ops::Deref;
 
-use zerohop_core::wire::{Flags, FrameKind, Header, HEADER_LEN};
+use zerohop_core::wire_v1::{Flags, FrameKind, Header, HEADER_LEN};
 use zerohop_core::{
     Access, Capabilities, Error, Kind, Lease, PeerId, Pool, Received, Rejected, Transport,
 };

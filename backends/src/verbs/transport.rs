@@ -46,7 +46,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
-use zerohop_core::wire::{Flags, FrameKind, Header, HEADER_LEN};
+use zerohop_core::wire_v1::{Flags, FrameKind, Header, HEADER_LEN};
 use zerohop_core::{
     Access, Capabilities, Error, Kind, Lease, PeerId, Received, Rejected, SizeClasses, Transport,
 };
@@ -1367,7 +1367,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         if byte_len != HEADER_LEN + len {
             return Err(Error::Protocol {
                 peer,
-                error: zerohop_core::wire::DecodeError::UnexpectedPayload,
+                error: zerohop_core::wire_v1::DecodeError::UnexpectedPayload,
             });
         }
         let total = h.src as usize;
@@ -1391,7 +1391,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         if *have + len > whole.capacity() {
             return Err(Error::Protocol {
                 peer,
-                error: zerohop_core::wire::DecodeError::UnexpectedPayload,
+                error: zerohop_core::wire_v1::DecodeError::UnexpectedPayload,
             });
         }
         self.memory.copy(whole, *have, &lease, 0, len)?;
@@ -1421,7 +1421,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         {
             return Err(Error::Protocol {
                 peer,
-                error: zerohop_core::wire::DecodeError::UnexpectedPayload,
+                error: zerohop_core::wire_v1::DecodeError::UnexpectedPayload,
             });
         }
         conn.credits = conn.credits.saturating_add(credits);

@@ -1,0 +1,1293 @@
+//! The per-peer session engine: the zerohop protocol, once, for every wire.
+//!
+//! **Sans-I/O.** A [`Session`] never reads a clock, a socket, a queue pair or
+//! memory. It is a state machine over frame headers (byte slices), lengths
+//! and caller-supplied times ([`Instant`]). A *driver* (TCP sockets, verbs
+//! queue pairs, the mock link, shared-memory rings) moves bytes and calls it:
+//!
+//! - **handle** what arrived: [`handle_header`](Session::handle_header) (32
+//!   header bytes), then [`handle_payload`](Session::handle_payload) once the
+//!   frame's payload is where the engine said it goes;
+//!   [`handle_headerless`](Session::handle_headerless) for a verbs frame sent
+//!   as its bytes alone; [`handle_timeout`](Session::handle_timeout) for the clock;
+//! - **commands** from the application: [`send`](Session::send) (a message's
+//!   length: its sequence number and byte credit), [`close`](Session::close),
+//!   [`consumed`](Session::consumed) (the application took a message: its
+//!   bytes come back as credit), [`reposted`](Session::reposted) (ring wires:
+//!   receive slots posted again), [`grant`](Session::grant) (a message longer
+//!   than the window may come);
+//! - **poll** for what to do next: [`next_frame`](Session::next_frame) (the
+//!   next fragment of a message: its header and where its payload lies in the
+//!   message), [`poll_control`](Session::poll_control) (Hello, Credit, Want,
+//!   Close headers to send), [`poll_timeout`](Session::poll_timeout) (when to
+//!   call back).
+//!
+//! The engine owns, per peer: sequence numbers (a gap or a duplicate fails
+//! the session; nothing out of order is delivered), byte credit (a peer can
+//! make the receiver hold at most the bytes it was granted: the window, and
+//! a message longer than the window only once the receiver [grants](Session::grant)
+//! it), frame credit on ring wires (never more frames than posted receive
+//! slots), fragmentation and reassembly, the headerless-or-framed choice, the
+//! Hello exchange (no data before it, a peer of another version refused by
+//! name), a clean Close, and the idle timer (a peer silent mid-handshake or
+//! mid-frame fails). Every failure is a typed [`ProtocolError`]; none panics,
+//! and no arithmetic on a received field can overflow.
+
+use core::fmt;
+use core::time::Duration;
+
+use crate::wire::{
+    Close, Credit, Data, DataFlags, DecodeError, Decoded, Frame, FrameKind, Hello, Takes, Want,
+    HEADER_LEN,
+};
+
+/// A point in time: microseconds from an origin the driver chooses (a
+/// monotonic clock's). Only differences matter.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Instant(u64);
+
+impl Instant {
+    /// `micros` microseconds after the origin.
+    pub const fn from_micros(micros: u64) -> Instant {
+        Instant(micros)
+    }
+
+    /// Microseconds since the origin.
+    pub const fn as_micros(self) -> u64 {
+        self.0
+    }
+
+    /// `self + d`, saturating at the end of time.
+    #[must_use]
+    pub fn after(self, d: Duration) -> Instant {
+        let micros = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        Instant(self.0.saturating_add(micros))
+    }
+}
+
+/// What one side of a session takes and does. Both sides of a connection
+/// tell each other theirs in their Hello.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct SessionConfig {
+    /// The longest message this side takes.
+    pub max_message: u32,
+    /// Message bytes the peer may send before this side returns credit: the
+    /// most a peer can make this side hold, besides what it [grants](Session::grant).
+    pub window: u32,
+    /// The longest frame payload this side takes (its receive buffers on a
+    /// ring wire; `max_message` on a stream wire, which does not fragment).
+    pub frame_max: u32,
+    /// Receive slots this side keeps posted (ring wires: the peer's frame
+    /// credits); 0 on a stream wire, where frames are not counted.
+    pub ring: u16,
+    /// This side takes headerless frames (a ring wire whose payloads land in
+    /// host memory, and whose frames carry immediate data).
+    pub takes_headerless: bool,
+    /// This wire can send headerless frames (it carries immediate data).
+    pub sends_headerless: bool,
+    /// Checksum the payloads this side sends, where it can read them.
+    pub check_payload: bool,
+    /// A peer silent this long mid-handshake, mid-frame or mid-message fails.
+    pub idle_timeout: Duration,
+}
+
+impl SessionConfig {
+    /// A stream wire's settings (TCP, the mock link): no ring, no
+    /// fragmentation, a 16 MiB window, messages up to `max_message`.
+    pub const fn stream(max_message: u32) -> SessionConfig {
+        SessionConfig {
+            max_message,
+            window: 16 << 20,
+            frame_max: max_message,
+            ring: 0,
+            takes_headerless: false,
+            sends_headerless: false,
+            check_payload: false,
+            idle_timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// Whether the settings can work: every limit non-zero, a ring (if any)
+    /// at least [`MIN_RING`] deep.
+    pub fn check(&self) -> Result<(), &'static str> {
+        if self.max_message == 0 || self.window == 0 || self.frame_max == 0 {
+            return Err("SessionConfig: max_message, window and frame_max must be non-zero");
+        }
+        if self.ring != 0 && self.ring < MIN_RING {
+            return Err("SessionConfig: a ring must be at least MIN_RING (4) slots deep");
+        }
+        if self.idle_timeout.is_zero() {
+            return Err("SessionConfig: idle_timeout must be non-zero");
+        }
+        Ok(())
+    }
+}
+
+/// The shallowest receive ring a ring wire may have. A data frame needs two
+/// frame credits (the last is kept for returning credit), and every frame,
+/// credit frames too, takes one of the peer's slots: with two or three
+/// slots, two sides that each hold one credit and owe one can trade credit
+/// frames for ever without either reaching two (found by the `session` fuzz
+/// target). With four, whoever holds one credit is owed at least two slots,
+/// which is enough to make the peer return them.
+pub const MIN_RING: u16 = 4;
+
+/// What the peer announced in its Hello.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct PeerParams {
+    /// Its window (our first byte limit).
+    pub window: u32,
+    /// The longest message it takes.
+    pub max_message: u32,
+    /// The longest frame payload it takes.
+    pub frame_max: u32,
+    /// Its receive ring (0: none).
+    pub ring: u16,
+    /// It takes headerless frames.
+    pub takes_headerless: bool,
+    /// Its connection token.
+    pub token: u32,
+}
+
+/// Where a session is stuck when its idle timer fires.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum Stall {
+    /// The peer's Hello never came.
+    Handshake,
+    /// A frame or a message was begun and not finished.
+    Frame,
+}
+
+/// Why a session failed: the peer broke the protocol, or went silent mid-way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum ProtocolError {
+    /// Bytes that are not a valid header (or a payload that fails its checksum).
+    Decode(DecodeError),
+    /// The first frame was not a Hello.
+    HelloExpected {
+        /// What came instead.
+        got: FrameKind,
+    },
+    /// A second Hello, or a Hello for a second connection where a main one was due.
+    UnexpectedHello,
+    /// A Hello with a zero window, message or frame limit.
+    BadHello,
+    /// A ring-wire peer whose ring is shallower than [`MIN_RING`].
+    ShallowPeer {
+        /// The ring it announced.
+        ring: u16,
+    },
+    /// A message's sequence number skipped: messages were lost.
+    SequenceGap {
+        /// The number expected.
+        expected: u64,
+        /// The one that came.
+        got: u64,
+    },
+    /// A sequence number already delivered came again.
+    Duplicate {
+        /// The repeated number.
+        seq: u64,
+    },
+    /// The 2^64th message: sequence numbers ran out.
+    SequenceExhausted,
+    /// A message that would end past the byte limit this side granted.
+    CreditExceeded {
+        /// The limit granted (message bytes, counted from the first).
+        limit: u64,
+        /// Where the message would end.
+        end: u64,
+    },
+    /// More frames than this side had posted receive slots for.
+    RingOverrun,
+    /// More frame credits returned than the peer's ring holds.
+    TooManyCredits,
+    /// A message longer than this side takes.
+    TooLarge {
+        /// Its length.
+        len: u32,
+        /// The longest this side takes.
+        max: u32,
+    },
+    /// A frame whose payload is not as long as its header declares (frame wires).
+    FrameLength {
+        /// Payload bytes the header declares.
+        declared: usize,
+        /// Payload bytes that came.
+        carried: usize,
+    },
+    /// Fragments that do not add up to their message (its length changed,
+    /// it overran, or ended without or continued past its last fragment).
+    Fragment,
+    /// A headerless frame to a side that does not take them, or inside a fragmented message.
+    HeaderlessRefused,
+    /// A Want at the wrong offset, or for a message this side does not take.
+    BadWant,
+    /// A frame after the peer's Close.
+    AfterClose,
+    /// A Close in the middle of a message.
+    Unfinished,
+    /// Silent past the idle timeout.
+    Stalled {
+        /// Where it stopped.
+        during: Stall,
+    },
+}
+
+impl fmt::Display for ProtocolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ProtocolError::Decode(e) => e.fmt(f),
+            ProtocolError::HelloExpected { got } => {
+                write!(f, "expected a hello first, got a {} frame", got.name())
+            }
+            ProtocolError::UnexpectedHello => f.write_str("a hello where none was due"),
+            ProtocolError::BadHello => f.write_str("a hello with a zero limit"),
+            ProtocolError::ShallowPeer { ring } => write!(
+                f,
+                "the peer announced a receive ring of {ring}; the least that keeps credit moving is {MIN_RING}"
+            ),
+            ProtocolError::SequenceGap { expected, got } => {
+                write!(f, "expected sequence {expected}, got {got} (messages lost)")
+            }
+            ProtocolError::Duplicate { seq } => write!(f, "duplicate sequence {seq}"),
+            ProtocolError::SequenceExhausted => f.write_str("sequence numbers exhausted"),
+            ProtocolError::CreditExceeded { limit, end } => write!(
+                f,
+                "a message ending at byte {end} exceeds the credit granted (up to byte {limit})"
+            ),
+            ProtocolError::RingOverrun => f.write_str("more frames than posted receive slots"),
+            ProtocolError::TooManyCredits => {
+                f.write_str("more frame credits returned than the peer's ring holds")
+            }
+            ProtocolError::TooLarge { len, max } => {
+                write!(f, "a message of {len} bytes exceeds the maximum of {max}")
+            }
+            ProtocolError::FrameLength { declared, carried } => write!(
+                f,
+                "a frame declaring {declared} payload bytes carried {carried}"
+            ),
+            ProtocolError::Fragment => f.write_str("fragments that do not add up to their message"),
+            ProtocolError::HeaderlessRefused => {
+                f.write_str("a headerless frame where none may come")
+            }
+            ProtocolError::BadWant => f.write_str("a want at the wrong offset or length"),
+            ProtocolError::AfterClose => f.write_str("a frame after the peer's close"),
+            ProtocolError::Unfinished => f.write_str("closed in the middle of a message"),
+            ProtocolError::Stalled {
+                during: Stall::Handshake,
+            } => f.write_str("silent before its hello past the idle timeout"),
+            ProtocolError::Stalled {
+                during: Stall::Frame,
+            } => f.write_str("silent mid-frame past the idle timeout"),
+        }
+    }
+}
+
+impl core::error::Error for ProtocolError {}
+
+impl From<DecodeError> for ProtocolError {
+    fn from(e: DecodeError) -> Self {
+        ProtocolError::Decode(e)
+    }
+}
+
+/// Why a message cannot start now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum SendError {
+    /// The peer's Hello has not come yet: try again after progress.
+    NotOpen,
+    /// Not enough byte credit: try again after progress (a Want is on its way).
+    NoCredit,
+    /// Longer than the peer takes.
+    TooLarge {
+        /// The message's length.
+        len: usize,
+        /// The peer's maximum.
+        max: usize,
+    },
+    /// This side closed, or the peer did.
+    Closed,
+    /// The session failed.
+    Failed(ProtocolError),
+    /// The 2^64th message.
+    SequenceExhausted,
+}
+
+/// A message being sent: a cursor over its fragments. The driver keeps it
+/// beside the message's bytes and asks [`Session::next_frame`] for each
+/// fragment, in the order the messages were started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Outgoing {
+    seq: u64,
+    len: u32,
+    framed: u32,
+    first: bool,
+}
+
+impl Outgoing {
+    /// Its sequence number.
+    pub const fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Its length.
+    pub const fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    /// Whether it is empty.
+    pub const fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether every fragment has been handed out.
+    pub const fn is_framed(&self) -> bool {
+        !self.first && self.framed == self.len
+    }
+}
+
+/// One fragment to post: its header (or none: headerless) and where its
+/// payload lies in the message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct DataFrame {
+    /// The header to send first; `None` for a headerless frame, which goes
+    /// as its payload alone with [`imm`](Self::imm) in the wire's immediate data.
+    pub header: Option<[u8; HEADER_LEN]>,
+    /// A headerless frame's immediate data (opaque to the driver; handed to
+    /// the peer's [`Session::handle_headerless`]): the low 16 bits of the
+    /// message's sequence number, then the frame credits it returns.
+    pub imm: u32,
+    /// Where the payload starts in the message.
+    pub offset: usize,
+    /// Payload bytes.
+    pub len: usize,
+    /// The message's last fragment.
+    pub last: bool,
+}
+
+/// A control frame to send (header only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Control {
+    /// Its kind.
+    pub kind: FrameKind,
+    /// The header.
+    pub header: [u8; HEADER_LEN],
+}
+
+/// What a header that arrived asks of the driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum Inbound {
+    /// Nothing more (a control frame the engine took in).
+    Control,
+    /// The peer's Hello: the session is open.
+    Opened,
+    /// Payload follows: put `len` bytes at `offset` of the message's buffer
+    /// (take one of `msg_len` bytes when `first`), then call
+    /// [`Session::handle_payload`].
+    Data(DataIn),
+    /// The peer waits for credit for a message longer than the window: see
+    /// [`Session::pending_grant`].
+    Want,
+    /// The peer closed cleanly: every message it sent has arrived.
+    Closed,
+}
+
+/// A data frame's payload, as the driver must place it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct DataIn {
+    /// The message's sequence number.
+    pub seq: u64,
+    /// The whole message's length.
+    pub msg_len: usize,
+    /// Where this fragment goes in it.
+    pub offset: usize,
+    /// This fragment's length.
+    pub len: usize,
+    /// The message's first fragment: take its buffer now.
+    pub first: bool,
+    /// Its last: once the payload is in, the message is whole.
+    pub last: bool,
+    /// The frame is striped (see [`DataFlags::STRIPED`]).
+    pub striped: bool,
+}
+
+/// A whole message, ready for the application.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Delivered {
+    /// Its sequence number.
+    pub seq: u64,
+    /// Its length.
+    pub len: usize,
+}
+
+/// The message being reassembled.
+#[derive(Clone, Copy, Debug)]
+struct Assembly {
+    seq: u64,
+    len: u32,
+    have: u32,
+}
+
+/// A data frame whose header arrived and whose payload has not.
+#[derive(Clone, Copy, Debug)]
+struct PendingFrame {
+    decoded: Decoded,
+    len: u32,
+    last: bool,
+}
+
+/// A headerless frame's immediate data: credits in the low 16 bits.
+const IMM_CREDITS: u32 = 0xFFFF;
+
+/// One peer's protocol state. See the module documentation.
+#[derive(Clone, Debug)]
+pub struct Session {
+    config: SessionConfig,
+    token: u32,
+    peer: Option<PeerParams>,
+    failed: Option<ProtocolError>,
+    hello_sent: bool,
+    closing: bool,
+    close_sent: bool,
+    peer_closed: bool,
+    last_heard: Instant,
+    /// The driver holds part of a frame the engine has not seen (a header
+    /// cut by the stream).
+    partial: bool,
+
+    // Sending.
+    tx_seq: u64,
+    /// Messages started whose last fragment has not been handed out.
+    tx_unframed: u64,
+    /// Message bytes started.
+    tx_started: u64,
+    /// The peer's byte limit.
+    tx_limit: u64,
+    /// Frame credits (`None`: the peer has no ring).
+    tx_frames: Option<u32>,
+    /// The peer's ring, when connection setup told it (see [`Session::with_peer_ring`]).
+    told_ring: Option<u16>,
+    /// A Want to send: the length it asks for (at `tx_started`).
+    want_due: Option<u32>,
+    /// The Want last sent, (offset, len): not sent again.
+    want_sent: Option<(u64, u32)>,
+
+    // Receiving.
+    rx_next: u64,
+    assembly: Option<Assembly>,
+    pending: Option<PendingFrame>,
+    /// Message bytes whose first fragment arrived.
+    rx_started: u64,
+    /// Message bytes the application took.
+    rx_consumed: u64,
+    /// The byte limit this side stands by.
+    rx_limit: u64,
+    /// The limit last told the peer.
+    rx_limit_sent: u64,
+    /// The peer's Want, (offset, len), until satisfied.
+    rx_want: Option<(u64, u32)>,
+    /// Frames the peer may still send (ring wires).
+    rx_frames_allowed: u32,
+    /// Receive slots reposted and not yet reported.
+    owed_frames: u32,
+    /// The peer said it is out of frame credits: what is owed goes at once.
+    peer_waiting: bool,
+    /// This side has a frame to post and one frame credit: it says so.
+    waiting_due: bool,
+}
+
+impl Session {
+    /// A session with nothing exchanged yet; its first frame will be its
+    /// Hello (see [`poll_control`](Self::poll_control)) carrying `token`.
+    /// `now` starts the handshake's idle timer.
+    pub fn new(config: SessionConfig, token: u32, now: Instant) -> Session {
+        Session {
+            config,
+            token,
+            peer: None,
+            failed: None,
+            hello_sent: false,
+            closing: false,
+            close_sent: false,
+            peer_closed: false,
+            last_heard: now,
+            partial: false,
+            tx_seq: 0,
+            tx_unframed: 0,
+            tx_started: 0,
+            tx_limit: 0,
+            tx_frames: None,
+            told_ring: None,
+            want_due: None,
+            want_sent: None,
+            rx_next: 0,
+            assembly: None,
+            pending: None,
+            rx_started: 0,
+            rx_consumed: 0,
+            rx_limit: u64::from(config.window),
+            rx_limit_sent: u64::from(config.window),
+            rx_want: None,
+            rx_frames_allowed: u32::from(config.ring),
+            owed_frames: 0,
+            peer_waiting: false,
+            waiting_due: false,
+        }
+    }
+
+    /// On a ring wire whose connection setup already told this side the
+    /// peer's ring depth (verbs: the CM private data), the frame credits to
+    /// start with, so the Hello itself can be posted. The peer's Hello must
+    /// then announce the same ring.
+    #[must_use]
+    pub fn with_peer_ring(mut self, ring: u16) -> Session {
+        self.tx_frames = Some(u32::from(ring));
+        self.told_ring = Some(ring);
+        self
+    }
+
+    // ----- getters -----
+
+    /// The settings.
+    pub fn config(&self) -> &SessionConfig {
+        &self.config
+    }
+
+    /// What the peer announced, once its Hello came.
+    pub fn peer(&self) -> Option<&PeerParams> {
+        self.peer.as_ref()
+    }
+
+    /// The peer's Hello came (and no failure since): messages may start.
+    pub fn is_open(&self) -> bool {
+        self.peer.is_some() && self.failed.is_none()
+    }
+
+    /// Why the session failed, if it did.
+    pub fn failure(&self) -> Option<ProtocolError> {
+        self.failed
+    }
+
+    /// The peer closed cleanly.
+    pub fn peer_closed(&self) -> bool {
+        self.peer_closed
+    }
+
+    /// This side's Close has been handed out.
+    pub fn close_sent(&self) -> bool {
+        self.close_sent
+    }
+
+    /// Both sides closed: nothing more will cross.
+    pub fn is_finished(&self) -> bool {
+        self.close_sent && self.peer_closed
+    }
+
+    /// Messages started whose fragments have not all been handed out.
+    pub fn unframed(&self) -> u64 {
+        self.tx_unframed
+    }
+
+    /// Message bytes the peer's credit allows now.
+    pub fn credit(&self) -> u64 {
+        self.tx_limit.saturating_sub(self.tx_started)
+    }
+
+    /// Frame credits (`None`: the peer has no ring).
+    pub fn frame_credits(&self) -> Option<u32> {
+        self.tx_frames
+    }
+
+    /// Whether a data frame (or a Want, or the Close) may be posted now:
+    /// on a ring wire it needs two frame credits, since only a Credit frame
+    /// may take the last one (see [`poll_control`](Self::poll_control)).
+    pub fn may_post_data(&self) -> bool {
+        self.tx_frames.is_none_or(|n| n >= 2)
+    }
+
+    /// Message bytes received and not yet [consumed](Self::consumed): what
+    /// this side holds for the peer.
+    pub fn held(&self) -> u64 {
+        self.rx_started - self.rx_consumed
+    }
+
+    /// Bytes granted beyond the window (for messages longer than it), until
+    /// those messages are consumed: what a driver counts against its budget
+    /// for such grants.
+    pub fn extra_granted(&self) -> u64 {
+        let normal = self
+            .rx_consumed
+            .saturating_add(u64::from(self.config.window));
+        self.rx_limit.saturating_sub(normal)
+    }
+
+    /// A message longer than the window that the peer waits to send: its
+    /// length, until [`grant`](Self::grant)ed.
+    pub fn pending_grant(&self) -> Option<usize> {
+        match self.rx_want {
+            Some((offset, len)) if offset.saturating_add(u64::from(len)) > self.rx_limit => {
+                Some(len as usize)
+            }
+            _ => None,
+        }
+    }
+
+    // ----- commands -----
+
+    /// Starts a message of `len` bytes: its sequence number and byte credit.
+    /// Without enough credit, a Want goes to the peer (once) and the answer
+    /// is [`SendError::NoCredit`]: try again after progress.
+    pub fn send(&mut self, len: usize) -> Result<Outgoing, SendError> {
+        if let Some(e) = self.failed {
+            return Err(SendError::Failed(e));
+        }
+        if self.closing || self.peer_closed {
+            return Err(SendError::Closed);
+        }
+        let Some(peer) = self.peer else {
+            return Err(SendError::NotOpen);
+        };
+        let max = peer.max_message as usize;
+        let Some(len32) = u32::try_from(len).ok().filter(|_| len <= max) else {
+            return Err(SendError::TooLarge { len, max });
+        };
+        if u64::from(len32) > self.credit() {
+            let at = (self.tx_started, len32);
+            if self.want_sent != Some(at) {
+                self.want_due = Some(len32);
+            }
+            return Err(SendError::NoCredit);
+        }
+        let Some(next) = self.tx_seq.checked_add(1) else {
+            return Err(SendError::SequenceExhausted);
+        };
+        let out = Outgoing {
+            seq: self.tx_seq,
+            len: len32,
+            framed: 0,
+            first: true,
+        };
+        self.tx_seq = next;
+        self.tx_started += u64::from(len32);
+        self.tx_unframed += 1;
+        self.want_due = None;
+        Ok(out)
+    }
+
+    /// Closes: no new messages; the Close follows the last fragment of every
+    /// message started (see [`poll_control`](Self::poll_control)). Idempotent.
+    pub fn close(&mut self) {
+        self.closing = true;
+    }
+
+    /// The application took a message of `len` bytes: they come back to the
+    /// peer as credit.
+    pub fn consumed(&mut self, len: usize) {
+        let len = len as u64;
+        // More than was received is a driver bug; the counters never pass it.
+        debug_assert!(self.rx_consumed + len <= self.rx_started);
+        self.rx_consumed = (self.rx_consumed + len).min(self.rx_started);
+        let normal = self
+            .rx_consumed
+            .saturating_add(u64::from(self.config.window));
+        self.rx_limit = self.rx_limit.max(normal);
+    }
+
+    /// Ring wires: `n` receive slots were posted again; the peer learns it
+    /// with the next frame (or a Credit frame once a quarter of the ring is owed).
+    pub fn reposted(&mut self, n: u32) {
+        self.owed_frames = self.owed_frames.saturating_add(n);
+    }
+
+    /// Lets the peer send the message longer than the window it waits to
+    /// send ([`pending_grant`](Self::pending_grant)): this side will hold it.
+    pub fn grant(&mut self) {
+        if let Some((offset, len)) = self.rx_want {
+            self.rx_limit = self.rx_limit.max(offset.saturating_add(u64::from(len)));
+        }
+    }
+
+    // ----- polls -----
+
+    /// The next fragment of `msg` (started by [`send`](Self::send), and the
+    /// oldest message not yet all handed out), or `None` while the peer's
+    /// ring has no room (two frame credits: the last is kept for credit
+    /// frames) or once it is all out. `message` is the whole message, where
+    /// the CPU can read it: its fragments are checksummed when the
+    /// configuration says so. `striped` marks a frame whose payload the
+    /// wire splits over two connections.
+    pub fn next_frame(
+        &mut self,
+        msg: &mut Outgoing,
+        message: Option<&[u8]>,
+        striped: bool,
+    ) -> Option<DataFrame> {
+        // Nothing before this side's Hello, even when the peer's came first.
+        if msg.is_framed() || self.failed.is_some() || !self.hello_sent {
+            return None;
+        }
+        // Fragments go in message order: a cursor of another message is a driver bug.
+        debug_assert_eq!(msg.seq, self.tx_seq - self.tx_unframed);
+        let peer = self.peer?;
+        if !self.may_post_data() {
+            // One credit left: a Credit frame tells the peer, which answers
+            // with every slot it owes.
+            self.waiting_due = self.tx_frames == Some(1);
+            return None;
+        }
+        let offset = msg.framed;
+        let len = (msg.len - offset).min(peer.frame_max);
+        let last = offset + len == msg.len;
+        let headerless = self.config.sends_headerless && peer.takes_headerless && msg.first && last;
+        // Headers and immediate data have room for 16 bits of credits; the rest wait.
+        let credits = self.take_owed(IMM_CREDITS);
+        let header = if headerless {
+            None
+        } else {
+            let payload = message
+                .filter(|m| m.len() == msg.len as usize)
+                .map(|m| &m[offset as usize..(offset + len) as usize]);
+            let flags = DataFlags::NONE
+                .with(
+                    DataFlags::PAYLOAD_CHECKED,
+                    self.config.check_payload && payload.is_some(),
+                )
+                .with(DataFlags::MORE, !last)
+                .with(DataFlags::STRIPED, striped);
+            let frame = Frame::Data(Data {
+                flags,
+                seq: msg.seq,
+                msg_len: msg.len,
+                len,
+                offset,
+                credits: credits as u16,
+            });
+            Some(frame.encode(payload.unwrap_or(&[])))
+        };
+        self.spend_frame();
+        msg.first = false;
+        msg.framed += len;
+        if last {
+            self.tx_unframed -= 1;
+        }
+        Some(DataFrame {
+            header,
+            imm: (u32::from(msg.seq as u16) << 16) | credits,
+            offset: offset as usize,
+            len: len as usize,
+            last,
+        })
+    }
+
+    /// The next control frame to send, if one is due: the Hello first, then
+    /// a Want, the Close after the last fragment of every message started,
+    /// and returned credit (which may still follow the Close: the peer may
+    /// be finishing its own messages). A driver posts the data frames that
+    /// can go ([`next_frame`](Self::next_frame)) before it asks: they carry
+    /// the credit owed for free.
+    ///
+    /// On a ring wire every frame takes one of the peer's slots. A Want or
+    /// the Close needs two frame credits, as data does; only a Credit frame
+    /// may take the last one, and then it says the sender is *waiting*, so
+    /// the peer answers with every slot it owes. A Credit frame goes when a
+    /// quarter of the ring (at least 2 slots) is owed, when the peer waits,
+    /// or when the byte limit moved: credit frames answering credit frames
+    /// (one slot each) die out, and a side never holds the peer's last
+    /// credits without being told.
+    pub fn poll_control(&mut self) -> Option<Control> {
+        if self.failed.is_some() || self.tx_frames == Some(0) {
+            return None;
+        }
+        let frame = if !self.hello_sent {
+            self.hello_sent = true;
+            Frame::Hello(Hello {
+                window: self.config.window,
+                max_message: self.config.max_message,
+                frame_max: self.config.frame_max,
+                ring: self.config.ring,
+                lane: 0,
+                takes: if self.config.takes_headerless {
+                    Takes::HEADERLESS
+                } else {
+                    Takes::NONE
+                },
+                token: self.token,
+            })
+        } else if self.peer.is_none() {
+            return None;
+        } else if let (Some(len), false, true) =
+            (self.want_due, self.close_sent, self.may_post_data())
+        {
+            self.want_due = None;
+            self.want_sent = Some((self.tx_started, len));
+            Frame::Want(Want {
+                offset: self.tx_started,
+                len,
+            })
+        } else if self.closing && !self.close_sent && self.tx_unframed == 0 && self.may_post_data()
+        {
+            self.close_sent = true;
+            Frame::Close(Close { seq: self.tx_seq })
+        } else if self.credit_due() {
+            self.rx_limit_sent = self.rx_limit;
+            self.peer_waiting = false;
+            self.waiting_due = false;
+            Frame::Credit(Credit {
+                frames: self.take_owed(u32::MAX),
+                limit: self.rx_limit,
+                waiting: self.tx_frames == Some(1),
+            })
+        } else {
+            return None;
+        };
+        self.spend_frame();
+        Some(Control {
+            kind: frame.kind(),
+            header: frame.encode(&[]),
+        })
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) must be called: while
+    /// the peer's Hello, a frame's payload or a message's next fragment is
+    /// awaited (or the driver holds part of a header), the idle timeout after
+    /// the peer was last heard; otherwise never (a quiet open session is fine).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.failed.is_some() || self.peer_closed {
+            return None;
+        }
+        let waiting = self.peer.is_none()
+            || self.pending.is_some()
+            || self.assembly.is_some()
+            || self.partial;
+        waiting.then(|| self.last_heard.after(self.config.idle_timeout))
+    }
+
+    // ----- handling what arrived -----
+
+    /// The clock moved: a peer silent past its deadline (see
+    /// [`poll_timeout`](Self::poll_timeout)) fails the session.
+    pub fn handle_timeout(&mut self, now: Instant) -> Result<(), ProtocolError> {
+        self.check_failed()?;
+        match self.poll_timeout() {
+            Some(deadline) if now >= deadline => {
+                let during = if self.peer.is_none() {
+                    Stall::Handshake
+                } else {
+                    Stall::Frame
+                };
+                Err(self.fail(ProtocolError::Stalled { during }))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Bytes of a frame arrived that the engine has not seen yet (a stream
+    /// driver holding part of a header says so with `partial`): the peer is
+    /// alive, and the idle timer counts from `now`.
+    pub fn handle_activity(&mut self, now: Instant, partial: bool) {
+        self.last_heard = now;
+        self.partial = partial;
+    }
+
+    /// A frame's 32 header bytes arrived. Decodes and checks them against
+    /// everything the session knows; see [`Inbound`] for what follows.
+    /// `carried` is, on a frame wire (one unit per frame: verbs, the mock
+    /// link), how many payload bytes came with the header: it must be what
+    /// the header declares. A stream wire passes `None` and reads what the
+    /// header declares.
+    pub fn handle_header(
+        &mut self,
+        now: Instant,
+        bytes: &[u8],
+        carried: Option<usize>,
+    ) -> Result<Inbound, ProtocolError> {
+        self.check_failed()?;
+        self.last_heard = now;
+        self.partial = false;
+        if self.pending.is_some() {
+            // The driver must finish a frame's payload before the next header: a driver bug.
+            debug_assert!(false, "a header before the last frame's payload");
+            return Err(self.fail(ProtocolError::Fragment));
+        }
+        let decoded = match Frame::decode(bytes, self.config.frame_max as usize) {
+            Ok(d) => d,
+            Err(e) => return Err(self.fail(e.into())),
+        };
+        let declared = decoded.frame.payload_len();
+        if let Some(carried) = carried.filter(|&c| c != declared) {
+            return Err(self.fail(ProtocolError::FrameLength { declared, carried }));
+        }
+        let r = self.take_header(decoded);
+        if let Err(e) = r {
+            self.fail(e);
+        }
+        r
+    }
+
+    /// The payload of the data frame whose header came last is in place.
+    /// `payload` is its bytes where the CPU can read them (checked against
+    /// the checksum when the frame carries one over its payload); `None`
+    /// for payloads in device memory. Returns the message once it is whole.
+    pub fn handle_payload(
+        &mut self,
+        now: Instant,
+        payload: Option<&[u8]>,
+    ) -> Result<Option<Delivered>, ProtocolError> {
+        self.check_failed()?;
+        self.last_heard = now;
+        let Some(p) = self.pending.take() else {
+            debug_assert!(false, "a payload without its header");
+            return Err(self.fail(ProtocolError::Fragment));
+        };
+        if let Some(bytes) = payload {
+            debug_assert_eq!(bytes.len(), p.len as usize);
+            if let Err(e) = p.decoded.verify(bytes) {
+                return Err(self.fail(e.into()));
+            }
+        }
+        let Some(a) = self.assembly.as_mut() else {
+            return Err(self.fail(ProtocolError::Fragment));
+        };
+        a.have += p.len;
+        if !p.last {
+            return Ok(None);
+        }
+        let done = Delivered {
+            seq: a.seq,
+            len: a.len as usize,
+        };
+        self.assembly = None;
+        self.advance_rx()?;
+        Ok(Some(done))
+    }
+
+    /// A headerless frame arrived (ring wires): a whole message of `len`
+    /// bytes at the start of its receive buffer, and the immediate data it
+    /// carried (see [`DataFrame::imm`]): its sequence number is checked like
+    /// any other's, modulo 2^16.
+    pub fn handle_headerless(
+        &mut self,
+        now: Instant,
+        len: usize,
+        imm: u32,
+    ) -> Result<Delivered, ProtocolError> {
+        self.check_failed()?;
+        self.last_heard = now;
+        let r = self.take_headerless(len, imm);
+        if let Err(e) = r {
+            self.fail(e);
+        }
+        r
+    }
+
+    // ----- internals -----
+
+    fn check_failed(&self) -> Result<(), ProtocolError> {
+        match self.failed {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn fail(&mut self, e: ProtocolError) -> ProtocolError {
+        self.failed = Some(e);
+        e
+    }
+
+    /// Reports up to `max` owed slots: they are the peer's again.
+    fn take_owed(&mut self, max: u32) -> u32 {
+        let n = self.owed_frames.min(max);
+        self.owed_frames -= n;
+        self.rx_frames_allowed = self.rx_frames_allowed.saturating_add(n);
+        n
+    }
+
+    fn spend_frame(&mut self) {
+        if let Some(n) = self.tx_frames.as_mut() {
+            *n -= 1;
+        }
+    }
+
+    /// Whether a Credit frame should go (see [`poll_control`](Self::poll_control)).
+    fn credit_due(&self) -> bool {
+        let owed = self.owed_frames;
+        let frames = self.config.ring != 0
+            && (owed >= u32::from(self.config.ring / 4).max(2) || (self.peer_waiting && owed > 0));
+        let moved = self.rx_limit - self.rx_limit_sent;
+        let bytes = moved > 0
+            && (moved >= u64::from(self.config.window / 4).max(1)
+                || self.rx_want.is_some_and(|(offset, len)| {
+                    offset.saturating_add(u64::from(len)) <= self.rx_limit
+                }));
+        // Something to post and only the last credit to post it with.
+        let close_due = self.closing && !self.close_sent && self.tx_unframed == 0;
+        let stuck =
+            self.tx_frames == Some(1) && (self.waiting_due || self.want_due.is_some() || close_due);
+        frames || bytes || stuck
+    }
+
+    /// One more frame arrived (ring wires count it against the slots granted).
+    fn count_frame(&mut self) -> Result<(), ProtocolError> {
+        if self.config.ring != 0 {
+            self.rx_frames_allowed = self
+                .rx_frames_allowed
+                .checked_sub(1)
+                .ok_or(ProtocolError::RingOverrun)?;
+        }
+        Ok(())
+    }
+
+    fn take_credits(&mut self, credits: u32) -> Result<(), ProtocolError> {
+        if let (Some(n), Some(peer)) = (self.tx_frames.as_mut(), self.peer) {
+            let sum = n.saturating_add(credits);
+            if sum > u32::from(peer.ring) {
+                return Err(ProtocolError::TooManyCredits);
+            }
+            *n = sum;
+            if sum >= 2 {
+                self.waiting_due = false;
+            }
+        }
+        Ok(())
+    }
+
+    fn take_hello(&mut self, h: Hello) -> Result<Inbound, ProtocolError> {
+        if self.peer.is_some() || h.lane != 0 {
+            return Err(ProtocolError::UnexpectedHello);
+        }
+        if h.window == 0 || h.max_message == 0 || h.frame_max == 0 {
+            return Err(ProtocolError::BadHello);
+        }
+        if self.config.ring != 0 {
+            if h.ring < MIN_RING {
+                return Err(ProtocolError::ShallowPeer { ring: h.ring });
+            }
+            match self.told_ring {
+                // Told at connection setup: the Hello must agree.
+                Some(told) if told != h.ring => return Err(ProtocolError::BadHello),
+                Some(_) => {}
+                // Learned now: our Hello, already sent, took one of its slots.
+                None => self.tx_frames = Some(u32::from(h.ring) - u32::from(self.hello_sent)),
+            }
+        }
+        self.peer = Some(PeerParams {
+            window: h.window,
+            max_message: h.max_message,
+            frame_max: h.frame_max,
+            ring: if self.config.ring != 0 { h.ring } else { 0 },
+            takes_headerless: h.takes.contains(Takes::HEADERLESS),
+            token: h.token,
+        });
+        self.tx_limit = u64::from(h.window);
+        Ok(Inbound::Opened)
+    }
+
+    fn take_header(&mut self, decoded: Decoded) -> Result<Inbound, ProtocolError> {
+        let frame = decoded.frame;
+        if self.peer.is_none() {
+            return match frame {
+                Frame::Hello(h) => {
+                    self.count_frame()?;
+                    self.take_hello(h)
+                }
+                other => Err(ProtocolError::HelloExpected { got: other.kind() }),
+            };
+        }
+        if self.peer_closed && !matches!(frame, Frame::Credit(_)) {
+            return Err(ProtocolError::AfterClose);
+        }
+        self.count_frame()?;
+        match frame {
+            Frame::Hello(_) => Err(ProtocolError::UnexpectedHello),
+            Frame::Credit(c) => {
+                self.take_credits(c.frames)?;
+                self.tx_limit = self.tx_limit.max(c.limit);
+                self.peer_waiting |= c.waiting;
+                Ok(Inbound::Control)
+            }
+            Frame::Want(w) => {
+                if w.offset != self.rx_started || w.len == 0 || w.len > self.config.max_message {
+                    return Err(ProtocolError::BadWant);
+                }
+                self.rx_want = Some((w.offset, w.len));
+                Ok(if w.len > self.config.window {
+                    Inbound::Want
+                } else {
+                    Inbound::Control
+                })
+            }
+            Frame::Close(c) => {
+                if self.assembly.is_some() {
+                    return Err(ProtocolError::Unfinished);
+                }
+                if c.seq != self.rx_next {
+                    return Err(ProtocolError::SequenceGap {
+                        expected: self.rx_next,
+                        got: c.seq,
+                    });
+                }
+                // The peer sends no more messages; this side finishes
+                // those it started and closes too.
+                self.peer_closed = true;
+                self.closing = true;
+                Ok(Inbound::Closed)
+            }
+            Frame::Data(d) => self.take_data(decoded, d),
+        }
+    }
+
+    fn check_seq(&self, seq: u64) -> Result<(), ProtocolError> {
+        if seq < self.rx_next {
+            Err(ProtocolError::Duplicate { seq })
+        } else if seq > self.rx_next {
+            Err(ProtocolError::SequenceGap {
+                expected: self.rx_next,
+                got: seq,
+            })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Charges a new message of `len` bytes against the byte limit.
+    fn start_message(&mut self, len: u32) -> Result<(), ProtocolError> {
+        if len > self.config.max_message {
+            return Err(ProtocolError::TooLarge {
+                len,
+                max: self.config.max_message,
+            });
+        }
+        let end = self.rx_started.saturating_add(u64::from(len));
+        if end > self.rx_limit {
+            return Err(ProtocolError::CreditExceeded {
+                limit: self.rx_limit,
+                end,
+            });
+        }
+        self.rx_started = end;
+        if self
+            .rx_want
+            .is_some_and(|(offset, _)| offset < self.rx_started)
+        {
+            self.rx_want = None; // its message (or another in its place) came
+        }
+        Ok(())
+    }
+
+    fn take_data(&mut self, decoded: Decoded, d: Data) -> Result<Inbound, ProtocolError> {
+        self.take_credits(u32::from(d.credits))?;
+        self.check_seq(d.seq)?;
+        let more = d.flags.contains(DataFlags::MORE);
+        let first = match self.assembly {
+            None => {
+                // A first fragment: shorter than its message exactly when more follow,
+                // and never empty when it is not the whole message.
+                let fits = d.offset == 0
+                    && if more {
+                        d.len > 0 && d.len < d.msg_len
+                    } else {
+                        d.len == d.msg_len
+                    };
+                if !fits {
+                    return Err(ProtocolError::Fragment);
+                }
+                self.start_message(d.msg_len)?;
+                self.assembly = Some(Assembly {
+                    seq: d.seq,
+                    len: d.msg_len,
+                    have: 0,
+                });
+                true
+            }
+            Some(a) => {
+                let end = a.have.checked_add(d.len);
+                let fits = d.msg_len == a.len
+                    && d.offset == a.have
+                    && end.is_some_and(|e| {
+                        if more {
+                            e < a.len && d.len > 0
+                        } else {
+                            e == a.len
+                        }
+                    });
+                if !fits {
+                    return Err(ProtocolError::Fragment);
+                }
+                false
+            }
+        };
+        let offset = self.assembly.map_or(0, |a| a.have);
+        self.pending = Some(PendingFrame {
+            decoded,
+            len: d.len,
+            last: !more,
+        });
+        Ok(Inbound::Data(DataIn {
+            seq: d.seq,
+            msg_len: d.msg_len as usize,
+            offset: offset as usize,
+            len: d.len as usize,
+            first,
+            last: !more,
+            striped: d.flags.contains(DataFlags::STRIPED),
+        }))
+    }
+
+    fn take_headerless(&mut self, len: usize, imm: u32) -> Result<Delivered, ProtocolError> {
+        let (seq16, credits) = ((imm >> 16) as u16, imm & IMM_CREDITS);
+        // The sequence number, rebuilt from its low bits around the one expected.
+        let delta = i64::from(seq16.wrapping_sub(self.rx_next as u16) as i16);
+        let seq = self.rx_next.wrapping_add_signed(delta);
+        if !self.config.takes_headerless || self.assembly.is_some() {
+            return Err(ProtocolError::HeaderlessRefused);
+        }
+        if self.peer.is_none() {
+            return Err(ProtocolError::HeaderlessRefused);
+        }
+        if self.peer_closed {
+            return Err(ProtocolError::AfterClose);
+        }
+        let Some(len32) = u32::try_from(len)
+            .ok()
+            .filter(|&l| l <= self.config.frame_max)
+        else {
+            return Err(ProtocolError::Decode(DecodeError::TooLong {
+                len: u32::try_from(len).unwrap_or(u32::MAX),
+                max: self.config.frame_max as usize,
+            }));
+        };
+        self.count_frame()?;
+        self.take_credits(credits)?;
+        self.check_seq(seq)?;
+        self.start_message(len32)?;
+        self.advance_rx()?;
+        Ok(Delivered { seq, len })
+    }
+
+    fn advance_rx(&mut self) -> Result<(), ProtocolError> {
+        match self.rx_next.checked_add(1) {
+            Some(n) => {
+                self.rx_next = n;
+                Ok(())
+            }
+            None => Err(self.fail(ProtocolError::SequenceExhausted)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
