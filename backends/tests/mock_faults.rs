@@ -1,13 +1,15 @@
 //! The mock backend end to end: pool + software NIC + link + fault injector.
-//! Nothing is lost silently, and nothing leaks.
+//! Nothing is lost silently, nothing after a fault is delivered, and nothing leaks.
 #![cfg(all(feature = "mock", feature = "std"))]
 
 use std::sync::Arc;
 
 use zerohop_backends::mock::{
-    Arena, FaultCounts, FaultPlan, Faulty, LinkEnd, MockLink, MockNic, MockTransport,
+    Arena, FaultCounts, FaultPlan, Faulty, Link, LinkEnd, MockLink, MockNic, MockTransport,
 };
 use zerohop_backends::{host_bytes, HostMemory, HostPool, Nic};
+use zerohop_core::session::{Instant, ProtocolError, Stall};
+use zerohop_core::wire::DecodeError;
 use zerohop_core::{
     Chunks, Error, InlineTables, Lease, PeerId, PoolConfig, PoolError, RegisterError, Registrar,
     SizeClasses, Transport,
@@ -90,149 +92,200 @@ fn faulty_pair(plan: FaultPlan) -> (Sender, FaultyReceiver, Arc<Pool>) {
     (tx, rx, pb)
 }
 
-/// Sends `n` messages, then drains the receiver, sorting outcomes.
+/// Sends `n` messages, then drains the receiver until the link is done,
+/// sorting outcomes. Each message ends with its number.
 fn run(plan: FaultPlan, n: u32) -> (Vec<u32>, Vec<Error>, FaultCounts, Arc<Pool>) {
     let (mut tx, mut rx, pb) = faulty_pair(plan);
-    let mut delivered = Vec::new();
-    let mut errors = Vec::new();
     for i in 0..n {
         let mut m = message(i);
         m.truncate(200);
         m.extend_from_slice(&i.to_le_bytes());
         tx.try_send(PEER, &m).unwrap();
-        if i == n - 1 {
-            tx.close().unwrap(); // carries the next sequence number: a lost tail shows
-        }
-        loop {
-            match rx.try_recv() {
-                Ok(r) => {
-                    let b = host_bytes(&r.lease);
-                    let id = u32::from_le_bytes(b[b.len() - 4..].try_into().unwrap());
-                    let mut want = message(id);
-                    want.truncate(200);
-                    want.extend_from_slice(&id.to_le_bytes());
-                    assert_eq!(b, &want[..], "a delivered message is intact");
-                    delivered.push(id);
-                }
-                Err(Error::WouldBlock | Error::Closed) => break,
-                Err(e) => errors.push(e),
+    }
+    tx.close().unwrap(); // carries the message count: a lost tail shows
+    let mut delivered = Vec::new();
+    let mut errors = Vec::new();
+    loop {
+        match rx.try_recv() {
+            Ok(r) => {
+                let b = host_bytes(&r.lease);
+                let id = u32::from_le_bytes(b[b.len() - 4..].try_into().unwrap());
+                let mut want = message(id);
+                want.truncate(200);
+                want.extend_from_slice(&id.to_le_bytes());
+                assert_eq!(b, &want[..], "a delivered message is intact");
+                delivered.push(id);
             }
+            Err(Error::Closed) => break,
+            Err(Error::WouldBlock) => panic!("the link went quiet before its end was reported"),
+            Err(e) => errors.push(e),
         }
     }
     let counts = rx.link().counts();
     (delivered, errors, counts, pb)
 }
 
+/// One behaviour on every wire: the first fault fails the peer with a typed
+/// error, everything before it arrived in order, nothing after it is
+/// delivered, and every buffer is back.
+fn expect_failed_at(
+    (delivered, errors, _, pool): &(Vec<u32>, Vec<Error>, FaultCounts, Arc<Pool>),
+    good: u32,
+    error: ProtocolError,
+) {
+    assert_eq!(
+        delivered,
+        &(0..good).collect::<Vec<_>>(),
+        "in order, up to the fault"
+    );
+    assert_eq!(errors, &[Error::Protocol { peer: PEER, error }]);
+    assert_eq!(pool.used_bytes(), 0, "every receive buffer back");
+}
+
+// Frames are counted from 1, the peer's hello first: frame k is message k - 2.
+
 #[test]
-fn dropped_frames_surface_as_sequence_gaps() {
-    let (delivered, errors, counts, pool) = run(
+fn a_dropped_frame_fails_the_peer_with_the_gap_and_nothing_after_it_arrives() {
+    let r = run(
         FaultPlan {
             drop_every: 10,
             ..FaultPlan::default()
         },
         100,
     );
-    assert_eq!(counts.dropped, 10);
-    assert_eq!(delivered.len(), 90);
-    assert_eq!(errors.len(), 10);
-    for e in &errors {
-        let Error::SequenceGap {
-            peer,
-            expected,
-            got,
-        } = *e
-        else {
-            panic!("{e:?}")
-        };
-        assert_eq!(peer, PEER);
-        assert_eq!(got, expected + 1);
-    }
-    assert!(delivered.windows(2).all(|w| w[0] < w[1]), "order kept");
-    assert_eq!(pool.used_bytes(), 0);
+    assert_eq!(r.2.dropped, 1, "the link stops at the first fault");
+    expect_failed_at(
+        &r,
+        8,
+        ProtocolError::SequenceGap {
+            expected: 8,
+            got: 9,
+        },
+    );
 }
 
 #[test]
-fn corrupted_frames_surface_as_corrupt_and_are_not_delivered() {
-    let (delivered, errors, counts, pool) = run(
+fn a_lost_tail_is_seen_at_the_close() {
+    // Only the last message is lost: the close says how many were sent.
+    let r = run(
+        FaultPlan {
+            drop_every: 6,
+            ..FaultPlan::default()
+        },
+        5,
+    );
+    expect_failed_at(
+        &r,
+        4,
+        ProtocolError::SequenceGap {
+            expected: 4,
+            got: 5,
+        },
+    );
+}
+
+#[test]
+fn a_corrupted_frame_fails_its_checksum_and_is_not_delivered() {
+    let r = run(
         FaultPlan {
             corrupt_every: 7,
             ..FaultPlan::default()
         },
         70,
     );
-    assert_eq!(counts.corrupted, 10);
-    assert_eq!(
-        errors
-            .iter()
-            .filter(|e| **e == Error::Corrupt(PEER))
-            .count(),
-        10
+    assert_eq!(r.2.corrupted, 1);
+    assert_eq!(r.0, (0..5).collect::<Vec<_>>());
+    assert!(
+        matches!(
+            r.1[..],
+            [Error::Protocol {
+                peer: PEER,
+                error: ProtocolError::Decode(DecodeError::BadChecksum { .. })
+            }]
+        ),
+        "{:?}",
+        r.1
     );
-    // A corrupt frame is discarded, so the next good one reports the gap it left.
-    assert_eq!(
-        errors
-            .iter()
-            .filter(|e| matches!(e, Error::SequenceGap { .. }))
-            .count(),
-        10
-    );
-    assert_eq!(delivered.len(), 60);
-    assert_eq!(pool.used_bytes(), 0);
+    assert_eq!(r.3.used_bytes(), 0);
 }
 
 #[test]
-fn duplicated_frames_surface_as_duplicates_and_are_delivered_once() {
-    let (delivered, errors, counts, pool) = run(
+fn a_duplicated_frame_fails_the_peer_and_is_delivered_once() {
+    let r = run(
         FaultPlan {
             duplicate_every: 5,
             ..FaultPlan::default()
         },
         50,
     );
-    assert_eq!(counts.duplicated, 10);
-    assert_eq!(
-        delivered,
-        (0..50).collect::<Vec<_>>(),
-        "exactly once, in order"
-    );
-    assert_eq!(errors.len(), 10);
-    assert!(errors.iter().all(|e| matches!(e, Error::Duplicate { .. })));
-    assert_eq!(pool.used_bytes(), 0);
+    assert_eq!(r.2.duplicated, 1);
+    expect_failed_at(&r, 4, ProtocolError::Duplicate { seq: 3 });
 }
 
 #[test]
-fn reordered_frames_surface_as_a_gap_and_a_late_duplicate() {
-    let (mut tx, mut rx, pool) = faulty_pair(FaultPlan {
-        reorder_every: 2,
-        ..FaultPlan::default()
-    });
-    for i in 0..3u32 {
-        tx.try_send(PEER, &i.to_le_bytes()).unwrap();
-    }
-    // Frame 1 is held behind frame 2.
-    assert_eq!(
-        host_bytes(&rx.try_recv().unwrap().lease),
-        &0u32.to_le_bytes()
+fn a_reordered_frame_fails_the_peer_at_the_gap_it_opens() {
+    let r = run(
+        FaultPlan {
+            reorder_every: 3,
+            ..FaultPlan::default()
+        },
+        10,
     );
-    assert_eq!(
-        rx.try_recv().unwrap_err(),
-        Error::SequenceGap {
-            peer: PEER,
+    assert_eq!(r.2.reordered, 1);
+    expect_failed_at(
+        &r,
+        1,
+        ProtocolError::SequenceGap {
             expected: 1,
-            got: 2
+            got: 2,
+        },
+    );
+}
+
+#[test]
+fn a_peer_silent_before_its_hello_fails_after_the_idle_timeout() {
+    let link = leak(MockLink::<8192>::new());
+    let (a, _silent) = link.ends();
+    let (pa, _) = pool(64 << 10);
+    let mut tx = MockTransport::new(a, pa, 4096);
+    assert_eq!(
+        tx.try_send(PEER, b"x"),
+        Err(Error::WouldBlock),
+        "not open yet"
+    );
+    tx.set_now(Instant::from_micros(4_999_999));
+    assert_eq!(tx.try_recv().unwrap_err(), Error::WouldBlock);
+    tx.set_now(Instant::from_micros(5_000_000));
+    assert_eq!(
+        tx.try_recv().unwrap_err(),
+        Error::Protocol {
+            peer: PEER,
+            error: ProtocolError::Stalled {
+                during: Stall::Handshake
+            }
         }
     );
+    assert_eq!(tx.try_recv().unwrap_err(), Error::Closed);
+    assert_eq!(tx.try_send(PEER, b"x"), Err(Error::UnknownPeer(PEER)));
+}
+
+#[test]
+fn a_peer_of_another_version_is_refused_by_name() {
+    let link = leak(MockLink::<8192>::new());
+    let (a, mut raw) = link.ends();
+    let (pa, _) = pool(64 << 10);
+    let mut tx = MockTransport::new(a, pa, 4096);
+    // A version-1 hello.
+    let mut v1 = [0u8; 32];
+    v1[..4].copy_from_slice(&[0x5A, 0x48, 1, 3]);
+    raw.transmit(&v1, &[]).unwrap();
     assert_eq!(
-        host_bytes(&rx.try_recv().unwrap().lease),
-        &2u32.to_le_bytes()
+        tx.try_recv().unwrap_err(),
+        Error::Protocol {
+            peer: PEER,
+            error: ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 1, ours: 2 })
+        }
     );
-    assert_eq!(
-        rx.try_recv().unwrap_err(),
-        Error::Duplicate { peer: PEER, seq: 1 }
-    );
-    assert_eq!(rx.try_recv().unwrap_err(), Error::WouldBlock);
-    assert_eq!(rx.link().counts().reordered, 1);
-    assert_eq!(pool.used_bytes(), 0);
 }
 
 #[test]
@@ -298,8 +351,10 @@ fn registration_refused_mid_run_is_a_typed_error_and_recovers() {
 #[test]
 fn a_zero_copy_send_with_a_dead_key_is_refused_with_the_lease_back() {
     let link = leak(MockLink::<8192>::new());
-    let (a, _b) = link.ends();
+    let (a, b) = link.ends();
     let (pa, nic) = pool(256 << 10);
+    let (pb, _) = pool(256 << 10);
+    let _rx = MockTransport::new(b, pb, 4096);
     let mut tx = MockTransport::new(a, pa.clone(), 4096).with_nic(nic);
     let lease = Lease::take(pa.clone(), 100).unwrap();
     tx.try_send_lease(PEER, lease).unwrap();
@@ -312,7 +367,7 @@ fn a_zero_copy_send_with_a_dead_key_is_refused_with_the_lease_back() {
 }
 
 #[test]
-fn a_vanished_peer_is_reported_as_closed() {
+fn a_clean_close_is_reported_as_clean_on_both_sides() {
     let link = leak(MockLink::<8192>::new());
     let (a, b) = link.ends();
     let (pa, _) = pool(64 << 10);
@@ -323,14 +378,21 @@ fn a_vanished_peer_is_reported_as_closed() {
     tx.close().unwrap();
     assert_eq!(tx.try_send(PEER, b"more"), Err(Error::Closed));
     assert_eq!(host_bytes(&rx.try_recv().unwrap().lease), b"last words");
+    assert_eq!(rx.try_recv().unwrap_err(), Error::PeerClosed(PEER));
     assert_eq!(rx.try_recv().unwrap_err(), Error::Closed);
+    // rx answered with its own close.
+    assert_eq!(tx.try_recv().unwrap_err(), Error::PeerClosed(PEER));
+    assert_eq!(tx.try_recv().unwrap_err(), Error::Closed);
+    assert!(tx.session().is_finished() && rx.session().is_finished());
 }
 
 #[test]
 fn oversize_messages_and_unknown_peers_are_refused() {
     let link = leak(MockLink::<8192>::new());
-    let (a, _b) = link.ends();
+    let (a, b) = link.ends();
     let (pa, _) = pool(64 << 10);
+    let (pb, _) = pool(64 << 10);
+    let _rx = MockTransport::new(b, pb, 4096);
     let mut tx = MockTransport::new(a, pa, 4096);
     assert_eq!(
         tx.try_send(PEER, &[0; 4097]),

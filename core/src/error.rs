@@ -3,8 +3,9 @@
 use core::fmt;
 
 use crate::mem::MemKind;
+use crate::session::ProtocolError;
 use crate::transport::PeerId;
-use crate::wire_v1::DecodeError;
+use crate::wire::DecodeError;
 
 /// Everything a zerohop operation can fail with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,6 +25,8 @@ pub enum Error {
     /// The peer went away (reset, EOF mid-message, QP in error); its in-flight
     /// messages were not delivered.
     PeerLost(PeerId),
+    /// The peer closed cleanly: every message it sent has been delivered.
+    PeerClosed(PeerId),
     /// A message longer than the configured maximum.
     TooLarge {
         /// Length asked for.
@@ -33,12 +36,13 @@ pub enum Error {
     },
     /// A frame from this peer failed its checksum.
     Corrupt(PeerId),
-    /// A peer sent bytes that are not a valid frame; its connection was closed.
+    /// A peer broke the protocol (or went silent mid-frame); its connection
+    /// was closed and nothing after the fault was delivered.
     Protocol {
         /// The peer.
         peer: PeerId,
         /// What was wrong.
-        error: DecodeError,
+        error: ProtocolError,
     },
     /// Frames from this peer skipped sequence numbers: messages were lost.
     SequenceGap {
@@ -96,13 +100,17 @@ impl fmt::Display for Error {
                 f,
                 "peer {p} went away; its in-flight messages were not delivered"
             ),
+            Error::PeerClosed(p) => write!(
+                f,
+                "peer {p} closed cleanly; every message it sent was delivered"
+            ),
             Error::TooLarge { len, max } => {
                 write!(f, "message of {len} bytes exceeds the maximum of {max}")
             }
             Error::Corrupt(p) => write!(f, "frame from peer {p} failed its checksum"),
             Error::Protocol { peer, error } => write!(
                 f,
-                "peer {peer} sent an invalid frame ({error}); connection closed"
+                "peer {peer} broke the protocol ({error}); connection closed"
             ),
             Error::SequenceGap {
                 peer,

@@ -806,7 +806,9 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
             .source
             .obtain(grow_len, align, self.config.access)
             .and_then(|m| {
-                if m.region.addr % align as u64 != 0 || m.region.len < grow_len {
+                // `align` is a power of two (checked with the config): a mask,
+                // not a 64-bit division (a library call on 32-bit targets).
+                if m.region.addr & (align as u64 - 1) != 0 || m.region.len < grow_len {
                     self.source.give_back(m);
                     Err(Error::Misaligned {
                         addr: m.region.addr,

@@ -173,6 +173,30 @@ impl fmt::Display for DecodeError {
 
 impl core::error::Error for DecodeError {}
 
+impl From<DecodeError> for crate::session::ProtocolError {
+    /// The nearest version-2 error, for the drivers not yet on the engine.
+    fn from(e: DecodeError) -> Self {
+        use crate::wire::DecodeError as V2;
+        crate::session::ProtocolError::Decode(match e {
+            DecodeError::Truncated { have } => V2::Truncated { have },
+            DecodeError::BadMagic(m) => V2::BadMagic(m),
+            DecodeError::UnsupportedVersion(v) => V2::UnsupportedVersion {
+                theirs: v,
+                ours: VERSION,
+            },
+            DecodeError::UnknownKind(k) => V2::UnknownKind(k),
+            DecodeError::TooLong { len, max } => V2::TooLong {
+                len: len.min(u32::MAX as u64) as u32,
+                max,
+            },
+            DecodeError::BadChecksum { carried, computed } => V2::BadChecksum { carried, computed },
+            DecodeError::ReservedBits | DecodeError::UnexpectedPayload | DecodeError::NoLane => {
+                V2::ReservedBits
+            }
+        })
+    }
+}
+
 impl Header {
     /// A data header for `payload` (checksummed over the payload when
     /// `check_payload`), with `extra` flags ([`Flags::MORE`], [`Flags::STRIPED`]).

@@ -1,19 +1,28 @@
 //! zerohop on a Cortex-M4F, no heap: lease from the pool (its chunk registered
-//! with the software NIC), send over the loopback link, receive, check.
+//! with the software NIC), send over the loopback link through the session
+//! engine, receive, check; then close, and see the close reported as clean.
 //! One context owns everything, so each side leases through a `LocalPool`:
 //! the common lease and release take no lock.
+//!
+//! It runs [`ROUNDS`] rounds and reports through semihosting's exit code
+//! (QEMU: `qemu-system-arm -M mps2-an386 -semihosting -kernel ...`): success,
+//! or failure at the first round that went wrong.
 #![no_std]
 #![no_main]
 
 use core::ptr::addr_of_mut;
 
 use cortex_m_rt::entry;
+use cortex_m_semihosting::debug::{self, EXIT_FAILURE, EXIT_SUCCESS};
 use panic_halt as _;
 use zerohop_backends::mock::{Arena, LinkEnd, MockLink, MockNic, MockTransport};
 use zerohop_backends::{host_bytes, host_bytes_mut, HostMemory, HostPool, Nic};
 use zerohop_core::{
-    Chunks, InlineTables, Lease, LocalPool, PeerId, PoolConfig, SizeClasses, Transport,
+    Chunks, Error, InlineTables, Lease, LocalPool, PeerId, PoolConfig, SizeClasses, Transport,
 };
+
+/// Messages sent and checked before the image reports success.
+const ROUNDS: u32 = 1000;
 
 type Pool = HostPool<InlineTables<4, 32>>;
 type Local<'p> = LocalPool<'p, Chunks<HostMemory, Nic>, InlineTables<4, 32>, 4>;
@@ -38,7 +47,9 @@ fn pool(buf: &'static mut [u8], nic: &'static MockNic) -> Pool {
     }
 }
 
+/// Reports failure to the host (a debugger or QEMU) and stops.
 fn halt() -> ! {
+    debug::exit(EXIT_FAILURE);
     loop {
         cortex_m::asm::bkpt();
     }
@@ -85,13 +96,19 @@ fn main() -> ! {
     let (a, b) = LINK.ends();
     let mut tx = MockTransport::new(a, &tx_local, 1024).with_nic(nic);
     let mut rx = MockTransport::new(b, &rx_local, 1024);
-    let mut round = 0u8;
-    loop {
+    for round in 0..ROUNDS {
         // Every received buffer came home: only the cache holds any.
         let idle = rx_pool.used_bytes() == rx_local.cached_bytes();
-        if !exchange(&mut tx, &mut rx, &tx_local, round) || !idle {
+        if !exchange(&mut tx, &mut rx, &tx_local, round as u8) || !idle {
             halt();
         }
-        round = round.wrapping_add(1);
+    }
+    // A clean close, reported as one on the other side.
+    if tx.close().is_err() || rx.try_recv().err() != Some(Error::PeerClosed(PeerId(0))) {
+        halt();
+    }
+    debug::exit(EXIT_SUCCESS);
+    loop {
+        cortex_m::asm::wfi();
     }
 }

@@ -665,7 +665,7 @@ impl TcpTransport {
                     log::warn!("tcp: peer #{i} sent an invalid frame: {error}; closing it");
                     self.arrivals.push_back(Err(Error::Protocol {
                         peer: PeerId(i as u32),
-                        error,
+                        error: error.into(),
                     }));
                     self.drop_peer(i, true);
                 }

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zerohop_backends::host_bytes;
-use zerohop_core::wire_v1::DecodeError;
+use zerohop_core::session::ProtocolError;
+use zerohop_core::wire::DecodeError as V2;
 use zerohop_core::wire_v1::{Flags, FrameKind, Header, HEADER_LEN};
 use zerohop_core::{crc32c, Error, Kind, PeerId, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport, STRIPE_MIN};
@@ -261,7 +262,7 @@ fn garbage_and_a_huge_declared_length_close_only_that_connection() {
         matches!(
             e,
             Error::Protocol {
-                error: DecodeError::BadMagic(0xEEEE),
+                error: ProtocolError::Decode(V2::BadMagic(0xEEEE)),
                 ..
             }
         ),
@@ -280,10 +281,10 @@ fn garbage_and_a_huge_declared_length_close_only_that_connection() {
         matches!(
             e,
             Error::Protocol {
-                error: DecodeError::TooLong {
+                error: ProtocolError::Decode(V2::TooLong {
                     len: 4294967295,
                     max: 67108864
-                },
+                }),
                 ..
             }
         ),
@@ -714,7 +715,7 @@ fn a_striped_frame_without_a_paired_lane_is_a_protocol_error() {
             matches!(
                 e,
                 Error::Protocol {
-                    error: DecodeError::NoLane,
+                    error: ProtocolError::Decode(V2::ReservedBits), // NoLane, in v1
                     ..
                 }
             ),

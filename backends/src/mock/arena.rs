@@ -79,26 +79,23 @@ impl RawMemory for Arena {
         if *count == MAX_BLOCKS {
             return Err(Error::OutOfMemory { len });
         }
-        let mut live: [Block; MAX_BLOCKS] = [Block { offset: 0, len: 0 }; MAX_BLOCKS];
-        let mut n = 0;
-        for b in blocks.iter().flatten() {
-            live[n] = *b;
-            n += 1;
-        }
-        live[..n].sort_unstable_by_key(|b| b.offset);
-        // First fit: try the gap before each live block, then the tail.
-        let mut cursor = 0usize;
-        let mut found = None;
-        for b in live[..n].iter().chain(core::iter::once(&Block {
-            offset: self.len,
-            len: 0,
-        })) {
+        // First fit: the lowest start, at 0 or just past a live block, that
+        // overlaps no live block. (No sort: on a microcontroller, a sort's
+        // code costs more than this table's few comparisons.)
+        let ends = blocks.iter().flatten().map(|b| b.offset + b.len);
+        let mut found: Option<usize> = None;
+        for cursor in core::iter::once(0).chain(ends) {
             let start = (base + cursor).next_multiple_of(align) - base;
-            if start.checked_add(len).is_some_and(|end| end <= b.offset) {
+            let Some(end) = start.checked_add(len).filter(|&e| e <= self.len) else {
+                continue;
+            };
+            let free = blocks
+                .iter()
+                .flatten()
+                .all(|b| end <= b.offset || start >= b.offset + b.len);
+            if free && found.is_none_or(|f| start < f) {
                 found = Some(start);
-                break;
             }
-            cursor = b.offset + b.len;
         }
         let offset = found.ok_or(Error::OutOfMemory { len })?;
         let slot = blocks

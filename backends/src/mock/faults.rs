@@ -1,6 +1,6 @@
 //! A fault-injecting [`Link`] decorator: drop, corrupt, duplicate, reorder.
 
-use zerohop_core::wire_v1::HEADER_LEN;
+use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::Error;
 
 use super::link::Link;
@@ -99,6 +99,10 @@ impl<L: Link, const STASH: usize> Faulty<L, STASH> {
 }
 
 impl<L: Link, const STASH: usize> Link for Faulty<L, STASH> {
+    fn room(&self) -> Option<usize> {
+        self.inner.room()
+    }
+
     fn transmit(&mut self, header: &[u8; HEADER_LEN], payload: &[u8]) -> Result<(), Error> {
         self.inner.transmit(header, payload)
     }

@@ -1,10 +1,12 @@
 //! A loopback pair of fixed byte rings carrying whole frames.
 
-use zerohop_core::wire_v1::HEADER_LEN;
+use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::Error;
 
 /// A frame carrier (the mock's "phy"). Fault injectors wrap it.
 pub trait Link {
+    /// The longest payload a frame queued now could carry (`None`: not even a header fits).
+    fn room(&self) -> Option<usize>;
     /// Queues one frame (`header` then `payload`); `WouldBlock` when there is no room.
     fn transmit(&mut self, header: &[u8; HEADER_LEN], payload: &[u8]) -> Result<(), Error>;
     /// The next frame's header and payload length, if one is queued.
@@ -46,6 +48,10 @@ impl<const CAP: usize> Ring<CAP> {
         out[..first].copy_from_slice(&self.buf[at..at + first]);
         let rest = out.len() - first;
         out[first..].copy_from_slice(&self.buf[..rest]);
+    }
+
+    fn room(&self) -> Option<usize> {
+        (CAP - self.used).checked_sub(4 + HEADER_LEN)
     }
 
     fn push(&mut self, header: &[u8; HEADER_LEN], payload: &[u8]) -> Result<(), Error> {
@@ -133,6 +139,10 @@ pub struct LinkEnd<'a, const CAP: usize> {
 }
 
 impl<const CAP: usize> Link for LinkEnd<'_, CAP> {
+    fn room(&self) -> Option<usize> {
+        self.tx.lock().room()
+    }
+
     fn transmit(&mut self, header: &[u8; HEADER_LEN], payload: &[u8]) -> Result<(), Error> {
         self.tx.lock().push(header, payload)
     }
@@ -174,7 +184,9 @@ mod tests {
     fn a_full_ring_says_would_block() {
         let link = MockLink::<80>::new();
         let (mut a, _b) = link.ends();
+        assert_eq!(a.room(), Some(80 - 4 - HEADER_LEN));
         a.transmit(&[0; HEADER_LEN], &[1; 40]).unwrap();
+        assert_eq!(a.room(), None);
         assert_eq!(
             a.transmit(&[0; HEADER_LEN], &[1; 1]),
             Err(Error::WouldBlock)

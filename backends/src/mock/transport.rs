@@ -1,8 +1,14 @@
 //! A [`Transport`] over a [`Link`], receiving into a host pool (a [`HostPool`](crate::HostPool), or a `LocalPool` in front of one).
+//!
+//! A driver of core's [session engine](zerohop_core::session) and nothing
+//! more: it moves the engine's frames through the link and the payloads
+//! into pool leases. The protocol — Hello, sequence numbers, credit, Close,
+//! what a fault means — is the engine's, as on every other wire.
 
 use core::ops::Deref;
 
-use zerohop_core::wire_v1::{Flags, FrameKind, Header, HEADER_LEN};
+use zerohop_core::session::{DataIn, Inbound, Instant, SendError, Session, SessionConfig};
+use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{
     Access, Capabilities, Error, Kind, Lease, PeerId, Pool, Received, Rejected, Transport,
 };
@@ -14,9 +20,19 @@ use crate::host::{host_bytes, host_bytes_mut, HostBacked};
 /// The only peer on a point-to-point link.
 const PEER: PeerId = PeerId(0);
 
+/// How the peer ended, until the application has been told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    /// Told: the link is done.
+    Reported,
+    /// To tell.
+    Pending(Error),
+}
+
 /// One side of a point-to-point mock connection. Every frame is checksummed
-/// over its payload and sequenced, so the faults a [`Faulty`](super::Faulty)
-/// link injects surface as typed errors: `Corrupt`, `SequenceGap`, `Duplicate`.
+/// over its payload, so the faults a [`Faulty`](super::Faulty) link injects
+/// fail the session with a typed [`Error::Protocol`]; nothing after the fault
+/// is delivered.
 #[derive(Debug)]
 pub struct MockTransport<L, P>
 where
@@ -26,13 +42,14 @@ where
     link: L,
     pool: P,
     nic: Option<&'static MockNic>,
-    tx_seq: u64,
-    rx_next: u64,
-    max_message: usize,
-    /// A message that arrived after a gap: the gap is reported first, then this.
-    held: Option<(u64, Lease<P>)>,
-    closed: bool,
-    peer_closed: bool,
+    session: Session,
+    now: Instant,
+    /// A data frame whose header the engine took; its payload waits in the
+    /// link until a buffer is leased for it.
+    incoming: Option<DataIn>,
+    /// The message being reassembled.
+    assembling: Option<Lease<P>>,
+    end: Option<End>,
 }
 
 impl<L, P> MockTransport<L, P>
@@ -40,30 +57,42 @@ where
     L: Link,
     P: Deref<Target: HostBacked> + Clone,
 {
-    /// The pool messages arrive in (and zero-copy sends may leave from).
-    pub fn pool(&self) -> &P {
-        &self.pool
+    /// A transport over `link` receiving into `pool`; messages up to
+    /// `max_message` bytes, every payload checksummed. Its Hello goes out at once.
+    pub fn new(link: L, pool: P, max_message: usize) -> Self {
+        let max = u32::try_from(max_message).unwrap_or(u32::MAX);
+        let config = SessionConfig {
+            check_payload: true,
+            ..SessionConfig::stream(max)
+        };
+        Self::with_config(link, pool, config)
     }
 
-    /// A transport over `link` receiving into `pool`; messages up to `max_message` bytes.
-    pub fn new(link: L, pool: P, max_message: usize) -> Self {
-        MockTransport {
+    /// A transport whose session takes `config` (a window, a timeout).
+    pub fn with_config(link: L, pool: P, config: SessionConfig) -> Self {
+        let mut t = MockTransport {
             link,
             pool,
             nic: None,
-            tx_seq: 0,
-            rx_next: 0,
-            max_message,
-            held: None,
-            closed: false,
-            peer_closed: false,
-        }
+            session: Session::new(config, 0, Instant::default()),
+            now: Instant::default(),
+            incoming: None,
+            assembling: None,
+            end: None,
+        };
+        t.send_control();
+        t
     }
 
     /// Checks every zero-copy send's lkey against `nic`, as a real NIC would.
     pub fn with_nic(mut self, nic: &'static MockNic) -> Self {
         self.nic = Some(nic);
         self
+    }
+
+    /// The pool messages arrive in (and zero-copy sends may leave from).
+    pub fn pool(&self) -> &P {
+        &self.pool
     }
 
     /// The link (to reach a fault injector's counters).
@@ -76,71 +105,134 @@ where
         &mut self.link
     }
 
-    fn send_frame(&mut self, payload: &[u8]) -> Result<(), Error> {
-        if self.closed {
-            return Err(Error::Closed);
-        }
-        if payload.len() > self.max_message {
-            return Err(Error::TooLarge {
-                len: payload.len(),
-                max: self.max_message,
-            });
-        }
-        let h = Header::data(0, 0, self.tx_seq, payload, true, Flags::NONE);
-        self.link.transmit(&h.encode(), payload)?;
-        self.tx_seq += 1;
-        Ok(())
+    /// The engine (for its state in tests).
+    pub fn session(&self) -> &Session {
+        &self.session
     }
 
-    /// Reads the frame at the head of the link into a fresh lease.
-    fn receive_frame(
-        &mut self,
-        header: [u8; HEADER_LEN],
-        carried: usize,
-    ) -> Result<Option<(u64, Lease<P>)>, Error> {
-        let h = match Header::decode(&header, self.max_message) {
-            Ok(h) => h,
-            Err(e) => {
-                self.link.discard();
-                return Err(e.into());
+    /// Moves this side's clock (the mock has none): the engine's idle timer
+    /// runs on it.
+    pub fn set_now(&mut self, now: Instant) {
+        self.now = now;
+    }
+
+    /// Sends the control frames that are due, while the link has room.
+    fn send_control(&mut self) -> bool {
+        let mut any = false;
+        while self.link.room().is_some() {
+            let Some(c) = self.session.poll_control() else {
+                break;
+            };
+            // Room for a header was checked: this cannot be refused.
+            let _ = self.link.transmit(&c.header, &[]);
+            any = true;
+        }
+        any
+    }
+
+    /// Takes control frames at the head of the link (the peer's Hello,
+    /// credit), so a sender that never receives still opens and gets credit.
+    fn take_control(&mut self) {
+        while self.end.is_none() && self.incoming.is_none() {
+            let Some((header, carried)) = self.link.peek() else {
+                return;
+            };
+            if header[3] == zerohop_core::wire::FrameKind::Data as u8 {
+                return; // the application's, through try_recv
             }
-        };
-        match h.kind {
-            FrameKind::Data => {}
-            FrameKind::Close => {
+            if let Err(e) = self.take_header(header, carried) {
+                self.end = Some(End::Pending(e)); // told at the next try_recv
+                return;
+            }
+        }
+    }
+
+    /// Hands one header to the engine; control frames leave the link here.
+    fn take_header(&mut self, header: [u8; HEADER_LEN], carried: usize) -> Result<(), Error> {
+        match self.session.handle_header(self.now, &header, Some(carried)) {
+            Ok(Inbound::Data(d)) => {
+                self.incoming = Some(d);
+                Ok(())
+            }
+            Ok(Inbound::Closed) => {
                 self.link.discard();
-                self.peer_closed = true;
-                // A close carries the sender's next sequence number, so a lost
-                // tail is reported too.
-                if h.seq > self.rx_next {
-                    let expected = self.rx_next;
-                    self.rx_next = h.seq;
-                    return Err(Error::SequenceGap {
-                        peer: PEER,
-                        expected,
-                        got: h.seq,
-                    });
+                self.end = Some(End::Pending(Error::PeerClosed(PEER)));
+                Ok(())
+            }
+            Ok(inbound) => {
+                self.link.discard();
+                if inbound == Inbound::Want {
+                    // One peer, one pool: the pool's budget is the bound.
+                    self.session.grant();
                 }
-                return Ok(None);
+                Ok(())
             }
-            FrameKind::Hello | FrameKind::Credit => {
+            Err(error) => {
                 self.link.discard();
-                return Ok(None);
+                Err(self.fail(Error::Protocol { peer: PEER, error }))
             }
         }
-        if carried != h.len as usize {
-            self.link.discard();
-            return Err(Error::Corrupt(PEER));
+    }
+
+    fn fail(&mut self, e: Error) -> Error {
+        self.end = Some(End::Reported);
+        self.incoming = None;
+        self.assembling = None;
+        e
+    }
+
+    /// Lands the payload of the frame whose header the engine took.
+    fn take_payload(&mut self, d: DataIn) -> Result<Option<Lease<P>>, Error> {
+        if d.first {
+            // A dry pool leaves the frame in the link: back-pressure, and
+            // the typed error tells the caller why nothing arrives.
+            let mut lease = Lease::take(self.pool.clone(), d.msg_len.max(1))?;
+            lease.set_len(d.msg_len)?;
+            self.assembling = Some(lease);
         }
-        // Leave the frame queued when the pool is dry: that is back-pressure,
-        // and the typed error tells the caller why nothing arrives.
-        let mut lease = Lease::take(self.pool.clone(), carried.max(1))?;
-        lease.set_len(carried)?;
-        self.link.take(host_bytes_mut(&mut lease));
-        if h.verify(host_bytes(&lease)).is_err() {
-            return Err(Error::Corrupt(PEER));
+        self.incoming = None;
+        let Some(lease) = self.assembling.as_mut() else {
+            return Err(self.fail(Error::Backend("mock: a fragment without its message")));
+        };
+        let at = &mut host_bytes_mut(lease)[d.offset..d.offset + d.len];
+        self.link.take(at);
+        let payload = &host_bytes(lease)[d.offset..d.offset + d.len];
+        match self.session.handle_payload(self.now, Some(payload)) {
+            Ok(Some(done)) => {
+                self.session.consumed(done.len);
+                Ok(self.assembling.take())
+            }
+            Ok(None) => Ok(None),
+            Err(error) => Err(self.fail(Error::Protocol { peer: PEER, error })),
         }
-        Ok(Some((h.seq, lease)))
+    }
+
+    fn send_bytes(&mut self, bytes: &[u8]) -> Result<(), Error> {
+        if self.end == Some(End::Reported) {
+            return Err(Error::UnknownPeer(PEER));
+        }
+        self.take_control();
+        self.send_control();
+        // The whole frame must fit now: a message the engine started must go.
+        if self.link.room().is_none_or(|room| room < bytes.len()) {
+            return Err(Error::WouldBlock);
+        }
+        let mut out = self.session.send(bytes.len()).map_err(|e| match e {
+            SendError::NotOpen | SendError::NoCredit => Error::WouldBlock,
+            SendError::TooLarge { len, max } => Error::TooLarge { len, max },
+            SendError::Closed => Error::Closed,
+            SendError::Failed(_) | SendError::SequenceExhausted => Error::UnknownPeer(PEER),
+        })?;
+        // One frame: the peer takes messages whole (a stream configuration).
+        while let Some(f) = self.session.next_frame(&mut out, Some(bytes), false) {
+            let Some(header) = f.header else {
+                return Err(Error::Backend("mock: a headerless frame"));
+            };
+            self.link
+                .transmit(&header, &bytes[f.offset..f.offset + f.len])?;
+        }
+        self.send_control();
+        Ok(())
     }
 }
 
@@ -163,7 +255,7 @@ where
         if peer != PEER {
             return Err(Error::UnknownPeer(peer));
         }
-        self.send_frame(bytes)
+        self.send_bytes(bytes)
     }
 
     fn try_send_lease(
@@ -183,56 +275,49 @@ where
                 return Err(Rejected { error, lease });
             }
         }
-        match self.send_frame(host_bytes(&lease)) {
+        match self.send_bytes(host_bytes(&lease)) {
             Ok(()) => Ok(()),
             Err(error) => Err(Rejected { error, lease }),
         }
     }
 
     fn try_recv(&mut self) -> Result<Received<Self::Lease>, Error> {
-        if let Some((seq, lease)) = self.held.take() {
-            self.rx_next = seq + 1;
-            return Ok(Received { peer: PEER, lease });
-        }
         loop {
+            match self.end {
+                Some(End::Reported) => return Err(Error::Closed),
+                Some(End::Pending(e)) => {
+                    self.end = Some(End::Reported);
+                    self.send_control(); // a clean close is answered with ours
+                    return Err(e);
+                }
+                None => {}
+            }
+            if let Err(error) = self.session.handle_timeout(self.now) {
+                return Err(self.fail(Error::Protocol { peer: PEER, error }));
+            }
+            self.send_control();
+            if let Some(d) = self.incoming {
+                match self.take_payload(d)? {
+                    Some(lease) => return Ok(Received { peer: PEER, lease }),
+                    None => continue,
+                }
+            }
             let Some((header, carried)) = self.link.peek() else {
-                return Err(if self.peer_closed {
-                    Error::Closed
-                } else {
-                    Error::WouldBlock
-                });
+                return Err(Error::WouldBlock);
             };
-            let Some((seq, lease)) = self.receive_frame(header, carried)? else {
-                continue;
-            };
-            if seq < self.rx_next {
-                return Err(Error::Duplicate { peer: PEER, seq });
-            }
-            if seq > self.rx_next {
-                let expected = self.rx_next;
-                self.held = Some((seq, lease));
-                return Err(Error::SequenceGap {
-                    peer: PEER,
-                    expected,
-                    got: seq,
-                });
-            }
-            self.rx_next = seq + 1;
-            return Ok(Received { peer: PEER, lease });
+            self.take_header(header, carried)?;
         }
     }
 
     fn progress(&mut self) -> Result<bool, Error> {
-        Ok(false)
+        self.take_control();
+        Ok(self.send_control())
     }
 
     fn close(&mut self) -> Result<(), Error> {
-        if !self.closed {
-            self.closed = true;
-            let h = Header::control(FrameKind::Close, 0, 0, self.tx_seq);
-            // Best effort: a full ring means the peer learns of the close when it drains.
-            let _ = self.link.transmit(&h.encode(), &[]);
-        }
+        self.session.close();
+        // A full ring means the peer learns of the close when it drains.
+        self.send_control();
         Ok(())
     }
 }

@@ -1348,7 +1348,10 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         // Only what arrived: a frame shorter than a header would otherwise
         // be read against the stale bytes of the buffer's last frame.
         let h = Header::decode(&header[..byte_len.min(header.len())], self.config.fragment)
-            .map_err(|error| Error::Protocol { peer, error })?;
+            .map_err(|error| Error::Protocol {
+                peer,
+                error: error.into(),
+            })?;
         if header_in_place {
             // The payload follows the header in the same buffer: hand it on from there.
             lease.advance(HEADER_LEN)?;
@@ -1367,7 +1370,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         if byte_len != HEADER_LEN + len {
             return Err(Error::Protocol {
                 peer,
-                error: zerohop_core::wire_v1::DecodeError::UnexpectedPayload,
+                error: zerohop_core::wire_v1::DecodeError::UnexpectedPayload.into(),
             });
         }
         let total = h.src as usize;
@@ -1391,7 +1394,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         if *have + len > whole.capacity() {
             return Err(Error::Protocol {
                 peer,
-                error: zerohop_core::wire_v1::DecodeError::UnexpectedPayload,
+                error: zerohop_core::wire_v1::DecodeError::UnexpectedPayload.into(),
             });
         }
         self.memory.copy(whole, *have, &lease, 0, len)?;
@@ -1421,7 +1424,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         {
             return Err(Error::Protocol {
                 peer,
-                error: zerohop_core::wire_v1::DecodeError::UnexpectedPayload,
+                error: zerohop_core::wire_v1::DecodeError::UnexpectedPayload.into(),
             });
         }
         conn.credits = conn.credits.saturating_add(credits);
