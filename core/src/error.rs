@@ -44,6 +44,14 @@ pub enum Error {
         /// What was wrong.
         error: ProtocolError,
     },
+    /// A peer broke a rule of the wire itself (not of the protocol every
+    /// wire shares); its connection was closed.
+    WireRule {
+        /// The peer.
+        peer: PeerId,
+        /// The rule.
+        rule: &'static str,
+    },
     /// Frames from this peer skipped sequence numbers: messages were lost.
     SequenceGap {
         /// The peer.
@@ -112,6 +120,12 @@ impl fmt::Display for Error {
                 f,
                 "peer {peer} broke the protocol ({error}); connection closed"
             ),
+            Error::WireRule { peer, rule } => {
+                write!(
+                    f,
+                    "peer {peer} broke the wire's rule: {rule}; connection closed"
+                )
+            }
             Error::SequenceGap {
                 peer,
                 expected,

@@ -1,6 +1,7 @@
 //! Arbitrary byte streams into the real TCP receive path (over loopback):
 //! typed errors, no panic, nothing leased beyond the configured maximum, and
-//! every lease back in the pool afterwards.
+//! every lease back in the pool afterwards. An input whose first byte is odd
+//! is sent after a valid Hello, so the fuzzer reaches past the handshake.
 #![no_main]
 
 use std::io::Write;
@@ -9,6 +10,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use libfuzzer_sys::fuzz_target;
+use zerohop_core::wire::{Frame, Hello, Takes};
 use zerohop_core::{Error, Kind, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 use zerohop_std::{heap_pool, StdPool};
@@ -43,26 +45,40 @@ fuzz_target!(|data: &[u8]| {
     let mut rig = rig().lock().unwrap();
     let rig = &mut *rig;
     let mut s = TcpStream::connect(rig.addr).unwrap();
-    s.write_all(data).unwrap();
+    if data.first().is_some_and(|b| b & 1 == 1) {
+        let hello = Frame::Hello(Hello {
+            window: 1 << 20,
+            max_message: 1 << 20,
+            frame_max: 1 << 20,
+            ring: 0,
+            lane: 0,
+            takes: Takes::NONE,
+            token: 1,
+        });
+        s.write_all(&hello.encode(&[])).unwrap();
+    }
+    // The transport may have closed the connection already: that is an answer.
+    let _ = s.write_all(data);
     drop(s);
     let t0 = Instant::now();
     loop {
         let _ = rig.transport.progress(); // accepts the connection
         match rig.transport.try_recv() {
             Ok(r) => assert!(r.lease.len() <= MAX),
-            Err(Error::WouldBlock) => {
-                if rig.transport.peer_count() == 0 {
-                    break;
-                }
-            }
-            Err(Error::PeerLost(_) | Error::Protocol { .. } | Error::SequenceGap { .. }) => {}
+            Err(Error::WouldBlock) => {}
+            Err(
+                Error::PeerLost(_)
+                | Error::PeerClosed(_)
+                | Error::Protocol { .. }
+                | Error::WireRule { .. },
+            ) => {}
             Err(e) => panic!("unexpected {e}"),
         }
         assert!(
             t0.elapsed() < Duration::from_secs(5),
             "the connection was never resolved"
         );
-        if rig.transport.peer_count() == 0 {
+        if rig.transport.peer_count() == 0 && rig.transport.handshaking() == 0 {
             // Drain what was queued before the peer went: messages and errors
             // interleave, so stop only when nothing is left.
             loop {

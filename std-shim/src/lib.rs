@@ -11,6 +11,7 @@ mod config;
 mod doorbell;
 mod endpoint;
 mod host;
+mod poller;
 mod sync;
 pub mod tcp;
 

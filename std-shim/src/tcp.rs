@@ -1,51 +1,50 @@
 //! The TCP wire: kind `tcp` (heap receive pool) and kind `uma` (the same wire
-//! receiving into CUDA managed memory).
+//! receiving into CUDA managed memory). A driver of core's session engine:
+//! sockets, epoll and buffers here; the protocol (Hello, sequence, credit,
+//! Close, timers) is the engine's.
 //!
-//! Non-blocking sockets, one per peer (two for large messages: below),
-//! framed with core's [`wire`](zerohop_core::wire_v1). Sends go
-//! straight to the socket with `writev` when the peer's queue is empty and are
-//! copied only for what the kernel did not take; each peer's queue is bounded
-//! in bytes, so a receiver that stops reading makes `try_send` say
-//! `WouldBlock`. Receives read through a small staging buffer and land in pool
-//! leases; a payload larger than what is staged is read straight into its
-//! lease, and only once no earlier message waits for the application (so a
-//! stream of large messages reuses the buffer the application just gave
-//! back, as a program reading into one buffer would). A declared length is
-//! checked against `max_message` before anything is leased for it.
+//! Readiness comes from edge-triggered epoll ([`Poller`]), so a pass
+//! touches the sockets that are ready, whatever the number of peers. An
+//! accepted connection holds 32 bytes and a deadline until its Hello: no
+//! stage, no pool buffer, no peer id; a lane Hello (below) pairs it with its
+//! peer instead. A message's buffer is leased only once its first payload
+//! bytes are there, for at most the credit the engine granted, so a header
+//! that claims a large message and stops costs nothing.
 //!
-//! Large messages are striped over two connections per peer, as UCX's
-//! rendezvous uses two lanes: the connecting side opens a second connection
-//! (the peer's *lane*) and names both with a token in a Hello frame (`seq`
-//! the token, `dst` 0 for the main connection, 1 for the lane). The acceptor
-//! pairs them and acks on the lane (its own Hello with the token, the first
-//! bytes that way); the connecting side stripes only once it has read the
-//! ack, so a striped frame on a connection without a paired lane is a
-//! protocol error (`DecodeError::NoLane`), never a wait for a lane that may
-//! not come. A message of at least `stripe_min` bytes leaves with the
-//! [`Flags::STRIPED`] flag: its header and first half on the main
-//! connection, the rest on the lane
-//! (payload bytes only, in message order), written one after the other; the
-//! receiver reads both halves straight into the one lease. This lets the
-//! sender's kernel fill one socket while the receiver copies out of the
-//! other, rather than the two taking turns at one socket's lock. A peer
-//! without a lane (it never sent a Hello: another implementation, or
-//! striping off) gets every message whole on one connection.
+//! Sends go straight to the socket with `writev` when nothing is queued and
+//! are copied only for what the kernel did not take; each peer's queue is
+//! bounded in bytes. Receives read through a staging buffer; a payload
+//! larger than what is staged is read straight into its lease, and only once
+//! no earlier message waits for the application (a stream of large messages
+//! then reuses the buffer the application just gave back).
+//!
+//! Large messages are striped over a second connection per peer (its
+//! *lane*), as UCX's rendezvous uses two lanes: the connecting side opens it
+//! and says a Hello with `lane` 1 and its main connection's token; the
+//! acceptor pairs them and acks with its own lane Hello, the first bytes that
+//! way; the connecting side stripes only once it has read the ack. A message
+//! of at least `stripe_min` bytes leaves with [`DataFlags::STRIPED`]: header
+//! and first half on the main connection, the rest on the lane, read straight
+//! into the one lease. A striped frame on a connection without a paired lane
+//! breaks the wire's rule ([`Error::WireRule`]).
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant as StdInstant};
 
 use zerohop_backends::{host_bytes, host_bytes_mut};
-use zerohop_core::wire_v1::{DecodeError, Flags, FrameKind, Header, HEADER_LEN};
+use zerohop_core::session::{DataIn, Inbound, Instant, SendError, Session, SessionConfig};
+use zerohop_core::wire::{Frame, FrameKind, Hello, Takes, HEADER_LEN};
 use zerohop_core::{
     Capabilities, Error, Kind, Lease, PeerId, PoolError, Received, Rejected, Transport,
 };
 
 use crate::endpoint::{pool_leaser, Leaser, Waiter, Wire};
 use crate::host::{StdLease, StdPool};
+use crate::poller::{Poller, Ready, Set};
 
 const STAGE_BYTES: usize = 64 << 10;
 /// The rest of a message at least this long is read straight into its lease.
@@ -53,65 +52,96 @@ const DIRECT_MIN: usize = 1 << 10;
 /// How far past a message read straight into its lease the same read goes.
 const READ_AHEAD: usize = 4 << 10;
 /// The default [`TcpConfig::stripe_min`]. Measured on the 16-core H200
-/// host (BENCHMARKS.md), striping loses bandwidth from 256 to 768 KiB
-/// (0.72-1.01x) and gains from 1 MiB up (1.02-1.45x at 1 MiB, 1.28-1.43x
-/// at 4 MiB).
+/// host (BENCHMARKS.md), striping loses bandwidth from 256 to 768 KiB and
+/// gains from 1 MiB up.
 pub const STRIPE_MIN: usize = 1 << 20;
-
-/// A message at least this long re-arms quick ACKs on the connections it
-/// arrives on (see [`quick_ack`]).
+/// A message at least this long re-arms quick ACKs (see [`quick_ack`]).
 const QUICK_ACK_MIN: usize = 1 << 20;
-
-/// Lanes whose main connection has not said Hello yet, kept at most (the
-/// oldest is closed first): a forged lane Hello cannot pile up sockets.
+/// Lanes whose main connection is not there yet, kept at most.
 const UNCLAIMED_LANES: usize = 8;
-
-/// Payload bytes of a striped message that travel on the main connection
-/// (the rest go on the lane): half, rounded down to a page. Both sides
-/// compute it from the length alone.
-fn stripe_split(len: usize) -> usize {
-    (len / 2) & !4095
-}
+/// How long accepting pauses when the process is out of descriptors.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// How often the idle timers are looked at.
+const TIMER_SCAN: Duration = Duration::from_millis(20);
+/// One `try_recv` in this many also does the connection work.
+const CTL_EVERY: u32 = 16;
+// epoll keys: a slot, shifted, and what it is.
+const MAIN: u64 = 0;
+const LANE: u64 = 1;
+const PENDING: u64 = 2;
+const LISTENER: u64 = u64::MAX;
 
 /// TCP wire settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TcpConfig {
     /// Largest message accepted or sent (default 64 MiB).
     pub max_message: usize,
+    /// Message bytes a peer may send before this side returns credit
+    /// (default 16 MiB): the most one peer makes this side hold, besides a
+    /// message longer than it, which waits for a grant from `grant_budget`.
+    pub window: usize,
+    /// Bytes granted at once, over all peers, beyond their windows (default
+    /// 64 MiB): longer messages wait for room.
+    pub grant_budget: usize,
     /// Bytes a peer's send queue may hold before `try_send` says `WouldBlock`
     /// (default 16 MiB; one message larger than this is still taken when the queue is empty).
     pub send_queue_bytes: usize,
     /// Received messages held for the application before reading stops (default 4096).
     pub inbox_messages: usize,
-    /// Received bytes held for the application before reading stops (default
-    /// 8 MiB): beyond it the kernel's window pushes back on the sender, and
-    /// the receive pool stays small however far the sender runs ahead. (A
-    /// message too large to be staged is not read at all while another
-    /// waits for the application: it stays in the socket.)
+    /// Received bytes held for the application before reading stops (default 8 MiB).
     pub inbox_bytes: usize,
     /// Checksum payloads as well as headers (default off: TCP checksums its segments).
     pub check_payload: bool,
     /// Messages of at least this many bytes are striped over a second
-    /// connection per peer (see the module docs). `None`: `connect` opens one
-    /// connection, and nothing is striped. Striped messages from a peer are
-    /// received either way. Default: [`STRIPE_MIN`].
+    /// connection per peer (see the module docs); `None`: one connection.
     pub stripe_min: Option<usize>,
+    /// A peer silent this long before its Hello or mid-frame is dropped (default 5 s).
+    pub idle_timeout: Duration,
+    /// Connections that have not said Hello, kept at most; the oldest goes first (default 256).
+    pub max_handshakes: usize,
 }
 
 impl Default for TcpConfig {
     fn default() -> Self {
         TcpConfig {
             max_message: 64 << 20,
+            window: 16 << 20,
+            grant_budget: 64 << 20,
             send_queue_bytes: 16 << 20,
             inbox_messages: 4096,
             inbox_bytes: 8 << 20,
             check_payload: false,
             stripe_min: Some(STRIPE_MIN),
+            idle_timeout: Duration::from_secs(5),
+            max_handshakes: 256,
         }
     }
 }
 
+impl TcpConfig {
+    fn session(&self) -> SessionConfig {
+        let max = u32::try_from(self.max_message).unwrap_or(u32::MAX);
+        SessionConfig {
+            window: u32::try_from(self.window).unwrap_or(u32::MAX),
+            check_payload: self.check_payload,
+            idle_timeout: self.idle_timeout,
+            ..SessionConfig::stream(max)
+        }
+    }
+}
+
+/// Payload bytes of a striped message that travel on the main connection:
+/// half, rounded down to a page. Both sides compute it from the length.
+fn stripe_split(len: usize) -> usize {
+    (len / 2) & !4095
+}
+
+fn peer_id(slot: usize, gen: u8) -> PeerId {
+    PeerId(slot as u32 | u32::from(gen) << 24)
+}
+
 enum Payload {
+    None,
     Owned(Vec<u8>),
     Leased(StdLease),
 }
@@ -119,6 +149,7 @@ enum Payload {
 impl Payload {
     fn bytes(&self) -> &[u8] {
         match self {
+            Payload::None => &[],
             Payload::Owned(v) => v,
             Payload::Leased(l) => host_bytes(l),
         }
@@ -138,30 +169,16 @@ impl Source<'_> {
             Source::Lease(l) => host_bytes(l),
         }
     }
-
-    fn into_payload(self) -> Payload {
-        match self {
-            Source::Slice(b) => Payload::Owned(b.to_vec()),
-            Source::Lease(l) => Payload::Leased(l),
-        }
-    }
 }
 
-/// How far a frame has gone out: `main` bytes of its header and first part
-/// on the peer's main connection, `lane` bytes of the rest on its lane.
+/// How far a frame has gone out: on the main connection, and on the lane.
 #[derive(Clone, Copy, Debug, Default)]
 struct Sent {
     main: usize,
     lane: usize,
 }
 
-impl Sent {
-    fn total(&self) -> usize {
-        self.main + self.lane
-    }
-}
-
-struct Outgoing {
+struct Out {
     header: [u8; HEADER_LEN],
     payload: Payload,
     /// Payload bytes on the main connection (all of them unless striped).
@@ -169,98 +186,59 @@ struct Outgoing {
     sent: Sent,
 }
 
-impl Outgoing {
-    fn total(&self) -> usize {
-        HEADER_LEN + self.payload.bytes().len()
-    }
-}
-
 /// A frame written straight from a blocked caller's slice (see
 /// [`Wire::start_send`]): the caller passes the same bytes on every call.
 struct Direct {
     header: [u8; HEADER_LEN],
-    len: usize,
     split: usize,
     sent: Sent,
 }
 
-struct Partial {
-    header: Header,
-    lease: StdLease,
-    /// Payload bytes that come on the main connection (the rest on the lane).
+/// A data frame whose header the engine took: where its payload goes.
+struct Incoming {
+    d: DataIn,
     split: usize,
-    /// Of those, in the lease.
     have: usize,
-    /// Bytes of the rest, from the lane, in the lease.
     lane_have: usize,
 }
 
-impl Partial {
-    /// Bytes still to come on the lane.
-    fn lane_missing(&self) -> usize {
-        self.header.len as usize - self.split - self.lane_have
-    }
-}
-
-/// A peer's second connection: the rest of each striped message's payload,
-/// in message order, and nothing else.
+/// A peer's second connection (the rest of striped payloads, in order).
 struct Lane {
     stream: TcpStream,
-    /// The pairing token both connections said Hello with.
-    token: u64,
-    /// The acceptor has paired it: its Hello back (the ack) is the first
-    /// thing on the lane towards the connecting side, which stripes only
-    /// after reading it, so a striped frame never reaches an acceptor
-    /// whose lane is not paired. The acceptor's own lanes start confirmed.
+    token: u32,
+    /// The acceptor paired it (connecting side: its ack has been read).
     confirmed: bool,
-    /// The ack, as far as it has arrived (connecting side).
     ack: [u8; HEADER_LEN],
     ack_have: usize,
-    /// Bytes read from it before it was known to be a lane (after its
-    /// Hello) and not yet taken; they come first.
+    /// Bytes read with its Hello that belong to the first striped payload.
     early: Vec<u8>,
 }
 
 impl Lane {
-    /// A lane with nothing read from it beyond its Hello but `early`.
-    fn new(stream: TcpStream, token: u64, confirmed: bool, early: Vec<u8>) -> Lane {
-        Lane {
-            stream,
-            token,
-            confirmed,
-            ack: [0; HEADER_LEN],
-            ack_have: 0,
-            early,
-        }
-    }
-
     /// Reads what has arrived of the acceptor's ack: `Ok(true)` once it is
-    /// all in and names this lane's token; an error for anything else.
+    /// in and names this lane's token.
     fn confirm(&mut self) -> io::Result<bool> {
         while !self.confirmed {
             match self.stream.read(&mut self.ack[self.ack_have..]) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => self.ack_have += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
             if self.ack_have == HEADER_LEN {
-                let h = Header::decode(&self.ack, 0).map_err(|_| io::ErrorKind::InvalidData)?;
-                if h.kind != FrameKind::Hello || h.seq != self.token {
+                self.confirmed = matches!(Frame::decode(&self.ack, 0).map(|d| d.frame),
+                    Ok(Frame::Hello(h)) if h.lane == 1 && h.token == self.token);
+                if !self.confirmed {
                     return Err(io::ErrorKind::InvalidData.into());
                 }
-                self.confirmed = true;
             }
         }
         Ok(true)
     }
 
-    /// Reads into `dst` (not empty), the ack first: `Ok(0)` only at end of stream.
+    /// Reads into `dst`, the ack and the early bytes first.
     fn read(&mut self, dst: &mut [u8]) -> io::Result<usize> {
-        if !self.confirm()? {
-            return Err(io::ErrorKind::WouldBlock.into());
-        }
+        self.confirm()?;
         if !self.early.is_empty() {
             let n = self.early.len().min(dst.len());
             dst[..n].copy_from_slice(&self.early[..n]);
@@ -271,79 +249,56 @@ impl Lane {
     }
 }
 
+/// An accepted connection before its Hello: 32 bytes and a deadline.
+struct Pending {
+    stream: TcpStream,
+    addr: SocketAddr,
+    since: StdInstant,
+    hello: [u8; HEADER_LEN],
+    have: usize,
+}
+
 struct Peer {
     stream: TcpStream,
     addr: SocketAddr,
+    session: Session,
     stage: Box<[u8]>,
     stage_start: usize,
     stage_end: usize,
-    partial: Option<Partial>,
-    queue: VecDeque<Outgoing>,
+    incoming: Option<Incoming>,
+    /// The message being received: leased at its first payload bytes.
+    lease: Option<StdLease>,
+    queue: VecDeque<Out>,
     queued_bytes: usize,
-    /// A caller is writing a frame from its own slice; the queue waits behind it.
     direct: Option<Direct>,
-    /// The second connection striped messages use (see the module docs).
     lane: Option<Lane>,
-    /// The pairing token from this connection's Hello (accepting side).
-    token: Option<u64>,
-    /// Messages sent to it striped (a statistic).
+    /// The token its Hello carried (accepting side): its lane comes with it.
+    token: Option<u32>,
     striped_sent: u64,
-    tx_seq: u64,
-    rx_next: u64,
-    /// Waiting for a pool buffer: reading from this peer is paused.
+    /// Readiness seen and not yet used up (edge-triggered).
+    readable: bool,
+    writable: bool,
+    /// In the transport's lists of peers with reading or writing to do.
+    in_read: bool,
+    in_write: bool,
+    /// Waiting for a pool buffer, or for the application to take a message
+    /// before a large one is read (its bytes stay in the socket).
     dry: bool,
-    /// A large message's header is staged, but a message already waits
-    /// for the application: its bytes stay in the socket until that one is
-    /// taken (see `read_peer`), and its fd is not polled for reading.
     deferred: bool,
-    /// The last message was large enough to be read straight into its lease:
-    /// the next read into the stage takes only a header's worth and a
-    /// little more, so the next message is not staged and copied whole.
+    /// The last message was read straight into its lease: the next read
+    /// into the stage takes only a header's worth and a little more.
     direct_stream: bool,
-    /// We queued our Close frame.
-    closing: bool,
-    /// Our write side is shut down (Close sent).
-    write_shut: bool,
 }
 
-impl Peer {
-    /// Which of its sockets a reader should wait on, (main, lane): the lane
-    /// only while a striped message lacks its rest; the main connection
-    /// unless reading it is paused, or the message in progress needs only
-    /// its rest from the lane (the bytes behind it would wake the reader
-    /// for nothing).
-    fn wants_read(&self) -> (bool, bool) {
-        match &self.partial {
-            Some(part) if part.lane_missing() > 0 => (part.have < part.split, self.lane.is_some()),
-            _ => (!self.dry && !self.deferred, false),
-        }
-    }
-
-    /// Which of its sockets the frame going out now still has bytes for,
-    /// (main, lane); the caller's frame, else the queue's first.
-    fn wants_write(&self) -> (bool, bool) {
-        let (total, split, sent) = match (&self.direct, self.queue.front()) {
-            (Some(d), _) => (HEADER_LEN + d.len, d.split, d.sent),
-            (None, Some(o)) => (o.total(), o.split, o.sent),
-            (None, None) => return (false, false),
-        };
-        (
-            sent.main < HEADER_LEN + split,
-            sent.lane < total - HEADER_LEN - split,
-        )
-    }
-}
-
-enum ReadOutcome {
-    /// Nothing more to read now.
-    Idle,
-    /// A Hello frame: the connection is a main one (`lane` false) or the
-    /// lane of the main connection with the same `token`.
-    Hello { token: u64, lane: bool },
-    /// The peer is gone: cleanly (it sent Close), or not.
+enum Outcome {
+    /// Nothing more until the socket says so.
+    Drained,
+    /// Stopped with work left (inbox full, pool dry, a message deferred).
+    Stopped,
+    /// The connection ended: cleanly (the peer closed first) or not.
     Gone { clean: bool },
-    /// It sent something that is not a frame.
-    Bad(DecodeError),
+    /// The peer broke the protocol or the wire's rule.
+    Bad(Error),
 }
 
 /// A TCP transport with any number of peers.
@@ -351,13 +306,22 @@ pub struct TcpTransport {
     config: TcpConfig,
     pool: Arc<StdPool>,
     kind: Kind,
+    poller: Poller,
+    ready: Vec<Ready>,
     listener: Option<TcpListener>,
-    peers: Vec<Option<Peer>>,
+    accept_after: Option<StdInstant>,
+    pending: Vec<Option<Pending>>,
+    peers: Vec<(u8, Option<Box<Peer>>)>,
+    /// Slots with reading, and with writing, to do without a new event.
+    hot_read: VecDeque<usize>,
+    hot_write: VecDeque<usize>,
     arrivals: VecDeque<Result<Received<StdLease>, Error>>,
-    /// Payload bytes in `arrivals`.
     arrival_bytes: usize,
-    /// Lanes that said Hello before their main connection did, by token.
-    unclaimed: VecDeque<(u64, Lane)>,
+    unclaimed: VecDeque<Lane>,
+    origin: StdInstant,
+    next_scan: StdInstant,
+    /// `try_recv` calls that found nothing waiting (see [`CTL_EVERY`]).
+    polls: u32,
     closed: bool,
 }
 
@@ -374,16 +338,29 @@ impl std::fmt::Debug for TcpTransport {
 impl TcpTransport {
     /// A transport receiving into `pool`, with no listener and no peers.
     /// `kind` is `Tcp`, or `Uma` when the pool is CUDA managed memory.
+    ///
+    /// # Panics
+    /// If the process cannot create an epoll instance (out of descriptors).
     pub fn new(pool: Arc<StdPool>, config: TcpConfig, kind: Kind) -> Self {
+        let now = StdInstant::now();
         TcpTransport {
             config,
             pool,
             kind,
+            poller: Poller::new().expect("epoll_create1: out of file descriptors"),
+            ready: Vec::new(),
             listener: None,
+            accept_after: None,
+            pending: Vec::new(),
             peers: Vec::new(),
+            hot_read: VecDeque::new(),
+            hot_write: VecDeque::new(),
             arrivals: VecDeque::new(),
             arrival_bytes: 0,
             unclaimed: VecDeque::new(),
+            origin: now,
+            next_scan: now,
+            polls: 0,
             closed: false,
         }
     }
@@ -397,6 +374,7 @@ impl TcpTransport {
     pub fn listen(&mut self, addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
         let l = TcpListener::bind(addr)?;
         l.set_nonblocking(true)?;
+        self.poller.add(&l, Set::Ctl, LISTENER, true, false)?;
         let a = l.local_addr()?;
         self.listener = Some(l);
         Ok(a)
@@ -407,14 +385,21 @@ impl TcpTransport {
         self.listener.as_ref().and_then(|l| l.local_addr().ok())
     }
 
-    /// Connects to a listening transport (blocking up to `timeout`), and
-    /// opens the peer's lane for striped messages unless `stripe_min` is `None`.
+    /// Connects to a listening transport (blocking up to `timeout` for the
+    /// TCP connection), says Hello and opens the peer's lane unless
+    /// `stripe_min` is `None`. The peer answers its Hello in progress:
+    /// sends before that say `WouldBlock`; a peer that does not speak
+    /// zerohop, or another version, is reported through `try_recv`.
     pub fn connect(&mut self, addr: SocketAddr, timeout: Duration) -> io::Result<PeerId> {
         let s = TcpStream::connect_timeout(&addr, timeout)?;
-        let id = self.add_peer(s, addr)?;
+        use std::hash::BuildHasher;
+        // Unique among the acceptor's peers: a random key over this connection's address.
+        let token = std::collections::hash_map::RandomState::new()
+            .hash_one((s.local_addr()?, std::process::id())) as u32;
+        let session = Session::new(self.config.session(), token, self.now());
+        let id = self.add_peer(s, addr, session)?;
         if self.config.stripe_min.is_some() {
-            if let Err(e) = self.open_lane(id, addr, timeout) {
-                // The peer works on one connection; only large messages lose.
+            if let Err(e) = self.open_lane(id, addr, timeout, token) {
                 log::info!(
                     "tcp: no second connection to {addr} ({e}): large messages go unstriped"
                 );
@@ -423,109 +408,212 @@ impl TcpTransport {
         Ok(id)
     }
 
-    /// Says Hello with a fresh token on `id`'s connection, then opens its
-    /// lane and says Hello there with the same token.
-    fn open_lane(&mut self, id: PeerId, addr: SocketAddr, timeout: Duration) -> io::Result<()> {
-        use std::hash::BuildHasher;
-        let p = self.peer_mut(id).map_err(|_| io::ErrorKind::NotConnected)?;
-        // Unique among the acceptor's peers: this process's random hash
-        // keys over this connection's own address.
-        let token = std::collections::hash_map::RandomState::new()
-            .hash_one((p.stream.local_addr()?, std::process::id()));
-        let hello = |lane| Header::control(FrameKind::Hello, 0, lane, token).encode();
-        // First on a fresh connection: the socket takes 32 bytes whole.
-        p.stream.write_all(&hello(0))?;
+    fn open_lane(
+        &mut self,
+        id: PeerId,
+        addr: SocketAddr,
+        timeout: Duration,
+        token: u32,
+    ) -> io::Result<()> {
         let mut lane = TcpStream::connect_timeout(&addr, timeout)?;
         lane.set_nodelay(true)?;
-        lane.write_all(&hello(1))?;
+        lane.write_all(&lane_hello(token))?; // first bytes on a fresh connection
         lane.set_nonblocking(true)?;
-        p.lane = Some(Lane::new(lane, token, false, Vec::new()));
+        let slot = id.0 as usize & 0xFF_FFFF;
+        self.poller
+            .add(&lane, Set::Data, key(slot, LANE), true, false)?;
+        self.poller
+            .add(&lane, Set::Ctl, key(slot, LANE), false, true)?;
+        let p = self.peer_mut(id).map_err(|_| io::ErrorKind::NotConnected)?;
+        p.lane = Some(Lane {
+            stream: lane,
+            token,
+            confirmed: false,
+            ack: [0; HEADER_LEN],
+            ack_have: 0,
+            early: Vec::new(),
+        });
         Ok(())
     }
 
     /// How many connections carry `peer`'s messages: 2 once its lane is
-    /// paired (accepting side) and confirmed (connecting side: the ack has
-    /// been read, by a large send or a striped receive), so large messages
-    /// are striped; else 1. `None` for no such peer.
+    /// paired and confirmed, else 1; `None` for no such peer.
     pub fn connections(&self, peer: PeerId) -> Option<usize> {
-        let p = self.peers.get(peer.0 as usize)?.as_ref()?;
+        let p = self.peer(peer)?;
         Some(1 + usize::from(p.lane.as_ref().is_some_and(|l| l.confirmed)))
     }
 
-    /// Messages sent to `peer` striped over its two connections so far (0
-    /// for no such peer).
+    /// Messages sent to `peer` striped over its two connections (0 for no such peer).
     pub fn striped_sent(&self, peer: PeerId) -> u64 {
-        let p = self.peers.get(peer.0 as usize).and_then(Option::as_ref);
-        p.map_or(0, |p| p.striped_sent)
+        self.peer(peer).map_or(0, |p| p.striped_sent)
     }
 
-    /// Live peers.
+    /// Live peers (the Hello received).
     pub fn peer_count(&self) -> usize {
-        self.peers.iter().flatten().count()
+        self.peers
+            .iter()
+            .filter(|(_, p)| p.as_ref().is_some_and(|p| p.session.is_open()))
+            .count()
+    }
+
+    /// Accepted connections that have not said Hello yet.
+    pub fn handshaking(&self) -> usize {
+        self.pending.iter().flatten().count()
     }
 
     /// A live peer's address.
     pub fn peer_addr(&self, peer: PeerId) -> Option<SocketAddr> {
-        self.peers.get(peer.0 as usize)?.as_ref().map(|p| p.addr)
+        self.peer(peer).map(|p| p.addr)
     }
 
     /// Bytes queued for sending, over all peers (0: everything is with the kernel).
     pub fn queued_bytes(&self) -> usize {
-        self.peers.iter().flatten().map(|p| p.queued_bytes).sum()
+        self.peers
+            .iter()
+            .filter_map(|(_, p)| p.as_ref())
+            .map(|p| p.queued_bytes)
+            .sum()
     }
 
-    fn add_peer(&mut self, s: TcpStream, addr: SocketAddr) -> io::Result<PeerId> {
+    fn now(&self) -> Instant {
+        Instant::from_micros(self.origin.elapsed().as_micros() as u64)
+    }
+
+    fn peer(&self, id: PeerId) -> Option<&Peer> {
+        match self.peers.get(id.0 as usize & 0xFF_FFFF) {
+            Some((gen, Some(p))) if u32::from(*gen) == id.0 >> 24 => Some(p),
+            _ => None,
+        }
+    }
+
+    fn peer_mut(&mut self, id: PeerId) -> Result<&mut Peer, Error> {
+        match self.peers.get_mut(id.0 as usize & 0xFF_FFFF) {
+            Some((gen, Some(p))) if u32::from(*gen) == id.0 >> 24 => Ok(p),
+            _ => Err(Error::UnknownPeer(id)),
+        }
+    }
+
+    fn id(&self, slot: usize) -> PeerId {
+        peer_id(slot, self.peers[slot].0)
+    }
+
+    fn add_peer(&mut self, s: TcpStream, addr: SocketAddr, session: Session) -> io::Result<PeerId> {
         s.set_nodelay(true)?;
         s.set_nonblocking(true)?;
-        let peer = Peer {
+        let slot = match self.peers.iter().position(|(_, p)| p.is_none()) {
+            Some(i) => i,
+            None if self.peers.len() < 1 << 24 => {
+                self.peers.push((0, None));
+                self.peers.len() - 1
+            }
+            None => return Err(io::ErrorKind::OutOfMemory.into()),
+        };
+        self.poller
+            .add(&s, Set::Data, key(slot, MAIN), true, false)?;
+        self.poller
+            .add(&s, Set::Ctl, key(slot, MAIN), false, true)?;
+        let token = session.peer().map(|p| p.token);
+        self.peers[slot].1 = Some(Box::new(Peer {
             stream: s,
             addr,
+            session,
             stage: vec![0u8; STAGE_BYTES].into_boxed_slice(),
             stage_start: 0,
             stage_end: 0,
-            partial: None,
+            incoming: None,
+            lease: None,
             queue: VecDeque::new(),
             queued_bytes: 0,
             direct: None,
             lane: None,
-            token: None,
+            token,
             striped_sent: 0,
-            tx_seq: 0,
-            rx_next: 0,
+            readable: true,
+            writable: true,
+            in_read: false,
+            in_write: false,
             dry: false,
             deferred: false,
             direct_stream: false,
-            closing: false,
-            write_shut: false,
-        };
-        let slot = self.peers.iter().position(Option::is_none);
-        let id = match slot {
-            Some(i) => {
-                self.peers[i] = Some(peer);
-                i
+        }));
+        self.control(slot);
+        self.mark_read(slot);
+        Ok(self.id(slot))
+    }
+
+    // ----- readiness -----
+
+    /// Takes what epoll says of `set` and notes it on the peers.
+    fn poll_set(&mut self, set: Set) -> bool {
+        let mut ready = std::mem::take(&mut self.ready);
+        ready.clear();
+        if let Err(e) = self.poller.ready(set, &mut ready) {
+            log::warn!("tcp: epoll_wait failed: {e}");
+        }
+        let any = !ready.is_empty();
+        for r in &ready {
+            if r.key == LISTENER {
+                self.accept_all();
+                continue;
             }
-            None => {
-                self.peers.push(Some(peer));
-                self.peers.len() - 1
+            let (slot, what) = ((r.key >> 2) as usize, r.key & 3);
+            if what == PENDING {
+                self.handshake(slot);
+            } else if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+                p.readable |= r.read;
+                p.writable |= r.write;
+                if r.read {
+                    self.mark_read(slot);
+                }
+                if r.write {
+                    self.mark_write(slot);
+                }
             }
-        };
-        Ok(PeerId(id as u32))
+        }
+        self.ready = ready;
+        any
+    }
+
+    fn mark_read(&mut self, slot: usize) {
+        if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+            if !p.in_read {
+                p.in_read = true;
+                self.hot_read.push_back(slot);
+            }
+        }
+    }
+
+    fn mark_write(&mut self, slot: usize) {
+        if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+            let work = !p.queue.is_empty() && p.direct.is_none();
+            if work && !p.in_write {
+                p.in_write = true;
+                self.hot_write.push_back(slot);
+            }
+        }
     }
 
     fn accept_all(&mut self) -> bool {
+        if self.accept_after.is_some_and(|t| StdInstant::now() < t) {
+            return false;
+        }
+        self.accept_after = None;
         let mut any = false;
         while let Some(l) = &self.listener {
             match l.accept() {
                 Ok((s, addr)) => {
                     any = true;
-                    if let Err(e) = self.add_peer(s, addr) {
+                    if let Err(e) = self.add_pending(s, addr) {
                         log::warn!("tcp: accepted {addr} but could not set it up: {e}");
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    log::warn!("tcp: accept failed: {e}");
+                    // Out of descriptors (EMFILE) or memory: the connection
+                    // waits in the backlog; try again after a pause, not at once.
+                    log::warn!("tcp: accept failed: {e}; pausing accepts for {ACCEPT_BACKOFF:?}");
+                    self.accept_after = Some(StdInstant::now() + ACCEPT_BACKOFF);
                     break;
                 }
             }
@@ -533,19 +621,150 @@ impl TcpTransport {
         any
     }
 
-    fn peer_mut(&mut self, peer: PeerId) -> Result<&mut Peer, Error> {
-        match self.peers.get_mut(peer.0 as usize) {
-            Some(Some(p)) if !p.closing => Ok(p),
-            _ => Err(Error::UnknownPeer(peer)),
+    fn add_pending(&mut self, s: TcpStream, addr: SocketAddr) -> io::Result<()> {
+        s.set_nonblocking(true)?;
+        if self.handshaking() >= self.config.max_handshakes {
+            // The oldest connection that never said Hello makes room.
+            let oldest = self
+                .pending
+                .iter()
+                .enumerate()
+                .filter_map(|(i, p)| Some((i, p.as_ref()?.since)))
+                .min_by_key(|&(_, t)| t);
+            if let Some((i, _)) = oldest {
+                self.pending[i] = None;
+            }
+        }
+        let slot = match self.pending.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.pending.push(None);
+                self.pending.len() - 1
+            }
+        };
+        self.poller
+            .add(&s, Set::Ctl, key(slot, PENDING), true, false)?;
+        self.pending[slot] = Some(Pending {
+            stream: s,
+            addr,
+            since: StdInstant::now(),
+            hello: [0; HEADER_LEN],
+            have: 0,
+        });
+        self.handshake(slot);
+        Ok(())
+    }
+
+    /// Reads an accepted connection's first frame: a Hello makes it a peer
+    /// (lane 0) or pairs it with one (lane 1); anything else closes it.
+    fn handshake(&mut self, slot: usize) {
+        let Some(Some(p)) = self.pending.get_mut(slot) else {
+            return;
+        };
+        loop {
+            match p.stream.read(&mut p.hello[p.have..]) {
+                Ok(0) => break,
+                Ok(n) if p.have + n < HEADER_LEN => p.have += n,
+                Ok(_) => {
+                    let Some(p) = self.pending[slot].take() else {
+                        return;
+                    };
+                    self.poller.remove(&p.stream, Set::Ctl);
+                    return self.hello(p);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(_) => break,
+            }
+        }
+        self.pending[slot] = None; // it left, or broke before its Hello
+    }
+
+    fn hello(&mut self, p: Pending) {
+        match Frame::decode(&p.hello, 0).map(|d| d.frame) {
+            Ok(Frame::Hello(h)) if h.lane == 1 => self.pair(Lane {
+                stream: p.stream,
+                token: h.token,
+                confirmed: true,
+                ack: [0; HEADER_LEN],
+                ack_have: 0,
+                early: Vec::new(),
+            }),
+            Ok(Frame::Hello(_)) => {
+                let mut session = Session::new(self.config.session(), 0, self.now());
+                match session.handle_header(self.now(), &p.hello, None) {
+                    Ok(_) => {
+                        let token = session.peer().map_or(0, |h| h.token);
+                        match self.add_peer(p.stream, p.addr, session) {
+                            Ok(id) => {
+                                if let Some(k) =
+                                    self.unclaimed.iter().position(|l| l.token == token)
+                                {
+                                    let lane = self.unclaimed.remove(k).expect("found");
+                                    self.attach_lane(id, lane);
+                                }
+                            }
+                            Err(e) => log::warn!("tcp: {}: could not set up the peer: {e}", p.addr),
+                        }
+                    }
+                    Err(e) => log::info!("tcp: {} refused: {e}", p.addr),
+                }
+            }
+            Ok(other) => log::info!(
+                "tcp: {} sent a {} frame before its hello; closed",
+                p.addr,
+                other.kind().name()
+            ),
+            Err(e) => log::info!("tcp: {} is not a zerohop peer ({e}); closed", p.addr),
         }
     }
 
-    /// Writes one data frame at once when nothing is ahead of it for this
-    /// peer, from the caller's slice or lease. What the kernel did not take
-    /// is queued (a slice is copied only then), or, with `direct`, left for
-    /// the caller to write from its slice ([`Wire::continue_send`]): then
-    /// `Ok(false)`. Refused sources come back with the error (a lease rides
-    /// back in it; boxing it would allocate on the back-pressure path).
+    /// A lane said Hello: joins its peer (by token) or waits for it.
+    fn pair(&mut self, lane: Lane) {
+        let found = self.peers.iter().position(|(_, p)| {
+            p.as_ref()
+                .is_some_and(|p| p.token == Some(lane.token) && p.lane.is_none())
+        });
+        match found {
+            Some(slot) => {
+                let id = self.id(slot);
+                self.attach_lane(id, lane);
+            }
+            None => {
+                if self.unclaimed.len() == UNCLAIMED_LANES {
+                    self.unclaimed.pop_front();
+                }
+                self.unclaimed.push_back(lane);
+            }
+        }
+    }
+
+    /// Acks `lane` (accepting side) and gives it to `id`.
+    fn attach_lane(&mut self, id: PeerId, mut lane: Lane) {
+        let slot = id.0 as usize & 0xFF_FFFF;
+        // The first bytes this way on a fresh connection: the socket takes them whole.
+        let ok = lane.stream.write_all(&lane_hello(lane.token)).is_ok()
+            && self
+                .poller
+                .add(&lane.stream, Set::Data, key(slot, LANE), true, false)
+                .is_ok()
+            && self
+                .poller
+                .add(&lane.stream, Set::Ctl, key(slot, LANE), false, true)
+                .is_ok();
+        if let (true, Ok(p)) = (ok, self.peer_mut(id)) {
+            p.lane = Some(lane);
+            self.mark_read(slot);
+        }
+    }
+
+    // ----- sending -----
+
+    /// Starts a message for `peer` and writes it at once when nothing is
+    /// ahead of it; what the kernel did not take is queued (a slice copied
+    /// only then) or, with `direct`, left for the caller to write from its
+    /// slice ([`Wire::continue_send`]): then `Ok(false)`. A refused source
+    /// comes back with the error.
     #[allow(clippy::result_large_err)]
     fn send_frame<'a>(
         &mut self,
@@ -566,6 +785,7 @@ impl TcpTransport {
         if len > max {
             return Err((Error::TooLarge { len, max }, src));
         }
+        let slot = peer.0 as usize & 0xFF_FFFF;
         let p = match self.peer_mut(peer) {
             Ok(p) => p,
             Err(e) => return Err((e, src)),
@@ -573,394 +793,543 @@ impl TcpTransport {
         if p.queued_bytes > 0 && p.queued_bytes + HEADER_LEN + len > limit {
             return Err((Error::WouldBlock, src));
         }
-        // (A lane not yet confirmed is checked for the ack here: a sender
-        // that never receives still starts striping.)
+        let mut out = match p.session.send(len) {
+            Ok(out) => out,
+            Err(e) => {
+                self.control(slot); // a Want, when credit is short
+                return Err((send_error(e, peer), src));
+            }
+        };
         let striped = stripe_min.is_some_and(|m| len >= m)
             && p.lane
                 .as_mut()
                 .is_some_and(|l| matches!(l.confirm(), Ok(true)));
-        let (split, extra) = match striped {
-            true => (stripe_split(len), Flags::STRIPED),
-            false => (len, Flags::NONE),
+        let Some(f) = p
+            .session
+            .next_frame(&mut out, check.then(|| src.bytes()), striped)
+        else {
+            return Err((Error::Backend("tcp: the session framed nothing"), src));
         };
+        let header = f.header.unwrap_or([0; HEADER_LEN]);
+        let split = if striped { stripe_split(len) } else { len };
         p.striped_sent += u64::from(striped);
-        let header = Header::data(0, 0, p.tx_seq, src.bytes(), check, extra).encode();
-        p.tx_seq += 1;
         let mut sent = Sent::default();
+        let mut done = false;
         if p.queue.is_empty() && p.direct.is_none() {
-            // A write error means a dead socket: the read side reports the
-            // peer lost, and this message, queued, fails with it.
+            // A write error means a dead socket: the read side reports it.
             let lane = p.lane.as_mut().map(|l| &mut l.stream);
-            let done = write_frame(&mut p.stream, lane, &header, src.bytes(), split, &mut sent);
-            if matches!(done, Ok(true)) {
-                return Ok(true);
-            }
-            if done.is_ok() && direct && matches!(src, Source::Slice(_)) {
+            let r = write_frame(&mut p.stream, lane, &header, src.bytes(), split, &mut sent);
+            done = matches!(r, Ok(true));
+            if r.is_ok() && !done && direct && matches!(src, Source::Slice(_)) {
                 p.direct = Some(Direct {
                     header,
-                    len,
                     split,
                     sent,
                 });
                 return Ok(false);
             }
         }
-        let out = Outgoing {
-            header,
-            payload: src.into_payload(),
-            split,
-            sent,
-        };
-        p.queued_bytes += out.total() - sent.total();
-        p.queue.push_back(out);
+        if !done {
+            let payload = match src {
+                Source::Slice(b) => Payload::Owned(b.to_vec()),
+                Source::Lease(l) => Payload::Leased(l),
+            };
+            p.queued_bytes += HEADER_LEN + len - sent.main - sent.lane;
+            p.queue.push_back(Out {
+                header,
+                payload,
+                split,
+                sent,
+            });
+        }
+        self.control(slot);
         Ok(true)
+    }
+
+    /// Queues the control frames the peer's session has due (a Close after
+    /// the data; credit ahead of data not yet begun), then writes.
+    fn control(&mut self, slot: usize) {
+        let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+            return;
+        };
+        while let Some(c) = p.session.poll_control() {
+            let out = Out {
+                header: c.header,
+                payload: Payload::None,
+                split: 0,
+                sent: Sent::default(),
+            };
+            // Credit may pass data not yet begun; a Want or the Close names
+            // the data before it, and stays behind it.
+            let begun = usize::from(p.queue.front().is_some_and(|o| o.sent.main > 0));
+            if c.kind == FrameKind::Credit && p.queue.len() > begun {
+                p.queue.insert(begun, out);
+            } else {
+                p.queue.push_back(out);
+            }
+            p.queued_bytes += HEADER_LEN;
+        }
+        if !p.queue.is_empty() {
+            self.mark_write(slot);
+            self.flush(slot);
+        }
+    }
+
+    fn flush(&mut self, slot: usize) -> bool {
+        let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+            return false;
+        };
+        if p.direct.is_some() || !p.writable {
+            return false; // a caller is mid-frame from its slice; ours go after it
+        }
+        let mut any = false;
+        let mut broken = false;
+        while let Some(front) = p.queue.front_mut() {
+            let before = front.sent.main + front.sent.lane;
+            let lane = p.lane.as_mut().map(|l| &mut l.stream);
+            let r = write_frame(
+                &mut p.stream,
+                lane,
+                &front.header,
+                front.payload.bytes(),
+                front.split,
+                &mut front.sent,
+            );
+            let moved = front.sent.main + front.sent.lane - before;
+            p.queued_bytes -= moved;
+            any |= moved > 0;
+            match r {
+                Ok(true) => {
+                    p.queue.pop_front();
+                }
+                Ok(false) => {
+                    p.writable = false;
+                    break;
+                }
+                Err(_) => {
+                    broken = true;
+                    break;
+                }
+            }
+        }
+        let finished = p.queue.is_empty() && p.session.is_finished() && p.direct.is_none();
+        if broken || finished {
+            // Both closed with everything out, or a dead socket (clean if
+            // the peer had closed first).
+            let clean = finished || p.session.peer_closed();
+            self.drop_peer(slot, clean);
+        }
+        any || broken
     }
 
     fn flush_all(&mut self) -> bool {
         let mut any = false;
-        let mut lost = Vec::new();
-        for (i, slot) in self.peers.iter_mut().enumerate() {
-            let Some(p) = slot else { continue };
-            match flush_peer(p) {
-                Ok(progressed) => any |= progressed,
-                Err(_) => lost.push(i),
-            }
-            if p.closing && p.queue.is_empty() && !p.write_shut {
-                let _ = p.stream.shutdown(Shutdown::Write);
-                if let Some(l) = &p.lane {
-                    let _ = l.stream.shutdown(Shutdown::Write);
-                }
-                p.write_shut = true;
-            }
-        }
-        for i in lost {
-            self.drop_peer(i, false);
-        }
-        any
-    }
-
-    fn read_all(&mut self) -> bool {
-        let mut any = false;
-        let mut i = 0;
-        let mut paired = false;
-        while i < self.peers.len() {
-            if self.inbox_full() {
+        for _ in 0..self.hot_write.len() {
+            let Some(slot) = self.hot_write.pop_front() else {
                 break;
+            };
+            if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+                p.in_write = false;
             }
-            let before = self.arrivals.len();
-            let outcome = self.read_peer(i);
-            any |= self.arrivals.len() != before;
-            match outcome {
-                ReadOutcome::Idle => {}
-                ReadOutcome::Hello { token, lane } => {
-                    paired |= self.hello(i, token, lane);
-                    continue; // this connection again: bytes may follow the Hello
+            any |= self.flush(slot);
+            if let Some((_, Some(p))) = self.peers.get(slot) {
+                if p.writable {
+                    self.mark_write(slot);
                 }
-                ReadOutcome::Gone { clean } => {
-                    any = true;
-                    self.drop_peer(i, clean);
-                }
-                ReadOutcome::Bad(error) => {
-                    any = true;
-                    log::warn!("tcp: peer #{i} sent an invalid frame: {error}; closing it");
-                    self.arrivals.push_back(Err(Error::Protocol {
-                        peer: PeerId(i as u32),
-                        error: error.into(),
-                    }));
-                    self.drop_peer(i, true);
-                }
-            }
-            i += 1;
-            if i == self.peers.len() && std::mem::take(&mut paired) {
-                // A lane joined a peer already passed: its early bytes may
-                // be all that a striped message waits for (no socket
-                // readiness would say so), so look at every peer again.
-                i = 0;
             }
         }
         any
     }
 
-    /// A Hello on connection `i` (which must have said nothing before):
-    /// a main connection records its token and takes its lane if that came
-    /// first; a lane leaves the peer table for its main connection, or waits
-    /// for it. Returns whether a lane was paired.
-    fn hello(&mut self, i: usize, token: u64, lane: bool) -> bool {
-        let Some(p) = self.peers[i].as_mut() else {
-            return false;
-        };
-        let fresh = p.token.is_none() && p.lane.is_none() && p.rx_next == 0 && p.partial.is_none();
-        if !fresh {
-            log::warn!("tcp: peer #{i} said Hello again; ignored");
-            return false;
-        }
-        if !lane {
-            p.token = Some(token);
-            let Some(k) = self.unclaimed.iter().position(|(t, _)| *t == token) else {
-                return false;
-            };
-            let Some((_, lane)) = self.unclaimed.remove(k) else {
-                return false;
-            };
-            return pair(p, lane);
-        }
-        let Some(p) = self.peers[i].take() else {
-            return false;
-        };
-        let early = p.stage[p.stage_start..p.stage_end].to_vec();
-        let lane = Lane::new(p.stream, token, true, early);
-        let main = self
-            .peers
-            .iter_mut()
-            .flatten()
-            .find(|q| q.token == Some(token) && q.lane.is_none());
-        match main {
-            Some(q) => pair(q, lane),
-            None => {
-                if self.unclaimed.len() == UNCLAIMED_LANES {
-                    self.unclaimed.pop_front();
-                }
-                self.unclaimed.push_back((token, lane));
-                false
-            }
-        }
-    }
-
-    /// Removes a peer; a dirty exit is reported once as `PeerLost`. Its partial
-    /// message and queued sends are dropped here, returning their leases.
-    fn drop_peer(&mut self, i: usize, clean: bool) {
-        if let Some(p) = self.peers[i].take() {
-            let undelivered = p.queue.len();
-            if !clean {
-                log::info!(
-                    "tcp: peer #{i} ({}) lost; {undelivered} queued message(s) not delivered",
-                    p.addr
-                );
-                self.arrivals
-                    .push_back(Err(Error::PeerLost(PeerId(i as u32))));
-            }
-        }
-    }
-
-    fn read_peer(&mut self, i: usize) -> ReadOutcome {
-        let (max, inbox, inbox_bytes) = (
-            self.config.max_message,
-            self.config.inbox_messages,
-            self.config.inbox_bytes,
-        );
-        let Some(p) = self.peers[i].as_mut() else {
-            return ReadOutcome::Idle;
-        };
-        loop {
-            if self.arrivals.len() >= inbox || self.arrival_bytes >= inbox_bytes {
-                return ReadOutcome::Idle;
-            }
-            // 1. Finish the message in progress.
-            if let Some(part) = p.partial.as_mut() {
-                // 1a. A striped message's rest, from the lane into its place
-                // (on the connecting side, the acceptor's ack is read first).
-                let mut lane_idle = true;
-                if let (true, Some(lane)) = (part.lane_missing() > 0, p.lane.as_mut()) {
-                    let at = part.split + part.lane_have;
-                    match lane.read(&mut host_bytes_mut(&mut part.lease)[at..]) {
-                        Ok(0) => return ReadOutcome::Gone { clean: false },
-                        Ok(n) => {
-                            part.lane_have += n;
-                            lane_idle = false;
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => lane_idle = false,
-                        Err(_) => return ReadOutcome::Gone { clean: false },
-                    }
-                }
-                // 1b. The main connection's part: staged bytes first, then the socket.
-                let want = part.split - part.have;
-                let staged = (p.stage_end - p.stage_start).min(want);
-                if staged > 0 {
-                    host_bytes_mut(&mut part.lease)[part.have..part.have + staged]
-                        .copy_from_slice(&p.stage[p.stage_start..p.stage_start + staged]);
-                    part.have += staged;
-                    p.stage_start += staged;
-                }
-                if part.have == part.split && part.lane_missing() > 0 {
-                    // Only the lane's part is missing.
-                    if lane_idle {
-                        return ReadOutcome::Idle;
-                    }
-                    continue;
-                }
-                if part.have < part.split {
-                    if want - staged >= DIRECT_MIN {
-                        // The stage is empty (its bytes went into the lease):
-                        // read the rest of this part straight into its
-                        // lease, and only a little beyond it (the next header
-                        // and a prefix, copied later) into the stage.
-                        p.stage_start = 0;
-                        p.stage_end = 0;
-                        let rest = &mut host_bytes_mut(&mut part.lease)[part.have..part.split];
-                        let into_lease = rest.len();
-                        let mut bufs = [
-                            IoSliceMut::new(rest),
-                            IoSliceMut::new(&mut p.stage[..READ_AHEAD]),
-                        ];
-                        match p.stream.read_vectored(&mut bufs) {
-                            Ok(0) => return ReadOutcome::Gone { clean: false },
-                            Ok(n) => {
-                                part.have += n.min(into_lease);
-                                p.stage_end = n.saturating_sub(into_lease);
-                            }
-                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                                if lane_idle {
-                                    return ReadOutcome::Idle;
-                                }
-                            }
-                            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                            Err(_) => return ReadOutcome::Gone { clean: false },
-                        }
-                        continue;
-                    }
-                } else {
-                    let part = p.partial.take().expect("checked above");
-                    if part
-                        .header
-                        .flags
-                        .contains(zerohop_core::wire_v1::Flags::PAYLOAD_CHECKED)
-                    {
-                        if let Err(e) = part.header.verify(host_bytes(&part.lease)) {
-                            return ReadOutcome::Bad(e);
-                        }
-                    }
-                    if part.header.seq != p.rx_next {
-                        self.arrivals.push_back(Err(Error::SequenceGap {
-                            peer: PeerId(i as u32),
-                            expected: p.rx_next,
-                            got: part.header.seq,
-                        }));
-                    }
-                    p.rx_next = part.header.seq + 1;
-                    p.direct_stream = part.header.len as usize >= DIRECT_MIN;
-                    self.arrival_bytes += part.lease.len();
-                    self.arrivals.push_back(Ok(Received {
-                        peer: PeerId(i as u32),
-                        lease: part.lease,
-                    }));
-                    continue;
-                }
-            }
-            // 2. A header, if one is staged.
-            if p.partial.is_none() && p.stage_end - p.stage_start >= HEADER_LEN {
-                let h = match Header::decode(&p.stage[p.stage_start..p.stage_end], max) {
-                    Ok(h) => h,
-                    Err(e) => return ReadOutcome::Bad(e),
-                };
-                match h.kind {
-                    FrameKind::Data => {
-                        let len = h.len as usize;
-                        if h.flags.contains(Flags::STRIPED) && p.lane.is_none() {
-                            return ReadOutcome::Bad(DecodeError::NoLane);
-                        }
-                        // A payload that must be read from the socket into
-                        // its own lease waits while a message is already
-                        // waiting for the application: reading it now would
-                        // fill a second (cache-cold) buffer, and a stream
-                        // would cycle through the whole inbox's worth. Left
-                        // in the socket, it is read into the buffer the
-                        // application is about to give back.
-                        let staged = p.stage_end - p.stage_start - HEADER_LEN;
-                        p.deferred =
-                            len.saturating_sub(staged) >= DIRECT_MIN && !self.arrivals.is_empty();
-                        if p.deferred {
-                            return ReadOutcome::Idle;
-                        }
-                        let mut lease = match Lease::take(Arc::clone(&self.pool), len.max(1)) {
-                            Ok(l) => l,
-                            Err(Error::Pool(_)) => {
-                                p.dry = true;
-                                return ReadOutcome::Idle;
-                            }
-                            Err(e) => {
-                                log::warn!("tcp: receive pool failed: {e}");
-                                p.dry = true;
-                                return ReadOutcome::Idle;
-                            }
-                        };
-                        p.dry = false;
-                        let _ = lease.set_len(len);
-                        p.stage_start += HEADER_LEN;
-                        let split = match h.flags.contains(Flags::STRIPED) {
-                            true => stripe_split(len),
-                            false => len,
-                        };
-                        if len >= QUICK_ACK_MIN {
-                            quick_ack(&p.stream);
-                            if let (true, Some(l)) = (split < len, &p.lane) {
-                                quick_ack(&l.stream);
-                            }
-                        }
-                        p.partial = Some(Partial {
-                            header: h,
-                            lease,
-                            split,
-                            have: 0,
-                            lane_have: 0,
-                        });
-                    }
-                    FrameKind::Close => return ReadOutcome::Gone { clean: true },
-                    FrameKind::Hello => {
-                        p.stage_start += HEADER_LEN;
-                        return ReadOutcome::Hello {
-                            token: h.seq,
-                            lane: h.dst == 1,
-                        };
-                    }
-                    FrameKind::Credit => p.stage_start += HEADER_LEN,
-                }
-                continue;
-            }
-            // 3. More bytes into the stage.
-            if p.stage_start == p.stage_end {
-                p.stage_start = 0;
-                p.stage_end = 0;
-            } else if p.stage_start > 0 && p.stage_end == STAGE_BYTES {
-                p.stage.copy_within(p.stage_start..p.stage_end, 0);
-                p.stage_end -= p.stage_start;
-                p.stage_start = 0;
-            }
-            let room = if p.direct_stream {
-                (p.stage_end + READ_AHEAD).min(STAGE_BYTES)
-            } else {
-                STAGE_BYTES
-            };
-            match p.stream.read(&mut p.stage[p.stage_end..room]) {
-                Ok(0) => {
-                    let clean = p.partial.is_none() && p.stage_start == p.stage_end && p.closing;
-                    return ReadOutcome::Gone { clean };
-                }
-                Ok(n) => p.stage_end += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return ReadOutcome::Idle,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => return ReadOutcome::Gone { clean: false },
-            }
-        }
-    }
+    // ----- receiving -----
 
     fn inbox_full(&self) -> bool {
         self.arrivals.len() >= self.config.inbox_messages
             || self.arrival_bytes >= self.config.inbox_bytes
     }
 
-    fn pool_dry(&self) -> bool {
-        self.peers.iter().flatten().any(|p| p.dry)
+    fn read_all(&mut self) -> bool {
+        let before = self.arrivals.len();
+        for _ in 0..self.hot_read.len() {
+            if self.inbox_full() {
+                break;
+            }
+            let Some(slot) = self.hot_read.pop_front() else {
+                break;
+            };
+            let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+                continue;
+            };
+            p.in_read = false;
+            match self.read_peer(slot) {
+                Outcome::Drained => self.control(slot),
+                Outcome::Stopped => {
+                    self.control(slot);
+                    self.mark_read(slot);
+                }
+                Outcome::Gone { clean } => self.drop_peer(slot, clean),
+                Outcome::Bad(e) => {
+                    log::warn!(
+                        "tcp: peer {} broke the protocol: {e}; closing it",
+                        self.id(slot)
+                    );
+                    self.arrivals.push_back(Err(e));
+                    self.drop_peer(slot, true);
+                }
+            }
+        }
+        self.arrivals.len() != before
+    }
+
+    fn read_peer(&mut self, slot: usize) -> Outcome {
+        let now = self.now();
+        let id = self.id(slot);
+        let (inbox, inbox_bytes) = (self.config.inbox_messages, self.config.inbox_bytes);
+        let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+            return Outcome::Drained;
+        };
+        let protocol = |error| Outcome::Bad(Error::Protocol { peer: id, error });
+        loop {
+            if self.arrivals.len() >= inbox || self.arrival_bytes >= inbox_bytes {
+                return Outcome::Stopped;
+            }
+            // 1. The payload of the frame whose header the engine took.
+            if let Some(inc) = p.incoming.as_mut() {
+                let staged = p.stage_end - p.stage_start;
+                if p.lease.is_none() {
+                    if !inc.d.first {
+                        return Outcome::Bad(Error::Backend("tcp: a fragment without its message"));
+                    }
+                    // Leased once its bytes are there: a header alone costs nothing.
+                    if inc.d.len > 0
+                        && staged == 0
+                        && p.lane.as_ref().is_none_or(|l| l.early.is_empty())
+                    {
+                        match read_stage(p, READ_AHEAD) {
+                            Ok(true) => continue,
+                            Ok(false) => return Outcome::Drained,
+                            Err(()) => return Outcome::Gone { clean: false },
+                        }
+                    }
+                    // A payload that must come from the socket waits while a
+                    // message waits for the application: read now, it would
+                    // fill a second, cold buffer; later, the one given back.
+                    p.deferred =
+                        inc.d.len.saturating_sub(staged) >= DIRECT_MIN && !self.arrivals.is_empty();
+                    if p.deferred {
+                        return Outcome::Stopped;
+                    }
+                    match Lease::take(Arc::clone(&self.pool), inc.d.msg_len.max(1)) {
+                        Ok(mut l) => {
+                            let _ = l.set_len(inc.d.msg_len);
+                            p.lease = Some(l);
+                            p.dry = false;
+                        }
+                        Err(e) => {
+                            if !matches!(e, Error::Pool(_)) {
+                                log::warn!("tcp: receive pool failed: {e}");
+                            }
+                            p.dry = true;
+                            return Outcome::Stopped;
+                        }
+                    }
+                    if inc.d.len >= QUICK_ACK_MIN {
+                        quick_ack(&p.stream);
+                        if let (true, Some(l)) = (inc.split < inc.d.len, &p.lane) {
+                            quick_ack(&l.stream);
+                        }
+                    }
+                }
+                let Some(lease) = p.lease.as_mut() else {
+                    return Outcome::Stopped;
+                };
+                let base = inc.d.offset;
+                // 1a. A striped payload's rest, from the lane.
+                let mut lane_idle = true;
+                let lane_missing = inc.d.len - inc.split - inc.lane_have;
+                if let (true, Some(lane)) = (lane_missing > 0, p.lane.as_mut()) {
+                    let at = base + inc.split + inc.lane_have;
+                    match lane.read(&mut host_bytes_mut(lease)[at..base + inc.d.len]) {
+                        Ok(0) => return Outcome::Gone { clean: false },
+                        Ok(n) => {
+                            inc.lane_have += n;
+                            lane_idle = false;
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => lane_idle = false,
+                        Err(_) => return Outcome::Gone { clean: false },
+                    }
+                }
+                // 1b. The main connection's part: staged bytes, then the socket.
+                let want = inc.split - inc.have;
+                let take = staged.min(want);
+                if take > 0 {
+                    let at = base + inc.have;
+                    host_bytes_mut(lease)[at..at + take]
+                        .copy_from_slice(&p.stage[p.stage_start..p.stage_start + take]);
+                    inc.have += take;
+                    p.stage_start += take;
+                }
+                if inc.have < inc.split {
+                    if want - take < DIRECT_MIN {
+                        match read_stage(p, STAGE_BYTES) {
+                            Ok(true) => continue,
+                            Ok(false) if lane_idle => return Outcome::Drained,
+                            Ok(false) => continue,
+                            Err(()) => return Outcome::Gone { clean: false },
+                        }
+                    }
+                    // The rest straight into the lease; a little beyond it into the stage.
+                    p.stage_start = 0;
+                    p.stage_end = 0;
+                    let rest = &mut host_bytes_mut(lease)[base + inc.have..base + inc.split];
+                    let into_lease = rest.len();
+                    let mut bufs = [
+                        IoSliceMut::new(rest),
+                        IoSliceMut::new(&mut p.stage[..READ_AHEAD]),
+                    ];
+                    match p.stream.read_vectored(&mut bufs) {
+                        Ok(0) => return Outcome::Gone { clean: false },
+                        Ok(n) => {
+                            inc.have += n.min(into_lease);
+                            p.stage_end = n.saturating_sub(into_lease);
+                            p.session.handle_activity(now, false);
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            p.readable = false;
+                            if lane_idle {
+                                return Outcome::Drained;
+                            }
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(_) => return Outcome::Gone { clean: false },
+                    }
+                    continue;
+                }
+                if inc.lane_have < inc.d.len - inc.split {
+                    if lane_idle {
+                        return Outcome::Drained; // the lane's readiness brings us back
+                    }
+                    continue;
+                }
+                // 1c. The frame is in.
+                let (d, len) = (inc.d, inc.d.len);
+                p.incoming = None;
+                p.direct_stream = len >= DIRECT_MIN;
+                let payload = &host_bytes(lease)[d.offset..d.offset + len];
+                match p.session.handle_payload(now, Some(payload)) {
+                    Ok(Some(_)) => {
+                        let lease = p.lease.take().expect("leased above");
+                        self.arrival_bytes += lease.len();
+                        self.arrivals.push_back(Ok(Received { peer: id, lease }));
+                    }
+                    Ok(None) => {}
+                    Err(e) => return protocol(e),
+                }
+                continue;
+            }
+            // 2. A header, if one is staged.
+            let staged = p.stage_end - p.stage_start;
+            if staged >= HEADER_LEN {
+                let header = &p.stage[p.stage_start..p.stage_start + HEADER_LEN];
+                let inbound = match p.session.handle_header(now, header, None) {
+                    Ok(i) => i,
+                    Err(e) => return protocol(e),
+                };
+                p.stage_start += HEADER_LEN;
+                match inbound {
+                    Inbound::Data(d) => {
+                        if d.striped && p.lane.as_ref().is_none_or(|l| !l.confirmed) {
+                            return Outcome::Bad(Error::WireRule {
+                                peer: id,
+                                rule: "a striped frame on a connection without a paired second connection",
+                            });
+                        }
+                        let split = if d.striped {
+                            stripe_split(d.len)
+                        } else {
+                            d.len
+                        };
+                        p.incoming = Some(Incoming {
+                            d,
+                            split,
+                            have: 0,
+                            lane_have: 0,
+                        });
+                    }
+                    Inbound::Closed => self.arrivals.push_back(Err(Error::PeerClosed(id))),
+                    // Credit owed, a Close to answer: sent after this pass
+                    // (`control`); a Want by the timers, within the budget.
+                    Inbound::Want | Inbound::Control | Inbound::Opened => {}
+                }
+                continue;
+            }
+            p.session.handle_activity(now, staged > 0);
+            // 3. More bytes into the stage.
+            let room = if p.direct_stream {
+                HEADER_LEN + READ_AHEAD
+            } else {
+                STAGE_BYTES
+            };
+            match read_stage(p, room) {
+                Ok(true) => {}
+                Ok(false) => return Outcome::Drained,
+                Err(()) => {
+                    return Outcome::Gone {
+                        clean: p.session.peer_closed() && staged == 0,
+                    }
+                }
+            }
+        }
+    }
+
+    /// Removes a peer; an unclean end is reported once as `PeerLost`. What
+    /// it held (a partial message, queued sends) goes back with it.
+    fn drop_peer(&mut self, slot: usize, clean: bool) {
+        let Some((gen, p)) = self.peers.get_mut(slot) else {
+            return;
+        };
+        let Some(p) = p.take() else { return };
+        let id = peer_id(slot, *gen);
+        *gen = gen.wrapping_add(1);
+        if !clean {
+            log::info!(
+                "tcp: peer {id} ({}) lost; {} queued frame(s) not delivered",
+                p.addr,
+                p.queue.len()
+            );
+            self.arrivals.push_back(Err(Error::PeerLost(id)));
+        }
+    }
+
+    /// Runs the idle timers (every few milliseconds at most), drops
+    /// handshakes past their deadline, and grants what the budget allows.
+    fn timers(&mut self) {
+        let now = StdInstant::now();
+        if now < self.next_scan {
+            return;
+        }
+        self.next_scan = now + TIMER_SCAN;
+        let t = self.now();
+        let idle = self.config.idle_timeout;
+        for p in &mut self.pending {
+            if p.as_ref()
+                .is_some_and(|p| now.duration_since(p.since) >= idle)
+            {
+                *p = None;
+            }
+        }
+        let mut granted: u64 = self
+            .peers
+            .iter()
+            .filter_map(|(_, p)| p.as_ref())
+            .map(|p| p.session.extra_granted())
+            .sum();
+        for slot in 0..self.peers.len() {
+            let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+                continue;
+            };
+            if let Err(error) = p.session.handle_timeout(t) {
+                let id = self.id(slot);
+                self.arrivals
+                    .push_back(Err(Error::Protocol { peer: id, error }));
+                self.drop_peer(slot, true);
+                continue;
+            }
+            if let Some(len) = p.session.pending_grant() {
+                if granted + len as u64 <= self.config.grant_budget as u64 {
+                    p.session.grant();
+                    granted += p.session.extra_granted();
+                    self.control(slot);
+                }
+            }
+        }
+    }
+
+    /// One pass: readiness, accepts past their back-off, timers, writes,
+    /// and (with `read`) reads.
+    fn pass(&mut self, read: bool) -> bool {
+        let mut any = self.poll_set(Set::Ctl);
+        if self.accept_after.is_some() {
+            any |= self.accept_all();
+        }
+        if read {
+            any |= self.poll_set(Set::Data);
+        }
+        self.timers();
+        any |= self.flush_all();
+        if read {
+            any |= self.read_all();
+        }
+        any
     }
 }
 
-/// Takes `stream` out of TCP's interactive mode, which it enters when it
-/// sends soon after receiving (replies, a ping-pong) and in which it delays
-/// its ACKs: a large message that then arrives waits on them. Measured on
-/// the 2-vCPU VM, 1 MiB streams after 200 ping-pong round trips: striped
-/// 0.89x of one connection without this, 1.11x with it (BENCHMARKS.md).
-/// The kernel leaves the mode again at the next reply, so it is re-armed
-/// per large message (one `setsockopt` per MiB or more). Best effort.
+fn key(slot: usize, what: u64) -> u64 {
+    (slot as u64) << 2 | what
+}
+
+fn lane_hello(token: u32) -> [u8; HEADER_LEN] {
+    Frame::Hello(Hello {
+        window: 0,
+        max_message: 0,
+        frame_max: 0,
+        ring: 0,
+        lane: 1,
+        takes: Takes::NONE,
+        token,
+    })
+    .encode(&[])
+}
+
+fn send_error(e: SendError, peer: PeerId) -> Error {
+    match e {
+        SendError::NotOpen | SendError::NoCredit => Error::WouldBlock,
+        SendError::TooLarge { len, max } => Error::TooLarge { len, max },
+        SendError::Closed => Error::Closed,
+        SendError::Failed(_) | SendError::SequenceExhausted => Error::UnknownPeer(peer),
+    }
+}
+
+/// Reads into the stage, up to `room` bytes past its start: `Ok(true)` when
+/// bytes came, `Ok(false)` when the socket is drained, `Err` at its end.
+fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
+    if p.stage_start == p.stage_end {
+        p.stage_start = 0;
+        p.stage_end = 0;
+    } else if p.stage_start > 0 && p.stage_end + HEADER_LEN > STAGE_BYTES {
+        p.stage.copy_within(p.stage_start..p.stage_end, 0);
+        p.stage_end -= p.stage_start;
+        p.stage_start = 0;
+    }
+    let end = (p.stage_start + room).min(STAGE_BYTES).max(p.stage_end + 1);
+    if end > STAGE_BYTES {
+        // A full stage is never read into (a header or a payload empties it first).
+        debug_assert!(false, "tcp: read into a full stage");
+        return Err(());
+    }
+    loop {
+        match p.stream.read(&mut p.stage[p.stage_end..end]) {
+            Ok(0) => return Err(()),
+            Ok(n) => {
+                p.stage_end += n;
+                return Ok(true);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                p.readable = false;
+                return Ok(false);
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return Err(()),
+        }
+    }
+}
+
+/// Takes `stream` out of TCP's interactive mode, in which it delays its
+/// ACKs: a large message after a run of replies waits on them (measured on
+/// the 2-vCPU VM: striped 1 MiB streams after ping-pong, 0.89x of one
+/// connection without this, 1.11x with it). The kernel leaves the mode again
+/// at the next reply, so it is re-armed per large message. Best effort.
 fn quick_ack(stream: &TcpStream) {
     let one: libc::c_int = 1;
     // SAFETY: a live socket descriptor, and an int option of the size given.
@@ -975,28 +1344,9 @@ fn quick_ack(stream: &TcpStream) {
     };
 }
 
-/// Pairs `lane` with main connection `p` (accepting side) and acks it on the
-/// lane, so the connecting side starts striping. Returns whether it paired:
-/// a lane that cannot take the ack is dropped (the peer keeps one connection).
-fn pair(p: &mut Peer, mut lane: Lane) -> bool {
-    let ack = Header::control(FrameKind::Hello, 0, 1, lane.token).encode();
-    // The first bytes this way on a fresh connection: the socket takes them whole.
-    if let Err(e) = lane.stream.write_all(&ack) {
-        log::info!(
-            "tcp: could not ack the second connection of {} ({e})",
-            p.addr
-        );
-        return false;
-    }
-    lane.confirmed = true;
-    p.lane = Some(lane);
-    true
-}
-
 /// Writes as much of a frame as the sockets take: `header` and
-/// `payload[..split]` on the main connection, `payload[split..]` (a striped
-/// frame's rest) on `lane`, one after the other, so the receiver copies out
-/// of one while the kernel fills the other. `Ok(true)` when all of it went.
+/// `payload[..split]` on the main connection, the rest on `lane`.
+/// `Ok(true)` when all of it went.
 fn write_frame(
     stream: &mut TcpStream,
     lane: Option<&mut TcpStream>,
@@ -1010,7 +1360,6 @@ fn write_frame(
     let lane_done = match lane {
         _ if sent.lane == rest.len() => true,
         Some(l) => write_part(l, &[], rest, &mut sent.lane)?,
-        // Striped frames are made only for peers with a lane, which they keep.
         None => return Err(io::ErrorKind::NotConnected.into()),
     };
     Ok(main_done && lane_done)
@@ -1042,34 +1391,6 @@ fn write_part(
     Ok(true)
 }
 
-fn flush_peer(p: &mut Peer) -> io::Result<bool> {
-    if p.direct.is_some() {
-        // A caller is mid-frame from its own slice; ours go after it.
-        return Ok(false);
-    }
-    let mut any = false;
-    while let Some(front) = p.queue.front_mut() {
-        let before = front.sent.total();
-        let lane = p.lane.as_mut().map(|l| &mut l.stream);
-        let done = write_frame(
-            &mut p.stream,
-            lane,
-            &front.header,
-            front.payload.bytes(),
-            front.split,
-            &mut front.sent,
-        )?;
-        let moved = front.sent.total() - before;
-        p.queued_bytes -= moved;
-        any |= moved > 0;
-        if !done {
-            break;
-        }
-        p.queue.pop_front();
-    }
-    Ok(any)
-}
-
 impl Transport for TcpTransport {
     type Lease = StdLease;
 
@@ -1097,20 +1418,36 @@ impl Transport for TcpTransport {
     }
 
     fn try_recv(&mut self) -> Result<Received<StdLease>, Error> {
-        // Reads only: accepting is `progress`'s, so a polling receiver makes
-        // one system call per peer, not two.
         if self.arrivals.is_empty() {
-            self.read_all();
+            // Reads first; connection work (accepts, handshakes, room to
+            // write, timers) every few calls, so a caller that drives the
+            // transport alone does it all at one system call a poll.
+            self.polls = self.polls.wrapping_add(1);
+            if self.polls % CTL_EVERY == 0 {
+                self.pass(true);
+            } else {
+                self.poll_set(Set::Data);
+                self.read_all();
+            }
         }
         match self.arrivals.pop_front() {
-            Some(r) => {
-                if let Ok(m) = &r {
-                    self.arrival_bytes -= m.lease.len();
+            Some(Ok(m)) => {
+                self.arrival_bytes -= m.lease.len();
+                // Taken: its bytes come back to the peer as credit.
+                let slot = m.peer.0 as usize & 0xFF_FFFF;
+                if let Ok(p) = self.peer_mut(m.peer) {
+                    p.session.consumed(m.lease.len());
+                    self.control(slot);
                 }
-                r
+                Ok(m)
             }
+            Some(Err(e)) => Err(e),
             None if self.closed && self.peer_count() == 0 => Err(Error::Closed),
-            None if self.pool_dry() => {
+            None if self
+                .peers
+                .iter()
+                .any(|(_, p)| p.as_ref().is_some_and(|p| p.dry)) =>
+            {
                 let st = self.pool.stats();
                 Err(Error::Pool(PoolError::Exhausted {
                     used: st.reserved_bytes,
@@ -1122,10 +1459,7 @@ impl Transport for TcpTransport {
     }
 
     fn progress(&mut self) -> Result<bool, Error> {
-        let accepted = self.accept_all();
-        let flushed = self.flush_all();
-        let read = self.read_all();
-        Ok(accepted || flushed || read)
+        Ok(self.pass(true))
     }
 
     fn close(&mut self) -> Result<(), Error> {
@@ -1134,18 +1468,13 @@ impl Transport for TcpTransport {
         }
         self.closed = true;
         self.listener = None;
-        for p in self.peers.iter_mut().flatten() {
-            let header = Header::control(FrameKind::Close, 0, 0, p.tx_seq).encode();
-            p.queue.push_back(Outgoing {
-                header,
-                payload: Payload::Owned(Vec::new()),
-                split: 0,
-                sent: Sent::default(),
-            });
-            p.queued_bytes += HEADER_LEN;
-            p.closing = true;
+        self.pending.clear();
+        for slot in 0..self.peers.len() {
+            if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+                p.session.close();
+                self.control(slot);
+            }
         }
-        self.flush_all();
         Ok(())
     }
 }
@@ -1162,49 +1491,21 @@ impl Wire for TcpTransport {
     }
 
     fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
-        let (accept, data) = match waiter {
-            Waiter::Progress { app_polling } => (true, !app_polling),
-            Waiter::App { reading } => (false, reading),
+        let fd = |fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
         };
-        if let (true, Some(l)) = (accept, &self.listener) {
-            out.push(libc::pollfd {
-                fd: l.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            });
+        out.push(fd(self.poller.fd(Set::Ctl)));
+        if waiter != (Waiter::Progress { app_polling: true }) {
+            out.push(fd(self.poller.fd(Set::Data)));
         }
-        let reading = data && !self.inbox_full();
-        for p in self.peers.iter().flatten() {
-            let (read_main, read_lane) = match reading {
-                true => p.wants_read(),
-                false => (false, false),
-            };
-            // The queue can move only when no caller is mid-frame; that
-            // caller waits for room itself.
-            let writable = match waiter {
-                Waiter::Progress { .. } => p.direct.is_none(),
-                Waiter::App { .. } => true,
-            };
-            let (write_main, write_lane) = match writable {
-                true => p.wants_write(),
-                false => (false, false),
-            };
-            let events = |r: bool, w: bool| {
-                (if r { libc::POLLIN } else { 0 }) | (if w { libc::POLLOUT } else { 0 })
-            };
-            let mut push = |fd, events| {
-                if events != 0 {
-                    out.push(libc::pollfd {
-                        fd,
-                        events,
-                        revents: 0,
-                    });
-                }
-            };
-            push(p.stream.as_raw_fd(), events(read_main, write_main));
-            if let Some(l) = &p.lane {
-                push(l.stream.as_raw_fd(), events(read_lane, write_lane));
-            }
+    }
+
+    fn prepare_sleep(&mut self, waiter: Waiter) -> bool {
+        match waiter {
+            Waiter::App { reading: true } => !self.arrivals.is_empty(),
+            _ => false,
         }
     }
 
@@ -1218,6 +1519,7 @@ impl Wire for TcpTransport {
     }
 
     fn continue_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
+        let slot = peer.0 as usize & 0xFF_FFFF;
         let Ok(p) = self.peer_mut(peer) else {
             return Err(Error::PeerLost(peer));
         };
@@ -1229,6 +1531,7 @@ impl Wire for TcpTransport {
             Ok(false) => Ok(false),
             Ok(true) => {
                 p.direct = None;
+                self.mark_write(slot);
                 Ok(true)
             }
             // The read side reports the peer lost and drops it.
@@ -1251,20 +1554,16 @@ impl Wire for TcpTransport {
             return;
         };
         // Mid-frame, the message cannot be withdrawn: finish it from a copy.
-        let out = Outgoing {
+        p.queued_bytes += HEADER_LEN + bytes.len() - sent.main - sent.lane;
+        p.queue.push_front(Out {
             header,
             payload: Payload::Owned(bytes.to_vec()),
             split,
             sent,
-        };
-        p.queued_bytes += out.total() - sent.total();
-        p.queue.push_front(out);
+        });
     }
 
     fn background_progress(&mut self, read: bool) -> Result<bool, Error> {
-        let accepted = self.accept_all();
-        let flushed = self.flush_all();
-        let read = read && self.read_all();
-        Ok(accepted || flushed || read)
+        Ok(self.pass(read))
     }
 }

@@ -8,9 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zerohop_backends::host_bytes;
-use zerohop_core::session::ProtocolError;
-use zerohop_core::wire::DecodeError as V2;
-use zerohop_core::wire_v1::{Flags, FrameKind, Header, HEADER_LEN};
+use zerohop_core::session::{ProtocolError, Stall};
+use zerohop_core::wire::{Data, DataFlags, DecodeError, Frame, Hello, Takes, HEADER_LEN};
 use zerohop_core::{crc32c, Error, Kind, PeerId, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport, STRIPE_MIN};
 use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, StdPool};
@@ -71,6 +70,83 @@ fn check(m: &[u8]) -> u64 {
         "checksum of a delivered message"
     );
     u64::from_le_bytes(body[..8].try_into().unwrap())
+}
+
+/// A hand-written peer on a raw socket: it speaks the wire (version 2)
+/// frame by frame, so a test can make it do what the transport never would.
+struct Raw {
+    s: TcpStream,
+}
+
+impl Raw {
+    /// Connects and says Hello on the main connection.
+    fn connect(addr: SocketAddr) -> Raw {
+        Raw::connect_with(addr, 0x7E57, 0)
+    }
+
+    fn connect_with(addr: SocketAddr, token: u32, lane: u8) -> Raw {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_nodelay(true).unwrap();
+        s.write_all(&Raw::hello(token, lane)).unwrap();
+        Raw { s }
+    }
+
+    /// A Hello granting a large window (lane 1: a second connection's).
+    fn hello(token: u32, lane: u8) -> [u8; HEADER_LEN] {
+        Frame::Hello(Hello {
+            window: 1 << 30,
+            max_message: 64 << 20,
+            frame_max: 64 << 20,
+            ring: 0,
+            lane,
+            takes: Takes::NONE,
+            token,
+        })
+        .encode(&[])
+    }
+
+    /// A data header for a whole message of `len` bytes.
+    fn data(seq: u64, len: u32, flags: DataFlags) -> [u8; HEADER_LEN] {
+        Frame::Data(Data {
+            flags,
+            seq,
+            msg_len: len,
+            len,
+            offset: 0,
+            credits: 0,
+        })
+        .encode(&[])
+    }
+
+    fn send(&mut self, bytes: &[u8]) {
+        self.s.write_all(bytes).unwrap();
+    }
+
+    /// Reads one frame: its header and payload.
+    fn read_frame(&mut self) -> (Frame, Vec<u8>) {
+        use std::io::Read;
+        let mut h = [0u8; HEADER_LEN];
+        self.s.read_exact(&mut h).unwrap();
+        let f = Frame::decode(&h, 64 << 20).unwrap().frame;
+        let mut payload = vec![0u8; f.payload_len()];
+        self.s.read_exact(&mut payload).unwrap();
+        (f, payload)
+    }
+
+    /// Whether the other side closed this connection within 5 s.
+    fn closed_by_peer(&mut self) -> bool {
+        use std::io::Read;
+        self.s.set_read_timeout(Some(5 * SECOND)).unwrap();
+        let mut b = [0u8; 4096];
+        loop {
+            match self.s.read(&mut b) {
+                Ok(0) => return true,
+                Ok(_) => {} // its Hello, credit: read past them
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+                Err(_) => return false,
+            }
+        }
+    }
 }
 
 #[test]
@@ -239,66 +315,271 @@ fn a_zero_length_message_and_a_64_mib_message_arrive() {
 }
 
 #[test]
-fn garbage_and_a_huge_declared_length_close_only_that_connection() {
+fn garbage_before_a_hello_closes_only_that_connection_and_costs_nothing() {
     let (server, addr, pool) = listener(64 << 20, TcpConfig::default());
     let (good, peer) = client(addr);
-    good.send(peer, b"before", Deadline::after(SECOND), None)
-        .unwrap();
-    assert_eq!(
-        host_bytes(
-            &server
-                .recv(Deadline::after(5 * SECOND), None)
-                .unwrap()
-                .lease
-        ),
-        b"before"
-    );
-
-    // Garbage: not a zerohop frame.
-    let mut g = TcpStream::connect(addr).unwrap();
-    g.write_all(&[0xEE; 64]).unwrap();
-    let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::Protocol {
-                error: ProtocolError::Decode(V2::BadMagic(0xEEEE)),
-                ..
-            }
-        ),
-        "{e:?}"
-    );
-
-    // A valid header declaring the largest length the wire can carry (u32::MAX,
-    // 4 GiB; a 1 TiB length cannot be expressed): refused before any lease.
-    let mut h = Header::data(0, 0, 0, &[], false, Flags::NONE);
-    h.len = u32::MAX;
-    h.checksum = h.compute_checksum(&[]);
-    let mut liar = TcpStream::connect(addr).unwrap();
-    liar.write_all(&h.encode()).unwrap();
-    let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::Protocol {
-                error: ProtocolError::Decode(V2::TooLong {
-                    len: 4294967295,
-                    max: 67108864
-                }),
-                ..
-            }
-        ),
-        "{e:?}"
-    );
-    assert!(
-        pool.stats().reserved_bytes <= 2 << 20,
-        "nothing of the declared size was taken: {:?}",
-        pool.stats()
-    );
-
     expect_still_served(&server, &good, peer);
-    assert_eq!(server.with(|t| t.peer_count()), 1);
+    let used = pool.stats();
+    // Not a zerohop frame; a frame of another version; data with no Hello
+    // first: each connection is closed before it is a peer (there is no peer
+    // to report), with nothing leased.
+    let mut v1 = Raw::hello(1, 0);
+    v1[2] = 1;
+    for first in [
+        vec![0xEE; 64],
+        v1.to_vec(),
+        Raw::data(0, 10, DataFlags::NONE).to_vec(),
+    ] {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(&first).unwrap();
+        let mut raw = Raw { s };
+        assert!(raw.closed_by_peer(), "{first:02x?}");
+    }
+    assert_eq!(server.with(|t| (t.peer_count(), t.handshaking())), (1, 0));
+    assert_eq!(pool.stats().reserved_bytes, used.reserved_bytes);
+    expect_still_served(&server, &good, peer);
+}
+
+#[test]
+fn a_header_claiming_more_than_the_credit_or_the_maximum_fails_only_that_peer() {
+    let (server, addr, pool) = listener(64 << 20, TcpConfig::default());
+    let (good, peer) = client(addr);
+    expect_still_served(&server, &good, peer);
+    let used = pool.stats().reserved_bytes;
+    // The largest length the wire can carry (4 GiB): past the maximum.
+    // Then the maximum (64 MiB), past the 16 MiB window granted.
+    for (len, want) in [
+        (
+            u32::MAX,
+            ProtocolError::Decode(DecodeError::TooLong {
+                len: u32::MAX,
+                max: 64 << 20,
+            }),
+        ),
+        (
+            64 << 20,
+            ProtocolError::CreditExceeded {
+                limit: 16 << 20,
+                end: 64 << 20,
+            },
+        ),
+    ] {
+        let mut raw = Raw::connect(addr);
+        raw.send(&Raw::data(0, len, DataFlags::NONE));
+        raw.send(&[1; 100]);
+        let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+        assert!(
+            matches!(e, Error::Protocol { error, .. } if error == want),
+            "{e:?}"
+        );
+        assert!(raw.closed_by_peer());
+    }
+    assert_eq!(
+        pool.stats().reserved_bytes,
+        used,
+        "nothing of the declared sizes was taken"
+    );
+    expect_still_served(&server, &good, peer);
     assert_eq!(pool.used_bytes(), 0);
+}
+
+#[test]
+fn a_maximum_size_header_from_a_silent_peer_costs_nothing_and_200_leave_an_honest_peer_served() {
+    let config = TcpConfig {
+        idle_timeout: 2 * SECOND,
+        max_handshakes: 1000,
+        ..TcpConfig::default()
+    };
+    let (server, addr, pool) = listener(64 << 20, config);
+    let (good, peer) = client(addr);
+    expect_still_served(&server, &good, peer);
+    let used = pool.stats().used_bytes;
+    // 200 peers say Hello, then a header claiming the whole window (16 MiB),
+    // then nothing: no buffer is leased until payload bytes come.
+    let mut silent: Vec<Raw> = (0..200)
+        .map(|_| {
+            let mut raw = Raw::connect(addr);
+            raw.send(&Raw::data(0, 16 << 20, DataFlags::NONE));
+            raw
+        })
+        .collect();
+    let t0 = Instant::now();
+    while server.with(|t| t.peer_count()) < 201 {
+        assert!(t0.elapsed() < 10 * SECOND, "the 200 were never accepted");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(50)); // their headers are in
+    assert_eq!(
+        pool.stats().used_bytes,
+        used,
+        "a header alone leases nothing"
+    );
+    // The honest peer is served at once, many times over.
+    let t0 = Instant::now();
+    for _ in 0..100 {
+        expect_still_served(&server, &good, peer);
+    }
+    assert!(t0.elapsed() < SECOND, "served promptly: {:?}", t0.elapsed());
+    // One of them sends a byte: it leases the message, at most the window.
+    silent[0].send(&[7]);
+    await_partial_lease(&pool, used);
+    assert!(pool.stats().used_bytes - used <= 16 << 20);
+    // Silent mid-frame past the idle timeout: each is dropped, typed.
+    let mut stalled = 0;
+    while stalled < 200 {
+        match server.recv(Deadline::after(10 * SECOND), None) {
+            Err(Error::Protocol {
+                error:
+                    ProtocolError::Stalled {
+                        during: Stall::Frame,
+                    },
+                ..
+            }) => stalled += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(pool.stats().used_bytes, used, "the byte's lease went back");
+    assert_eq!(server.with(|t| t.peer_count()), 1);
+    expect_still_served(&server, &good, peer);
+}
+
+#[test]
+fn an_idle_half_frame_and_a_silent_handshake_are_dropped_after_the_timeout() {
+    let config = TcpConfig {
+        idle_timeout: Duration::from_millis(300),
+        ..TcpConfig::default()
+    };
+    let (server, addr, _pool) = listener(64 << 20, config);
+    // Half a header after the Hello.
+    let mut half = Raw::connect(addr);
+    half.send(&Raw::data(0, 10, DataFlags::NONE)[..10]);
+    let t0 = Instant::now();
+    let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+    assert_eq!(
+        e,
+        Error::Protocol {
+            peer: PeerId(0),
+            error: ProtocolError::Stalled {
+                during: Stall::Frame
+            }
+        }
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_millis(250),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert!(half.closed_by_peer());
+    // No Hello at all: closed, never a peer.
+    let mut mute = TcpStream::connect(addr).unwrap();
+    mute.write_all(&[0x5A]).unwrap(); // one byte of a header
+    let t0 = Instant::now();
+    let mut raw = Raw { s: mute };
+    assert!(raw.closed_by_peer());
+    assert!(t0.elapsed() >= Duration::from_millis(250) && t0.elapsed() < 3 * SECOND);
+    assert_eq!(server.with(|t| (t.peer_count(), t.handshaking())), (0, 0));
+}
+
+#[test]
+fn hundreds_of_connections_that_never_say_hello_make_room_oldest_first() {
+    let config = TcpConfig {
+        max_handshakes: 50,
+        ..TcpConfig::default()
+    };
+    let (server, addr, _pool) = listener(64 << 20, config);
+    let idle: Vec<TcpStream> = (0..300)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
+    let t0 = Instant::now();
+    while server.with(|t| t.handshaking()) < 50 || t0.elapsed() < Duration::from_millis(200) {
+        assert!(t0.elapsed() < 10 * SECOND);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(server.with(|t| t.handshaking()), 50, "bounded");
+    // A peer that does say Hello is served among them.
+    let (good, peer) = client(addr);
+    expect_still_served(&server, &good, peer);
+    drop(idle);
+}
+
+#[test]
+fn a_sequence_number_at_the_end_of_the_range_is_a_typed_error() {
+    let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());
+    let mut raw = Raw::connect(addr);
+    raw.send(&Raw::data(u64::MAX, 3, DataFlags::NONE));
+    raw.send(b"abc");
+    assert_eq!(
+        server.recv(Deadline::after(5 * SECOND), None).unwrap_err(),
+        Error::Protocol {
+            peer: PeerId(0),
+            error: ProtocolError::SequenceGap {
+                expected: 0,
+                got: u64::MAX
+            }
+        }
+    );
+}
+
+#[test]
+fn a_listener_of_another_version_is_refused_by_name() {
+    let raw = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut t = transport(
+        16 << 20,
+        TcpConfig {
+            stripe_min: None,
+            ..TcpConfig::default()
+        },
+    );
+    let peer = t.connect(raw.local_addr().unwrap(), SECOND).unwrap();
+    let (mut s, _) = raw.accept().unwrap();
+    let mut v1 = Raw::hello(1, 0);
+    v1[2] = 1;
+    s.write_all(&v1).unwrap();
+    let c = Endpoint::new(t, EndpointConfig::default()).unwrap();
+    let e = c.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+    assert_eq!(
+        e,
+        Error::Protocol {
+            peer,
+            error: ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 1, ours: 2 })
+        }
+    );
+    assert!(
+        e.to_string().contains("version 1, this side speaks 2"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_clean_close_is_reported_as_clean_on_both_sides() {
+    let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());
+    let mut t = transport(16 << 20, TcpConfig::default());
+    let peer = t.connect(addr, SECOND).unwrap();
+    let c = Endpoint::new(t, EndpointConfig::default()).unwrap();
+    c.send(peer, b"last words", Deadline::after(5 * SECOND), None)
+        .unwrap();
+    let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), b"last words");
+    let from = r.peer;
+    drop(r);
+    c.with(|t| t.close()).unwrap();
+    assert_eq!(
+        server.recv(Deadline::after(5 * SECOND), None).unwrap_err(),
+        Error::PeerClosed(from)
+    );
+    // The server answered with its own close: reported on the client too.
+    assert_eq!(
+        c.recv(Deadline::after(5 * SECOND), None).unwrap_err(),
+        Error::PeerClosed(peer)
+    );
+    let t0 = Instant::now();
+    while server.with(|t| t.peer_count()) > 0 {
+        assert!(
+            t0.elapsed() < 5 * SECOND,
+            "the finished peer was never let go"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
 }
 
 #[test]
@@ -307,11 +588,10 @@ fn a_peer_that_dies_mid_message_is_reported_and_leaks_nothing() {
     let (good, peer) = client(addr);
     let used_before = pool.used_bytes();
     for abort in [false, true] {
-        let mut dying = TcpStream::connect(addr).unwrap();
-        let payload = vec![7u8; 1 << 20];
-        let h = Header::data(0, 0, 0, &payload, false, Flags::NONE);
-        dying.write_all(&h.encode()).unwrap();
-        dying.write_all(&payload[..300_000]).unwrap();
+        let mut raw = Raw::connect(addr);
+        raw.send(&Raw::data(0, 1 << 20, DataFlags::NONE));
+        raw.send(&[7u8; 300_000]);
+        let dying = raw.s;
         // Let the server take the header and lease a buffer for the payload.
         await_partial_lease(&pool, used_before);
         if abort {
@@ -474,9 +754,14 @@ fn a_large_message_waits_in_the_socket_while_another_waits_for_the_application()
     let mut a = transport(16 << 20, TcpConfig::default());
     let peer = a.connect(addr, SECOND).unwrap();
     let m = |i: u8| vec![i; 40 << 10];
-    a.try_send(peer, &m(1)).unwrap();
-    a.try_send(peer, &m(2)).unwrap();
     let until = Instant::now() + 5 * SECOND;
+    // The handshake: both sides progress until a may send.
+    while a.try_send(peer, &m(1)) == Err(Error::WouldBlock) {
+        assert!(Instant::now() < until, "never opened");
+        b.progress().unwrap();
+        a.progress().unwrap();
+    }
+    a.try_send(peer, &m(2)).unwrap();
     while a.queued_bytes() > 0 && Instant::now() < until {
         a.progress().unwrap();
         std::thread::sleep(Duration::from_millis(1));
@@ -632,15 +917,11 @@ fn with_striping_off_a_peer_has_one_connection() {
 /// A raw client speaking the striped wire: a main connection and its lane,
 /// each announced by a Hello with `token`.
 struct RawStriped {
-    main: TcpStream,
-    lane: TcpStream,
+    main: Raw,
+    lane: Raw,
 }
 
 impl RawStriped {
-    fn hello(token: u64, lane: u32) -> [u8; HEADER_LEN] {
-        Header::control(FrameKind::Hello, 0, lane, token).encode()
-    }
-
     /// The documented split: half the payload, rounded down to 4 KiB, on the
     /// main connection after the header; the rest on the lane.
     fn halves(payload: &[u8]) -> (&[u8], &[u8]) {
@@ -648,18 +929,22 @@ impl RawStriped {
     }
 
     fn header(seq: u64, payload: &[u8]) -> [u8; HEADER_LEN] {
-        Header::data(0, 0, seq, payload, false, Flags::STRIPED).encode()
+        Raw::data(seq, payload.len() as u32, DataFlags::STRIPED)
     }
 
-    /// Reads the acceptor's ack off the lane: its Hello with our token.
-    fn await_ack(&mut self, token: u64) {
-        use std::io::Read;
-        self.lane.set_read_timeout(Some(5 * SECOND)).unwrap();
-        let mut ack = [0u8; HEADER_LEN];
-        self.lane.read_exact(&mut ack).unwrap();
-        let h = Header::decode(&ack, 0).unwrap();
-        assert_eq!((h.kind, h.seq), (FrameKind::Hello, token), "the ack");
+    /// Reads the acceptor's ack off the lane: its lane Hello with our token.
+    fn await_ack(&mut self, token: u32) {
+        self.lane.s.set_read_timeout(Some(5 * SECOND)).unwrap();
+        match self.lane.read_frame().0 {
+            Frame::Hello(h) => assert_eq!((h.lane, h.token), (1, token), "the ack"),
+            other => panic!("not an ack: {other:?}"),
+        }
     }
+}
+
+/// A lane connection that says its Hello (only).
+fn raw_lane(addr: SocketAddr, token: u32) -> Raw {
+    Raw::connect_with(addr, token, 1)
 }
 
 #[test]
@@ -668,22 +953,16 @@ fn a_lane_that_says_hello_before_its_main_connection_is_paired_and_acked() {
     let token = 0x5EED;
     let payload = sized(9, 600 << 10);
     let (first, rest) = RawStriped::halves(&payload);
-    let mut raw = RawStriped {
-        main: TcpStream::connect(addr).unwrap(),
-        lane: TcpStream::connect(addr).unwrap(),
-    };
     // The lane speaks first, and (not waiting for the ack, as a client
-    // should) its half of the message comes right behind its Hello: the
-    // acceptor reads it into its stage before it knows the connection is a lane.
-    raw.lane.write_all(&RawStriped::hello(token, 1)).unwrap();
-    raw.lane.write_all(rest).unwrap();
+    // should) its half of the message comes right behind its Hello.
+    let mut lane = raw_lane(addr, token);
+    lane.send(rest);
     std::thread::sleep(Duration::from_millis(100));
-    raw.main.write_all(&RawStriped::hello(token, 0)).unwrap();
+    let main = Raw::connect_with(addr, token, 0);
+    let mut raw = RawStriped { main, lane };
     raw.await_ack(token);
-    raw.main
-        .write_all(&RawStriped::header(0, &payload))
-        .unwrap();
-    raw.main.write_all(first).unwrap();
+    raw.main.send(&RawStriped::header(0, &payload));
+    raw.main.send(first);
     let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
     assert_eq!(host_bytes(&r.lease), &payload[..]);
     assert_eq!(
@@ -695,39 +974,25 @@ fn a_lane_that_says_hello_before_its_main_connection_is_paired_and_acked() {
 }
 
 #[test]
-fn a_striped_frame_without_a_paired_lane_is_a_protocol_error() {
+fn a_striped_frame_without_a_paired_lane_breaks_the_wires_rule() {
     let (server, addr, pool) = listener(64 << 20, TcpConfig::default());
     let (good, peer) = client(addr);
+    expect_still_served(&server, &good, peer);
     let used_before = pool.used_bytes();
-    // No Hello at all (the fuzzer's find: the reader waited for a lane that
-    // would never come and never saw the connection close); then a Hello
-    // but no lane yet.
-    for hello in [false, true] {
-        let mut raw = TcpStream::connect(addr).unwrap();
-        if hello {
-            raw.write_all(&RawStriped::hello(0xAB, 0)).unwrap();
-        }
-        let payload = sized(3, 256);
-        raw.write_all(&RawStriped::header(0, &payload)).unwrap();
-        raw.write_all(&payload).unwrap();
-        let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::Protocol {
-                    error: ProtocolError::Decode(V2::ReservedBits), // NoLane, in v1
-                    ..
-                }
-            ),
-            "{hello}: {e:?}"
-        );
-    }
+    let mut raw = Raw::connect_with(addr, 0xAB, 0);
+    let payload = sized(3, 256);
+    raw.send(&RawStriped::header(0, &payload));
+    raw.send(&payload);
+    let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+    assert!(matches!(e, Error::WireRule { .. }), "{e:?}");
+    assert!(e.to_string().contains("striped"), "{e}");
+    assert!(raw.closed_by_peer());
     assert_eq!(
         server.with(|t| t.peer_count()),
         1,
         "only the good peer is left"
     );
-    assert_eq!(pool.used_bytes(), used_before, "nothing leased for them");
+    assert_eq!(pool.used_bytes(), used_before, "nothing leased for it");
     expect_still_served(&server, &good, peer);
 }
 
@@ -735,28 +1000,24 @@ fn a_striped_frame_without_a_paired_lane_is_a_protocol_error() {
 fn a_lane_that_dies_mid_message_loses_its_peer_and_leaks_nothing() {
     let (server, addr, pool) = listener(64 << 20, TcpConfig::default());
     let (good, peer) = client(addr);
+    expect_still_served(&server, &good, peer);
     let used_before = pool.used_bytes();
     // The lane closes (end of stream), then, for a second peer, resets (as
     // from a killed process); each main connection stays open, with its part
     // of the message delivered.
     for (token, abort) in [(0xD1E5, false), (0xD1E6, true)] {
-        let mut raw = RawStriped {
-            main: TcpStream::connect(addr).unwrap(),
-            lane: TcpStream::connect(addr).unwrap(),
-        };
-        raw.main.write_all(&RawStriped::hello(token, 0)).unwrap();
-        raw.lane.write_all(&RawStriped::hello(token, 1)).unwrap();
+        let main = Raw::connect_with(addr, token, 0);
+        let lane = raw_lane(addr, token);
+        let mut raw = RawStriped { main, lane };
         raw.await_ack(token);
         let payload = sized(1, 1 << 20);
         let (first, rest) = RawStriped::halves(&payload);
-        raw.main
-            .write_all(&RawStriped::header(0, &payload))
-            .unwrap();
-        raw.main.write_all(first).unwrap();
-        raw.lane.write_all(&rest[..100_000]).unwrap();
+        raw.main.send(&RawStriped::header(0, &payload));
+        raw.main.send(first);
+        raw.lane.send(&rest[..100_000]);
         await_partial_lease(&pool, used_before);
         if abort {
-            socket_linger_zero(&raw.lane);
+            socket_linger_zero(&raw.lane.s);
         }
         drop(raw.lane);
         expect_lost_with_its_lease_back(&server, &pool, used_before);
@@ -769,27 +1030,28 @@ fn a_lane_that_dies_mid_message_loses_its_peer_and_leaks_nothing() {
     expect_still_served(&server, &good, peer);
 }
 
-/// Reads one frame from a raw socket: (header, payload).
-fn read_frame(s: &mut TcpStream) -> (Header, Vec<u8>) {
-    use std::io::Read;
-    let mut h = [0u8; HEADER_LEN];
-    s.read_exact(&mut h).unwrap();
-    let header = Header::decode(&h, 64 << 20).unwrap();
-    let mut payload = vec![0u8; header.len as usize];
-    s.read_exact(&mut payload).unwrap();
-    (header, payload)
+/// Reads one data frame, skipping control frames: (seq, payload).
+fn read_message(raw: &mut Raw) -> (u64, Vec<u8>) {
+    loop {
+        if let (Frame::Data(d), p) = raw.read_frame() {
+            return (d.seq, p);
+        }
+    }
 }
 
 #[test]
 fn a_large_send_is_finished_from_the_callers_slice_or_from_a_copy_when_its_deadline_strikes() {
-    let raw = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     // One connection (no lane), so the raw reader sees every frame whole.
     let one = TcpConfig {
         stripe_min: None,
         ..TcpConfig::default()
     };
-    let (c, peer) = client_with(raw.local_addr().unwrap(), one);
-    let (mut reader, _) = raw.accept().unwrap();
+    let (c, peer) = client_with(listener.local_addr().unwrap(), one);
+    let (s, _) = listener.accept().unwrap();
+    let mut reader = Raw { s };
+    assert!(matches!(reader.read_frame().0, Frame::Hello(_)));
+    reader.send(&Raw::hello(1, 0));
     let big = message(1, 1 << 20);
     let big: Vec<u8> = big.iter().copied().cycle().take(16 << 20).collect();
 
@@ -815,21 +1077,20 @@ fn a_large_send_is_finished_from_the_callers_slice_or_from_a_copy_when_its_deadl
     );
     // A later message goes behind it.
     c.send(peer, b"after", Deadline::never(), None).unwrap();
-    let (h, p) = read_frame(&mut reader);
-    assert_eq!((h.seq, p.len()), (0, big.len()));
+    let (seq, p) = read_message(&mut reader);
+    assert_eq!((seq, p.len()), (0, big.len()));
     assert!(
         p == big,
         "the copied rest continues the caller's bytes exactly"
     );
-    let (h, p) = read_frame(&mut reader);
-    assert_eq!((h.seq, &p[..]), (1, &b"after"[..]));
+    let (seq, p) = read_message(&mut reader);
+    assert_eq!((seq, &p[..]), (1, &b"after"[..]));
 
     // 2. A reader that keeps up: the send returns when all of the message is
     // with the kernel, and nothing was copied or queued.
     let drain = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(100));
-        let (h, p) = read_frame(&mut reader);
-        (h.seq, p)
+        read_message(&mut reader)
     });
     c.send(peer, &big, Deadline::never(), None).unwrap();
     assert_eq!(c.pending_sends(), 0, "sent from the caller's slice");
