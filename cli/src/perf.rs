@@ -377,8 +377,11 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
     let skipped: Vec<String> = choice.skipped().map(|s| s.to_string()).collect();
     let bar = progress(2 * plan.sizes.len() as u64, args.json);
     let budget = config.pool_bytes;
+    // Progress in the caller's thread, as ucx_perftest drives its worker:
+    // each side of a run is one thread that sends, receives and progresses.
     let ep = EndpointConfig {
         spin: Duration::from_micros(args.spin_us),
+        progress_thread: false,
         ..EndpointConfig::default()
     };
     let (mode, rows) = match (kind, &args.listen, args.connect) {

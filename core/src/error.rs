@@ -90,7 +90,21 @@ pub enum Error {
     },
     /// Host code asked to read memory the CPU cannot see (GPU device memory).
     NotHostVisible(MemKind),
-    /// A backend call failed; the name is the failing call (e.g. `"ibv_post_send"`).
+    /// An operating-system or driver call failed: the call, and its error
+    /// number (`errno` for verbs and sockets, the `CUresult` for CUDA).
+    Call {
+        /// The failing call (e.g. `"ibv_post_send"`).
+        call: &'static str,
+        /// Its error number.
+        code: i32,
+    },
+    /// The device or its driver does not do this (the call answered
+    /// `EOPNOTSUPP`): a property of the host, not a passing failure.
+    Unsupported {
+        /// The call that said so.
+        call: &'static str,
+    },
+    /// A backend condition with no error number behind it (the text says which).
     Backend(&'static str),
     /// A setting cannot work; the text names it and what it needs.
     BadConfig(&'static str),
@@ -149,7 +163,11 @@ impl fmt::Display for Error {
                 )
             }
             Error::NotHostVisible(k) => write!(f, "{} memory is not visible to the CPU", k.name()),
-            Error::Backend(call) => write!(f, "{call} failed"),
+            Error::Call { call, code } => write!(f, "{call} failed (error {code})"),
+            Error::Unsupported { call } => {
+                write!(f, "{call}: not supported by this device or driver")
+            }
+            Error::Backend(what) => f.write_str(what),
             Error::BadConfig(what) => write!(f, "unusable setting: {what}"),
         }
     }

@@ -612,6 +612,14 @@ impl Session {
         self.tx_frames
     }
 
+    /// Whether [`next_frame`](Self::next_frame) gives the first fragment of
+    /// a message started now: the session is open, its Hello is out, and the
+    /// peer's ring has room. A driver that must either post a message at once
+    /// or keep a copy of it asks first.
+    pub fn ready_to_frame(&self) -> bool {
+        self.is_open() && self.hello_sent && self.may_post_data()
+    }
+
     /// Whether a data frame (or a Want, or the Close) may be posted now:
     /// on a ring wire it needs two frame credits, since only a Credit frame
     /// may take the last one (see [`poll_control`](Self::poll_control)).
@@ -694,8 +702,9 @@ impl Session {
         self.closing = true;
     }
 
-    /// The application took a message of `len` bytes: they come back to the
-    /// peer as credit.
+    /// A delivered message of `len` bytes left the wire's hands: the
+    /// application took it, or the driver put it in an inbox bounded on its
+    /// own. Its bytes come back to the peer as credit.
     pub fn consumed(&mut self, len: usize) {
         let len = len as u64;
         // More than was received is a driver bug; the counters never pass it.

@@ -206,6 +206,13 @@ pub struct EndpointConfig {
     /// Longest single sleep of a waiting call or of the progress thread
     /// (default 5 ms): bounds how late a cancellation or a pool refill is seen.
     pub poll_interval: Duration,
+    /// Run a progress thread beside the application (default on): it
+    /// accepts, finishes handshakes and queued sends, and reads for an
+    /// application that is not calling. Off, the application's own calls
+    /// (`recv`, `send`, `flush`, [`Endpoint::progress`]) do all of it in its
+    /// thread, as UCX's `ucp_worker_progress` does: no second busy thread,
+    /// which on a small host is the difference (two processes, two cores).
+    pub progress_thread: bool,
 }
 
 impl Default for EndpointConfig {
@@ -213,6 +220,7 @@ impl Default for EndpointConfig {
         EndpointConfig {
             spin: Duration::from_micros(50),
             poll_interval: Duration::from_millis(5),
+            progress_thread: true,
         }
     }
 }
@@ -290,6 +298,8 @@ impl<T: Wire> Shared<T> {
 pub struct Endpoint<T: Wire> {
     shared: Arc<Shared<T>>,
     thread: Option<thread::JoinHandle<()>>,
+    /// `close` ran: dropping says nothing of undelivered sends.
+    closed: bool,
 }
 
 impl<T: Wire> std::fmt::Debug for Endpoint<T> {
@@ -301,7 +311,8 @@ impl<T: Wire> std::fmt::Debug for Endpoint<T> {
 }
 
 impl<T: Wire> Endpoint<T> {
-    /// Wraps `transport` and starts its progress thread.
+    /// Wraps `transport` and starts its progress thread, if the
+    /// configuration asks for one.
     pub fn new(transport: T, config: EndpointConfig) -> std::io::Result<Self> {
         let shared = Arc::new(Shared {
             leaser: transport.leaser(),
@@ -315,14 +326,29 @@ impl<T: Wire> Endpoint<T> {
             doorbell: Doorbell::new()?,
             config,
         });
-        let s = Arc::clone(&shared);
-        let thread = thread::Builder::new()
-            .name("zerohop-progress".into())
-            .spawn(move || progress_loop(&s))?;
+        let thread = match config.progress_thread {
+            true => {
+                let s = Arc::clone(&shared);
+                let t = thread::Builder::new()
+                    .name("zerohop-progress".into())
+                    .spawn(move || progress_loop(&s))?;
+                Some(t)
+            }
+            false => None,
+        };
         Ok(Endpoint {
             shared,
-            thread: Some(thread),
+            thread,
+            closed: false,
         })
+    }
+
+    /// Moves the transport along in the caller's thread: accepts, handshakes,
+    /// queued sends, reads. What a progress thread does; an application
+    /// without one (see [`EndpointConfig::progress_thread`]) that is not
+    /// inside `recv` calls it now and then. Returns whether anything happened.
+    pub fn progress(&self) -> Result<bool, Error> {
+        self.shared.lock().progress()
     }
 
     /// A buffer for a zero-copy send: see [`Wire::leaser`]. Takes no
@@ -492,8 +518,11 @@ impl<T: Wire> Endpoint<T> {
             if deadline.passed() {
                 return Err(Error::Timeout);
             }
-            // Flush what is queued ourselves, then wait for the socket.
-            let _ = t.progress();
+            // Move the wire ourselves (flush, read credit that came back);
+            // if that changed anything, try again at once, else wait for it.
+            if t.progress() == Ok(true) {
+                continue;
+            }
             t = self.wait_io(t, deadline, false);
         }
     }
@@ -547,8 +576,12 @@ impl<T: Wire> Endpoint<T> {
             if spinning && now < until {
                 continue;
             }
-            // 2. Sleep in poll(2) on the transport's descriptors.
+            // 2. Sleep in poll(2) on the transport's descriptors; with no
+            // progress thread, do its work first.
             spinning = false;
+            if self.thread.is_none() && t.progress() == Ok(true) {
+                continue;
+            }
             t = self.wait_io(t, deadline, true);
         };
         Shared::adjust(&self.shared.app_reading, -1, &t);
@@ -595,6 +628,7 @@ impl<T: Wire> Endpoint<T> {
     pub fn close(mut self, deadline: Deadline) -> Result<(), Error> {
         self.shared.lock().close()?;
         let flushed = self.flush(deadline);
+        self.closed = true;
         self.stop();
         flushed
     }
@@ -612,7 +646,7 @@ impl<T: Wire> Endpoint<T> {
 
 impl<T: Wire> Drop for Endpoint<T> {
     fn drop(&mut self) {
-        if self.thread.is_some() {
+        if !self.closed {
             // Dropped without `close`: what is still queued is not delivered; say so.
             let pending = self.shared.lock().pending_sends();
             if pending > 0 {

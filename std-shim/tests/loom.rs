@@ -122,6 +122,7 @@ fn config() -> EndpointConfig {
         // No spin: the model explores the sleeping path, where wake-ups matter.
         spin: Duration::ZERO,
         poll_interval: Duration::from_millis(5),
+        progress_thread: true,
     }
 }
 

@@ -8,7 +8,33 @@ use zerohop_core::{Kind, PeerId};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 use zerohop_std::{heap_pool, Endpoint, EndpointConfig};
 
-use crate::{Harness, Pair};
+use crate::{Forge, Harness, Pair};
+
+impl Forge for TcpTransport {
+    fn forge(&mut self, peer: PeerId, frame: &[u8]) -> Result<(), zerohop_core::Error> {
+        self.send_raw_frame(peer, frame)
+            .map_err(|_| zerohop_core::Error::Backend("tcp: the forged frame did not go"))
+    }
+}
+
+#[cfg(feature = "mock")]
+impl<L: zerohop_backends::mock::Link, P> Forge for zerohop_backends::mock::MockTransport<L, P>
+where
+    P: std::ops::Deref<Target: zerohop_backends::HostBacked> + Clone,
+{
+    fn forge(&mut self, _: PeerId, frame: &[u8]) -> Result<(), zerohop_core::Error> {
+        self.send_raw_frame(frame)
+    }
+}
+
+#[cfg(feature = "gpudirect-verbs")]
+impl<M: zerohop_backends::verbs::PayloadMemory> Forge
+    for zerohop_backends::verbs::RdmaTransport<M>
+{
+    fn forge(&mut self, peer: PeerId, frame: &[u8]) -> Result<(), zerohop_core::Error> {
+        self.send_raw_frame(peer, frame)
+    }
+}
 
 /// Plain TCP over 127.0.0.1.
 #[derive(Debug)]

@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use zerohop_backends::host_bytes;
-use zerohop_core::{crc32c, Error, Lease, PeerId};
+use zerohop_core::session::ProtocolError;
+use zerohop_core::wire::{Data, DataFlags, Frame};
+use zerohop_core::{crc32c, Error, Lease, PeerId, Transport};
 use zerohop_std::{Deadline, Endpoint, StdLease, StdPool, Wire};
 
 /// A connected pair: `a` sends to `b` as `to_b`, `b` answers as `to_a`.
@@ -30,10 +32,17 @@ pub struct Pair<T: Wire> {
     pub b_pool: Arc<StdPool>,
 }
 
+/// A wire that can put a forged frame on the wire, bypassing its session:
+/// what a broken peer sends (each backend's test hook).
+pub trait Forge {
+    /// Sends `frame` (a header and its payload) to `peer` as it is.
+    fn forge(&mut self, peer: PeerId, frame: &[u8]) -> Result<(), Error>;
+}
+
 /// How a backend makes a pair.
 pub trait Harness {
     /// The transport.
-    type T: Wire<Lease = StdLease>;
+    type T: Wire<Lease = StdLease> + Forge;
     /// A fresh connected pair, or why this host cannot make one.
     fn pair() -> Result<Pair<Self::T>, String>;
     /// The largest message the suite may send.
@@ -205,6 +214,141 @@ pub fn close_flushes<H: Harness>() {
     }
 }
 
+/// A data frame carrying `payload` whole, with sequence number `seq`.
+fn forged(seq: u64, payload: &[u8]) -> Vec<u8> {
+    let f = Frame::Data(Data {
+        flags: DataFlags::NONE,
+        seq,
+        msg_len: payload.len() as u32,
+        len: payload.len() as u32,
+        offset: 0,
+        credits: 0,
+    });
+    let mut v = f.encode(payload).to_vec();
+    v.extend_from_slice(payload);
+    v
+}
+
+/// After a failure, nothing more from that peer is delivered.
+fn nothing_more<T: Wire>(b: &Endpoint<T>) {
+    if let Ok(r) = b.recv(Deadline::after(Duration::from_millis(300)), None) {
+        panic!("a message after the failure, from {}", r.peer);
+    }
+}
+
+/// One behaviour on every wire: a sequence gap fails that peer with a typed
+/// error, the message that skipped is not delivered, nor anything after it,
+/// and every receive buffer goes back.
+pub fn a_gap_fails_the_peer_and_nothing_after_it_is_delivered<H: Harness>() {
+    let Some(p) = pair_or_skip::<H>("a_gap_fails_the_peer_and_nothing_after_it_is_delivered")
+    else {
+        return;
+    };
+    p.a.send(p.to_b, b"m0", Deadline::after(WAIT), None)
+        .unwrap();
+    let r = p.b.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), b"m0");
+    drop(r);
+    p.a.flush(Deadline::after(WAIT)).unwrap();
+    p.a.with(|t| t.forge(p.to_b, &forged(5, b"skipped ahead")))
+        .unwrap();
+    assert_eq!(
+        p.b.recv(Deadline::after(WAIT), None).unwrap_err(),
+        Error::Protocol {
+            peer: p.to_a,
+            error: ProtocolError::SequenceGap {
+                expected: 1,
+                got: 5
+            }
+        }
+    );
+    let _ = p.a.send(p.to_b, b"m1", Deadline::after(WAIT), None);
+    nothing_more(&p.b);
+    // Its one peer gone, the receiver holds nothing (a verbs ring included).
+    assert_eq!(p.b_pool.used_bytes(), 0, "every receive buffer back");
+}
+
+/// One behaviour on every wire: a repeated sequence number fails that peer
+/// and the message is not delivered twice.
+pub fn a_duplicate_fails_the_peer_and_is_not_delivered_twice<H: Harness>() {
+    let Some(p) = pair_or_skip::<H>("a_duplicate_fails_the_peer_and_is_not_delivered_twice") else {
+        return;
+    };
+    for m in [&b"m0"[..], b"m1"] {
+        p.a.send(p.to_b, m, Deadline::after(WAIT), None).unwrap();
+        assert_eq!(
+            host_bytes(&p.b.recv(Deadline::after(WAIT), None).unwrap().lease),
+            m
+        );
+    }
+    p.a.flush(Deadline::after(WAIT)).unwrap();
+    p.a.with(|t| t.forge(p.to_b, &forged(1, b"m1"))).unwrap();
+    assert_eq!(
+        p.b.recv(Deadline::after(WAIT), None).unwrap_err(),
+        Error::Protocol {
+            peer: p.to_a,
+            error: ProtocolError::Duplicate { seq: 1 }
+        }
+    );
+    nothing_more(&p.b);
+    // Its one peer gone, the receiver holds nothing (a verbs ring included).
+    assert_eq!(p.b_pool.used_bytes(), 0, "every receive buffer back");
+}
+
+/// One behaviour on every wire: a clean close is reported as clean on both
+/// sides, after every message sent before it.
+pub fn a_clean_close_is_clean_on_both_sides<H: Harness>() {
+    let Some(p) = pair_or_skip::<H>("a_clean_close_is_clean_on_both_sides") else {
+        return;
+    };
+    for i in 0..5 {
+        p.a.send(p.to_b, &message(i, 300), Deadline::after(WAIT), None)
+            .unwrap();
+    }
+    p.a.with(|t| t.close()).unwrap();
+    for i in 0..5 {
+        let r = p.b.recv(Deadline::after(WAIT), None).unwrap();
+        assert_eq!(host_bytes(&r.lease), &message(i, 300)[..]);
+    }
+    assert_eq!(
+        p.b.recv(Deadline::after(WAIT), None).unwrap_err(),
+        Error::PeerClosed(p.to_a)
+    );
+    assert_eq!(
+        p.a.recv(Deadline::after(WAIT), None).unwrap_err(),
+        Error::PeerClosed(p.to_b)
+    );
+}
+
+/// One behaviour on every wire: a peer that goes away without a word is
+/// reported lost, once, after what it sent arrived, with every buffer back.
+pub fn a_lost_peer_is_reported_with_every_lease_back<H: Harness>() {
+    let Some(p) = pair_or_skip::<H>("a_lost_peer_is_reported_with_every_lease_back") else {
+        return;
+    };
+    for i in 0..5 {
+        p.a.send(p.to_b, &message(i, 3000), Deadline::after(WAIT), None)
+            .unwrap();
+    }
+    p.a.flush(Deadline::after(WAIT)).unwrap();
+    drop(p.a); // no close: its connection just ends
+    let mut got = 0;
+    let lost = loop {
+        match p.b.recv(Deadline::after(WAIT), None) {
+            Ok(r) => {
+                assert_eq!(host_bytes(&r.lease), &message(got, 3000)[..]);
+                got += 1;
+            }
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(lost, Error::PeerLost(p.to_a));
+    assert_eq!(got, 5, "what it sent before it went arrived");
+    nothing_more(&p.b);
+    // Its one peer gone, the receiver holds nothing (a verbs ring included).
+    assert_eq!(p.b_pool.used_bytes(), 0, "every receive buffer back");
+}
+
 /// Instantiates the suite for one harness.
 #[macro_export]
 macro_rules! suite {
@@ -233,6 +377,22 @@ macro_rules! suite {
             #[test]
             fn close_flushes() {
                 $crate::close_flushes::<$harness>()
+            }
+            #[test]
+            fn a_gap_fails_the_peer_and_nothing_after_it_is_delivered() {
+                $crate::a_gap_fails_the_peer_and_nothing_after_it_is_delivered::<$harness>()
+            }
+            #[test]
+            fn a_duplicate_fails_the_peer_and_is_not_delivered_twice() {
+                $crate::a_duplicate_fails_the_peer_and_is_not_delivered_twice::<$harness>()
+            }
+            #[test]
+            fn a_clean_close_is_clean_on_both_sides() {
+                $crate::a_clean_close_is_clean_on_both_sides::<$harness>()
+            }
+            #[test]
+            fn a_lost_peer_is_reported_with_every_lease_back() {
+                $crate::a_lost_peer_is_reported_with_every_lease_back::<$harness>()
             }
         }
     };

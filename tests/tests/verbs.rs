@@ -575,13 +575,14 @@ fn a_ring_too_shallow_to_move_is_refused() {
 
 #[test]
 fn a_listener_answers_a_first_message_that_arrives_before_its_established_event() {
-    // The connecting side may send once its own side is established; the
-    // RTU that raises the listener's ESTABLISHED event trails that message,
-    // and the listener reads CM events only in `progress` (its endpoint's
-    // progress thread, which a loaded host can hold back). Its reply must
-    // not be refused meanwhile: a message that arrived proves the
-    // connection. Here `b` takes the connect request and then only polls
-    // for data, so its ESTABLISHED event stays unread.
+    // The connecting side sends its Hello once its own side is established;
+    // the RTU that raises the listener's ESTABLISHED event trails it, and
+    // the listener reads CM events only in `progress` (its endpoint's
+    // progress thread, which a loaded host can hold back). The listener
+    // must answer meanwhile: a frame that arrived proves the connection.
+    // Here `b` takes the connect request and then only polls for data, so
+    // its ESTABLISHED event stays unread; `connect` returns only once b's
+    // Hello has come, so it hangs if an arrival does not establish.
     let Some(dev) = device_or_skip() else {
         return;
     };
@@ -595,16 +596,24 @@ fn a_listener_answers_a_first_message_that_arrives_before_its_established_event(
         while !b.progress().unwrap() {
             assert!(std::time::Instant::now() < until, "no connect request");
         }
-        let (mut a, peer) = connecting.join().unwrap();
-        if b.peer_count() != 0 {
+        if b.established() != 0 {
+            drive_until_finished(&mut b, &connecting);
             continue;
         }
+        while !connecting.is_finished() {
+            assert!(
+                std::time::Instant::now() < until,
+                "the connect never finished"
+            );
+            assert!(matches!(b.try_recv(), Err(Error::WouldBlock)));
+        }
+        let (mut a, peer) = connecting.join().unwrap();
+        assert_eq!(b.established(), 1, "the arrival established the connection");
         a.try_send(peer, b"first").unwrap();
         let r = next(&mut b);
         assert_eq!(host_bytes(&r.lease), b"first");
         b.try_send(r.peer, b"reply")
             .expect("a reply to a message that arrived goes out");
-        assert_eq!(b.peer_count(), 1, "the arrival established the connection");
         assert_eq!(host_bytes(&next(&mut a).lease), b"reply");
         return;
     }

@@ -83,13 +83,17 @@ impl std::error::Error for CudaError {}
 
 impl From<CudaError> for zerohop_core::Error {
     fn from(e: CudaError) -> Self {
-        zerohop_core::Error::Backend(match e {
-            CudaError::NoDriver => "CUDA: no driver",
-            CudaError::NoDevice { .. } => "CUDA: no device",
-            CudaError::Driver { call, .. } => call,
-            CudaError::NotDeviceMemory { .. } => "CUDA: not device memory",
-            CudaError::Unaligned { .. } => "CUDA: unaligned DMA-buf range",
-        })
+        use zerohop_core::Error;
+        match e {
+            CudaError::Driver { call, result } => Error::Call {
+                call,
+                code: result as i32,
+            },
+            CudaError::NoDriver => Error::Backend("CUDA: no driver"),
+            CudaError::NoDevice { .. } => Error::Backend("CUDA: no device"),
+            CudaError::NotDeviceMemory { .. } => Error::Backend("CUDA: not device memory"),
+            CudaError::Unaligned { .. } => Error::Backend("CUDA: unaligned DMA-buf range"),
+        }
     }
 }
 

@@ -103,6 +103,10 @@ impl<L: Link, const STASH: usize> Link for Faulty<L, STASH> {
         self.inner.room()
     }
 
+    fn peer_gone(&self) -> bool {
+        self.inner.peer_gone()
+    }
+
     fn transmit(&mut self, header: &[u8; HEADER_LEN], payload: &[u8]) -> Result<(), Error> {
         self.inner.transmit(header, payload)
     }

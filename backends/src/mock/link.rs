@@ -1,5 +1,7 @@
 //! A loopback pair of fixed byte rings carrying whole frames.
 
+use core::sync::atomic::{AtomicBool, Ordering};
+
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::Error;
 
@@ -16,6 +18,11 @@ pub trait Link {
     fn take(&mut self, out: &mut [u8]);
     /// Removes the next frame unread.
     fn discard(&mut self);
+    /// Whether the other end is gone (dropped without a word): what a
+    /// reset connection is on a real wire. Default: never.
+    fn peer_gone(&self) -> bool {
+        false
+    }
 }
 
 /// A ring of length-prefixed frames in `CAP` bytes.
@@ -89,11 +96,14 @@ impl<const CAP: usize> Ring<CAP> {
     }
 }
 
-/// Two rings, one per direction. `const`, so a link can live in a `static`.
+/// Two rings, one per direction, and whether each end is still there.
+/// `const`, so a link can live in a `static`.
 #[derive(Debug)]
 pub struct MockLink<const CAP: usize> {
     a_to_b: spin::Mutex<Ring<CAP>>,
     b_to_a: spin::Mutex<Ring<CAP>>,
+    a_gone: AtomicBool,
+    b_gone: AtomicBool,
 }
 
 impl<const CAP: usize> Default for MockLink<CAP> {
@@ -108,19 +118,30 @@ impl<const CAP: usize> MockLink<CAP> {
         MockLink {
             a_to_b: spin::Mutex::new(Ring::new()),
             b_to_a: spin::Mutex::new(Ring::new()),
+            a_gone: AtomicBool::new(false),
+            b_gone: AtomicBool::new(false),
         }
     }
 
-    /// The two ends: what `a` transmits, `b` receives, and back.
+    /// The two ends: what `a` transmits, `b` receives, and back. Dropping
+    /// an end hangs up: the other sees [`Link::peer_gone`].
     pub fn ends(&self) -> (LinkEnd<'_, CAP>, LinkEnd<'_, CAP>) {
+        // Relaxed: the flags order nothing else; a fresh pair of ends
+        // starts with both there (a static link may be handed out again).
+        self.a_gone.store(false, Ordering::Relaxed);
+        self.b_gone.store(false, Ordering::Relaxed);
         (
             LinkEnd {
                 tx: &self.a_to_b,
                 rx: &self.b_to_a,
+                me_gone: &self.a_gone,
+                peer_gone: &self.b_gone,
             },
             LinkEnd {
                 tx: &self.b_to_a,
                 rx: &self.a_to_b,
+                me_gone: &self.b_gone,
+                peer_gone: &self.a_gone,
             },
         )
     }
@@ -136,6 +157,16 @@ impl<const CAP: usize> MockLink<CAP> {
 pub struct LinkEnd<'a, const CAP: usize> {
     tx: &'a spin::Mutex<Ring<CAP>>,
     rx: &'a spin::Mutex<Ring<CAP>>,
+    me_gone: &'a AtomicBool,
+    peer_gone: &'a AtomicBool,
+}
+
+impl<const CAP: usize> Drop for LinkEnd<'_, CAP> {
+    fn drop(&mut self) {
+        // Release: the frames this end queued before hanging up are seen by
+        // a peer that sees the flag (its Acquire load).
+        self.me_gone.store(true, Ordering::Release);
+    }
 }
 
 impl<const CAP: usize> Link for LinkEnd<'_, CAP> {
@@ -157,6 +188,11 @@ impl<const CAP: usize> Link for LinkEnd<'_, CAP> {
 
     fn discard(&mut self) {
         self.rx.lock().pop(None);
+    }
+
+    fn peer_gone(&self) -> bool {
+        // Acquire: pairs with the Release store when the other end drops.
+        self.peer_gone.load(Ordering::Acquire)
     }
 }
 

@@ -110,6 +110,16 @@ where
         &self.session
     }
 
+    /// Puts `frame` (a header and its payload) on the link as it is,
+    /// bypassing the engine: what a broken peer sends, for tests.
+    pub fn send_raw_frame(&mut self, frame: &[u8]) -> Result<(), Error> {
+        let (h, payload) = frame.split_at(HEADER_LEN.min(frame.len()));
+        let header: [u8; HEADER_LEN] = h
+            .try_into()
+            .map_err(|_| Error::BadConfig("a frame is at least a header"))?;
+        self.link.transmit(&header, payload)
+    }
+
     /// Moves this side's clock (the mock has none): the engine's idle timer
     /// runs on it.
     pub fn set_now(&mut self, now: Instant) {
@@ -303,6 +313,10 @@ where
                 }
             }
             let Some((header, carried)) = self.link.peek() else {
+                // An empty link whose other end dropped without its Close.
+                if self.link.peer_gone() && !self.session.peer_closed() {
+                    return Err(self.fail(Error::PeerLost(PEER)));
+                }
                 return Err(Error::WouldBlock);
             };
             self.take_header(header, carried)?;

@@ -7,6 +7,7 @@
 //! [`Registry`] (owning wrappers, every call checked) -> [`PayloadMemory`]
 //! (where payloads live) -> [`RdmaTransport`].
 
+mod cm;
 mod payload;
 mod transport;
 
@@ -45,13 +46,15 @@ pub enum VerbsError {
     },
     /// An address or route could not be resolved, or the peer refused.
     Connect(String),
-    /// The peer announced a receive ring too shallow to ever take a data
-    /// frame (below [`MIN_RECV_DEPTH`]), or none at all (not a zerohop
+    /// The peer announced a receive ring too shallow for credit to keep
+    /// moving (below [`MIN_RECV_DEPTH`]), or none at all (not a zerohop
     /// peer): the connection was refused rather than left to stall.
     ShallowPeer {
         /// The receive depth in the peer's CM private data, if it sent one.
         depth: Option<u32>,
     },
+    /// The peer broke the protocol at the handshake (another version, no Hello).
+    Protocol(zerohop_core::session::ProtocolError),
 }
 
 impl fmt::Display for VerbsError {
@@ -67,13 +70,14 @@ impl fmt::Display for VerbsError {
             VerbsError::ShallowPeer { depth: Some(d) } => write!(
                 f,
                 "RDMA connection refused: the peer announced a receive ring of {d}, \
-                 and a data frame needs {MIN_RECV_DEPTH}"
+                 and the least that keeps credit moving is {MIN_RECV_DEPTH}"
             ),
             VerbsError::ShallowPeer { depth: None } => write!(
                 f,
                 "RDMA connection refused: the peer announced no receive ring \
                  (its CM private data is not zerohop's)"
             ),
+            VerbsError::Protocol(e) => write!(f, "RDMA connection refused: {e}"),
         }
     }
 }
@@ -82,12 +86,22 @@ impl std::error::Error for VerbsError {}
 
 impl From<VerbsError> for Error {
     fn from(e: VerbsError) -> Self {
-        Error::Backend(match e {
-            VerbsError::NoDevice(_) => "verbs: no RDMA device",
-            VerbsError::Call { call, .. } => call,
-            VerbsError::Connect(_) => "rdma_connect",
-            VerbsError::ShallowPeer { .. } => "rdma: the peer's receive ring is too shallow",
-        })
+        match e {
+            VerbsError::Call {
+                call,
+                errno: libc::EOPNOTSUPP,
+            } => Error::Unsupported { call },
+            VerbsError::Call { call, errno } => Error::Call { call, code: errno },
+            VerbsError::NoDevice(_) => Error::Backend("verbs: no RDMA device"),
+            VerbsError::Connect(_) => Error::Backend("verbs: the connection failed"),
+            VerbsError::ShallowPeer { .. } => {
+                Error::Backend("verbs: the peer's receive ring is too shallow")
+            }
+            VerbsError::Protocol(error) => Error::Protocol {
+                peer: zerohop_core::PeerId(u32::MAX),
+                error,
+            },
+        }
     }
 }
 
@@ -404,7 +418,7 @@ impl Registry {
         {
             return Ok(h);
         }
-        let mr = NonNull::new(reg()).ok_or(Error::Backend(call))?;
+        let mr = NonNull::new(reg()).ok_or_else(|| Error::from(call_failed(call)))?;
         self.record(mr, region, access)
     }
 }
