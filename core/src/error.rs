@@ -5,7 +5,6 @@ use core::fmt;
 use crate::mem::MemKind;
 use crate::session::ProtocolError;
 use crate::transport::PeerId;
-use crate::wire::DecodeError;
 
 /// Everything a zerohop operation can fail with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,8 +33,6 @@ pub enum Error {
         /// The limit.
         max: usize,
     },
-    /// A frame from this peer failed its checksum.
-    Corrupt(PeerId),
     /// A peer broke the protocol (or went silent mid-frame); its connection
     /// was closed and nothing after the fault was delivered.
     Protocol {
@@ -52,30 +49,12 @@ pub enum Error {
         /// The rule.
         rule: &'static str,
     },
-    /// Frames from this peer skipped sequence numbers: messages were lost.
-    SequenceGap {
-        /// The peer.
-        peer: PeerId,
-        /// The sequence number expected next.
-        expected: u64,
-        /// The one that arrived.
-        got: u64,
-    },
-    /// A frame from this peer repeated a sequence number already delivered.
-    Duplicate {
-        /// The peer.
-        peer: PeerId,
-        /// The repeated sequence number.
-        seq: u64,
-    },
     /// The slab pool could not serve a lease.
     Pool(PoolError),
     /// The registration cache could not take an entry.
     Mr(MrError),
     /// A registration was refused.
     Register(RegisterError),
-    /// A frame did not decode.
-    Decode(DecodeError),
     /// A memory source had no room for `len` bytes.
     OutOfMemory {
         /// Bytes asked for.
@@ -129,7 +108,6 @@ impl fmt::Display for Error {
             Error::TooLarge { len, max } => {
                 write!(f, "message of {len} bytes exceeds the maximum of {max}")
             }
-            Error::Corrupt(p) => write!(f, "frame from peer {p} failed its checksum"),
             Error::Protocol { peer, error } => write!(
                 f,
                 "peer {peer} broke the protocol ({error}); connection closed"
@@ -140,21 +118,9 @@ impl fmt::Display for Error {
                     "peer {peer} broke the wire's rule: {rule}; connection closed"
                 )
             }
-            Error::SequenceGap {
-                peer,
-                expected,
-                got,
-            } => {
-                write!(
-                    f,
-                    "peer {peer}: expected sequence {expected}, got {got} (messages lost)"
-                )
-            }
-            Error::Duplicate { peer, seq } => write!(f, "peer {peer}: duplicate sequence {seq}"),
             Error::Pool(e) => write!(f, "pool: {e}"),
             Error::Mr(e) => write!(f, "registration cache: {e}"),
             Error::Register(e) => write!(f, "registration: {e}"),
-            Error::Decode(e) => write!(f, "frame: {e}"),
             Error::OutOfMemory { len } => write!(f, "memory source has no room for {len} bytes"),
             Error::Misaligned { addr, align } => {
                 write!(
@@ -320,10 +286,5 @@ impl From<MrError> for Error {
 impl From<RegisterError> for Error {
     fn from(e: RegisterError) -> Self {
         Error::Register(e)
-    }
-}
-impl From<DecodeError> for Error {
-    fn from(e: DecodeError) -> Self {
-        Error::Decode(e)
     }
 }

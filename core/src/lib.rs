@@ -28,9 +28,6 @@ mod sync;
 pub mod testing;
 mod transport;
 pub mod wire;
-/// The version-1 header, spoken by the drivers not yet moved onto
-/// [`session`]; it goes with the last of them.
-pub mod wire_v1;
 
 pub use crc::crc32c;
 pub use error::{Error, MrError, PoolError, RegisterError};
