@@ -31,9 +31,27 @@ enum Command {
     Perf(perf::PerfArgs),
 }
 
+/// Raises this process's descriptor limit to its hard limit: a listener
+/// serving a thousand peers needs more than the usual soft limit of 1024.
+fn raise_fd_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a valid rlimit out-pointer; raising the soft limit up to the
+    // hard one needs no privilege and changes nothing else.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().filter_or("ZEROHOP_LOG", "warn"))
         .init();
+    raise_fd_limit();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info { json } => info::run(json),

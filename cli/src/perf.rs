@@ -27,6 +27,15 @@ pub struct PerfArgs {
     /// Run against a `--listen` peer at ADDR.
     #[arg(long)]
     connect: Option<SocketAddr>,
+    /// With `--connect` over TCP: first open this many more connections to
+    /// the listener, each saying Hello and then nothing, and keep them for the
+    /// run (what a node gossiping with many peers looks like to its server).
+    #[arg(long, default_value_t = 0, requires = "connect")]
+    idle_peers: usize,
+    /// With `--idle-peers`: hold the idle connections this many seconds and
+    /// exit, running nothing (to sample the listener's idle CPU).
+    #[arg(long, requires = "idle_peers")]
+    hold: Option<u64>,
     /// Message sizes (bytes, k/M suffixes).
     #[arg(long, value_delimiter = ',', default_value = "64,4k,64k,1M")]
     sizes: Vec<String>,
@@ -384,6 +393,13 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
         progress_thread: false,
         ..EndpointConfig::default()
     };
+    // In one process the listener must accept while the same thread
+    // connects (an RDMA connect waits for the listener's answer): it keeps a
+    // progress thread, which stays out of the way once its thread serves.
+    let listener_ep = EndpointConfig {
+        progress_thread: true,
+        ..ep
+    };
     let (mode, rows) = match (kind, &args.listen, args.connect) {
         (Kind::Tcp | Kind::Uma, Some(addr), _) => {
             let (ep, bound) = transports::tcp_listen(kind, addr, budget, &ep)?;
@@ -392,11 +408,24 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
             return Ok(());
         }
         (Kind::Tcp | Kind::Uma, None, Some(addr)) => {
+            let _idle = match args.idle_peers {
+                0 => None,
+                n => Some(transports::idle_peers(addr, n)?),
+            };
+            if let Some(secs) = args.hold {
+                eprintln!("zerohop perf: holding {} idle connections for {secs} s", args.idle_peers);
+                std::thread::sleep(Duration::from_secs(secs));
+                return Ok(());
+            }
             let (ep, peer) = transports::tcp_connect(kind, addr, budget, &ep)?;
-            (format!("to {addr}"), client(&ep, peer, &plan, &bar, None)?)
+            let mode = match args.idle_peers {
+                0 => format!("to {addr}"),
+                n => format!("to {addr}, beside {n} idle connections"),
+            };
+            (mode, client(&ep, peer, &plan, &bar, None)?)
         }
         (Kind::Tcp | Kind::Uma, None, None) => {
-            let (server, addr) = transports::tcp_listen(kind, "127.0.0.1:0", budget, &ep)?;
+            let (server, addr) = transports::tcp_listen(kind, "127.0.0.1:0", budget, &listener_ep)?;
             let (c, peer) = transports::tcp_connect(kind, addr, budget, &ep)?;
             (
                 "in one process, over 127.0.0.1".to_string(),
@@ -419,7 +448,7 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
         #[cfg(feature = "gpudirect-verbs")]
         (Kind::Rdma, None, None) => {
             let addr = transports::rdma::local_addr()?;
-            let server = transports::rdma::listen(addr, budget, &ep, HostPayload)?;
+            let server = transports::rdma::listen(addr, budget, &listener_ep, HostPayload)?;
             let (c, peer) = transports::rdma::connect(addr, budget, &ep, HostPayload)?;
             (
                 format!("in one process, over RDMA RC on {addr}"),
@@ -448,7 +477,7 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
         (Kind::Gpudirect, None, None) => {
             let addr = transports::rdma::local_addr()?;
             let gpu = transports::rdma::gpu_memory()?;
-            let server = transports::rdma::listen(addr, budget, &ep, gpu.clone())?;
+            let server = transports::rdma::listen(addr, budget, &listener_ep, gpu.clone())?;
             let (c, peer) = transports::rdma::connect(addr, budget, &ep, gpu)?;
             (
                 format!("in one process, over RDMA RC on {addr}, payloads in GPU memory"),

@@ -41,6 +41,35 @@ pub fn tcp_connect(
     Ok((Endpoint::new(t, *ep)?, peer))
 }
 
+/// `n` connections to the listener at `addr` that say Hello and nothing
+/// more (one each: no second connection for striping), once every one is
+/// open. Keep the transport: dropping it closes them.
+pub fn idle_peers(addr: SocketAddr, n: usize) -> Result<TcpTransport, Box<dyn std::error::Error>> {
+    let config = TcpConfig {
+        stripe_min: None,
+        ..TcpConfig::default()
+    };
+    let mut t = TcpTransport::new(heap_pool(n.max(1) << 12)?, config, Kind::Tcp);
+    for i in 0..n {
+        t.connect(addr, Duration::from_secs(10))
+            .map_err(|e| format!("idle connection {i} of {n} to {addr}: {e}"))?;
+    }
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    use zerohop_core::Transport;
+    while t.peer_count() < n {
+        if std::time::Instant::now() > until {
+            return Err(format!(
+                "{} of {n} idle connections to {addr} opened",
+                t.peer_count()
+            )
+            .into());
+        }
+        t.progress()?;
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(t)
+}
+
 #[cfg(feature = "mock")]
 pub mod mock {
     //! The mock link in one process: one static link per run.

@@ -3,7 +3,10 @@
 //! `Mutex<Vec>` free list per size class. Both sides sit behind a lock, as they
 //! would when shared between a progress thread and the application.
 //!
-//! `cargo bench -p zerohop-core --bench core`
+//! And the frame checksum's throughput: `crc`'s table without the `std`
+//! feature, `crc32c`'s (the CPU's CRC instruction) with it.
+//!
+//! `cargo bench -p zerohop-core --bench core [--features std]`
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
@@ -12,9 +15,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use zerohop_core::testing::{CountingNic, FakeMemory};
 use zerohop_core::{
-    Access, Chunks, Error, InlineTables, LocalPool, MemKind, MrHandle, MrTable, PoolConfig,
-    RawMemory, Region, Registrar, SlabPool,
+    Access, Chunks, InlineTables, LocalPool, MrHandle, MrTable, PoolConfig, SlabPool,
 };
 
 const STRIDE: u64 = 0x1_0000;
@@ -98,45 +101,6 @@ fn mr_lookup(c: &mut Criterion) {
     g.finish();
 }
 
-struct FakeMemory(AtomicU64);
-impl RawMemory for FakeMemory {
-    fn alloc(&self, len: usize, align: usize) -> Result<Region, Error> {
-        // Relaxed: a bump counter.
-        let a = self
-            .0
-            .fetch_add((len + align) as u64, Ordering::Relaxed)
-            .next_multiple_of(align as u64);
-        Ok(Region {
-            addr: a,
-            len,
-            kind: MemKind::Host,
-        })
-    }
-    fn free(&self, _: Region) -> Result<(), Error> {
-        Ok(())
-    }
-    fn host_visible(&self) -> bool {
-        true
-    }
-}
-
-struct FakeNic;
-impl Registrar for FakeNic {
-    fn register(&self, r: Region, access: Access) -> Result<MrHandle, Error> {
-        Ok(MrHandle {
-            addr: r.addr,
-            len: r.len,
-            lkey: 1,
-            rkey: 1,
-            access,
-            id: 1,
-        })
-    }
-    fn deregister(&self, _: MrHandle) -> Result<(), Error> {
-        Ok(())
-    }
-}
-
 #[derive(Clone, Copy)]
 struct Buffer {
     lkey: u32,
@@ -146,8 +110,8 @@ fn lease_release(c: &mut Criterion) {
     let mut g = c.benchmark_group("lease_release");
     let cfg = PoolConfig::with_budget(1 << 30);
     let source = Chunks {
-        memory: FakeMemory(AtomicU64::new(1 << 20)),
-        registrar: Some(FakeNic),
+        memory: FakeMemory::new(),
+        registrar: Some(CountingNic::new()),
     };
     let pool = Box::new(SlabPool::new(source, cfg, InlineTables::<512, 8192>::new()).unwrap());
     let classes = cfg.classes.as_slice().to_vec();
@@ -208,5 +172,21 @@ fn config() -> Criterion {
         .sample_size(50)
 }
 
-criterion_group! { name = benches; config = config(); targets = mr_lookup, lease_release, atomic_floor }
+fn checksum(c: &mut Criterion) {
+    let mut g = c.benchmark_group(if cfg!(feature = "std") {
+        "crc32c_hardware"
+    } else {
+        "crc32c_table"
+    });
+    for len in [32usize, 4096, 65536] {
+        let bytes: Vec<u8> = (0..len).map(|i| i as u8).collect();
+        g.throughput(criterion::Throughput::Bytes(len as u64));
+        g.bench_with_input(BenchmarkId::from_parameter(len), &bytes, |b, bytes| {
+            b.iter(|| zerohop_core::crc32c(0, black_box(bytes)))
+        });
+    }
+    g.finish();
+}
+
+criterion_group! { name = benches; config = config(); targets = mr_lookup, lease_release, atomic_floor, checksum }
 criterion_main!(benches);

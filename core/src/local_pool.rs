@@ -164,8 +164,9 @@ impl<S: ChunkSource, T: PoolTables, const M: usize> Drop for LocalPool<'_, S, T,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::tests::{source, CountingNic, FakeMemory};
+    use crate::pool::tests::source;
     use crate::pool::{Chunks, InlineTables, PoolConfig};
+    use crate::testing::{CountingNic, FakeMemory};
 
     type Shared = SlabPool<Chunks<FakeMemory, CountingNic>, InlineTables<8, 256>>;
 

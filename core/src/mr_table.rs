@@ -475,10 +475,35 @@ mod tests {
         let mut t = MrTable::<4>::new();
         t.insert(h(0x1000, 0x100, 1), false, &mut |_| {}).unwrap();
         t.insert(h(0x1200, 0x100, 2), false, &mut |_| {}).unwrap();
-        let mut removed = [None; 2];
-        t.insert(h(0x1000, 0x400, 3), false, &mut collect(&mut removed))
+        // Beside them, out of the way: it stays.
+        t.insert(h(0x2000, 0x100, 4), false, &mut |_| {}).unwrap();
+        let mut removed = [None; 3];
+        let got = t
+            .insert(h(0x1000, 0x400, 3), false, &mut collect(&mut removed))
             .unwrap();
-        assert_eq!(t.len(), 1);
-        assert!(removed.iter().all(Option::is_some));
+        assert_eq!(got, h(0x1000, 0x400, 3), "the larger one is the entry now");
+        // Exactly the two it covers came back, each once, for the caller to
+        // deregister; the one beside them did not.
+        let mut ids: [u32; 3] = [0; 3];
+        for (i, x) in removed.iter().enumerate() {
+            ids[i] = x.map_or(0, |x| x.id);
+        }
+        ids.sort_unstable();
+        assert_eq!(ids, [0, 1, 2]);
+        assert_eq!(t.len(), 2);
+        assert_eq!(
+            t.stats().invalidations,
+            2,
+            "superseded entries count as invalidated"
+        );
+        assert_eq!(t.stats().evictions, 0, "nothing was evicted for room");
+        assert_eq!(
+            t.lookup_covering(0x2000, 0x100, Access::NONE).map(|x| x.id),
+            Some(4)
+        );
+        assert_eq!(
+            t.lookup_covering(0x1200, 0x100, Access::NONE).map(|x| x.id),
+            Some(3)
+        );
     }
 }

@@ -1001,76 +1001,18 @@ where
 
 #[cfg(test)]
 pub(crate) mod tests {
-    use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+    use core::sync::atomic::{AtomicU32, Ordering};
 
     use super::*;
-    use crate::mem::MemKind;
-
-    /// Hands out addresses without memory behind them (core never dereferences).
-    pub(crate) struct FakeMemory {
-        next: AtomicU64,
-        skew: u64,
-    }
-
-    impl RawMemory for FakeMemory {
-        fn alloc(&self, len: usize, align: usize) -> Result<Region, Error> {
-            // Relaxed: a counter only needs atomicity, it orders nothing else.
-            let base = self
-                .next
-                .fetch_add(len as u64 + align as u64, Ordering::Relaxed);
-            let addr = base.next_multiple_of(align as u64) + self.skew;
-            Ok(Region {
-                addr,
-                len,
-                kind: MemKind::Host,
-            })
-        }
-        fn free(&self, _: Region) -> Result<(), Error> {
-            Ok(())
-        }
-        fn host_visible(&self) -> bool {
-            true
-        }
-    }
-
-    pub(crate) struct CountingNic {
-        registered: AtomicU32,
-        deregistered: AtomicU32,
-    }
-
-    impl Registrar for CountingNic {
-        fn register(&self, region: Region, access: Access) -> Result<MrHandle, Error> {
-            region.validate()?;
-            // Relaxed: test counters, read after the threads are joined.
-            let id = self.registered.fetch_add(1, Ordering::Relaxed);
-            Ok(MrHandle {
-                addr: region.addr,
-                len: region.len,
-                lkey: id,
-                rkey: id,
-                access,
-                id,
-            })
-        }
-        fn deregister(&self, _: MrHandle) -> Result<(), Error> {
-            self.deregistered.fetch_add(1, Ordering::Relaxed);
-            Ok(())
-        }
-    }
+    use crate::testing::{CountingNic, FakeMemory};
 
     type TestPool = SlabPool<Chunks<FakeMemory, CountingNic>, InlineTables<16, 1024>>;
 
     /// Fake memory registered with a counting NIC (registration ids from 0).
     pub(crate) fn source() -> Chunks<FakeMemory, CountingNic> {
         Chunks {
-            memory: FakeMemory {
-                next: AtomicU64::new(0x10_0000),
-                skew: 0,
-            },
-            registrar: Some(CountingNic {
-                registered: AtomicU32::new(0),
-                deregistered: AtomicU32::new(0),
-            }),
+            memory: FakeMemory::new(),
+            registrar: Some(CountingNic::new()),
         }
     }
 
@@ -1118,15 +1060,7 @@ pub(crate) mod tests {
             .mr()
             .unwrap()
             .covers(b.device_ptr(), 256, Access::LOCAL_WRITE));
-        assert_eq!(
-            p.source()
-                .registrar
-                .as_ref()
-                .unwrap()
-                .registered
-                .load(Ordering::Relaxed),
-            1
-        );
+        assert_eq!(p.source().registrar.as_ref().unwrap().registered(), 1);
         assert_eq!(p.used_bytes(), 512);
         drop(a);
         drop(b);
@@ -1173,7 +1107,7 @@ pub(crate) mod tests {
         drop(big);
         assert_eq!(p.stats().reserved_bytes, 102_400, "kept for reuse");
         let nic = p.source().registrar.as_ref().unwrap();
-        assert_eq!(nic.deregistered.load(Ordering::Relaxed), 0);
+        assert_eq!(nic.deregistered(), 0);
         // Too large for the budget: the kept buffer goes back first, and
         // the refusal counts nothing held.
         assert_eq!(
@@ -1183,7 +1117,7 @@ pub(crate) mod tests {
                 cap: 1 << 20
             })
         );
-        assert_eq!(nic.deregistered.load(Ordering::Relaxed), 1);
+        assert_eq!(nic.deregistered(), 1);
         assert_eq!(p.stats().reserved_bytes, 0);
     }
 
@@ -1204,7 +1138,7 @@ pub(crate) mod tests {
         }
         let st = p.stats();
         assert_eq!((st.grows, st.oversize, st.oversize_reused), (1, 3, 2));
-        assert_eq!(nic.registered.load(Ordering::Relaxed), 1);
+        assert_eq!(nic.registered(), 1);
         // Less than half its size: a buffer of its own (the kept one would
         // waste more than it serves).
         let small = p.lease(100_000).unwrap();
@@ -1224,20 +1158,14 @@ pub(crate) mod tests {
         let st = p.stats();
         assert!(st.reserved_bytes <= 1 << 20, "{st:?}");
         assert_eq!((st.given_back, st.reclaimed), (3, 2), "{st:?}");
-        assert_eq!(
-            u64::from(nic.deregistered.load(Ordering::Relaxed)),
-            st.given_back
-        );
+        assert_eq!(u64::from(nic.deregistered()), st.given_back);
         drop(held);
     }
 
     #[test]
     fn misaligned_memory_is_refused_and_returned() {
         let source = Chunks::<_, CountingNic> {
-            memory: FakeMemory {
-                next: AtomicU64::new(0),
-                skew: 8,
-            },
+            memory: FakeMemory::skewed(8),
             registrar: None,
         };
         let p: SlabPool<_, InlineTables<4, 64>> = SlabPool::new(
@@ -1262,10 +1190,7 @@ pub(crate) mod tests {
         let mut cfg = PoolConfig::with_budget(1 << 20);
         cfg.chunk_bytes = 512 << 10; // smaller than the 1 MiB class
         let source = Chunks::<_, CountingNic> {
-            memory: FakeMemory {
-                next: AtomicU64::new(0),
-                skew: 0,
-            },
+            memory: FakeMemory::new(),
             registrar: None,
         };
         assert!(matches!(
@@ -1277,10 +1202,7 @@ pub(crate) mod tests {
     #[test]
     fn slot_table_full_is_typed() {
         let source = Chunks::<_, CountingNic> {
-            memory: FakeMemory {
-                next: AtomicU64::new(0),
-                skew: 0,
-            },
+            memory: FakeMemory::new(),
             registrar: None,
         };
         let p: SlabPool<_, InlineTables<4, 2>> = SlabPool::new(
@@ -1304,18 +1226,14 @@ pub(crate) mod tests {
         drop(p.lease(5000).unwrap());
         let source_counts = {
             let nic = p.source().registrar.as_ref().unwrap();
-            nic.registered.load(Ordering::Relaxed)
+            nic.registered()
         };
         assert_eq!(source_counts, 2);
         // Drop runs give_back for both chunks; checked through a shared counter below.
         struct Watch<'a>(&'a AtomicU32);
         impl ChunkSource for Watch<'_> {
             fn obtain(&self, len: usize, align: usize, _: Access) -> Result<Registered, Error> {
-                let r = FakeMemory {
-                    next: AtomicU64::new(0x1000),
-                    skew: 0,
-                }
-                .alloc(len, align)?;
+                let r = FakeMemory::new().alloc(len, align)?;
                 Ok(Registered {
                     region: r,
                     mr: None,
@@ -1351,7 +1269,7 @@ pub(crate) mod tests {
         assert_eq!(p.stats().reserved_bytes, 128 << 10);
         let nic = p.source().registrar.as_ref().unwrap();
         assert_eq!(
-            nic.deregistered.load(Ordering::Relaxed),
+            nic.deregistered(),
             1,
             "the reclaimed chunk was deregistered"
         );
@@ -1380,29 +1298,54 @@ pub(crate) mod tests {
     #[test]
     fn many_threads_lease_and_release_without_overlap() {
         extern crate std;
-        use std::sync::Arc;
+        use std::collections::BTreeMap;
+        use std::sync::{Arc, Mutex};
         use std::vec::Vec;
         let p = Arc::new(pool(1 << 20));
+        // Every buffer held by any thread, by start address: a lease that
+        // overlaps one another thread holds is caught at once.
+        let held: Arc<Mutex<BTreeMap<u64, usize>>> = Arc::default();
+        let claim = |held: &Mutex<BTreeMap<u64, usize>>, r: Region| {
+            let mut h = held.lock().unwrap();
+            let before = h.range(..=r.addr).next_back();
+            assert!(
+                before.is_none_or(|(&a, &len)| a + len as u64 <= r.addr),
+                "{r:?} overlaps a buffer another lease holds"
+            );
+            let after = h.range(r.addr..).next();
+            assert!(
+                after.is_none_or(|(&a, _)| r.addr + r.len as u64 <= a),
+                "{r:?} overlaps a buffer another lease holds"
+            );
+            h.insert(r.addr, r.len);
+        };
         let threads: Vec<_> = (0..4)
             .map(|t| {
-                let p = Arc::clone(&p);
+                let (p, held) = (Arc::clone(&p), Arc::clone(&held));
                 std::thread::spawn(move || {
-                    let mut seen = Vec::new();
                     let rounds = if cfg!(miri) { 20 } else { 2000 };
+                    let mut mine = Vec::new();
                     for i in 0..rounds {
                         let len = 1 + (i * 37 + t * 101) % 16384;
-                        let a = Lease::take(Arc::clone(&p), len).unwrap();
-                        let b = Lease::take(Arc::clone(&p), 64).unwrap();
-                        assert!(!a.buffer().overlaps(b.buffer().addr, b.buffer().len));
-                        seen.push(a.device_ptr());
+                        let l = Lease::take(Arc::clone(&p), len).unwrap();
+                        claim(&held, l.buffer());
+                        mine.push(l);
+                        // Hold up to four at a time; give back the oldest.
+                        if mine.len() > 4 {
+                            let old = mine.remove(0);
+                            held.lock().unwrap().remove(&old.buffer().addr);
+                        }
                     }
-                    seen.len() == rounds
+                    for l in mine {
+                        held.lock().unwrap().remove(&l.buffer().addr);
+                    }
                 })
             })
             .collect();
         for t in threads {
-            assert!(t.join().unwrap());
+            t.join().unwrap();
         }
+        assert!(held.lock().unwrap().is_empty());
         assert_eq!(p.used_bytes(), 0);
         assert_eq!(p.stats().leases, 0);
     }

@@ -1,15 +1,354 @@
 //! Test fakes, kept once (feature `testing`; core's own tests use them too):
-//! memory without bytes behind it, a registrar that counts, and a reference
-//! driver for the session engine that moves whole frames through `Vec`s.
+//! memory without bytes behind it ([`FakeMemory`]), a registrar that counts
+//! ([`CountingNic`]), the registration cache checked against a `BTreeMap`
+//! after every operation ([`MrModel`]), and a reference driver for the
+//! session engine that moves whole frames through `Vec`s ([`SimPeer`]).
 //! Tests, benches, loom models and fuzz targets share them.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::vec::Vec;
 
 use crate::session::{
     DataIn, Inbound, Instant, Outgoing, ProtocolError, SendError, Session, SessionConfig,
 };
 use crate::wire::HEADER_LEN;
+use crate::{Access, Error, MemKind, MrHandle, MrTable, RawMemory, Region, Registrar};
+
+/// Addresses without memory behind them (core never dereferences one): a
+/// bump allocator that never reuses an address and keeps what is live, so a
+/// lease into memory already given back, or a double free, is caught. A
+/// *skewed* one hands out addresses off the alignment asked (a broken source).
+#[derive(Debug)]
+pub struct FakeMemory {
+    next: AtomicU64,
+    skew: u64,
+    live: Mutex<BTreeMap<u64, usize>>,
+}
+
+impl Default for FakeMemory {
+    fn default() -> Self {
+        FakeMemory::new()
+    }
+}
+
+impl FakeMemory {
+    /// Addresses from 1 MiB up.
+    pub fn new() -> FakeMemory {
+        FakeMemory::skewed(0)
+    }
+
+    /// Addresses `skew` bytes past the alignment asked.
+    pub fn skewed(skew: u64) -> FakeMemory {
+        FakeMemory {
+            next: AtomicU64::new(1 << 20),
+            skew,
+            live: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, usize>> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether `r` lies inside one live allocation.
+    pub fn holds(&self, r: Region) -> bool {
+        self.live()
+            .range(..=r.addr)
+            .next_back()
+            .is_some_and(|(&a, &len)| r.addr + r.len as u64 <= a + len as u64)
+    }
+
+    /// Bytes allocated and not freed.
+    pub fn live_bytes(&self) -> usize {
+        self.live().values().sum()
+    }
+}
+
+impl RawMemory for FakeMemory {
+    fn alloc(&self, len: usize, align: usize) -> Result<Region, Error> {
+        // Relaxed: a bump counter; nothing else is ordered by it.
+        let base = self.next.fetch_add((len + align) as u64, Ordering::Relaxed);
+        let addr = base.next_multiple_of(align as u64) + self.skew;
+        self.live().insert(addr, len);
+        Ok(Region {
+            addr,
+            len,
+            kind: MemKind::Host,
+        })
+    }
+
+    fn free(&self, region: Region) -> Result<(), Error> {
+        match self.live().remove(&region.addr) {
+            Some(len) if len == region.len => Ok(()),
+            _ => Err(Error::Backend(
+                "fake memory: a free of memory not allocated here (or twice)",
+            )),
+        }
+    }
+
+    fn host_visible(&self) -> bool {
+        true
+    }
+}
+
+/// A registrar that counts: registration ids (and keys) from 0, and how
+/// many were made and are live.
+#[derive(Debug, Default)]
+pub struct CountingNic {
+    ever: AtomicU32,
+    live: AtomicU32,
+}
+
+impl CountingNic {
+    /// One with nothing registered.
+    pub const fn new() -> CountingNic {
+        CountingNic {
+            ever: AtomicU32::new(0),
+            live: AtomicU32::new(0),
+        }
+    }
+
+    /// Registrations made, ever.
+    pub fn registered(&self) -> u32 {
+        // Relaxed: read after the threads that count are done.
+        self.ever.load(Ordering::Relaxed)
+    }
+
+    /// Registrations undone, ever.
+    pub fn deregistered(&self) -> u32 {
+        self.registered() - self.live()
+    }
+
+    /// Registrations live now.
+    pub fn live(&self) -> u32 {
+        // Relaxed: as above.
+        self.live.load(Ordering::Relaxed)
+    }
+}
+
+impl Registrar for CountingNic {
+    fn register(&self, region: Region, access: Access) -> Result<MrHandle, Error> {
+        region.validate()?;
+        // Relaxed: counters, read once the threads are done.
+        let id = self.ever.fetch_add(1, Ordering::Relaxed);
+        self.live.fetch_add(1, Ordering::Relaxed);
+        Ok(MrHandle {
+            addr: region.addr,
+            len: region.len,
+            lkey: id,
+            rkey: id,
+            access,
+            id,
+        })
+    }
+
+    fn deregister(&self, _: MrHandle) -> Result<(), Error> {
+        // Relaxed: as above.
+        self.live.fetch_sub(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// [`MrTable`] run against a `BTreeMap` model (start address -> handle and
+/// pins), compared after every operation, with every handle accounted for:
+/// in the table, or handed back exactly once.
+///
+/// # Panics
+/// Every method panics where the table and the model disagree.
+#[derive(Debug)]
+pub struct MrModel<const N: usize> {
+    table: MrTable<N>,
+    model: BTreeMap<u64, (MrHandle, u32)>,
+    live: HashSet<u32>,
+    next: u32,
+    hits: u64,
+    misses: u64,
+}
+
+impl<const N: usize> Default for MrModel<N> {
+    fn default() -> Self {
+        MrModel::new()
+    }
+}
+
+impl<const N: usize> MrModel<N> {
+    /// An empty table and model.
+    pub fn new() -> Self {
+        MrModel {
+            table: MrTable::new(),
+            model: BTreeMap::new(),
+            live: HashSet::new(),
+            next: 0,
+            hits: 0,
+            misses: 0,
+        }
+    }
+
+    /// The table.
+    pub fn table(&self) -> &MrTable<N> {
+        &self.table
+    }
+
+    fn covering(&self, addr: u64, len: usize, access: Access) -> Option<(MrHandle, u32)> {
+        self.model
+            .range(..=addr)
+            .next_back()
+            .map(|(_, v)| *v)
+            .filter(|(h, _)| h.covers(addr, len, access))
+    }
+
+    fn handed_back(&mut self, removed: &[MrHandle]) {
+        for x in removed {
+            assert!(self.live.remove(&x.id), "handle {} handed back twice", x.id);
+        }
+    }
+
+    /// Inserts a fresh registration of `[addr, +len)`.
+    pub fn insert(&mut self, addr: u64, len: usize, pinned: bool, access: Access) {
+        self.next += 1;
+        let id = self.next;
+        let h = MrHandle {
+            addr,
+            len,
+            lkey: id,
+            rkey: id,
+            access,
+            id,
+        };
+        self.live.insert(id);
+        let before = self.covering(addr, len, access);
+        let mut removed = Vec::new();
+        let r = self.table.insert(h, pinned, &mut |x| removed.push(x));
+        self.handed_back(&removed);
+        match (before, r) {
+            (Some((e, pins)), got) => {
+                assert_eq!(got, Ok(e), "a covered range is never registered twice");
+                assert_eq!(removed.iter().map(|x| x.id).collect::<Vec<_>>(), [id]);
+                self.model.insert(e.addr, (e, pins + u32::from(pinned)));
+            }
+            (None, Ok(got)) => {
+                assert_eq!(got, h);
+                for x in removed.iter() {
+                    let gone = self.model.remove(&x.addr).map(|v| v.1);
+                    assert_eq!(gone, Some(0), "only unpinned entries leave");
+                }
+                self.model.insert(addr, (h, u32::from(pinned)));
+            }
+            (None, Err(_)) => {
+                assert_eq!(
+                    removed.last().map(|x| x.id),
+                    Some(id),
+                    "a refused handle comes back"
+                );
+            }
+        }
+        self.check();
+    }
+
+    /// Looks up the entry covering `[addr, +len)`.
+    pub fn lookup(&mut self, addr: u64, len: usize) {
+        let want = self.covering(addr, len, Access::NONE).map(|v| v.0);
+        let got = self.table.lookup_covering(addr, len, Access::NONE);
+        assert_eq!(got, want);
+        self.count(got.is_some());
+    }
+
+    /// Pins the entry covering `[addr, +len)`.
+    pub fn pin(&mut self, addr: u64, len: usize) {
+        let want = self.covering(addr, len, Access::NONE);
+        let got = self.table.pin_covering(addr, len, Access::NONE);
+        assert_eq!(got, want.map(|v| v.0));
+        if let Some((h, pins)) = want {
+            self.model.insert(h.addr, (h, pins + 1));
+        }
+        self.count(got.is_some());
+    }
+
+    fn count(&mut self, hit: bool) {
+        if hit {
+            self.hits += 1;
+        } else {
+            self.misses += 1;
+        }
+        self.check();
+    }
+
+    /// Unpins entry number `pick` (modulo the table's length).
+    pub fn unpin(&mut self, pick: usize) {
+        if self.model.is_empty() {
+            return;
+        }
+        let (&k, &(h, pins)) = self
+            .model
+            .iter()
+            .nth(pick % self.model.len())
+            .expect("in range");
+        let r = self.table.unpin(&h);
+        assert_eq!(
+            r.is_ok(),
+            pins > 0,
+            "unpin of an entry with {pins} pins: {r:?}"
+        );
+        if pins > 0 {
+            self.model.insert(k, (h, pins - 1));
+        }
+        self.check();
+    }
+
+    /// Invalidates `[addr, +len)`: every overlapping entry leaves, pinned or not.
+    pub fn invalidate(&mut self, addr: u64, len: usize) {
+        let mut removed = Vec::new();
+        let n = self.table.invalidate(addr, len, &mut |x| removed.push(x));
+        let doomed: Vec<u64> = self
+            .model
+            .values()
+            .filter(|(e, _)| e.region(MemKind::Host).overlaps(addr, len))
+            .map(|(e, _)| e.addr)
+            .collect();
+        assert_eq!(n, doomed.len());
+        let mut handed: Vec<u32> = removed.iter().map(|x| x.id).collect();
+        let mut want: Vec<u32> = doomed.iter().map(|a| self.model[a].0.id).collect();
+        handed.sort_unstable();
+        want.sort_unstable();
+        assert_eq!(handed, want, "exactly the overlapping handles come back");
+        for a in doomed {
+            self.model.remove(&a);
+        }
+        self.handed_back(&removed);
+        self.check();
+    }
+
+    /// The invariants after an operation: the same entries, sorted and
+    /// disjoint, at most `N`, and the same counters.
+    fn check(&self) {
+        let got: Vec<_> = self.table.iter().collect();
+        let want: Vec<_> = self.model.values().copied().collect();
+        assert_eq!(got, want, "table and model disagree");
+        assert!(got.len() <= N);
+        for w in got.windows(2) {
+            assert!(
+                w[0].0.addr + w[0].0.len as u64 <= w[1].0.addr,
+                "sorted and disjoint"
+            );
+        }
+        assert_eq!(self.table.stats().hits, self.hits);
+        assert_eq!(self.table.stats().misses, self.misses);
+    }
+
+    /// Empties the table: every handle ever registered was handed back once.
+    pub fn finish(mut self) {
+        let mut rest = Vec::new();
+        self.table.clear(&mut |x| rest.push(x));
+        self.handed_back(&rest);
+        assert!(
+            self.live.is_empty(),
+            "leaked registrations: {:?}",
+            self.live
+        );
+    }
+}
 
 /// One frame on a simulated wire: a header with its payload, or (ring wires
 /// with immediate data) a headerless payload.

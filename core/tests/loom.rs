@@ -4,60 +4,18 @@
 
 use loom::sync::Arc;
 use loom::thread;
-use zerohop_core::{
-    Access, Chunks, Error, InlineTables, MemKind, MrHandle, PoolConfig, PoolError, RawMemory,
-    Region, Registrar, SizeClasses, SlabPool,
-};
+use zerohop_core::testing::{CountingNic, FakeMemory};
+use zerohop_core::{Chunks, InlineTables, PoolConfig, PoolError, SizeClasses, SlabPool};
 
-/// Addresses without memory: core never dereferences them.
-struct Fake(loom::sync::atomic::AtomicU64);
-
-impl RawMemory for Fake {
-    fn alloc(&self, len: usize, align: usize) -> Result<Region, Error> {
-        // SeqCst: a model counter; loom explores its orderings too.
-        let at = self
-            .0
-            .fetch_add((len + align) as u64, loom::sync::atomic::Ordering::SeqCst);
-        Ok(Region {
-            addr: (0x1000 + at).next_multiple_of(align as u64),
-            len,
-            kind: MemKind::Host,
-        })
-    }
-    fn free(&self, _: Region) -> Result<(), Error> {
-        Ok(())
-    }
-    fn host_visible(&self) -> bool {
-        true
-    }
-}
-
-struct Nic;
-impl Registrar for Nic {
-    fn register(&self, r: Region, access: Access) -> Result<MrHandle, Error> {
-        Ok(MrHandle {
-            addr: r.addr,
-            len: r.len,
-            lkey: 1,
-            rkey: 1,
-            access,
-            id: 1,
-        })
-    }
-    fn deregister(&self, _: MrHandle) -> Result<(), Error> {
-        Ok(())
-    }
-}
-
-fn pool(budget: usize) -> SlabPool<Chunks<Fake, Nic>, InlineTables<4, 8>> {
+fn pool(budget: usize) -> SlabPool<Chunks<FakeMemory, CountingNic>, InlineTables<4, 8>> {
     let mut cfg = PoolConfig::with_budget(budget);
     cfg.chunk_bytes = 512;
     cfg.chunk_align = 64;
     cfg.classes = SizeClasses::new(&[256, 512]).unwrap();
     SlabPool::new(
         Chunks {
-            memory: Fake(loom::sync::atomic::AtomicU64::new(0)),
-            registrar: Some(Nic),
+            memory: FakeMemory::new(),
+            registrar: Some(CountingNic::new()),
         },
         cfg,
         InlineTables::new(),

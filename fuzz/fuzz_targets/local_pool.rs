@@ -4,75 +4,13 @@
 //! comes back when the cache drops.
 #![no_main]
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
-
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
+use zerohop_core::testing::{CountingNic, FakeMemory};
 use zerohop_core::{
-    Access, Chunks, Error, InlineTables, Lease, LocalPool, MemKind, MrHandle, PoolConfig,
-    PoolError, RawMemory, Region, Registrar, SizeClasses, SlabPool,
+    Chunks, Error, InlineTables, Lease, LocalPool, MemKind, PoolConfig, PoolError, Region,
+    SizeClasses, SlabPool,
 };
-
-/// Bump-allocated addresses (never reused), with the live allocations kept,
-/// so a lease pointing into memory already given back is caught.
-#[derive(Default)]
-struct Fake {
-    next: AtomicU64,
-    live: Mutex<BTreeMap<u64, usize>>,
-}
-
-impl Fake {
-    fn holds(&self, r: Region) -> bool {
-        let live = self.live.lock().unwrap();
-        live.range(..=r.addr)
-            .next_back()
-            .is_some_and(|(&a, &len)| r.addr + r.len as u64 <= a + len as u64)
-    }
-}
-
-impl RawMemory for Fake {
-    fn alloc(&self, len: usize, align: usize) -> Result<Region, Error> {
-        // Relaxed: a bump counter of a single-threaded fuzz run.
-        let a = self.next.fetch_add((len + align) as u64, Ordering::Relaxed);
-        let addr = (0x1_0000 + a).next_multiple_of(align as u64);
-        self.live.lock().unwrap().insert(addr, len);
-        Ok(Region {
-            addr,
-            len,
-            kind: MemKind::Host,
-        })
-    }
-    fn free(&self, r: Region) -> Result<(), Error> {
-        assert!(
-            self.live.lock().unwrap().remove(&r.addr).is_some(),
-            "double free"
-        );
-        Ok(())
-    }
-    fn host_visible(&self) -> bool {
-        true
-    }
-}
-
-struct Nic;
-
-impl Registrar for Nic {
-    fn register(&self, r: Region, access: Access) -> Result<MrHandle, Error> {
-        Ok(MrHandle {
-            addr: r.addr,
-            len: r.len,
-            lkey: 1,
-            rkey: 1,
-            access,
-            id: 1,
-        })
-    }
-    fn deregister(&self, _: MrHandle) -> Result<(), Error> {
-        Ok(())
-    }
-}
 
 #[derive(Arbitrary, Debug)]
 enum Op {
@@ -94,8 +32,8 @@ fuzz_target!(|ops: Vec<Op>| {
     cfg.classes = SizeClasses::new(&[64, 1024, 4096]).unwrap();
     let pool = SlabPool::new(
         Chunks {
-            memory: Fake::default(),
-            registrar: Some(Nic),
+            memory: FakeMemory::new(),
+            registrar: Some(CountingNic::new()),
         },
         cfg,
         InlineTables::<32, 1024>::new(),

@@ -2,65 +2,12 @@
 //! at the budget, one registration per chunk, everything back at the end.
 #![no_main]
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
+use zerohop_core::testing::{CountingNic, FakeMemory};
 use zerohop_core::{
-    Access, Chunks, Error, InlineTables, MemKind, MrHandle, PoolConfig, PoolError, RawMemory,
-    Region, Registrar, SizeClasses, SlabPool,
+    Access, Chunks, Error, InlineTables, PoolConfig, PoolError, SizeClasses, SlabPool,
 };
-
-#[derive(Default)]
-struct Fake {
-    next: AtomicU64,
-    live: AtomicU64,
-}
-
-impl RawMemory for Fake {
-    fn alloc(&self, len: usize, align: usize) -> Result<Region, Error> {
-        // Relaxed: counters of a single-threaded fuzz run.
-        let a = self.next.fetch_add((len + align) as u64, Ordering::Relaxed);
-        self.live.fetch_add(len as u64, Ordering::Relaxed);
-        Ok(Region {
-            addr: (0x1_0000 + a).next_multiple_of(align as u64),
-            len,
-            kind: MemKind::Host,
-        })
-    }
-    fn free(&self, r: Region) -> Result<(), Error> {
-        self.live.fetch_sub(r.len as u64, Ordering::Relaxed);
-        Ok(())
-    }
-    fn host_visible(&self) -> bool {
-        true
-    }
-}
-
-#[derive(Default)]
-struct Nic {
-    live: AtomicU32,
-    ever: AtomicU32,
-}
-
-impl Registrar for Nic {
-    fn register(&self, r: Region, access: Access) -> Result<MrHandle, Error> {
-        let id = self.ever.fetch_add(1, Ordering::Relaxed);
-        self.live.fetch_add(1, Ordering::Relaxed);
-        Ok(MrHandle {
-            addr: r.addr,
-            len: r.len,
-            lkey: id,
-            rkey: id,
-            access,
-            id,
-        })
-    }
-    fn deregister(&self, _: MrHandle) -> Result<(), Error> {
-        self.live.fetch_sub(1, Ordering::Relaxed);
-        Ok(())
-    }
-}
 
 #[derive(Arbitrary, Debug)]
 enum Op {
@@ -76,8 +23,8 @@ fuzz_target!(|ops: Vec<Op>| {
     cfg.classes = SizeClasses::new(&[64, 512, 4096]).unwrap();
     let pool = SlabPool::new(
         Chunks {
-            memory: Fake::default(),
-            registrar: Some(Nic::default()),
+            memory: FakeMemory::new(),
+            registrar: Some(CountingNic::new()),
         },
         cfg,
         InlineTables::<16, 512>::new(),
@@ -141,14 +88,8 @@ fuzz_target!(|ops: Vec<Op>| {
         assert_eq!(st.leases, held.len());
         assert_eq!(st.registrations, st.grows, "every chunk registered once");
         let nic = pool.source().registrar.as_ref().unwrap();
-        assert_eq!(
-            u64::from(nic.live.load(Ordering::Relaxed)),
-            st.grows - st.given_back
-        );
-        assert_eq!(
-            pool.source().memory.live.load(Ordering::Relaxed),
-            st.reserved_bytes as u64
-        );
+        assert_eq!(u64::from(nic.live()), st.grows - st.given_back);
+        assert_eq!(pool.source().memory.live_bytes(), st.reserved_bytes);
     }
     drop(held);
     assert_eq!(pool.used_bytes(), 0);

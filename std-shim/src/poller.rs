@@ -32,6 +32,9 @@ pub(crate) struct Ready {
     pub read: bool,
     /// Room to write (or an error, which the write will tell).
     pub write: bool,
+    /// The other side hung up or the socket failed: what is left to read
+    /// ends in an end of stream or an error (so a short read is not the end).
+    pub hup: bool,
 }
 
 /// The two epoll sets and a buffer for their events.
@@ -122,6 +125,7 @@ impl Poller {
                         EventFlags::IN | EventFlags::RDHUP | EventFlags::HUP | EventFlags::ERR,
                     ),
                     write: flags.intersects(EventFlags::OUT | EventFlags::ERR),
+                    hup: flags.intersects(EventFlags::RDHUP | EventFlags::HUP | EventFlags::ERR),
                 }
             }));
             if !full {

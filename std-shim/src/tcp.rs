@@ -285,6 +285,10 @@ struct Peer {
     /// comes back short, or empty, uses it up; the next arrival raises it).
     readable: bool,
     lane_readable: bool,
+    /// epoll reported the other side's end (or an error) on the socket: it
+    /// stays readable until a read says so, however short the reads before.
+    hup: bool,
+    lane_hup: bool,
     writable: bool,
     /// In the transport's lists of peers with reading or writing to do.
     in_read: bool,
@@ -560,6 +564,8 @@ impl TcpTransport {
             striped_sent: 0,
             readable: true,
             lane_readable: true,
+            hup: false,
+            lane_hup: false,
             writable: true,
             in_read: false,
             in_write: false,
@@ -592,8 +598,14 @@ impl TcpTransport {
                 self.handshake(slot);
             } else if let Some((_, Some(p))) = self.peers.get_mut(slot) {
                 match what {
-                    LANE => p.lane_readable |= r.read,
-                    _ => p.readable |= r.read,
+                    LANE => {
+                        p.lane_readable |= r.read;
+                        p.lane_hup |= r.hup;
+                    }
+                    _ => {
+                        p.readable |= r.read;
+                        p.hup |= r.hup;
+                    }
                 }
                 p.writable |= r.write;
                 if r.read {
@@ -1097,7 +1109,7 @@ impl TcpTransport {
                         Ok(n) => {
                             inc.lane_have += n;
                             lane_idle = false;
-                            p.lane_readable &= n == asked || !lane.early.is_empty();
+                            p.lane_readable &= n == asked || p.lane_hup || !lane.early.is_empty();
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => p.lane_readable = false,
                         Err(e) if e.kind() == io::ErrorKind::Interrupted => lane_idle = false,
@@ -1143,7 +1155,7 @@ impl TcpTransport {
                         Ok(n) => {
                             inc.have += n.min(into_lease);
                             p.stage_end = n.saturating_sub(into_lease);
-                            p.readable = n == into_lease + READ_AHEAD;
+                            p.readable = n == into_lease + READ_AHEAD || p.hup;
                             p.session.handle_activity(now, false);
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -1369,8 +1381,9 @@ fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
         match p.stream.read(&mut p.stage[p.stage_end..end]) {
             Ok(0) => return Err(()),
             Ok(n) => {
-                // Short: the socket had no more. Anything later raises a new edge.
-                p.readable = p.stage_end + n == end;
+                // Short: the socket had no more. Anything later raises a new
+                // edge, except an end already reported (then read on to it).
+                p.readable = p.stage_end + n == end || p.hup;
                 p.stage_end += n;
                 return Ok(true);
             }
