@@ -337,6 +337,10 @@ pub struct TcpTransport {
     /// The peer that delivered last: a spinning receiver reads it directly
     /// (see `try_recv`).
     last: Option<usize>,
+    /// The last reading pass found a message it could not lease a buffer for.
+    pool_dry: bool,
+    /// Bytes queued over all peers (each peer's `queued_bytes`, summed as they change).
+    queued_total: usize,
     closed: bool,
 }
 
@@ -377,6 +381,8 @@ impl TcpTransport {
             next_scan: now,
             polls: 0,
             last: None,
+            pool_dry: false,
+            queued_total: 0,
             closed: false,
         }
     }
@@ -484,11 +490,7 @@ impl TcpTransport {
 
     /// Bytes queued for sending, over all peers (0: everything is with the kernel).
     pub fn queued_bytes(&self) -> usize {
-        self.peers
-            .iter()
-            .filter_map(|(_, p)| p.as_ref())
-            .map(|p| p.queued_bytes)
-            .sum()
+        self.queued_total
     }
 
     /// Writes `frame` to `peer`'s connection as it is, bypassing its
@@ -880,13 +882,15 @@ impl TcpTransport {
                 Source::Slice(b) => Payload::Owned(b.to_vec()),
                 Source::Lease(l) => Payload::Leased(l),
             };
-            p.queued_bytes += HEADER_LEN + len - sent.main - sent.lane;
+            let queued = HEADER_LEN + len - sent.main - sent.lane;
+            p.queued_bytes += queued;
             p.queue.push_back(Out {
                 header,
                 payload,
                 split,
                 sent,
             });
+            self.queued_total += queued;
         }
         self.control(slot);
         Ok(true)
@@ -914,6 +918,7 @@ impl TcpTransport {
                 p.queue.push_back(out);
             }
             p.queued_bytes += HEADER_LEN;
+            self.queued_total += HEADER_LEN;
         }
         if !p.queue.is_empty() {
             self.mark_write(slot);
@@ -943,6 +948,7 @@ impl TcpTransport {
             );
             let moved = front.sent.main + front.sent.lane - before;
             p.queued_bytes -= moved;
+            self.queued_total -= moved;
             any |= moved > 0;
             match r {
                 Ok(true) => {
@@ -996,6 +1002,7 @@ impl TcpTransport {
 
     fn read_all(&mut self) -> bool {
         let before = self.arrivals.len();
+        self.pool_dry = false;
         for _ in 0..self.hot_read.len() {
             if self.inbox_full() {
                 break;
@@ -1081,6 +1088,7 @@ impl TcpTransport {
                                 log::warn!("tcp: receive pool failed: {e}");
                             }
                             p.dry = true;
+                            self.pool_dry = true;
                             return Outcome::Stopped;
                         }
                     }
@@ -1258,6 +1266,7 @@ impl TcpTransport {
         let Some(p) = p.take() else { return };
         let id = peer_id(slot, *gen);
         *gen = gen.wrapping_add(1);
+        self.queued_total -= p.queued_bytes;
         if !clean {
             log::info!(
                 "tcp: peer {id} ({}) lost; {} queued frame(s) not delivered",
@@ -1519,11 +1528,7 @@ impl Transport for TcpTransport {
             }
             Some(Err(e)) => Err(e),
             None if self.closed && self.peer_count() == 0 => Err(Error::Closed),
-            None if self
-                .peers
-                .iter()
-                .any(|(_, p)| p.as_ref().is_some_and(|p| p.dry)) =>
-            {
+            None if self.pool_dry => {
                 let st = self.pool.stats();
                 Err(Error::Pool(PoolError::Exhausted {
                     used: st.reserved_bytes,
@@ -1630,13 +1635,15 @@ impl Wire for TcpTransport {
             return;
         };
         // Mid-frame, the message cannot be withdrawn: finish it from a copy.
-        p.queued_bytes += HEADER_LEN + bytes.len() - sent.main - sent.lane;
+        let queued = HEADER_LEN + bytes.len() - sent.main - sent.lane;
+        p.queued_bytes += queued;
         p.queue.push_front(Out {
             header,
             payload: Payload::Owned(bytes.to_vec()),
             split,
             sent,
         });
+        self.queued_total += queued;
     }
 
     fn background_progress(&mut self, read: bool) -> Result<bool, Error> {
