@@ -1,0 +1,149 @@
+//! Accepting: a connection holds 32 bytes and a deadline until its Hello
+//! makes it a peer, or pairs it as a peer's lane.
+
+use std::io::{self, Read};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Instant as StdInstant;
+
+use zerohop_core::session::Session;
+use zerohop_core::wire::{Frame, HEADER_LEN};
+
+use super::{key, Lane, TcpTransport, ACCEPT_BACKOFF, PENDING};
+use crate::poller::Set;
+
+/// An accepted connection before its Hello: 32 bytes and a deadline.
+pub(super) struct Pending {
+    pub(super) stream: TcpStream,
+    pub(super) addr: SocketAddr,
+    pub(super) since: StdInstant,
+    pub(super) hello: [u8; HEADER_LEN],
+    pub(super) have: usize,
+}
+
+impl TcpTransport {
+    pub(super) fn accept_all(&mut self) -> bool {
+        if self.accept_after.is_some_and(|t| StdInstant::now() < t) {
+            return false;
+        }
+        self.accept_after = None;
+        let mut any = false;
+        while let Some(l) = &self.listener {
+            match l.accept() {
+                Ok((s, addr)) => {
+                    any = true;
+                    if let Err(e) = self.add_pending(s, addr) {
+                        log::warn!("tcp: accepted {addr} but could not set it up: {e}");
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // Out of descriptors (EMFILE) or memory: the connection
+                    // waits in the backlog; try again after a pause, not at once.
+                    log::warn!("tcp: accept failed: {e}; pausing accepts for {ACCEPT_BACKOFF:?}");
+                    self.accept_after = Some(StdInstant::now() + ACCEPT_BACKOFF);
+                    break;
+                }
+            }
+        }
+        any
+    }
+
+    pub(super) fn add_pending(&mut self, s: TcpStream, addr: SocketAddr) -> io::Result<()> {
+        s.set_nonblocking(true)?;
+        if self.handshaking() >= self.config.max_handshakes {
+            // The oldest connection that never said Hello makes room.
+            let oldest = self
+                .pending
+                .iter()
+                .enumerate()
+                .filter_map(|(i, p)| Some((i, p.as_ref()?.since)))
+                .min_by_key(|&(_, t)| t);
+            if let Some((i, _)) = oldest {
+                self.pending[i] = None;
+            }
+        }
+        let slot = match self.pending.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.pending.push(None);
+                self.pending.len() - 1
+            }
+        };
+        self.poller
+            .add(&s, Set::Ctl, key(slot, PENDING), true, false)?;
+        self.pending[slot] = Some(Pending {
+            stream: s,
+            addr,
+            since: StdInstant::now(),
+            hello: [0; HEADER_LEN],
+            have: 0,
+        });
+        self.handshake(slot);
+        Ok(())
+    }
+
+    /// Reads an accepted connection's first frame: a Hello makes it a peer
+    /// (lane 0) or pairs it with one (lane 1); anything else closes it.
+    pub(super) fn handshake(&mut self, slot: usize) {
+        let Some(Some(p)) = self.pending.get_mut(slot) else {
+            return;
+        };
+        loop {
+            match p.stream.read(&mut p.hello[p.have..]) {
+                Ok(0) => break,
+                Ok(n) if p.have + n < HEADER_LEN => p.have += n,
+                Ok(_) => {
+                    let Some(p) = self.pending[slot].take() else {
+                        return;
+                    };
+                    self.poller.remove(&p.stream, Set::Ctl);
+                    return self.hello(p);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(_) => break,
+            }
+        }
+        self.pending[slot] = None; // it left, or broke before its Hello
+    }
+
+    pub(super) fn hello(&mut self, p: Pending) {
+        match Frame::decode(&p.hello, 0).map(|d| d.frame) {
+            Ok(Frame::Hello(h)) if h.lane == 1 => self.pair(Lane {
+                stream: p.stream,
+                token: h.token,
+                confirmed: true,
+                ack: [0; HEADER_LEN],
+                ack_have: 0,
+                early: Vec::new(),
+            }),
+            Ok(Frame::Hello(_)) => {
+                let mut session = Session::new(self.config.session(), 0, self.now());
+                match session.handle_header(self.now(), &p.hello, None) {
+                    Ok(_) => {
+                        let token = session.peer().map_or(0, |h| h.token);
+                        match self.add_peer(p.stream, p.addr, session) {
+                            Ok(id) => {
+                                if let Some(k) =
+                                    self.unclaimed.iter().position(|l| l.token == token)
+                                {
+                                    let lane = self.unclaimed.remove(k).expect("found");
+                                    self.attach_lane(id, lane);
+                                }
+                            }
+                            Err(e) => log::warn!("tcp: {}: could not set up the peer: {e}", p.addr),
+                        }
+                    }
+                    Err(e) => log::info!("tcp: {} refused: {e}", p.addr),
+                }
+            }
+            Ok(other) => log::info!(
+                "tcp: {} sent a {} frame before its hello; closed",
+                p.addr,
+                other.kind().name()
+            ),
+            Err(e) => log::info!("tcp: {} is not a zerohop peer ({e}); closed", p.addr),
+        }
+    }
+}

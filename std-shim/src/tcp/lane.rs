@@ -1,0 +1,147 @@
+//! A peer's second connection, its *lane*: the rest of each striped
+//! payload, in message order, and nothing else (see the module docs above).
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use zerohop_core::wire::{Frame, Hello, Takes, HEADER_LEN};
+use zerohop_core::PeerId;
+
+use super::{key, TcpTransport, LANE, UNCLAIMED_LANES};
+use crate::poller::Set;
+
+/// Payload bytes of a striped message that travel on the main connection:
+/// half, rounded down to a page. Both sides compute it from the length.
+pub(super) fn stripe_split(len: usize) -> usize {
+    (len / 2) & !4095
+}
+
+/// A peer's second connection (the rest of striped payloads, in order).
+pub(super) struct Lane {
+    pub(super) stream: TcpStream,
+    pub(super) token: u32,
+    /// The acceptor paired it (connecting side: its ack has been read).
+    pub(super) confirmed: bool,
+    pub(super) ack: [u8; HEADER_LEN],
+    pub(super) ack_have: usize,
+    /// Bytes read with its Hello that belong to the first striped payload.
+    pub(super) early: Vec<u8>,
+}
+
+impl Lane {
+    /// Reads what has arrived of the acceptor's ack: `Ok(true)` once it is
+    /// in and names this lane's token.
+    pub(super) fn confirm(&mut self) -> io::Result<bool> {
+        while !self.confirmed {
+            match self.stream.read(&mut self.ack[self.ack_have..]) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => self.ack_have += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+            if self.ack_have == HEADER_LEN {
+                self.confirmed = matches!(Frame::decode(&self.ack, 0).map(|d| d.frame),
+                    Ok(Frame::Hello(h)) if h.lane == 1 && h.token == self.token);
+                if !self.confirmed {
+                    return Err(io::ErrorKind::InvalidData.into());
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Reads into `dst`, the ack and the early bytes first.
+    pub(super) fn read(&mut self, dst: &mut [u8]) -> io::Result<usize> {
+        self.confirm()?;
+        if !self.early.is_empty() {
+            let n = self.early.len().min(dst.len());
+            dst[..n].copy_from_slice(&self.early[..n]);
+            self.early.drain(..n);
+            return Ok(n);
+        }
+        self.stream.read(dst)
+    }
+}
+
+pub(super) fn lane_hello(token: u32) -> [u8; HEADER_LEN] {
+    Frame::Hello(Hello {
+        window: 0,
+        max_message: 0,
+        frame_max: 0,
+        ring: 0,
+        lane: 1,
+        takes: Takes::NONE,
+        token,
+    })
+    .encode(&[])
+}
+
+impl TcpTransport {
+    pub(super) fn open_lane(
+        &mut self,
+        id: PeerId,
+        addr: SocketAddr,
+        timeout: Duration,
+        token: u32,
+    ) -> io::Result<()> {
+        let mut lane = TcpStream::connect_timeout(&addr, timeout)?;
+        lane.set_nodelay(true)?;
+        lane.write_all(&lane_hello(token))?; // first bytes on a fresh connection
+        lane.set_nonblocking(true)?;
+        let slot = id.0 as usize & 0xFF_FFFF;
+        self.poller
+            .add(&lane, Set::Data, key(slot, LANE), true, false)?;
+        self.poller
+            .add(&lane, Set::Ctl, key(slot, LANE), false, true)?;
+        let p = self.peer_mut(id).map_err(|_| io::ErrorKind::NotConnected)?;
+        p.lane = Some(Lane {
+            stream: lane,
+            token,
+            confirmed: false,
+            ack: [0; HEADER_LEN],
+            ack_have: 0,
+            early: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// A lane said Hello: joins its peer (by token) or waits for it.
+    pub(super) fn pair(&mut self, lane: Lane) {
+        let found = self.peers.iter().position(|(_, p)| {
+            p.as_ref()
+                .is_some_and(|p| p.token == Some(lane.token) && p.lane.is_none())
+        });
+        match found {
+            Some(slot) => {
+                let id = self.id(slot);
+                self.attach_lane(id, lane);
+            }
+            None => {
+                if self.unclaimed.len() == UNCLAIMED_LANES {
+                    self.unclaimed.pop_front();
+                }
+                self.unclaimed.push_back(lane);
+            }
+        }
+    }
+
+    /// Acks `lane` (accepting side) and gives it to `id`.
+    pub(super) fn attach_lane(&mut self, id: PeerId, mut lane: Lane) {
+        let slot = id.0 as usize & 0xFF_FFFF;
+        // The first bytes this way on a fresh connection: the socket takes them whole.
+        let ok = lane.stream.write_all(&lane_hello(lane.token)).is_ok()
+            && self
+                .poller
+                .add(&lane.stream, Set::Data, key(slot, LANE), true, false)
+                .is_ok()
+            && self
+                .poller
+                .add(&lane.stream, Set::Ctl, key(slot, LANE), false, true)
+                .is_ok();
+        if let (true, Ok(p)) = (ok, self.peer_mut(id)) {
+            p.lane = Some(lane);
+            self.mark_read(slot);
+        }
+    }
+}

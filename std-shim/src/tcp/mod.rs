@@ -1,0 +1,697 @@
+//! The TCP wire: kind `tcp` (heap receive pool) and kind `uma` (the same wire
+//! receiving into CUDA managed memory). A driver of core's session engine:
+//! sockets, epoll and buffers here; the protocol (Hello, sequence, credit,
+//! Close, timers) is the engine's.
+//!
+//! Readiness comes from edge-triggered epoll ([`Poller`]), so a pass
+//! touches the sockets that are ready, whatever the number of peers. An
+//! accepted connection holds 32 bytes and a deadline until its Hello: no
+//! stage, no pool buffer, no peer id; a lane Hello (below) pairs it with its
+//! peer instead. A message's buffer is leased only once its first payload
+//! bytes are there, for at most the credit the engine granted, so a header
+//! that claims a large message and stops costs nothing.
+//!
+//! Sends go straight to the socket with `writev` when nothing is queued and
+//! are copied only for what the kernel did not take; each peer's queue is
+//! bounded in bytes. Receives read through a staging buffer; a payload
+//! larger than what is staged is read straight into its lease, and only once
+//! no earlier message waits for the application (a stream of large messages
+//! then reuses the buffer the application just gave back).
+//!
+//! Large messages are striped over a second connection per peer (its
+//! *lane*), as UCX's rendezvous uses two lanes: the connecting side opens it
+//! and says a Hello with `lane` 1 and its main connection's token; the
+//! acceptor pairs them and acks with its own lane Hello, the first bytes that
+//! way; the connecting side stripes only once it has read the ack. A message
+//! of at least `stripe_min` bytes leaves with [`DataFlags::STRIPED`]: header
+//! and first half on the main connection, the rest on the lane, read straight
+//! into the one lease. A striped frame on a connection without a paired lane
+//! breaks the wire's rule ([`Error::WireRule`]).
+
+use std::collections::VecDeque;
+use std::io;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::{Duration, Instant as StdInstant};
+
+use zerohop_backends::host_bytes;
+use zerohop_core::session::{Instant, Session, SessionConfig};
+use zerohop_core::wire::HEADER_LEN;
+use zerohop_core::{Capabilities, Error, Kind, PeerId, PoolError, Received, Rejected, Transport};
+
+use crate::endpoint::{pool_leaser, Leaser, Waiter, Wire};
+use crate::host::{StdLease, StdPool};
+use crate::poller::{Poller, Ready, Set};
+
+mod accept;
+mod lane;
+mod recv;
+mod send;
+
+use accept::Pending;
+use lane::Lane;
+use recv::Incoming;
+use send::{write_frame, Direct, Out, Payload, Source};
+
+const STAGE_BYTES: usize = 64 << 10;
+/// The rest of a message at least this long is read straight into its lease.
+const DIRECT_MIN: usize = 1 << 10;
+/// How far past a message read straight into its lease the same read goes.
+const READ_AHEAD: usize = 4 << 10;
+/// The default [`TcpConfig::stripe_min`]. Measured on the 16-core H200
+/// host (BENCHMARKS.md), striping loses bandwidth from 256 to 768 KiB and
+/// gains from 1 MiB up.
+pub const STRIPE_MIN: usize = 1 << 20;
+/// A message at least this long re-arms quick ACKs (see [`quick_ack`]).
+const QUICK_ACK_MIN: usize = 1 << 20;
+/// Lanes whose main connection is not there yet, kept at most.
+const UNCLAIMED_LANES: usize = 8;
+/// How long accepting pauses when the process is out of descriptors.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// How often the idle timers are looked at.
+const TIMER_SCAN: Duration = Duration::from_millis(20);
+/// One `try_recv` in this many also does the connection work.
+const CTL_EVERY: u32 = 32;
+/// One `try_recv` in this many asks epoll; the others read the peer that
+/// delivered last straight away, which answers a reply with one system
+/// call, as a program reading its one socket in a loop does.
+const EPOLL_EVERY: u32 = 8;
+// epoll keys: a slot, shifted, and what it is.
+const MAIN: u64 = 0;
+const LANE: u64 = 1;
+const PENDING: u64 = 2;
+const LISTENER: u64 = u64::MAX;
+
+/// TCP wire settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpConfig {
+    /// Largest message accepted or sent (default 64 MiB).
+    pub max_message: usize,
+    /// Message bytes a peer may have on their way — sent, and not yet
+    /// delivered into the inbox — before this side returns credit (default
+    /// 16 MiB): what one peer can make this side hold beyond the inbox
+    /// (bounded by `inbox_bytes`); a message longer than it waits for a
+    /// grant from `grant_budget`.
+    pub window: usize,
+    /// Bytes granted at once, over all peers, beyond their windows (default
+    /// 64 MiB): longer messages wait for room.
+    pub grant_budget: usize,
+    /// Bytes a peer's send queue may hold before `try_send` says `WouldBlock`
+    /// (default 16 MiB; one message larger than this is still taken when the queue is empty).
+    pub send_queue_bytes: usize,
+    /// Received messages held for the application before reading stops (default 4096).
+    pub inbox_messages: usize,
+    /// Received bytes held for the application before reading stops (default 8 MiB).
+    pub inbox_bytes: usize,
+    /// Checksum payloads as well as headers (default off: TCP checksums its segments).
+    pub check_payload: bool,
+    /// Messages of at least this many bytes are striped over a second
+    /// connection per peer (see the module docs); `None`: one connection.
+    pub stripe_min: Option<usize>,
+    /// A peer silent this long before its Hello or mid-frame is dropped (default 5 s).
+    pub idle_timeout: Duration,
+    /// Connections that have not said Hello, kept at most; the oldest goes first (default 256).
+    pub max_handshakes: usize,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            max_message: 64 << 20,
+            window: 16 << 20,
+            grant_budget: 64 << 20,
+            send_queue_bytes: 16 << 20,
+            inbox_messages: 4096,
+            inbox_bytes: 8 << 20,
+            check_payload: false,
+            stripe_min: Some(STRIPE_MIN),
+            idle_timeout: Duration::from_secs(5),
+            max_handshakes: 256,
+        }
+    }
+}
+
+impl TcpConfig {
+    fn session(&self) -> SessionConfig {
+        let max = u32::try_from(self.max_message).unwrap_or(u32::MAX);
+        SessionConfig {
+            window: u32::try_from(self.window).unwrap_or(u32::MAX),
+            check_payload: self.check_payload,
+            idle_timeout: self.idle_timeout,
+            ..SessionConfig::stream(max)
+        }
+    }
+}
+
+fn peer_id(slot: usize, gen: u8) -> PeerId {
+    PeerId(slot as u32 | u32::from(gen) << 24)
+}
+
+struct Peer {
+    stream: TcpStream,
+    addr: SocketAddr,
+    session: Session,
+    stage: Box<[u8]>,
+    stage_start: usize,
+    stage_end: usize,
+    incoming: Option<Incoming>,
+    /// The message being received: leased at its first payload bytes.
+    lease: Option<StdLease>,
+    queue: VecDeque<Out>,
+    queued_bytes: usize,
+    direct: Option<Direct>,
+    lane: Option<Lane>,
+    /// The token its Hello carried (accepting side): its lane comes with it.
+    token: Option<u32>,
+    striped_sent: u64,
+    /// Readiness seen and not yet used up (edge-triggered: a read that
+    /// comes back short, or empty, uses it up; the next arrival raises it).
+    readable: bool,
+    lane_readable: bool,
+    /// epoll reported the other side's end (or an error) on the socket: it
+    /// stays readable until a read says so, however short the reads before.
+    hup: bool,
+    lane_hup: bool,
+    writable: bool,
+    /// In the transport's lists of peers with reading or writing to do.
+    in_read: bool,
+    in_write: bool,
+    /// Waiting for a pool buffer, or for the application to take a message
+    /// before a large one is read (its bytes stay in the socket).
+    dry: bool,
+    deferred: bool,
+    /// The last message was read straight into its lease: the next read
+    /// into the stage takes only a header's worth and a little more.
+    direct_stream: bool,
+}
+
+/// A TCP transport with any number of peers.
+pub struct TcpTransport {
+    config: TcpConfig,
+    pool: Arc<StdPool>,
+    kind: Kind,
+    poller: Poller,
+    ready: Vec<Ready>,
+    listener: Option<TcpListener>,
+    accept_after: Option<StdInstant>,
+    pending: Vec<Option<Pending>>,
+    peers: Vec<(u8, Option<Box<Peer>>)>,
+    /// Slots with reading, and with writing, to do without a new event.
+    hot_read: VecDeque<usize>,
+    hot_write: VecDeque<usize>,
+    arrivals: VecDeque<Result<Received<StdLease>, Error>>,
+    arrival_bytes: usize,
+    unclaimed: VecDeque<Lane>,
+    origin: StdInstant,
+    next_scan: StdInstant,
+    /// `try_recv` calls that found nothing waiting (see [`CTL_EVERY`]).
+    polls: u32,
+    /// The peer that delivered last: a spinning receiver reads it directly
+    /// (see `try_recv`).
+    last: Option<usize>,
+    /// The last reading pass found a message it could not lease a buffer for.
+    pool_dry: bool,
+    /// Bytes queued over all peers (each peer's `queued_bytes`, summed as they change).
+    queued_total: usize,
+    closed: bool,
+}
+
+impl std::fmt::Debug for TcpTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTransport")
+            .field("kind", &self.kind)
+            .field("listening", &self.local_addr())
+            .field("peers", &self.peer_count())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TcpTransport {
+    /// A transport receiving into `pool`, with no listener and no peers.
+    /// `kind` is `Tcp`, or `Uma` when the pool is CUDA managed memory.
+    ///
+    /// # Panics
+    /// If the process cannot create an epoll instance (out of descriptors).
+    pub fn new(pool: Arc<StdPool>, config: TcpConfig, kind: Kind) -> Self {
+        let now = StdInstant::now();
+        TcpTransport {
+            config,
+            pool,
+            kind,
+            poller: Poller::new().expect("epoll_create1: out of file descriptors"),
+            ready: Vec::new(),
+            listener: None,
+            accept_after: None,
+            pending: Vec::new(),
+            peers: Vec::new(),
+            hot_read: VecDeque::new(),
+            hot_write: VecDeque::new(),
+            arrivals: VecDeque::new(),
+            arrival_bytes: 0,
+            unclaimed: VecDeque::new(),
+            origin: now,
+            next_scan: now,
+            polls: 0,
+            last: None,
+            pool_dry: false,
+            queued_total: 0,
+            closed: false,
+        }
+    }
+
+    /// The receive pool.
+    pub fn pool(&self) -> &Arc<StdPool> {
+        &self.pool
+    }
+
+    /// Listens on `addr` (port 0 picks one; see [`local_addr`](Self::local_addr)).
+    pub fn listen(&mut self, addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
+        let l = TcpListener::bind(addr)?;
+        l.set_nonblocking(true)?;
+        self.poller.add(&l, Set::Ctl, LISTENER, true, false)?;
+        let a = l.local_addr()?;
+        self.listener = Some(l);
+        Ok(a)
+    }
+
+    /// Where it listens, if it does.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.listener.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// Connects to a listening transport (blocking up to `timeout` for the
+    /// TCP connection), says Hello and opens the peer's lane unless
+    /// `stripe_min` is `None`. The peer answers its Hello in progress:
+    /// sends before that say `WouldBlock`; a peer that does not speak
+    /// zerohop, or another version, is reported through `try_recv`.
+    pub fn connect(&mut self, addr: SocketAddr, timeout: Duration) -> io::Result<PeerId> {
+        let s = TcpStream::connect_timeout(&addr, timeout)?;
+        use std::hash::BuildHasher;
+        // Unique among the acceptor's peers: a random key over this connection's address.
+        let token = std::collections::hash_map::RandomState::new()
+            .hash_one((s.local_addr()?, std::process::id())) as u32;
+        let session = Session::new(self.config.session(), token, self.now());
+        let id = self.add_peer(s, addr, session)?;
+        if self.config.stripe_min.is_some() {
+            if let Err(e) = self.open_lane(id, addr, timeout, token) {
+                log::info!(
+                    "tcp: no second connection to {addr} ({e}): large messages go unstriped"
+                );
+            }
+        }
+        Ok(id)
+    }
+
+    /// How many connections carry `peer`'s messages: 2 once its lane is
+    /// paired and confirmed, else 1; `None` for no such peer.
+    pub fn connections(&self, peer: PeerId) -> Option<usize> {
+        let p = self.peer(peer)?;
+        Some(1 + usize::from(p.lane.as_ref().is_some_and(|l| l.confirmed)))
+    }
+
+    /// Messages sent to `peer` striped over its two connections (0 for no such peer).
+    pub fn striped_sent(&self, peer: PeerId) -> u64 {
+        self.peer(peer).map_or(0, |p| p.striped_sent)
+    }
+
+    /// Live peers (the Hello received).
+    pub fn peer_count(&self) -> usize {
+        self.peers
+            .iter()
+            .filter(|(_, p)| p.as_ref().is_some_and(|p| p.session.is_open()))
+            .count()
+    }
+
+    /// Accepted connections that have not said Hello yet.
+    pub fn handshaking(&self) -> usize {
+        self.pending.iter().flatten().count()
+    }
+
+    /// A live peer's address.
+    pub fn peer_addr(&self, peer: PeerId) -> Option<SocketAddr> {
+        self.peer(peer).map(|p| p.addr)
+    }
+
+    /// Bytes queued for sending, over all peers (0: everything is with the kernel).
+    pub fn queued_bytes(&self) -> usize {
+        self.queued_total
+    }
+
+    /// Writes `frame` to `peer`'s connection as it is, bypassing its
+    /// session (nothing may be queued): what a broken peer sends, for tests.
+    #[cfg(feature = "testing")]
+    pub fn send_raw_frame(&mut self, peer: PeerId, frame: &[u8]) -> io::Result<()> {
+        let p = self
+            .peer_mut(peer)
+            .map_err(|_| io::ErrorKind::NotConnected)?;
+        if !p.queue.is_empty() || p.direct.is_some() {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        let mut sent = 0;
+        send::write_part(&mut p.stream, &[], frame, &mut sent)?;
+        match sent == frame.len() {
+            true => Ok(()),
+            false => Err(io::ErrorKind::WouldBlock.into()),
+        }
+    }
+
+    fn now(&self) -> Instant {
+        Instant::from_micros(self.origin.elapsed().as_micros() as u64)
+    }
+
+    fn peer(&self, id: PeerId) -> Option<&Peer> {
+        match self.peers.get(id.0 as usize & 0xFF_FFFF) {
+            Some((gen, Some(p))) if u32::from(*gen) == id.0 >> 24 => Some(p),
+            _ => None,
+        }
+    }
+
+    fn peer_mut(&mut self, id: PeerId) -> Result<&mut Peer, Error> {
+        match self.peers.get_mut(id.0 as usize & 0xFF_FFFF) {
+            Some((gen, Some(p))) if u32::from(*gen) == id.0 >> 24 => Ok(p),
+            _ => Err(Error::UnknownPeer(id)),
+        }
+    }
+
+    fn id(&self, slot: usize) -> PeerId {
+        peer_id(slot, self.peers[slot].0)
+    }
+
+    fn add_peer(&mut self, s: TcpStream, addr: SocketAddr, session: Session) -> io::Result<PeerId> {
+        s.set_nodelay(true)?;
+        s.set_nonblocking(true)?;
+        let slot = match self.peers.iter().position(|(_, p)| p.is_none()) {
+            Some(i) => i,
+            None if self.peers.len() < 1 << 24 => {
+                self.peers.push((0, None));
+                self.peers.len() - 1
+            }
+            None => return Err(io::ErrorKind::OutOfMemory.into()),
+        };
+        self.poller
+            .add(&s, Set::Data, key(slot, MAIN), true, false)?;
+        self.poller
+            .add(&s, Set::Ctl, key(slot, MAIN), false, true)?;
+        let token = session.peer().map(|p| p.token);
+        self.peers[slot].1 = Some(Box::new(Peer {
+            stream: s,
+            addr,
+            session,
+            stage: vec![0u8; STAGE_BYTES].into_boxed_slice(),
+            stage_start: 0,
+            stage_end: 0,
+            incoming: None,
+            lease: None,
+            queue: VecDeque::new(),
+            queued_bytes: 0,
+            direct: None,
+            lane: None,
+            token,
+            striped_sent: 0,
+            readable: true,
+            lane_readable: true,
+            hup: false,
+            lane_hup: false,
+            writable: true,
+            in_read: false,
+            in_write: false,
+            dry: false,
+            deferred: false,
+            direct_stream: false,
+        }));
+        self.control(slot);
+        self.mark_read(slot);
+        Ok(self.id(slot))
+    }
+
+    // ----- readiness -----
+
+    // ----- sending -----
+
+    // ----- receiving -----
+
+    /// Removes a peer; an unclean end is reported once as `PeerLost`. What
+    /// it held (a partial message, queued sends) goes back with it.
+    fn drop_peer(&mut self, slot: usize, clean: bool) {
+        let Some((gen, p)) = self.peers.get_mut(slot) else {
+            return;
+        };
+        let Some(p) = p.take() else { return };
+        let id = peer_id(slot, *gen);
+        *gen = gen.wrapping_add(1);
+        self.queued_total -= p.queued_bytes;
+        if !clean {
+            log::info!(
+                "tcp: peer {id} ({}) lost; {} queued frame(s) not delivered",
+                p.addr,
+                p.queue.len()
+            );
+            self.arrivals.push_back(Err(Error::PeerLost(id)));
+        }
+    }
+
+    /// Runs the idle timers (every few milliseconds at most), drops
+    /// handshakes past their deadline, and grants what the budget allows.
+    fn timers(&mut self) {
+        let now = StdInstant::now();
+        if now < self.next_scan {
+            return;
+        }
+        self.next_scan = now + TIMER_SCAN;
+        let t = self.now();
+        let idle = self.config.idle_timeout;
+        for p in &mut self.pending {
+            if p.as_ref()
+                .is_some_and(|p| now.duration_since(p.since) >= idle)
+            {
+                *p = None;
+            }
+        }
+        let mut granted: u64 = self
+            .peers
+            .iter()
+            .filter_map(|(_, p)| p.as_ref())
+            .map(|p| p.session.extra_granted())
+            .sum();
+        for slot in 0..self.peers.len() {
+            let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+                continue;
+            };
+            if let Err(error) = p.session.handle_timeout(t) {
+                let id = self.id(slot);
+                self.arrivals
+                    .push_back(Err(Error::Protocol { peer: id, error }));
+                self.drop_peer(slot, true);
+                continue;
+            }
+            if let Some(len) = p.session.pending_grant() {
+                if granted + len as u64 <= self.config.grant_budget as u64 {
+                    p.session.grant();
+                    granted += p.session.extra_granted();
+                    self.control(slot);
+                }
+            }
+        }
+    }
+
+    /// One pass: readiness, accepts past their back-off, timers, writes,
+    /// and (with `read`) reads.
+    fn pass(&mut self, read: bool) -> bool {
+        let mut any = self.poll_set(Set::Ctl);
+        if self.accept_after.is_some() {
+            any |= self.accept_all();
+        }
+        if read {
+            any |= self.poll_set(Set::Data);
+        }
+        self.timers();
+        any |= self.flush_all();
+        if read {
+            any |= self.read_all();
+        }
+        any
+    }
+}
+
+fn key(slot: usize, what: u64) -> u64 {
+    (slot as u64) << 2 | what
+}
+
+impl Transport for TcpTransport {
+    type Lease = StdLease;
+
+    fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    fn caps(&self) -> Capabilities {
+        Capabilities::new(self.kind == Kind::Uma, true, 20)
+    }
+
+    fn try_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<(), Error> {
+        self.send_frame(peer, Source::Slice(bytes), false)
+            .map(|_| ())
+            .map_err(|(e, _)| e)
+    }
+
+    fn try_send_lease(&mut self, peer: PeerId, lease: StdLease) -> Result<(), Rejected<StdLease>> {
+        self.send_frame(peer, Source::Lease(lease), false)
+            .map(|_| ())
+            .map_err(|(error, src)| match src {
+                Source::Lease(lease) => Rejected { error, lease },
+                Source::Slice(_) => unreachable!("a lease handed in comes back as a lease"),
+            })
+    }
+
+    fn try_recv(&mut self) -> Result<Received<StdLease>, Error> {
+        if self.arrivals.is_empty() {
+            // Reads first; connection work (accepts, handshakes, room to
+            // write, timers) every few calls, so a caller that drives the
+            // transport alone does it all at one system call a poll.
+            self.polls = self.polls.wrapping_add(1);
+            if self.polls % CTL_EVERY == 0 {
+                self.pass(true);
+            } else {
+                match self.last.filter(|_| self.polls % EPOLL_EVERY != 0) {
+                    Some(slot) => {
+                        if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+                            p.readable = true; // a guess: costs one read if wrong
+                        }
+                        self.mark_read(slot);
+                    }
+                    None => {
+                        self.poll_set(Set::Data);
+                    }
+                }
+                self.read_all();
+            }
+        }
+        match self.arrivals.pop_front() {
+            Some(Ok(m)) => {
+                self.arrival_bytes -= m.lease.len();
+                Ok(m)
+            }
+            Some(Err(e)) => Err(e),
+            None if self.closed && self.peer_count() == 0 => Err(Error::Closed),
+            None if self.pool_dry => {
+                let st = self.pool.stats();
+                Err(Error::Pool(PoolError::Exhausted {
+                    used: st.reserved_bytes,
+                    cap: st.budget,
+                }))
+            }
+            None => Err(Error::WouldBlock),
+        }
+    }
+
+    fn progress(&mut self) -> Result<bool, Error> {
+        Ok(self.pass(true))
+    }
+
+    fn close(&mut self) -> Result<(), Error> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        self.listener = None;
+        self.pending.clear();
+        for slot in 0..self.peers.len() {
+            if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+                p.session.close();
+                self.control(slot);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Wire for TcpTransport {
+    const WAKES_POLL: bool = true;
+
+    fn leaser(&self) -> Leaser<StdLease> {
+        pool_leaser(Arc::clone(&self.pool))
+    }
+
+    fn read_lease(&self, lease: &StdLease, out: &mut [u8]) -> Result<(), Error> {
+        crate::endpoint::copy_out(host_bytes(lease), out)
+    }
+
+    fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
+        let fd = |fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        out.push(fd(self.poller.fd(Set::Ctl)));
+        if waiter != (Waiter::Progress { app_polling: true }) {
+            out.push(fd(self.poller.fd(Set::Data)));
+        }
+    }
+
+    fn prepare_sleep(&mut self, waiter: Waiter) -> bool {
+        match waiter {
+            Waiter::App { reading: true } => !self.arrivals.is_empty(),
+            _ => false,
+        }
+    }
+
+    fn pending_sends(&self) -> usize {
+        self.queued_bytes()
+    }
+
+    fn start_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
+        self.send_frame(peer, Source::Slice(bytes), true)
+            .map_err(|(e, _)| e)
+    }
+
+    fn continue_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
+        let slot = peer.0 as usize & 0xFF_FFFF;
+        let Ok(p) = self.peer_mut(peer) else {
+            return Err(Error::PeerLost(peer));
+        };
+        let Some(d) = p.direct.as_mut() else {
+            return Ok(true);
+        };
+        let lane = p.lane.as_mut().map(|l| &mut l.stream);
+        match write_frame(&mut p.stream, lane, &d.header, bytes, d.split, &mut d.sent) {
+            Ok(false) => Ok(false),
+            Ok(true) => {
+                p.direct = None;
+                self.mark_write(slot);
+                Ok(true)
+            }
+            // The read side reports the peer lost and drops it.
+            Err(_) => {
+                p.direct = None;
+                Err(Error::PeerLost(peer))
+            }
+        }
+    }
+
+    fn abandon_send(&mut self, peer: PeerId, bytes: &[u8]) {
+        let Ok(p) = self.peer_mut(peer) else { return };
+        let Some(Direct {
+            header,
+            split,
+            sent,
+            ..
+        }) = p.direct.take()
+        else {
+            return;
+        };
+        // Mid-frame, the message cannot be withdrawn: finish it from a copy.
+        let queued = HEADER_LEN + bytes.len() - sent.main - sent.lane;
+        p.queued_bytes += queued;
+        p.queue.push_front(Out {
+            header,
+            payload: Payload::Owned(bytes.to_vec()),
+            split,
+            sent,
+        });
+        self.queued_total += queued;
+    }
+
+    fn background_progress(&mut self, read: bool) -> Result<bool, Error> {
+        Ok(self.pass(read))
+    }
+}

@@ -1,0 +1,320 @@
+//! Sending: a message straight to the socket when nothing is ahead of it,
+//! queued for what the kernel did not take; the engine's control frames.
+
+use std::io::{self, IoSlice, Write};
+use std::net::TcpStream;
+
+use zerohop_backends::host_bytes;
+use zerohop_core::session::SendError;
+use zerohop_core::wire::{FrameKind, HEADER_LEN};
+use zerohop_core::{Error, PeerId};
+
+use super::{lane::stripe_split, TcpTransport};
+use crate::host::StdLease;
+
+pub(super) enum Payload {
+    None,
+    Owned(Vec<u8>),
+    Leased(StdLease),
+}
+
+impl Payload {
+    pub(super) fn bytes(&self) -> &[u8] {
+        match self {
+            Payload::None => &[],
+            Payload::Owned(v) => v,
+            Payload::Leased(l) => host_bytes(l),
+        }
+    }
+}
+
+/// What a send writes from: the caller's bytes (copied only if queued) or a lease.
+pub(super) enum Source<'a> {
+    Slice(&'a [u8]),
+    Lease(StdLease),
+}
+
+impl Source<'_> {
+    pub(super) fn bytes(&self) -> &[u8] {
+        match self {
+            Source::Slice(b) => b,
+            Source::Lease(l) => host_bytes(l),
+        }
+    }
+}
+
+/// How far a frame has gone out: on the main connection, and on the lane.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Sent {
+    pub(super) main: usize,
+    pub(super) lane: usize,
+}
+
+pub(super) struct Out {
+    pub(super) header: [u8; HEADER_LEN],
+    pub(super) payload: Payload,
+    /// Payload bytes on the main connection (all of them unless striped).
+    pub(super) split: usize,
+    pub(super) sent: Sent,
+}
+
+/// A frame written straight from a blocked caller's slice (see
+/// [`Wire::start_send`]): the caller passes the same bytes on every call.
+pub(super) struct Direct {
+    pub(super) header: [u8; HEADER_LEN],
+    pub(super) split: usize,
+    pub(super) sent: Sent,
+}
+
+pub(super) fn send_error(e: SendError, peer: PeerId) -> Error {
+    match e {
+        SendError::NotOpen | SendError::NoCredit => Error::WouldBlock,
+        SendError::TooLarge { len, max } => Error::TooLarge { len, max },
+        SendError::Closed => Error::Closed,
+        SendError::Failed(_) | SendError::SequenceExhausted => Error::UnknownPeer(peer),
+    }
+}
+
+/// Writes as much of a frame as the sockets take: `header` and
+/// `payload[..split]` on the main connection, the rest on `lane`.
+/// `Ok(true)` when all of it went.
+pub(super) fn write_frame(
+    stream: &mut TcpStream,
+    lane: Option<&mut TcpStream>,
+    header: &[u8; HEADER_LEN],
+    payload: &[u8],
+    split: usize,
+    sent: &mut Sent,
+) -> io::Result<bool> {
+    let (first, rest) = payload.split_at(split);
+    let main_done = write_part(stream, header, first, &mut sent.main)?;
+    let lane_done = match lane {
+        _ if sent.lane == rest.len() => true,
+        Some(l) => write_part(l, &[], rest, &mut sent.lane)?,
+        None => return Err(io::ErrorKind::NotConnected.into()),
+    };
+    Ok(main_done && lane_done)
+}
+
+/// Writes what `stream` takes of `head` then `body`, `written` bytes of
+/// them already sent; `Ok(true)` when all of it went.
+pub(super) fn write_part(
+    stream: &mut TcpStream,
+    head: &[u8],
+    body: &[u8],
+    written: &mut usize,
+) -> io::Result<bool> {
+    let total = head.len() + body.len();
+    while *written < total {
+        let res = if *written < head.len() {
+            stream.write_vectored(&[IoSlice::new(&head[*written..]), IoSlice::new(body)])
+        } else {
+            stream.write(&body[*written - head.len()..])
+        };
+        match res {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => *written += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+impl TcpTransport {
+    /// Starts a message for `peer` and writes it at once when nothing is
+    /// ahead of it; what the kernel did not take is queued (a slice copied
+    /// only then) or, with `direct`, left for the caller to write from its
+    /// slice ([`Wire::continue_send`]): then `Ok(false)`. A refused source
+    /// comes back with the error.
+    #[allow(clippy::result_large_err)]
+    pub(super) fn send_frame<'a>(
+        &mut self,
+        peer: PeerId,
+        src: Source<'a>,
+        direct: bool,
+    ) -> Result<bool, (Error, Source<'a>)> {
+        if self.closed {
+            return Err((Error::Closed, src));
+        }
+        let (max, limit, check, stripe_min) = (
+            self.config.max_message,
+            self.config.send_queue_bytes,
+            self.config.check_payload,
+            self.config.stripe_min,
+        );
+        let len = src.bytes().len();
+        if len > max {
+            return Err((Error::TooLarge { len, max }, src));
+        }
+        let slot = peer.0 as usize & 0xFF_FFFF;
+        let p = match self.peer_mut(peer) {
+            Ok(p) => p,
+            Err(e) => return Err((e, src)),
+        };
+        if p.queued_bytes > 0 && p.queued_bytes + HEADER_LEN + len > limit {
+            return Err((Error::WouldBlock, src));
+        }
+        let mut out = match p.session.send(len) {
+            Ok(out) => out,
+            Err(e) => {
+                self.control(slot); // a Want, when credit is short
+                return Err((send_error(e, peer), src));
+            }
+        };
+        let striped = stripe_min.is_some_and(|m| len >= m)
+            && p.lane
+                .as_mut()
+                .is_some_and(|l| matches!(l.confirm(), Ok(true)));
+        let Some(f) = p
+            .session
+            .next_frame(&mut out, check.then(|| src.bytes()), striped)
+        else {
+            return Err((Error::Backend("tcp: the session framed nothing"), src));
+        };
+        let header = f.header.unwrap_or([0; HEADER_LEN]);
+        let split = if striped { stripe_split(len) } else { len };
+        p.striped_sent += u64::from(striped);
+        let mut sent = Sent::default();
+        let mut done = false;
+        if p.queue.is_empty() && p.direct.is_none() {
+            // A write error means a dead socket: the read side reports it.
+            let lane = p.lane.as_mut().map(|l| &mut l.stream);
+            let r = write_frame(&mut p.stream, lane, &header, src.bytes(), split, &mut sent);
+            done = matches!(r, Ok(true));
+            if r.is_ok() && !done && direct && matches!(src, Source::Slice(_)) {
+                p.direct = Some(Direct {
+                    header,
+                    split,
+                    sent,
+                });
+                return Ok(false);
+            }
+        }
+        if !done {
+            let payload = match src {
+                Source::Slice(b) => Payload::Owned(b.to_vec()),
+                Source::Lease(l) => Payload::Leased(l),
+            };
+            let queued = HEADER_LEN + len - sent.main - sent.lane;
+            p.queued_bytes += queued;
+            p.queue.push_back(Out {
+                header,
+                payload,
+                split,
+                sent,
+            });
+            self.queued_total += queued;
+        }
+        self.control(slot);
+        Ok(true)
+    }
+
+    /// Queues the control frames the peer's session has due (a Close after
+    /// the data; credit ahead of data not yet begun), then writes.
+    pub(super) fn control(&mut self, slot: usize) {
+        let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+            return;
+        };
+        while let Some(c) = p.session.poll_control() {
+            let out = Out {
+                header: c.header,
+                payload: Payload::None,
+                split: 0,
+                sent: Sent::default(),
+            };
+            // Credit may pass data not yet begun; a Want or the Close names
+            // the data before it, and stays behind it.
+            let begun = usize::from(p.queue.front().is_some_and(|o| o.sent.main > 0));
+            if c.kind == FrameKind::Credit && p.queue.len() > begun {
+                p.queue.insert(begun, out);
+            } else {
+                p.queue.push_back(out);
+            }
+            p.queued_bytes += HEADER_LEN;
+            self.queued_total += HEADER_LEN;
+        }
+        if !p.queue.is_empty() {
+            self.mark_write(slot);
+            self.flush(slot);
+        }
+    }
+
+    pub(super) fn flush(&mut self, slot: usize) -> bool {
+        let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+            return false;
+        };
+        if p.direct.is_some() || !p.writable {
+            return false; // a caller is mid-frame from its slice; ours go after it
+        }
+        let mut any = false;
+        let mut broken = false;
+        while let Some(front) = p.queue.front_mut() {
+            let before = front.sent.main + front.sent.lane;
+            let lane = p.lane.as_mut().map(|l| &mut l.stream);
+            let r = write_frame(
+                &mut p.stream,
+                lane,
+                &front.header,
+                front.payload.bytes(),
+                front.split,
+                &mut front.sent,
+            );
+            let moved = front.sent.main + front.sent.lane - before;
+            p.queued_bytes -= moved;
+            self.queued_total -= moved;
+            any |= moved > 0;
+            match r {
+                Ok(true) => {
+                    p.queue.pop_front();
+                }
+                Ok(false) => {
+                    p.writable = false;
+                    break;
+                }
+                Err(_) => {
+                    broken = true;
+                    break;
+                }
+            }
+        }
+        let finished = p.queue.is_empty() && p.session.is_finished() && p.direct.is_none();
+        if broken || finished {
+            // Both closed with everything out, or a dead socket (clean if
+            // the peer had closed first).
+            let clean = finished || p.session.peer_closed();
+            self.drop_peer(slot, clean);
+        }
+        any || broken
+    }
+
+    pub(super) fn flush_all(&mut self) -> bool {
+        let mut any = false;
+        for _ in 0..self.hot_write.len() {
+            let Some(slot) = self.hot_write.pop_front() else {
+                break;
+            };
+            if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+                p.in_write = false;
+            }
+            any |= self.flush(slot);
+            if let Some((_, Some(p))) = self.peers.get(slot) {
+                if p.writable {
+                    self.mark_write(slot);
+                }
+            }
+        }
+        any
+    }
+
+    pub(super) fn mark_write(&mut self, slot: usize) {
+        if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+            let work = !p.queue.is_empty() && p.direct.is_none();
+            if work && !p.in_write {
+                p.in_write = true;
+                self.hot_write.push_back(slot);
+            }
+        }
+    }
+}
