@@ -906,15 +906,21 @@ fn a_listener_out_of_receive_buffers_refuses_the_next_peer_and_keeps_the_first()
     assert_eq!(host_bytes(&r.lease), b"still here");
 }
 
-/// A peer written against librdmacm directly, to do what zerohop's own
-/// never does: announce a ring too shallow, refuse a listener's reply, or
-/// accept with no QP behind it. Its ids have no QP (a connect or accept
-/// names a QP number that points at nothing).
+/// A peer that does what zerohop's own never does: announce a ring too
+/// shallow, refuse a listener's reply, or accept with no QP behind it.
+// Its ids have no queue pair (a connect or accept names a QP number that
+// points at nothing) and its private data is of its choosing; it is built on
+// the backend's owning CM types, which free themselves, in order, on drop.
 mod cm_peer {
     use std::net::SocketAddr;
-    use std::ptr;
+    use std::ptr::NonNull;
+    use std::time::Duration;
 
     use rdma_sys as ffi;
+    use zerohop_backends::verbs::cm::{CmId, EventChannel};
+
+    /// A made-up QP number: these ids have no queue pair.
+    const NO_QP: u32 = 0x00ab_cdef;
 
     /// Private data announcing a receive ring of `depth` (no flags).
     pub fn ring(depth: u32) -> Vec<u8> {
@@ -924,143 +930,70 @@ mod cm_peer {
     }
 
     pub struct Peer {
-        ch: *mut ffi::rdma_event_channel,
+        /// On a listener, the id of the request it accepted (dropped first).
+        accepted: Option<CmId>,
         /// The connecting id, or the listening one.
-        id: *mut ffi::rdma_cm_id,
-        /// On a listener, the id of the request it accepted.
-        accepted: *mut ffi::rdma_cm_id,
+        id: CmId,
     }
 
-    // SAFETY: librdmacm's channel and ids may be used from any thread; a
-    // `Peer` is used by one thread at a time (it moves, it is not shared).
-    unsafe impl Send for Peer {}
-
     impl Peer {
-        fn new() -> Result<Self, String> {
-            // SAFETY: creates a channel this peer owns and destroys on drop.
-            let ch = unsafe { ffi::rdma_create_event_channel() };
-            if ch.is_null() {
-                return Err("rdma_create_event_channel failed".into());
-            }
-            let mut peer = Peer {
-                ch,
-                id: ptr::null_mut(),
-                accepted: ptr::null_mut(),
-            };
-            // SAFETY: a live channel and a valid out-pointer.
-            if unsafe {
-                ffi::rdma_create_id(
-                    ch,
-                    &mut peer.id,
-                    ptr::null_mut(),
-                    ffi::rdma_port_space::RDMA_PS_TCP,
-                )
-            } != 0
-            {
-                return Err("rdma_create_id failed".into());
-            }
-            Ok(peer)
+        fn fresh_id() -> Result<CmId, String> {
+            let ch = EventChannel::new().map_err(|e| e.to_string())?;
+            CmId::new(&ch).map_err(|e| e.to_string())
         }
 
         /// Resolves `addr` and sends a connect request with `private` data.
         pub fn connect(addr: SocketAddr, private: &[u8]) -> Result<Self, String> {
-            let peer = Self::new()?;
-            let mut sin = sockaddr_in(addr)?;
-            // SAFETY: a live id and a sockaddr_in that outlives the call.
-            if unsafe {
-                ffi::rdma_resolve_addr(
-                    peer.id,
-                    ptr::null_mut(),
-                    (&mut sin as *mut libc::sockaddr_in).cast(),
-                    2000,
-                )
-            } != 0
-            {
-                return Err("rdma_resolve_addr failed".into());
-            }
-            peer.expect(ffi::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED)?;
-            // SAFETY: a live id with a resolved address.
-            if unsafe { ffi::rdma_resolve_route(peer.id, 2000) } != 0 {
-                return Err("rdma_resolve_route failed".into());
-            }
-            peer.expect(ffi::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED)?;
-            let mut param = conn_param(private);
-            // SAFETY: a live id with a resolved route; `param` and the
-            // private data it points to outlive the call.
-            if unsafe { ffi::rdma_connect(peer.id, &mut param) } != 0 {
-                return Err("rdma_connect failed".into());
-            }
-            Ok(peer)
+            let id = Self::fresh_id()?;
+            id.resolve(addr).map_err(|e| e.to_string())?;
+            id.connect_without_qp(private, NO_QP)
+                .map_err(|e| e.to_string())?;
+            Ok(Peer { accepted: None, id })
         }
 
         /// Listens on `addr`.
         pub fn listen(addr: SocketAddr) -> Result<Self, String> {
-            let peer = Self::new()?;
-            let mut sin = sockaddr_in(addr)?;
-            // SAFETY: a live id and a sockaddr_in that outlives the call.
-            if unsafe { ffi::rdma_bind_addr(peer.id, (&mut sin as *mut libc::sockaddr_in).cast()) }
-                != 0
-            {
-                return Err("rdma_bind_addr failed".into());
-            }
-            // SAFETY: a live, bound id.
-            if unsafe { ffi::rdma_listen(peer.id, 1) } != 0 {
-                return Err("rdma_listen failed".into());
-            }
-            Ok(peer)
+            let id = Self::fresh_id()?;
+            id.listen(addr, 1).map_err(|e| e.to_string())?;
+            Ok(Peer { accepted: None, id })
         }
 
         /// Waits for a connect request and accepts it with `private` data.
         pub fn accept(&mut self, private: &[u8]) -> Result<(), String> {
-            let (kind, id) = self.event()?;
-            if kind != ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST {
-                return Err(format!("CM event {kind}, expected a connect request"));
+            let ev = self.event()?;
+            if ev.kind != ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST {
+                return Err(format!(
+                    "CM event {}, expected a connect request",
+                    ev.name()
+                ));
             }
-            self.accepted = id;
-            let mut param = conn_param(private);
-            // SAFETY: the request's live id; `param` and its data outlive the call.
-            if unsafe { ffi::rdma_accept(id, &mut param) } != 0 {
-                return Err("rdma_accept failed".into());
-            }
-            Ok(())
+            let raw = NonNull::new(ev.id).ok_or("a connect request without an id")?;
+            // SAFETY: a connect request's id is the event's own, owned by
+            // nothing else; its events come on the listener's channel.
+            let id = unsafe { CmId::adopt(raw, self.id.channel()) };
+            let accepted = id.accept_without_qp(private, NO_QP);
+            self.accepted = Some(id);
+            accepted.map_err(|e| e.to_string())
         }
 
         /// Rejects the answer to this peer's connect request.
         pub fn reject(&self) -> Result<(), String> {
-            // SAFETY: a live id whose connect was answered.
-            if unsafe { ffi::rdma_reject(self.id, ptr::null(), 0) } != 0 {
-                return Err("rdma_reject failed".into());
-            }
+            self.id.reject();
             Ok(())
         }
 
-        /// The next CM event's type and id (acknowledged), waiting at most 10 s.
-        fn event(&self) -> Result<(ffi::rdma_cm_event_type::Type, *mut ffi::rdma_cm_id), String> {
-            let mut pfd = libc::pollfd {
-                // SAFETY: a live channel.
-                fd: unsafe { (*self.ch).fd },
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd.
-            if unsafe { libc::poll(&mut pfd, 1, 10_000) } != 1 {
-                return Err("no CM event within 10 s".into());
-            }
-            let mut ev = ptr::null_mut();
-            // SAFETY: a live, readable channel and a valid out-pointer.
-            if unsafe { ffi::rdma_get_cm_event(self.ch, &mut ev) } != 0 {
-                return Err("rdma_get_cm_event failed".into());
-            }
-            // SAFETY: `ev` is valid until acknowledged, once, right after.
-            let out = unsafe { ((*ev).event, (*ev).id) };
-            // SAFETY: as above.
-            unsafe { ffi::rdma_ack_cm_event(ev) };
-            Ok(out)
+        /// The next CM event (acknowledged), waiting at most 10 s.
+        fn event(&self) -> Result<zerohop_backends::verbs::cm::CmEvent, String> {
+            self.id
+                .channel()
+                .next(Duration::from_secs(10))
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| "no CM event within 10 s".to_string())
         }
 
         /// The next CM event's type.
         pub fn next(&self) -> Result<ffi::rdma_cm_event_type::Type, String> {
-            self.event().map(|(kind, _)| kind)
+            self.event().map(|ev| ev.kind)
         }
 
         pub fn expect(&self, want: ffi::rdma_cm_event_type::Type) -> Result<(), String> {
@@ -1069,49 +1002,5 @@ mod cm_peer {
                 k => Err(format!("CM event {k}, expected {want}")),
             }
         }
-    }
-
-    impl Drop for Peer {
-        fn drop(&mut self) {
-            // SAFETY: the ids (no QPs) and then their channel, each destroyed once.
-            unsafe {
-                for id in [self.accepted, self.id] {
-                    if !id.is_null() {
-                        ffi::rdma_destroy_id(id);
-                    }
-                }
-                ffi::rdma_destroy_event_channel(self.ch);
-            }
-        }
-    }
-
-    fn sockaddr_in(addr: SocketAddr) -> Result<libc::sockaddr_in, String> {
-        let SocketAddr::V4(v4) = addr else {
-            return Err("this peer speaks IPv4".into());
-        };
-        Ok(libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: v4.port().to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from_ne_bytes(v4.ip().octets()),
-            },
-            sin_zero: [0; 8],
-        })
-    }
-
-    /// Connection parameters naming a QP that does not exist, carrying `private`.
-    fn conn_param(private: &[u8]) -> ffi::rdma_conn_param {
-        // SAFETY: an all-zero conn param is valid; the fields are set below.
-        let mut param: ffi::rdma_conn_param = unsafe { std::mem::zeroed() };
-        param.responder_resources = 1;
-        param.initiator_depth = 1;
-        param.retry_count = 7;
-        param.rnr_retry_count = 7;
-        param.qp_num = 0x00ab_cdef;
-        if !private.is_empty() {
-            param.private_data = private.as_ptr().cast();
-            param.private_data_len = private.len() as u8;
-        }
-        param
     }
 }

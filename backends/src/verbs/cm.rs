@@ -9,6 +9,9 @@
 //! - [`Qp`]: an RC queue pair created on a [`CmId`]; owns the id and the CQ,
 //!   and is destroyed first (QP, then id, then CQ and channel), so the NIC
 //!   stops touching posted buffers before anything else goes.
+//!
+//! The channel and the id are public: the verbs tests drive hand-written
+//! peers (ids without queue pairs, private data of their choosing) with them.
 
 use std::net::SocketAddr;
 use std::ptr::{self, NonNull};
@@ -19,8 +22,8 @@ use rdma_sys as ffi;
 
 use super::{call_failed, VerbsError};
 
-/// How long address and route resolution, and a connection, may take.
-pub(crate) const CM_TIMEOUT_MS: i32 = 5000;
+/// How long address and route resolution, and a connection, may take (ms).
+pub const CM_TIMEOUT_MS: i32 = 5000;
 
 fn set_nonblocking(fd: i32) {
     // SAFETY: fcntl on a descriptor we own; no memory is touched.
@@ -32,9 +35,12 @@ fn set_nonblocking(fd: i32) {
 
 /// A CM event, copied out (the event itself is acked at once).
 #[derive(Debug)]
-pub(crate) struct CmEvent {
+pub struct CmEvent {
+    /// What happened.
     pub kind: ffi::rdma_cm_event_type::Type,
+    /// The id it concerns (a connect request's is new: see [`CmId::adopt`]).
     pub id: *mut ffi::rdma_cm_id,
+    /// The event's status (a reject's reason, an error).
     pub status: i32,
     /// The peer's CM private data: its receive depth (`None` if it sent
     /// less than a word; the CM pads what it carries with zeros).
@@ -53,7 +59,7 @@ impl CmEvent {
 
 /// A librdmacm event channel.
 #[derive(Debug)]
-pub(crate) struct EventChannel(NonNull<ffi::rdma_event_channel>);
+pub struct EventChannel(NonNull<ffi::rdma_event_channel>);
 
 // SAFETY: the channel is used through `&self` calls librdmacm makes thread
 // safe (rdma_get_cm_event); it is destroyed once, in Drop.
@@ -228,7 +234,7 @@ fn conn_param(private: &[u8]) -> ffi::rdma_conn_param {
 
 /// A connection-manager id, TCP port space.
 #[derive(Debug)]
-pub(crate) struct CmId {
+pub struct CmId {
     id: NonNull<ffi::rdma_cm_id>,
     /// The channel its events arrive on: it outlives the id.
     channel: Arc<EventChannel>,
@@ -273,6 +279,7 @@ impl CmId {
         }
     }
 
+    /// The raw id (librdmacm's).
     pub fn as_ptr(&self) -> *mut ffi::rdma_cm_id {
         self.id.as_ptr()
     }
@@ -339,7 +346,15 @@ impl CmId {
 
     /// Sends the connect request with `private` data (the id has a QP).
     pub fn connect(&self, private: &[u8]) -> Result<(), VerbsError> {
+        self.connect_without_qp(private, 0)
+    }
+
+    /// Sends a connect request naming QP number `qp_num` (librdmacm fills
+    /// in the id's own QP when it has one and this is 0): what a test's peer
+    /// with no QP sends.
+    pub fn connect_without_qp(&self, private: &[u8], qp_num: u32) -> Result<(), VerbsError> {
         let mut param = conn_param(private);
+        param.qp_num = qp_num;
         // SAFETY: a live id; `param` and `private` outlive the call.
         match unsafe { ffi::rdma_connect(self.as_ptr(), &mut param) } {
             0 => Ok(()),
@@ -349,7 +364,13 @@ impl CmId {
 
     /// Accepts the request this id came with, with `private` data.
     pub fn accept(&self, private: &[u8]) -> Result<(), VerbsError> {
+        self.accept_without_qp(private, 0)
+    }
+
+    /// Accepts naming QP number `qp_num` (see [`connect_without_qp`](Self::connect_without_qp)).
+    pub fn accept_without_qp(&self, private: &[u8], qp_num: u32) -> Result<(), VerbsError> {
         let mut param = conn_param(private);
+        param.qp_num = qp_num;
         // SAFETY: a live id with a QP; `param` outlives the call.
         match unsafe { ffi::rdma_accept(self.as_ptr(), &mut param) } {
             0 => Ok(()),
@@ -357,7 +378,8 @@ impl CmId {
         }
     }
 
-    /// Refuses the request this id came with (best effort).
+    /// Refuses the request this id came with, or the answer to its own
+    /// (best effort).
     pub fn reject(&self) {
         // SAFETY: a live id of a connect request.
         unsafe { ffi::rdma_reject(self.as_ptr(), ptr::null(), 0) };

@@ -7,7 +7,7 @@
 //! [`Registry`] (owning wrappers, every call checked) -> [`PayloadMemory`]
 //! (where payloads live) -> [`RdmaTransport`].
 
-mod cm;
+pub mod cm;
 mod payload;
 mod transport;
 
