@@ -765,13 +765,17 @@ fn a_data_frame_carries_the_credits_owed_and_frame_counts_are_checked() {
 
 #[test]
 fn fragments_that_do_not_add_up_fail_the_session() {
-    let cases: [&[Vec<u8>]; 6] = [
-        &[data(0, 10, 10, true)],                       // more, but whole
-        &[data(0, 10, 4, false)],                       // last, but short
-        &[data(0, 10, 0, true)],                        // an empty fragment
-        &[data(0, 10, 4, true), data(0, 11, 4, true)],  // length changed
-        &[data(0, 10, 4, true), data(0, 10, 7, false)], // overran
-        &[data(0, 10, 4, true), data(0, 10, 6, true)],  // more after the end
+    let first = data(0, 10, 4, true);
+    let cases: [&[Vec<u8>]; 9] = [
+        &[data(0, 10, 10, true)],                      // more, but whole
+        &[data(0, 10, 4, false)],                      // last, but short
+        &[data(0, 10, 0, true)],                       // an empty fragment
+        &[first.clone(), data_at(0, 11, 4, 4, true)],  // length changed
+        &[first.clone(), data_at(0, 10, 4, 7, false)], // overran
+        &[first.clone(), data_at(0, 10, 4, 6, true)],  // more after the end
+        &[first.clone(), data_at(0, 10, 4, 0, true)],  // an empty middle
+        &[first.clone(), data_at(0, 10, 5, 5, false)], // a hole
+        &[first.clone(), data_at(0, 10, 3, 7, false)], // an overlap
     ];
     for frames in cases {
         let mut s = opened(ring(8, 10), hello(1 << 20, 8));
@@ -785,6 +789,12 @@ fn fragments_that_do_not_add_up_fail_the_session() {
             "{frames:?}"
         );
     }
+    // The same fragments, put right, make the message.
+    let mut s = opened(ring(8, 10), hello(1 << 20, 8));
+    assert_eq!(feed(&mut s, &first), Ok(None));
+    assert_eq!(feed(&mut s, &data_at(0, 10, 4, 3, true)), Ok(None));
+    let done = feed(&mut s, &data_at(0, 10, 7, 3, false)).unwrap().unwrap();
+    assert_eq!((done.seq, done.len), (0, 10));
     // A new message before the last one ended is a gap.
     let mut s = opened(ring(8, 10), hello(1 << 20, 8));
     feed(&mut s, &data(0, 10, 4, true)).unwrap();
@@ -1241,4 +1251,227 @@ fn two_sides_closing_at_once_on_the_shallowest_ring_both_finish() {
     }
     exchange(&mut a, &mut b, T0).unwrap(); // panics on a livelock
     assert!(a.session.is_finished() && b.session.is_finished());
+}
+
+fn credit_frame(frames: u32, limit: u64, waiting: bool) -> [u8; HEADER_LEN] {
+    Frame::Credit(Credit {
+        frames,
+        limit,
+        waiting,
+    })
+    .encode(&[])
+}
+
+fn control_frame(s: &mut Session) -> Option<Frame> {
+    s.poll_control()
+        .map(|c| Frame::decode(&c.header, 0).unwrap().frame)
+}
+
+#[test]
+fn the_getters_follow_the_state_they_name() {
+    // Before any Hello: not ready; after ours only: still not (no peer).
+    let mut s = Session::new(stream(), 1, T0);
+    assert!(!s.ready_to_frame());
+    assert_eq!(s.poll_control().map(|c| c.kind), Some(FrameKind::Hello));
+    assert!(
+        !s.ready_to_frame(),
+        "our Hello is out, the peer's is not in"
+    );
+    // The peer's Hello first: open, but our own Hello must go before data.
+    let mut t = Session::new(stream(), 1, T0);
+    let h = Frame::Hello(hello(1 << 20, 0)).encode(&[]);
+    assert_eq!(t.handle_header(T0, &h, Some(0)), Ok(Inbound::Opened));
+    assert!(t.is_open() && !t.ready_to_frame());
+    t.poll_control().unwrap();
+    assert!(t.ready_to_frame());
+
+    let mut s = opened(stream(), hello(1 << 20, 0));
+    let mut a = s.send(10).unwrap();
+    let b = s.send(0).unwrap();
+    assert_eq!((a.len(), a.is_empty()), (10, false));
+    assert_eq!((b.len(), b.is_empty()), (0, true));
+    assert_eq!(s.unframed(), 2);
+    s.next_frame(&mut a, None, false).unwrap();
+    assert_eq!(s.unframed(), 1);
+
+    // Closed by the peer only: not finished until ours goes too.
+    assert!(!s.peer_closed());
+    let close = Frame::Close(Close { seq: 0 }).encode(&[]);
+    assert_eq!(s.handle_header(T0, &close, Some(0)), Ok(Inbound::Closed));
+    assert!(s.peer_closed() && !s.close_sent());
+    assert!(!s.is_finished());
+}
+
+#[test]
+fn a_failed_session_posts_nothing_and_sets_no_timer() {
+    let mut s = Session::new(ring(8, 10), 1, T0);
+    assert!(feed(&mut s, &data(0, 1, 1, false)).is_err());
+    assert!(s.failure().is_some());
+    assert!(s.poll_control().is_none(), "not even its Hello");
+    assert_eq!(s.poll_timeout(), None);
+    assert!(!s.ready_to_frame());
+}
+
+#[test]
+fn credit_frames_go_at_a_quarter_of_the_ring_or_when_the_peer_waits() {
+    let mut s = opened(ring(16, 10), hello(1 << 20, 16));
+    s.reposted(3);
+    assert_eq!(control_frame(&mut s), None, "3 of 16 owed: not yet");
+    s.reposted(1);
+    assert_eq!(
+        control_frame(&mut s),
+        Some(Frame::Credit(Credit {
+            frames: 4,
+            limit: 1 << 20,
+            waiting: false
+        }))
+    );
+    // A waiting peer gets every slot owed, even one, but never an empty frame.
+    s.handle_header(T0, &credit_frame(0, 1 << 20, true), None)
+        .unwrap();
+    assert_eq!(control_frame(&mut s), None, "waiting, but nothing owed");
+    s.reposted(1);
+    assert_eq!(
+        control_frame(&mut s),
+        Some(Frame::Credit(Credit {
+            frames: 1,
+            limit: 1 << 20,
+            waiting: false
+        }))
+    );
+    s.reposted(1);
+    assert_eq!(control_frame(&mut s), None, "answered: no longer waiting");
+}
+
+#[test]
+fn byte_credit_goes_back_once_a_quarter_of_the_window_is_consumed() {
+    let window = 1000;
+    let cfg = SessionConfig { window, ..stream() };
+    let mut s = opened(cfg, hello(1 << 20, 0));
+    feed(&mut s, &data(0, 249, 249, false)).unwrap().unwrap();
+    feed(&mut s, &data(1, 1, 1, false)).unwrap().unwrap();
+    s.consumed(249);
+    assert_eq!(control_frame(&mut s), None, "249 of 1000 back: not yet");
+    s.consumed(1);
+    assert_eq!(
+        control_frame(&mut s),
+        Some(Frame::Credit(Credit {
+            frames: 0,
+            limit: 1250,
+            waiting: false
+        }))
+    );
+}
+
+/// A ring session with one frame credit left (`a` spent two data frames of
+/// a peer ring of 4, after its Hello took one).
+fn on_last_credit() -> Session {
+    let mut s = opened(ring(4, 10), hello(1 << 20, 4));
+    for _ in 0..2 {
+        let mut m = s.send(1).unwrap();
+        s.next_frame(&mut m, None, false).unwrap();
+    }
+    assert_eq!(s.frame_credits(), Some(1));
+    s
+}
+
+#[test]
+fn on_its_last_frame_credit_a_side_says_it_waits_only_when_it_has_something_to_post() {
+    let waiting = Some(Frame::Credit(Credit {
+        frames: 0,
+        limit: 1 << 20,
+        waiting: true,
+    }));
+    // Nothing to post: the last credit is kept.
+    let mut s = on_last_credit();
+    assert_eq!(control_frame(&mut s), None);
+    // A message that cannot go.
+    let mut s = on_last_credit();
+    let mut m = s.send(1).unwrap();
+    assert_eq!(s.next_frame(&mut m, None, false), None);
+    assert_eq!(control_frame(&mut s), waiting);
+    // A Want that cannot go.
+    let mut s = on_last_credit();
+    assert_eq!(
+        s.send(2 << 20),
+        Err(SendError::TooLarge {
+            len: 2 << 20,
+            max: 1 << 20
+        })
+    );
+    assert_eq!(s.send(1 << 20), Err(SendError::NoCredit));
+    assert_eq!(control_frame(&mut s), waiting);
+    // The Close that cannot go.
+    let mut s = on_last_credit();
+    s.close();
+    assert_eq!(control_frame(&mut s), waiting);
+    assert!(!s.close_sent());
+}
+
+#[test]
+fn credits_that_arrive_end_the_wait() {
+    let mut s = on_last_credit();
+    let mut m = s.send(1).unwrap();
+    assert_eq!(s.next_frame(&mut m, None, false), None, "waiting");
+    s.handle_header(T0, &credit_frame(1, 1 << 20, false), None)
+        .unwrap();
+    assert!(s.next_frame(&mut m, None, false).is_some());
+    assert_eq!(s.frame_credits(), Some(1));
+    // The message went: nothing waits, so no Credit frame spends the last slot.
+    assert_eq!(control_frame(&mut s), None);
+}
+
+#[test]
+fn a_want_up_to_the_maximum_is_taken_and_one_within_the_window_needs_no_grant() {
+    let cfg = SessionConfig {
+        window: 100,
+        max_message: 400,
+        ..stream()
+    };
+    let want = |len| Frame::Want(Want { offset: 0, len }).encode(&[]);
+    let mut s = opened(cfg, hello(1 << 20, 0));
+    assert_eq!(s.handle_header(T0, &want(100), None), Ok(Inbound::Control));
+    let mut s = opened(cfg, hello(1 << 20, 0));
+    assert_eq!(s.handle_header(T0, &want(101), None), Ok(Inbound::Want));
+    let mut s = opened(cfg, hello(1 << 20, 0));
+    assert_eq!(s.handle_header(T0, &want(400), None), Ok(Inbound::Want));
+    assert_eq!(s.pending_grant(), Some(400));
+    let mut s = opened(cfg, hello(1 << 20, 0));
+    assert_eq!(
+        s.handle_header(T0, &want(401), None),
+        Err(ProtocolError::BadWant)
+    );
+}
+
+#[test]
+fn a_want_lasts_until_its_message_comes() {
+    let cfg = SessionConfig {
+        window: 100,
+        ..stream()
+    };
+    let mut s = opened(cfg, hello(1 << 20, 0));
+    let want = Frame::Want(Want {
+        offset: 0,
+        len: 200,
+    })
+    .encode(&[]);
+    s.handle_header(T0, &want, None).unwrap();
+    // An empty message in its place leaves the Want standing.
+    feed(&mut s, &data(0, 0, 0, false)).unwrap().unwrap();
+    assert_eq!(s.pending_grant(), Some(200));
+    s.grant();
+    assert_eq!(
+        control_frame(&mut s).map(|f| f.kind()),
+        Some(FrameKind::Credit)
+    );
+    feed(&mut s, &data(1, 200, 200, false)).unwrap().unwrap();
+    s.consumed(200);
+    assert_eq!(
+        control_frame(&mut s).map(|f| f.kind()),
+        Some(FrameKind::Credit)
+    );
+    // Met: a byte consumed later is no reason for a Credit frame.
+    feed(&mut s, &data(2, 1, 1, false)).unwrap().unwrap();
+    s.consumed(1);
+    assert_eq!(control_frame(&mut s), None);
 }
