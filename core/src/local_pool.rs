@@ -227,6 +227,17 @@ mod tests {
             local.lease(0).unwrap_err(),
             Error::Pool(PoolError::ZeroLength)
         );
+        // Also when the magazine of the smallest class holds a buffer.
+        drop(local.lease(1).unwrap());
+        assert_eq!(local.cached_bytes(), 256);
+        assert_eq!(
+            local.lease(0).unwrap_err(),
+            Error::Pool(PoolError::ZeroLength)
+        );
+        assert_eq!(local.cached_bytes(), 256);
+        let shown = std::format!("{local:?}");
+        assert!(shown.contains("LocalPool") && shown.contains("cached_bytes: 256"));
+        local.flush();
         let big = local.lease(4096).unwrap();
         assert_eq!(local.cached_bytes(), 0, "oversize never cached");
         assert!(matches!(

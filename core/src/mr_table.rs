@@ -106,6 +106,11 @@ impl<const N: usize> MrTable<N> {
     }
 
     /// Index of the one entry that could cover `addr`: the last starting at or before it.
+    /// How many entries start below `addr` (where one starting at `addr` goes).
+    fn starting_below(&self, addr: u64) -> usize {
+        self.starts[..self.len].partition_point(|&s| s < addr)
+    }
+
     fn candidate(&self, addr: u64) -> Option<usize> {
         let after = self.starts[..self.len].partition_point(|&s| s <= addr);
         after.checked_sub(1)
@@ -204,7 +209,7 @@ impl<const N: usize> MrTable<N> {
                 }
             }
         }
-        let at = self.starts[..self.len].partition_point(|&s| s < handle.addr);
+        let at = self.starting_below(handle.addr);
         self.starts.copy_within(at..self.len, at + 1);
         self.entries.copy_within(at..self.len, at + 1);
         self.starts[at] = handle.addr;
@@ -276,7 +281,7 @@ impl<const N: usize> MrTable<N> {
         };
         // Entries are disjoint and sorted: the overlapping ones are contiguous,
         // starting at the candidate for `addr` (if it reaches in) or just after.
-        let mut first = self.starts[..self.len].partition_point(|&s| s < addr);
+        let mut first = self.starting_below(addr);
         if first > 0
             && self.entries[first - 1]
                 .handle
@@ -367,6 +372,8 @@ mod tests {
     #[test]
     fn lookup_finds_the_covering_entry_and_counts() {
         let mut t = MrTable::<4>::new();
+        assert!(t.is_empty());
+        assert_eq!(t.capacity(), 4);
         let mut sink = |_| panic!("nothing should be removed");
         t.insert(h(0x1000, 0x100, 1), false, &mut sink).unwrap();
         t.insert(h(0x3000, 0x100, 2), false, &mut sink).unwrap();
@@ -388,6 +395,64 @@ mod tests {
         );
         assert_eq!(t.stats().hits, 1);
         assert_eq!(t.stats().misses, 3);
+        assert!(!t.is_empty());
+    }
+
+    #[test]
+    fn unpin_takes_only_the_handle_it_pinned() {
+        let mut t = MrTable::<4>::new();
+        t.insert(h(0x1000, 0x100, 1), true, &mut |_| {}).unwrap();
+        // Same place, another registration (a stale copy of an older one).
+        assert_eq!(t.unpin(&h(0x1000, 0x100, 9)), Err(MrError::NotFound));
+        assert_eq!(t.unpin(&h(0x1000, 0x100, 1)), Ok(()));
+        assert_eq!(t.unpin(&h(0x1000, 0x100, 1)), Err(MrError::NotFound));
+    }
+
+    /// Registers fake handles with ids from 10 and counts the calls.
+    struct Counting(core::cell::Cell<u32>);
+
+    impl Registrar for Counting {
+        fn register(&self, region: Region, access: Access) -> Result<MrHandle, crate::Error> {
+            let id = 10 + self.0.get();
+            self.0.set(self.0.get() + 1);
+            Ok(MrHandle {
+                access,
+                ..h(region.addr, region.len, id)
+            })
+        }
+        fn deregister(&self, _: MrHandle) -> Result<(), crate::Error> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn get_or_register_registers_only_what_the_table_can_keep() {
+        let nic = Counting(core::cell::Cell::new(0));
+        let at = |addr| Region {
+            addr,
+            len: 0x100,
+            kind: MemKind::Host,
+        };
+        let mut t = MrTable::<2>::new();
+        let a = t
+            .get_or_register(&nic, at(0x1000), Access::LOCAL_WRITE, &mut |_| {})
+            .unwrap();
+        // Not full, though everything held is pinned: room for one more.
+        let b = t
+            .get_or_register(&nic, at(0x2000), Access::LOCAL_WRITE, &mut |_| {})
+            .unwrap();
+        assert_eq!((a.id, b.id, nic.0.get()), (10, 11, 2));
+        // Full, every entry pinned: refused before the NIC is asked.
+        assert_eq!(
+            t.get_or_register(&nic, at(0x3000), Access::LOCAL_WRITE, &mut |_| {}),
+            Err(crate::Error::Mr(MrError::Full { entries: 2 }))
+        );
+        assert_eq!(nic.0.get(), 2);
+        // Covered: the entry again, no registration.
+        let again = t
+            .get_or_register(&nic, at(0x2000), Access::LOCAL_WRITE, &mut |_| {})
+            .unwrap();
+        assert_eq!((again.id, nic.0.get()), (11, 2));
     }
 
     #[test]

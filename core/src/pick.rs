@@ -665,5 +665,61 @@ mod tests {
         let d = Detail::of(&long);
         assert_eq!(d.as_str().len(), Detail::CAPACITY);
         assert!(d.as_str().chars().all(|c| c == 'é'));
+        // Byte 120 falls inside an 'é': the cut goes back to 119.
+        let odd = std::format!("a{long}");
+        assert_eq!(Detail::of(&odd).as_str().len(), Detail::CAPACITY - 1);
+        // Written in pieces, it fills up and stops at the capacity.
+        let mut d = Detail::of(&"x".repeat(100));
+        d.write_str(&"y".repeat(100)).unwrap();
+        assert_eq!(d.as_str().len(), Detail::CAPACITY);
+        assert!(d.as_str().ends_with("yyyy"));
+        let d = Detail::from_fmt(format_args!("errno {}", 19));
+        assert_eq!(std::format!("{d} {d:?}"), "errno 19 \"errno 19\"");
+    }
+
+    #[test]
+    fn kinds_sets_and_prerequisites_say_what_they_are() {
+        let features = Kind::ALL.map(Kind::feature);
+        assert_eq!(
+            features,
+            [
+                Some("gpudirect-verbs"),
+                Some("gpudirect-verbs"),
+                Some("cuda-uma"),
+                None,
+                Some("mock"),
+            ]
+        );
+        assert_eq!(
+            Kind::ALL.map(Kind::name),
+            ["gpudirect", "rdma", "uma", "tcp", "mock"]
+        );
+        // Adding a member twice keeps it.
+        let k = KindSet::EMPTY.with(Kind::Uma).with(Kind::Uma);
+        assert!(k.contains(Kind::Uma));
+        let p = PrereqSet::default()
+            .with(Prereq::Peermem)
+            .with(Prereq::CudaDriver)
+            .with(Prereq::Peermem);
+        assert!(p.contains(Prereq::Peermem));
+        assert_eq!(std::format!("{p}"), "cuda-driver, peermem");
+        assert_eq!(std::format!("{}", Prereq::HcaLive), "hca-live");
+        assert!(std::format!("{UnknownPreference}").starts_with("expected one of: auto,"));
+        let mut probe = Probe::new();
+        probe.missing(Prereq::IbverbsDevice, "no device");
+        probe.present(Prereq::CudaDriver, "13.0");
+        let seen: std::vec::Vec<_> = probe
+            .iter()
+            .filter(|(_, s)| **s != Status::Unknown)
+            .map(|(p, s)| (p, s.is_present()))
+            .collect();
+        assert_eq!(
+            seen,
+            [(Prereq::CudaDriver, true), (Prereq::IbverbsDevice, false)]
+        );
+        assert_eq!(
+            probe.get(Prereq::IbverbsDevice),
+            &Status::Missing(Detail::of("no device"))
+        );
     }
 }

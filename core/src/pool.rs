@@ -107,10 +107,10 @@ impl PoolConfig {
     }
 
     fn validate(&self) -> Result<(), PoolError> {
-        let ok = self.chunk_bytes > 0
-            && self.chunk_bytes <= u32::MAX as usize
+        // Classes are never empty and never zero (SizeClasses::new), so a
+        // chunk that holds the largest is not empty either.
+        let ok = self.chunk_bytes <= u32::MAX as usize
             && self.chunk_align.is_power_of_two()
-            && self.classes.n > 0
             && self.classes.largest() <= self.chunk_bytes;
         if ok {
             Ok(())
@@ -619,11 +619,13 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
             return mem;
         }
         let made = st.chunks_made;
+        // Idle oversize chunks are all kept spares (handled above): what is
+        // found here is a class chunk.
         let victim = st.tables.chunks()[..made]
             .iter()
-            .position(|c| c.mem.is_some() && c.in_use == 0 && (c.class as usize) < OVERSIZE)?
-            as u32;
+            .position(|c| c.mem.is_some() && c.in_use == 0)? as u32;
         let class = st.tables.chunks()[victim as usize].class as usize;
+        debug_assert!(class < OVERSIZE);
         // Unlink the victim's slots from the class free list, keeping the rest in order.
         let mut prev = NONE;
         let mut at = st.free[class];
@@ -698,6 +700,11 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
             class: OVERSIZE as u8,
         };
         st.stats.oversize += 1;
+    }
+
+    /// Whether another thread is obtaining a chunk now (outside the lock).
+    fn growth_in_flight(st: &State<T>) -> bool {
+        st.growing > 0
     }
 
     fn chunk_descriptor(st: &mut State<T>) -> Option<u32> {
@@ -781,7 +788,7 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
                 }
                 // Another thread's chunk is on its way: its buffers may serve
                 // us, so wait for it rather than report a false exhaustion.
-                if st.growing > 0 {
+                if Self::growth_in_flight(&st) {
                     return Ok(None);
                 }
                 return Err(PoolError::Exhausted {
@@ -808,12 +815,15 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
             .and_then(|m| {
                 // `align` is a power of two (checked with the config): a mask,
                 // not a 64-bit division (a library call on 32-bit targets).
-                if m.region.addr & (align as u64 - 1) != 0 || m.region.len < grow_len {
+                if m.region.addr & (align as u64 - 1) != 0 {
                     self.source.give_back(m);
                     Err(Error::Misaligned {
                         addr: m.region.addr,
                         align,
                     })
+                } else if m.region.len < grow_len {
+                    self.source.give_back(m);
+                    Err(Error::OutOfMemory { len: grow_len })
                 } else {
                     Ok(m)
                 }
@@ -1285,11 +1295,142 @@ pub(crate) mod tests {
         assert!(p.lease(100).is_ok(), "idle again: reclaimable again");
     }
 
+    /// Fake memory whose answers a test sets: `fail` refuses, `skew_len`
+    /// changes the length handed out (a short or generous source). Counts
+    /// what was obtained and given back.
+    #[derive(Default)]
+    struct Scripted {
+        memory: FakeMemory,
+        fail: core::cell::Cell<bool>,
+        skew_len: core::cell::Cell<isize>,
+        obtained: core::cell::Cell<u32>,
+        given_back: core::cell::Cell<u32>,
+    }
+
+    impl ChunkSource for &Scripted {
+        fn obtain(&self, len: usize, align: usize, _: Access) -> Result<Registered, Error> {
+            if self.fail.get() {
+                return Err(Error::OutOfMemory { len });
+            }
+            let got = len.checked_add_signed(self.skew_len.get()).unwrap();
+            let region = self.memory.alloc(got, align)?;
+            self.obtained.set(self.obtained.get() + 1);
+            Ok(Registered { region, mr: None })
+        }
+        fn give_back(&self, chunk: Registered) {
+            self.given_back.set(self.given_back.get() + 1);
+            let _ = self.memory.free(chunk.region);
+        }
+    }
+
+    /// Chunks of 4 KiB, classes of 1 and 2 KiB.
+    fn scripted<const C: usize, const S: usize>(
+        source: &Scripted,
+        budget: usize,
+    ) -> SlabPool<&Scripted, InlineTables<C, S>> {
+        let mut cfg = PoolConfig::with_budget(budget);
+        cfg.chunk_bytes = 4096;
+        cfg.classes = SizeClasses::new(&[1024, 2048]).unwrap();
+        SlabPool::new(source, cfg, InlineTables::new()).unwrap()
+    }
+
+    #[test]
+    fn the_default_classes_are_the_documented_sizes() {
+        assert_eq!(
+            SizeClasses::DEFAULT.as_slice(),
+            [256, 1024, 4096, 16384, 65536, 1 << 20]
+        );
+        assert_eq!(SizeClasses::DEFAULT.largest(), 1 << 20);
+    }
+
+    #[test]
+    fn a_source_that_gives_too_little_is_refused_and_one_that_gives_more_is_accounted_exactly() {
+        let source = Scripted::default();
+        let p = scripted::<4, 16>(&source, 16384);
+        source.skew_len.set(-1);
+        assert_eq!(p.lease(10).unwrap_err(), Error::OutOfMemory { len: 4096 });
+        assert_eq!((source.obtained.get(), source.given_back.get()), (1, 1));
+        assert_eq!(p.stats().reserved_bytes, 0);
+        // More than asked: the pool uses and counts what it asked for.
+        source.skew_len.set(100);
+        drop(p.lease(10).unwrap());
+        drop(p.lease(10_000).unwrap()); // oversize, kept
+        assert_eq!(p.stats().reserved_bytes, 4096 + 12288);
+        // At the budget the kept buffer goes back; the count stays exact.
+        drop(p.lease(2000).unwrap());
+        assert_eq!(p.stats().given_back, 1);
+        assert_eq!(p.stats().reserved_bytes, 4096 + 4096);
+    }
+
+    #[test]
+    fn chunk_descriptors_freed_or_left_by_a_failed_growth_are_all_reused() {
+        let source = Scripted::default();
+        // Two chunk descriptors, and a budget of two chunks.
+        let p = scripted::<2, 16>(&source, 8192);
+        drop(p.lease(1000).unwrap()); // chunk of the 1 KiB class
+        drop(p.lease(2000).unwrap()); // chunk of the 2 KiB class
+                                      // Eight kilobytes at once: both idle chunks are reclaimed, and the
+                                      // growth that needed them fails.
+        source.fail.set(true);
+        assert_eq!(p.lease(8000).unwrap_err(), Error::OutOfMemory { len: 8192 });
+        assert_eq!(p.stats().reclaimed, 2);
+        assert_eq!(p.stats().reserved_bytes, 0);
+        // Both descriptors are free again.
+        source.fail.set(false);
+        let a = p.lease(1000).unwrap();
+        let b = p.lease(2000).unwrap();
+        assert_eq!(p.stats().reserved_bytes, 8192);
+        drop((a, b));
+        // A third is never made: the table holds two.
+        let q = scripted::<2, 16>(&source, 1 << 20);
+        let held = (q.lease(5000).unwrap(), q.lease(5000).unwrap());
+        assert_eq!(
+            q.lease(5000).unwrap_err(),
+            Error::Pool(PoolError::TooManyChunks { chunks: 2 })
+        );
+        drop(held);
+    }
+
+    #[test]
+    fn slot_descriptors_of_a_reclaimed_chunk_are_all_reused() {
+        let source = Scripted::default();
+        // Four slot descriptors, a budget of one chunk.
+        let p = scripted::<4, 4>(&source, 4096);
+        let ones: [_; 4] = core::array::from_fn(|_| p.lease(1000).unwrap());
+        drop(ones);
+        // The 2 KiB class takes the chunk back: its four descriptors are spares.
+        let twos = (p.lease(2000).unwrap(), p.lease(2000).unwrap());
+        assert_eq!(p.stats().reclaimed, 1);
+        drop(twos);
+        let st = p.stats();
+        assert_eq!((st.grows, st.leases), (2, 0));
+    }
+
+    #[test]
+    fn slot_table_full_is_typed_before_any_memory_is_taken() {
+        let source = Scripted::default();
+        let p = scripted::<4, 2>(&source, 1 << 20);
+        let held = (p.lease(1000).unwrap(), p.lease(1000).unwrap());
+        assert_eq!(
+            p.lease(2000).unwrap_err(),
+            Error::Pool(PoolError::TooManyBuffers { slots: 2 })
+        );
+        assert_eq!(source.obtained.get(), 1, "no chunk taken for nothing");
+        let shown = std::format!("{p:?}");
+        assert!(
+            shown.contains("SlabPool") && shown.contains("leases: 2"),
+            "{shown}"
+        );
+        drop(held);
+    }
+
     #[test]
     fn set_len_is_bounded_by_capacity() {
         let p = pool(1 << 20);
         let mut l = p.lease(10).unwrap();
-        assert_eq!(l.len(), 10);
+        assert_eq!((l.len(), l.is_empty()), (10, false));
+        l.set_len(0).unwrap();
+        assert!(l.is_empty());
         l.set_len(256).unwrap();
         assert_eq!(l.region().len, 256);
         assert_eq!(l.set_len(257), Err(Error::TooLarge { len: 257, max: 256 }));

@@ -815,18 +815,22 @@ mod tests {
             DataFlags::NONE.with(DataFlags::MORE, false),
             DataFlags::NONE
         );
+        // Setting a flag that is already set keeps it set.
+        assert_eq!(f.with(DataFlags::MORE, true), f);
+        assert_eq!(DataFlags::MORE | DataFlags::MORE, DataFlags::MORE);
         assert_eq!(Takes::HEADERLESS.bits(), 1);
+        assert_eq!(Takes::NONE.bits(), 0);
         assert!(Takes::HEADERLESS.contains(Takes::HEADERLESS));
         assert!(!Takes::NONE.contains(Takes::HEADERLESS));
-        for k in [
-            FrameKind::Data,
-            FrameKind::Credit,
-            FrameKind::Hello,
-            FrameKind::Close,
-            FrameKind::Want,
+        for (k, name) in [
+            (FrameKind::Data, "data"),
+            (FrameKind::Credit, "credit"),
+            (FrameKind::Hello, "hello"),
+            (FrameKind::Close, "close"),
+            (FrameKind::Want, "want"),
         ] {
             assert_eq!(FrameKind::from_u8(k as u8), Some(k));
-            assert!(!k.name().is_empty());
+            assert_eq!(k.name(), name);
         }
     }
 }
