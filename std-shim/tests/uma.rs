@@ -60,6 +60,8 @@ fn messages_land_in_managed_memory_and_the_gpu_checksums_them_in_place() {
                 tx.send(peer, &m, Deadline::after(Duration::from_secs(30)), None)
                     .unwrap();
             }
+            // A send is queued, not yet delivered: close flushes (a drop would not).
+            tx.close(Deadline::after(Duration::from_secs(30))).unwrap();
         });
         for (i, &len) in sizes.iter().enumerate() {
             let r = rx
