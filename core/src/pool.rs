@@ -106,6 +106,48 @@ impl PoolConfig {
         }
     }
 
+    /// This configuration fitted to its budget: chunks no larger than the
+    /// budget (rounded down to the alignment), and the classes that no
+    /// longer fit a chunk dropped. A budget under one chunk then still
+    /// serves leases up to itself, where 2 MiB chunks would serve none.
+    #[must_use]
+    pub fn fitted(mut self) -> PoolConfig {
+        let room = self.budget & !(self.chunk_align.max(1) - 1);
+        if self.chunk_bytes <= room {
+            return self;
+        }
+        self.chunk_bytes = room;
+        let fit = self
+            .classes
+            .as_slice()
+            .iter()
+            .take_while(|&&c| c <= room)
+            .count();
+        if let Ok(c) = SizeClasses::new(&self.classes.as_slice()[..fit]) {
+            self.classes = c;
+        }
+        self
+    }
+
+    /// The longest lease a pool of this configuration can serve with
+    /// nothing else leased: the largest class if its chunk fits the budget,
+    /// and an oversize buffer up to the budget (rounded down to the
+    /// alignment). What a receiver may announce as its longest message.
+    pub fn largest_lease(&self) -> usize {
+        let largest = self.classes.largest();
+        let class = if self.chunk_bytes <= self.budget {
+            largest
+        } else {
+            0
+        };
+        let oversize = self.budget & !(self.chunk_align.max(1) - 1);
+        if oversize > largest {
+            oversize
+        } else {
+            class
+        }
+    }
+
     fn validate(&self) -> Result<(), PoolError> {
         // Classes are never empty and never zero (SizeClasses::new), so a
         // chunk that holds the largest is not empty either.
@@ -1032,6 +1074,54 @@ pub(crate) mod tests {
         cfg.chunk_bytes = 64 << 10;
         cfg.classes = SizeClasses::new(&[256, 4096, 16384]).unwrap();
         SlabPool::new(source, cfg, InlineTables::new()).unwrap()
+    }
+
+    #[test]
+    fn a_budget_under_one_chunk_is_fitted_and_serves_leases_up_to_itself() {
+        // 2 MiB chunks over a 1 MiB budget serve nothing from a class.
+        let raw = PoolConfig::with_budget(1 << 20);
+        assert_eq!(raw.largest_lease(), 0);
+        let p = SlabPool::new(source(), raw, InlineTables::<16, 1024>::new()).unwrap();
+        assert!(p.lease(64).is_err());
+        let fit = raw.fitted();
+        assert_eq!(fit.chunk_bytes, 1 << 20);
+        assert_eq!(
+            fit.classes,
+            SizeClasses::DEFAULT,
+            "1 MiB still fits a 1 MiB chunk"
+        );
+        assert_eq!(fit.largest_lease(), 1 << 20);
+        let p = SlabPool::new(source(), fit, InlineTables::<16, 1024>::new()).unwrap();
+        drop(p.lease(64).unwrap());
+        drop(p.lease(1 << 20).unwrap());
+        assert!(p.lease((1 << 20) + 1).is_err());
+        // 100 KiB: 64 KiB is the largest class that fits; oversize up to the
+        // budget rounded down to a page.
+        let fit = PoolConfig::with_budget(100 << 10).fitted();
+        assert_eq!(
+            (fit.chunk_bytes, fit.classes.largest()),
+            (100 << 10, 64 << 10)
+        );
+        assert_eq!(fit.largest_lease(), 100 << 10);
+        let odd = PoolConfig::with_budget((100 << 10) + 100).fitted();
+        assert_eq!(odd.largest_lease(), 100 << 10);
+        let p = SlabPool::new(source(), odd, InlineTables::<16, 1024>::new()).unwrap();
+        drop(p.lease(100 << 10).unwrap());
+        assert!(p.lease((100 << 10) + 1).is_err());
+        // A budget of several chunks is left as it is.
+        let big = PoolConfig::with_budget(64 << 20);
+        assert_eq!(big.fitted(), big);
+        assert_eq!(big.largest_lease(), 64 << 20);
+        let small_chunks = PoolConfig {
+            budget: 1 << 20,
+            chunk_bytes: 1 << 20,
+            ..big
+        };
+        assert_eq!(
+            small_chunks.largest_lease(),
+            1 << 20,
+            "the largest class, whose chunk fits"
+        );
     }
 
     #[test]

@@ -152,6 +152,25 @@ pub struct PeerParams {
     pub token: u32,
 }
 
+/// What has crossed a session: per-peer counters for reports (what UCX and
+/// NCCL users read of their endpoints).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct SessionStats {
+    /// Messages started toward the peer.
+    pub messages_sent: u64,
+    /// Their bytes.
+    pub bytes_sent: u64,
+    /// Messages received whole.
+    pub messages_received: u64,
+    /// Their bytes.
+    pub bytes_received: u64,
+    /// Times a send waited for credit: a message short of byte credit
+    /// (counted once per message), a frame short of the peer's ring slots
+    /// (once per frame).
+    pub credit_stalls: u64,
+}
+
 /// Where a session is stuck when its idle timer fires.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
@@ -508,6 +527,13 @@ pub struct Session {
     peer_waiting: bool,
     /// This side has a frame to post and one frame credit: it says so.
     waiting_due: bool,
+
+    // Counters (see [`SessionStats`]).
+    credit_stalls: u64,
+    /// The message now waiting for byte credit was counted.
+    byte_stall_counted: bool,
+    /// The frame now waiting for a ring slot was counted.
+    frame_stall_counted: bool,
 }
 
 impl Session {
@@ -546,6 +572,9 @@ impl Session {
             owed_frames: 0,
             peer_waiting: false,
             waiting_due: false,
+            credit_stalls: 0,
+            byte_stall_counted: false,
+            frame_stall_counted: false,
         }
     }
 
@@ -595,6 +624,17 @@ impl Session {
     /// Both sides closed: nothing more will cross.
     pub fn is_finished(&self) -> bool {
         self.close_sent && self.peer_closed
+    }
+
+    /// What has crossed so far.
+    pub fn stats(&self) -> SessionStats {
+        SessionStats {
+            messages_sent: self.tx_seq,
+            bytes_sent: self.tx_started,
+            messages_received: self.rx_next,
+            bytes_received: self.rx_started - self.assembly.map_or(0, |a| u64::from(a.len)),
+            credit_stalls: self.credit_stalls,
+        }
     }
 
     /// Messages started whose fragments have not all been handed out.
@@ -678,6 +718,10 @@ impl Session {
             if self.want_sent != Some(at) {
                 self.want_due = Some(len32);
             }
+            if !self.byte_stall_counted {
+                self.byte_stall_counted = true;
+                self.credit_stalls += 1;
+            }
             return Err(SendError::NoCredit);
         }
         let Some(next) = self.tx_seq.checked_add(1) else {
@@ -693,6 +737,7 @@ impl Session {
         self.tx_started += u64::from(len32);
         self.tx_unframed += 1;
         self.want_due = None;
+        self.byte_stall_counted = false;
         Ok(out)
     }
 
@@ -756,6 +801,10 @@ impl Session {
             // One credit left: a Credit frame tells the peer, which answers
             // with every slot it owes.
             self.waiting_due = self.tx_frames == Some(1);
+            if !self.frame_stall_counted {
+                self.frame_stall_counted = true;
+                self.credit_stalls += 1;
+            }
             return None;
         }
         let offset = msg.framed;
@@ -788,6 +837,7 @@ impl Session {
             Some(frame.encode(payload.unwrap_or(&[])))
         };
         self.spend_frame();
+        self.frame_stall_counted = false;
         msg.first = false;
         msg.framed += len;
         if last {

@@ -5,7 +5,11 @@
 //! receiver (for `--spin-us`), UCX and perftest wait: the floor for latency
 //! without the cost of waking a sleeping thread.
 //!
-//! `cargo run --release -p zerohop-std --example raw_tcp -- 64,4096,65536,1048576 [spin]`
+//! Both sides in one process (two threads) by default; as two processes, the
+//! way `zerohop perf --listen/--connect` and `ucx_perftest` run, with
+//! `listen ADDR` in one and `connect ADDR` in the other.
+//!
+//! `cargo run --release -p zerohop-std --example raw_tcp -- 64,4096,65536,1048576 [spin] [listen|connect ADDR]`
 
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -49,44 +53,66 @@ impl Write for Stream {
     }
 }
 
+/// Echoes ping-pongs and counts streams until the client says it is done.
+fn serve(s: TcpStream, spin: bool) -> io::Result<()> {
+    let mut s = Stream::new(s, spin)?;
+    let mut ctl = [0u8; 16];
+    loop {
+        if s.read_exact(&mut ctl).is_err() {
+            return Ok(());
+        }
+        let size = u64::from_le_bytes(ctl[..8].try_into().unwrap()) as usize;
+        let count = u64::from_le_bytes(ctl[8..].try_into().unwrap()) as usize;
+        let mut buf = vec![0u8; size];
+        if size == 0 {
+            return Ok(());
+        }
+        if count & (1 << 62) != 0 {
+            for _ in 0..count & !(1 << 62) {
+                s.read_exact(&mut buf)?;
+                s.write_all(&buf)?;
+            }
+        } else {
+            for _ in 0..count {
+                s.read_exact(&mut buf)?;
+            }
+            s.write_all(&((count * size) as u64).to_le_bytes())?;
+        }
+    }
+}
+
 fn main() -> std::io::Result<()> {
-    let sizes: Vec<usize> = std::env::args()
-        .nth(1)
-        .unwrap_or_else(|| "64,4096,65536,1048576".into())
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let sizes: Vec<usize> = args
+        .first()
+        .map_or("64,4096,65536,1048576", String::as_str)
         .split(',')
         .map(|s| s.parse().expect("a size in bytes"))
         .collect();
-    let spin = std::env::args().nth(2).as_deref() == Some("spin");
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let server = std::thread::spawn(move || -> std::io::Result<()> {
+    let spin = args.iter().any(|a| a == "spin");
+    let role = |name: &str| {
+        let i = args.iter().position(|a| a == name)?;
+        Some(
+            args.get(i + 1)
+                .expect("an address after listen/connect")
+                .clone(),
+        )
+    };
+    if let Some(addr) = role("listen") {
+        let listener = TcpListener::bind(addr)?;
         let (s, _) = listener.accept()?;
-        let mut s = Stream::new(s, spin)?;
-        let mut ctl = [0u8; 16];
-        loop {
-            if s.read_exact(&mut ctl).is_err() {
-                return Ok(());
-            }
-            let size = u64::from_le_bytes(ctl[..8].try_into().unwrap()) as usize;
-            let count = u64::from_le_bytes(ctl[8..].try_into().unwrap()) as usize;
-            let mut buf = vec![0u8; size];
-            if size == 0 {
-                return Ok(());
-            }
-            if count & (1 << 62) != 0 {
-                for _ in 0..count & !(1 << 62) {
-                    s.read_exact(&mut buf)?;
-                    s.write_all(&buf)?;
-                }
-            } else {
-                for _ in 0..count {
-                    s.read_exact(&mut buf)?;
-                }
-                s.write_all(&((count * size) as u64).to_le_bytes())?;
-            }
+        return serve(s, spin);
+    }
+    let (c, server) = match role("connect") {
+        Some(addr) => (TcpStream::connect(addr)?, None),
+        None => {
+            let listener = TcpListener::bind("127.0.0.1:0")?;
+            let addr = listener.local_addr()?;
+            let server = std::thread::spawn(move || serve(listener.accept()?.0, spin));
+            (TcpStream::connect(addr)?, Some(server))
         }
-    });
-    let mut c = Stream::new(TcpStream::connect(addr)?, spin)?;
+    };
+    let mut c = Stream::new(c, spin)?;
     let mut rows = Vec::new();
     for &size in &sizes {
         let iters = 5000usize.min((256 << 20) / size).max(100) + 100;
@@ -125,7 +151,9 @@ fn main() -> std::io::Result<()> {
     }
     c.write_all(&[0u8; 16])?;
     drop(c);
-    server.join().expect("server thread")?;
+    if let Some(server) = server {
+        server.join().expect("server thread")?;
+    }
     println!(
         "{{\"transport\":\"raw-tcp{}\",\"rows\":[{}]}}",
         if spin { "-spin" } else { "" },

@@ -1,5 +1,9 @@
 //! Configuration from the environment: malformed values are errors that name
 //! the variable, never silent defaults.
+//!
+//! The Go package's variables are read where zerohop's are unset:
+//! `ZAP_TRANSPORT` (its `default` is tcp) and `ZAP_UMA_POOL_BYTES` (0: no
+//! budget, which here means the host's physical memory).
 
 use std::fmt;
 
@@ -8,10 +12,12 @@ use zerohop_core::Preference;
 /// Environment configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {
-    /// `ZEROHOP_TRANSPORT`: auto, gpudirect, rdma, uma, tcp, mock (trimmed, case-insensitive).
+    /// `ZEROHOP_TRANSPORT` (else `ZAP_TRANSPORT`): auto, gpudirect, rdma,
+    /// uma, tcp, mock (trimmed, case-insensitive; the Go package's `default` is tcp).
     pub transport: Preference,
-    /// `ZEROHOP_POOL_BYTES`: the pool budget (default 4 GiB). Plain bytes or a
-    /// binary suffix: `512M`, `4GiB`, `64k`.
+    /// `ZEROHOP_POOL_BYTES` (else `ZAP_UMA_POOL_BYTES`, where 0 means no
+    /// budget: the host's physical memory): the pool budget (default 4 GiB).
+    /// Plain bytes or a binary suffix: `512M`, `4GiB`, `64k`.
     pub pool_bytes: usize,
 }
 
@@ -48,7 +54,9 @@ impl fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 impl Config {
-    /// Reads `ZEROHOP_TRANSPORT` and `ZEROHOP_POOL_BYTES`; unset means default.
+    /// Reads `ZEROHOP_TRANSPORT` and `ZEROHOP_POOL_BYTES` (or the Go
+    /// package's `ZAP_TRANSPORT` and `ZAP_UMA_POOL_BYTES` where those are
+    /// unset); unset means default.
     pub fn from_env() -> Result<Config, ConfigError> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -62,6 +70,15 @@ impl Config {
                 value: v.clone(),
                 expected: "one of auto, gpudirect, rdma, uma, tcp, mock",
             })?;
+        } else if let Some(v) = get("ZAP_TRANSPORT") {
+            c.transport = match v.trim().to_ascii_lowercase().as_str() {
+                "default" => Preference::Only(zerohop_core::Kind::Tcp),
+                _ => Preference::parse(&v).map_err(|_| ConfigError {
+                    var: "ZAP_TRANSPORT",
+                    value: v.clone(),
+                    expected: "one of default (tcp), auto, gpudirect, rdma, uma, tcp",
+                })?,
+            };
         }
         if let Some(v) = get("ZEROHOP_POOL_BYTES") {
             c.pool_bytes = parse_bytes(&v).filter(|&n| n > 0).ok_or(ConfigError {
@@ -69,8 +86,37 @@ impl Config {
                 value: v.clone(),
                 expected: "a positive byte count, optionally with k/M/G (binary) suffix, e.g. 512M or 4GiB",
             })?;
+        } else if let Some(v) = get("ZAP_UMA_POOL_BYTES") {
+            c.pool_bytes = match parse_bytes(&v) {
+                Some(0) => physical_memory(),
+                Some(n) => n,
+                None => {
+                    return Err(ConfigError {
+                        var: "ZAP_UMA_POOL_BYTES",
+                        value: v.clone(),
+                        expected:
+                            "a byte count (0: no budget), optionally with k/M/G (binary) suffix",
+                    })
+                }
+            };
         }
         Ok(c)
+    }
+}
+
+/// The host's physical memory in bytes: what "no budget" is bounded by.
+/// 4 GiB where the system does not say.
+pub fn physical_memory() -> usize {
+    // SAFETY: sysconf reads a system constant; it has no preconditions.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    match (usize::try_from(pages), usize::try_from(page)) {
+        (Ok(n), Ok(p)) if n > 0 && p > 0 => n.saturating_mul(p),
+        _ => 4 << 30,
     }
 }
 
@@ -141,6 +187,35 @@ mod tests {
         ] {
             let e = Config::from_lookup(env(&[("ZEROHOP_POOL_BYTES", bad)])).unwrap_err();
             assert_eq!(e.var, "ZEROHOP_POOL_BYTES", "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_go_packages_variables_are_read_where_zerohops_are_unset() {
+        let c = Config::from_lookup(env(&[("ZAP_TRANSPORT", "default")])).unwrap();
+        assert_eq!(c.transport, Preference::Only(Kind::Tcp));
+        let c = Config::from_lookup(env(&[("ZAP_TRANSPORT", " UMA ")])).unwrap();
+        assert_eq!(c.transport, Preference::Only(Kind::Uma));
+        let c = Config::from_lookup(env(&[("ZAP_UMA_POOL_BYTES", "256M")])).unwrap();
+        assert_eq!(c.pool_bytes, 256 << 20);
+        let c = Config::from_lookup(env(&[("ZAP_UMA_POOL_BYTES", "0")])).unwrap();
+        assert_eq!(c.pool_bytes, physical_memory());
+        assert!(physical_memory() >= 1 << 30, "a host with at least 1 GiB");
+        // zerohop's own variables win.
+        let c = Config::from_lookup(env(&[
+            ("ZEROHOP_TRANSPORT", "auto"),
+            ("ZAP_TRANSPORT", "default"),
+            ("ZEROHOP_POOL_BYTES", "1M"),
+            ("ZAP_UMA_POOL_BYTES", "0"),
+        ]))
+        .unwrap();
+        assert_eq!((c.transport, c.pool_bytes), (Preference::Auto, 1 << 20));
+        for (var, bad) in [
+            ("ZAP_TRANSPORT", "carrier-pigeon"),
+            ("ZAP_UMA_POOL_BYTES", "-1"),
+        ] {
+            let e = Config::from_lookup(env(&[(var, bad)])).unwrap_err();
+            assert_eq!(e.var, var);
         }
     }
 

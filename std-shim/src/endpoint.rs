@@ -19,9 +19,11 @@
 //! both sides (the caller's fast path and the progress thread), and a
 //! channel would force every message through a hand-off.
 
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use zerohop_core::session::SessionStats;
 use zerohop_core::{Error, PeerId, Received, Transport};
 
 use crate::doorbell::Doorbell;
@@ -136,6 +138,73 @@ pub trait Wire: Transport + Send + 'static {
     fn background_progress(&mut self, read: bool) -> Result<bool, Error> {
         let _ = read;
         self.progress()
+    }
+
+    /// The next peer that connected to this wire's listener and said Hello,
+    /// with its address (a wire without a listener has none).
+    fn take_accepted(&mut self) -> Option<(PeerId, SocketAddr)> {
+        None
+    }
+
+    /// Whether the Hellos with `peer`, which this side connected to, have
+    /// crossed: `Some(Ok)` open, `None` not yet, `Some(Err)` refused or gone.
+    /// Wires whose connect waits for the Hello say `Some(Ok)`.
+    fn opened(&mut self, peer: PeerId) -> Option<Result<(), Error>> {
+        let _ = peer;
+        Some(Ok(()))
+    }
+
+    /// A connected peer's address.
+    fn peer_addr(&self, peer: PeerId) -> Option<SocketAddr> {
+        let _ = peer;
+        None
+    }
+
+    /// What has crossed to and from a connected peer.
+    fn peer_stats(&self, peer: PeerId) -> Option<SessionStats> {
+        let _ = peer;
+        None
+    }
+}
+
+/// What waiting on an endpoint gives: a message, or news of a peer.
+#[derive(Debug)]
+pub enum Event<L> {
+    /// A peer connected to this endpoint's listener (its Hello came).
+    Accepted {
+        /// The peer.
+        peer: PeerId,
+        /// Where it connected from.
+        addr: SocketAddr,
+    },
+    /// A message.
+    Message(Received<L>),
+    /// The peer closed cleanly: every message it sent was delivered.
+    Closed(PeerId),
+    /// The peer went away or broke the protocol; nothing after the fault was delivered.
+    Lost {
+        /// The peer.
+        peer: PeerId,
+        /// How: `PeerLost`, `Protocol`, `WireRule`.
+        error: Error,
+    },
+}
+
+impl<L> Event<L> {
+    /// What `try_recv` said, as an event: `None` for "nothing now" (an
+    /// empty wire, a dry pool); `Err` for a failure of the whole wire.
+    fn from_recv(r: Result<Received<L>, Error>) -> Result<Option<Event<L>>, Error> {
+        match r {
+            Ok(m) => Ok(Some(Event::Message(m))),
+            Err(Error::WouldBlock | Error::Pool(_)) => Ok(None),
+            Err(Error::PeerClosed(peer)) => Ok(Some(Event::Closed(peer))),
+            Err(
+                error @ (Error::PeerLost(peer)
+                | Error::Protocol { peer, .. }
+                | Error::WireRule { peer, .. }),
+            ) => Ok(Some(Event::Lost { peer, error })),
+            Err(e) => Err(e),
+        }
     }
 }
 
@@ -362,6 +431,16 @@ impl<T: Wire> Endpoint<T> {
         self.shared.lock().read_lease(lease, out)
     }
 
+    /// A connected peer's address.
+    pub fn peer_addr(&self, peer: PeerId) -> Option<SocketAddr> {
+        self.shared.lock().peer_addr(peer)
+    }
+
+    /// What has crossed to and from a connected peer.
+    pub fn peer_stats(&self, peer: PeerId) -> Option<SessionStats> {
+        self.shared.lock().peer_stats(peer)
+    }
+
     /// Runs `f` on the transport (to listen, connect, read counters).
     pub fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
         let r = f(&mut self.shared.lock());
@@ -534,6 +613,52 @@ impl<T: Wire> Endpoint<T> {
         deadline: Deadline,
         cancel: Option<&CancelToken>,
     ) -> Result<Received<T::Lease>, Error> {
+        self.wait_for(deadline, cancel, |t| match t.try_recv() {
+            Ok(r) => Ok(Some(r)),
+            // An empty wire, or a dry pool (waits for leases to come back).
+            Err(Error::WouldBlock | Error::Pool(_)) => Ok(None),
+            Err(e) => Err(e),
+        })
+    }
+
+    /// The next event: a peer that connected to the listener, a message, a
+    /// peer that closed or was lost. `Err` only for the endpoint's own end
+    /// (closed, deadline, cancellation) or a failure of the whole wire.
+    pub fn next_event(
+        &self,
+        deadline: Deadline,
+        cancel: Option<&CancelToken>,
+    ) -> Result<Event<T::Lease>, Error> {
+        self.wait_for(deadline, cancel, |t| {
+            if let Some((peer, addr)) = t.take_accepted() {
+                return Ok(Some(Event::Accepted { peer, addr }));
+            }
+            Event::from_recv(t.try_recv())
+        })
+    }
+
+    /// Waits until the Hellos with `peer` (which this side connected to)
+    /// have crossed: a peer that refuses (another version, not zerohop) or
+    /// goes is the error `recv` would have given.
+    pub fn wait_open(&self, peer: PeerId, deadline: Deadline) -> Result<(), Error> {
+        self.wait_for(deadline, None, |t| {
+            if let Some(r) = t.opened(peer) {
+                return r.map(Some);
+            }
+            t.progress()?;
+            t.opened(peer).transpose()
+        })
+    }
+
+    /// Polls `look` until it finds something (`Ok(Some)`) or fails, as a
+    /// receiver waits: spinning on the transport, then asleep on its
+    /// descriptors, until the deadline or a cancellation.
+    fn wait_for<R>(
+        &self,
+        deadline: Deadline,
+        cancel: Option<&CancelToken>,
+        mut look: impl FnMut(&mut T) -> Result<Option<R>, Error>,
+    ) -> Result<R, Error> {
         // The spin is timed from the first clock check (CLOCK_EVERY polls in):
         // a message that is already there costs no clock read.
         let mut spin_until = None;
@@ -551,10 +676,9 @@ impl<T: Wire> Endpoint<T> {
             if cancel.is_some_and(CancelToken::is_cancelled) {
                 break Err(Error::Cancelled);
             }
-            match t.try_recv() {
-                Ok(r) => break Ok(r),
-                // An empty wire, or a dry pool (waits for leases to come back).
-                Err(Error::WouldBlock | Error::Pool(_)) => {}
+            match look(&mut t) {
+                Ok(Some(r)) => break Ok(r),
+                Ok(None) => {}
                 Err(e) => break Err(e),
             }
             // 1. Spin: poll the transport directly for a short while, letting
@@ -781,5 +905,17 @@ impl<M: zerohop_backends::verbs::PayloadMemory> Wire for zerohop_backends::verbs
         // by whoever polls next); only frames waiting for credits need the
         // progress thread.
         self.unposted_frames() > 0
+    }
+
+    fn take_accepted(&mut self) -> Option<(PeerId, SocketAddr)> {
+        zerohop_backends::verbs::RdmaTransport::take_accepted(self)
+    }
+
+    fn peer_addr(&self, peer: PeerId) -> Option<SocketAddr> {
+        zerohop_backends::verbs::RdmaTransport::peer_addr(self, peer)
+    }
+
+    fn peer_stats(&self, peer: PeerId) -> Option<SessionStats> {
+        zerohop_backends::verbs::RdmaTransport::peer_stats(self, peer)
     }
 }

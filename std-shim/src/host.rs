@@ -13,7 +13,8 @@ pub type StdPool = HostPool<HeapTables>;
 /// A buffer leased from a [`StdPool`].
 pub type StdLease = Lease<Arc<StdPool>>;
 
-/// A heap-backed pool of `budget` bytes with the default size classes.
+/// A heap-backed pool of `budget` bytes with the default size classes
+/// (fitted to a budget under one chunk: see [`PoolConfig::fitted`]).
 pub fn heap_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
     let source = Chunks::<HostMemory, Nic> {
         memory: HostMemory::Heap(HeapMemory::new()),
@@ -21,7 +22,7 @@ pub fn heap_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
     };
     Ok(Arc::new(StdPool::new(
         source,
-        PoolConfig::with_budget(budget),
+        PoolConfig::with_budget(budget).fitted(),
         HeapTables::for_budget(budget),
     )?))
 }
@@ -43,7 +44,7 @@ pub fn cuda_pool(budget: usize, managed: bool) -> Result<Arc<StdPool>, Error> {
     };
     Ok(Arc::new(StdPool::new(
         source,
-        PoolConfig::with_budget(budget),
+        PoolConfig::with_budget(budget).fitted(),
         HeapTables::for_budget(budget),
     )?))
 }

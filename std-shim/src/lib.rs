@@ -16,7 +16,7 @@ mod sync;
 pub mod tcp;
 
 pub use config::{parse_bytes, Config, ConfigError};
-pub use endpoint::{CancelToken, Deadline, Endpoint, EndpointConfig, Leaser, Waiter, Wire};
+pub use endpoint::{CancelToken, Deadline, Endpoint, EndpointConfig, Event, Leaser, Waiter, Wire};
 #[cfg(feature = "cuda-uma")]
 pub use host::{cuda_pool, managed_pool};
 pub use host::{heap_pool, pick_from_env, probe_host, PickFromEnvError, StdLease, StdPool};

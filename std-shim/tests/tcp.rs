@@ -12,7 +12,7 @@ use zerohop_core::session::{ProtocolError, Stall};
 use zerohop_core::wire::{Data, DataFlags, DecodeError, Frame, Hello, Takes, HEADER_LEN};
 use zerohop_core::{crc32c, Error, Kind, PeerId, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport, STRIPE_MIN};
-use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, StdPool};
+use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool};
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -580,6 +580,63 @@ fn a_clean_close_is_reported_as_clean_on_both_sides() {
         );
         std::thread::sleep(Duration::from_millis(2));
     }
+}
+
+#[test]
+fn events_say_who_connected_from_where_what_crossed_and_how_each_peer_ended() {
+    let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());
+    let wait = || Deadline::after(5 * SECOND);
+    let (a, to_server) = client(addr);
+    a.send(to_server, b"hello from a", wait(), None).unwrap();
+    let Event::Accepted {
+        peer: pa,
+        addr: from,
+    } = server.next_event(wait(), None).unwrap()
+    else {
+        panic!("the first event is the connection");
+    };
+    assert_eq!(a.with(|t| t.peer_addr(to_server)), Some(addr));
+    assert_eq!(from.ip(), addr.ip());
+    assert_ne!(
+        from.port(),
+        addr.port(),
+        "the peer's own port, not the listener's"
+    );
+    let Event::Message(m) = server.next_event(wait(), None).unwrap() else {
+        panic!("then its message");
+    };
+    assert_eq!((m.peer, host_bytes(&m.lease)), (pa, &b"hello from a"[..]));
+    drop(m);
+    let stats = server.with(|t| t.peer_stats(pa)).unwrap();
+    assert_eq!((stats.messages_received, stats.bytes_received), (1, 12));
+    assert_eq!(stats.messages_sent, 0);
+    let sent = a.with(|t| t.peer_stats(to_server)).unwrap();
+    assert_eq!((sent.messages_sent, sent.bytes_sent), (1, 12));
+
+    // A second peer that dies: Accepted, then Lost, naming the same peer.
+    let mut raw = Raw::connect(addr);
+    let Event::Accepted { peer: pr, .. } = server.next_event(wait(), None).unwrap() else {
+        panic!("the raw peer's connection");
+    };
+    assert_ne!(pr, pa);
+    raw.send(&Raw::data(0, 1000, DataFlags::NONE));
+    drop(raw);
+    match server.next_event(wait(), None).unwrap() {
+        Event::Lost { peer, error } => assert_eq!((peer, error), (pr, Error::PeerLost(pr))),
+        e => panic!("expected the raw peer lost, got {e:?}"),
+    }
+    // The first closes cleanly.
+    a.with(|t| t.close()).unwrap();
+    match server.next_event(wait(), None).unwrap() {
+        Event::Closed(peer) => assert_eq!(peer, pa),
+        e => panic!("expected a clean close, got {e:?}"),
+    }
+    assert_eq!(
+        server
+            .next_event(Deadline::after(Duration::from_millis(50)), None)
+            .unwrap_err(),
+        Error::Timeout
+    );
 }
 
 #[test]

@@ -220,6 +220,32 @@ fn sockaddr(addr: SocketAddr) -> libc::sockaddr_storage {
     ss
 }
 
+/// The address in `ss`, if it is an IPv4 or IPv6 one.
+fn socket_addr(ss: &libc::sockaddr_storage) -> Option<SocketAddr> {
+    match i32::from(ss.ss_family) {
+        libc::AF_INET => {
+            // SAFETY: the family says the storage holds a sockaddr_in, which it is large and aligned enough for.
+            let sin =
+                unsafe { &*(ss as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>() };
+            let ip = std::net::Ipv4Addr::from(sin.sin_addr.s_addr.to_ne_bytes());
+            Some(SocketAddr::from((ip, u16::from_be(sin.sin_port))))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: as above, for sockaddr_in6.
+            let sin6 =
+                unsafe { &*(ss as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>() };
+            let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+            Some(SocketAddr::V6(std::net::SocketAddrV6::new(
+                ip,
+                u16::from_be(sin6.sin6_port),
+                sin6.sin6_flowinfo,
+                sin6.sin6_scope_id,
+            )))
+        }
+        _ => None,
+    }
+}
+
 fn conn_param(private: &[u8]) -> ffi::rdma_conn_param {
     // SAFETY: an all-zero conn param is valid; the fields are set below.
     let mut p: ffi::rdma_conn_param = unsafe { std::mem::zeroed() };
@@ -293,6 +319,22 @@ impl CmId {
     pub fn verbs(&self) -> *mut ffi::ibv_context {
         // SAFETY: a live id.
         unsafe { (*self.id.as_ptr()).verbs }
+    }
+
+    /// The peer's address (a connect request's sender, or where a resolved id goes).
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        // SAFETY: a live id; its route's destination is a sockaddr_storage
+        // librdmacm fills at resolution or with the request.
+        let ss = unsafe { &(*self.id.as_ptr()).route.addr.dst_addr_union.dst_storage };
+        socket_addr(ss)
+    }
+
+    /// The address it is bound to (a listener's, with the port it was given).
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        // SAFETY: a live id; its route's source is a sockaddr_storage
+        // librdmacm fills at bind or resolution.
+        let ss = unsafe { &(*self.id.as_ptr()).route.addr.src_addr_union.src_storage };
+        socket_addr(ss)
     }
 
     /// Binds to `addr` and listens.
@@ -611,5 +653,26 @@ impl Drop for Qp {
             ffi::rdma_disconnect(self.id.as_ptr());
             ffi::rdma_destroy_qp(self.id.as_ptr());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn socket_addresses_survive_the_sockaddr_round_trip() {
+        for a in [
+            "192.0.2.1:7471",
+            "[fe80::1%3]:9",
+            "[2001:db8::5]:65535",
+            "0.0.0.0:0",
+        ] {
+            let a: SocketAddr = a.parse().unwrap();
+            assert_eq!(socket_addr(&sockaddr(a)), Some(a));
+        }
+        // SAFETY: an all-zero sockaddr_storage is valid (family AF_UNSPEC).
+        let unspec: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        assert_eq!(socket_addr(&unspec), None);
     }
 }

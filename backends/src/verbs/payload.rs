@@ -104,7 +104,7 @@ impl PayloadMemory for HostPayload {
         config.classes = classes;
         Ok(Arc::new(HostPool::new(
             source,
-            config,
+            config.fitted(),
             HeapTables::for_budget(budget),
         )?))
     }
@@ -285,7 +285,7 @@ mod gpu {
             config.chunk_align = config.chunk_align.max(4096);
             Ok(Arc::new(SlabPool::new(
                 GpuChunks::new(&self.gpu, registry.clone()),
-                config,
+                config.fitted(),
                 HeapTables::for_budget(budget),
             )?))
         }

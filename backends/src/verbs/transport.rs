@@ -34,11 +34,13 @@ use std::time::{Duration, Instant as StdInstant};
 
 use rdma_sys as ffi;
 use zerohop_core::session::{
-    DataFrame, Inbound, Instant, Outgoing, SendError, Session, SessionConfig, MIN_RING,
+    DataFrame, Inbound, Instant, Outgoing, SendError, Session, SessionConfig, SessionStats,
+    MIN_RING,
 };
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{
-    Access, Capabilities, Error, Kind, Lease, PeerId, Received, Rejected, SizeClasses, Transport,
+    Access, Capabilities, Error, Kind, Lease, PeerId, PoolConfig, Received, Rejected, SizeClasses,
+    Transport,
 };
 
 use super::cm::{CmEvent, CmId, EventChannel, Qp, QpShape, CM_TIMEOUT_MS};
@@ -145,6 +147,10 @@ struct Conn<M: PayloadMemory> {
     /// The connection is up: the CM said so, or (accepting side) a frame
     /// from the peer arrived first.
     established: bool,
+    /// The peer's address (where we connected, or whence its request came).
+    addr: Option<SocketAddr>,
+    /// The peer connected to our listener: its Hello is news for the application.
+    accepted: bool,
 }
 
 /// An RDMA transport: RC connections to any number of peers.
@@ -159,6 +165,8 @@ pub struct RdmaTransport<M: PayloadMemory = HostPayload> {
     /// Boxed: the fast paths take a connection out of the table and put it back.
     peers: Vec<Option<Box<Conn<M>>>>,
     arrivals: VecDeque<Result<Received<PayloadLease<M>>, Error>>,
+    /// Peers that connected to the listener and said Hello, not yet taken.
+    accepted: VecDeque<(PeerId, SocketAddr)>,
     origin: StdInstant,
     next_scan: StdInstant,
     closed: bool,
@@ -192,19 +200,33 @@ impl RdmaTransport<HostPayload> {
 impl<M: PayloadMemory> RdmaTransport<M> {
     /// A transport on `device` whose payloads live in `memory` (host memory:
     /// `rdma`; GPU memory: `gpudirect`), with its own registered pools.
-    pub fn with_memory(device: Arc<Device>, config: RdmaConfig, memory: M) -> Result<Self, Error> {
+    ///
+    /// Its longest message is at most what the receive pool can hold: a
+    /// peer is never told it may send what could never be received.
+    pub fn with_memory(
+        device: Arc<Device>,
+        mut config: RdmaConfig,
+        memory: M,
+    ) -> Result<Self, Error> {
         if config.recv_depth < MIN_RECV_DEPTH || config.recv_depth > u32::from(u16::MAX) {
             return Err(Error::BadConfig(
                 "RdmaConfig::recv_depth must be between verbs::MIN_RECV_DEPTH and 65535",
             ));
         }
+        let classes = receive_classes(Self::receive_buffer_len(config.fragment))?;
+        let held = PoolConfig {
+            classes,
+            ..PoolConfig::with_budget(config.recv_pool_bytes)
+        }
+        .fitted();
+        config.max_message = config.max_message.min(held.largest_lease());
         let registry = Registry::new(Arc::clone(&device));
         // Receive buffers need local write (the NIC writes them); send buffers only local read.
         let recv_pool = memory.pool(
             &registry,
             config.recv_pool_bytes,
             Access::LOCAL_WRITE,
-            receive_classes(Self::receive_buffer_len(config.fragment))?,
+            classes,
         )?;
         let send_pool = memory.pool(
             &registry,
@@ -229,10 +251,16 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             listener: None,
             peers: Vec::new(),
             arrivals: VecDeque::new(),
+            accepted: VecDeque::new(),
             origin: now,
             next_scan: now,
             closed: false,
         })
+    }
+
+    /// The longest message it takes (what its Hello tells peers).
+    pub fn max_message(&self) -> usize {
+        self.config.max_message
     }
 
     /// What payloads live in.
@@ -283,6 +311,21 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         Ok(())
     }
 
+    /// The next peer that connected to the listener and said Hello, with its address.
+    pub fn take_accepted(&mut self) -> Option<(PeerId, SocketAddr)> {
+        self.accepted.pop_front()
+    }
+
+    /// A peer's address, while it is connected.
+    pub fn peer_addr(&self, peer: PeerId) -> Option<SocketAddr> {
+        self.peers.get(peer.0 as usize)?.as_ref()?.addr
+    }
+
+    /// What has crossed to and from `peer`, while it is connected.
+    pub fn peer_stats(&self, peer: PeerId) -> Option<SessionStats> {
+        Some(self.peers.get(peer.0 as usize)?.as_ref()?.session.stats())
+    }
+
     /// Connections up (by the CM's event, or a frame that came first),
     /// whether or not their Hellos have crossed yet.
     pub fn established(&self) -> usize {
@@ -320,6 +363,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         Ok(())
     }
 
+    /// Where it listens, if it does (with the port the system gave, for port 0).
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.listener.as_ref()?.local_addr()
+    }
+
     /// Connects to a listening transport: blocks until the connection is
     /// established and the peer's Hello has come (at most the CM timeout).
     /// A peer whose ring is too shallow (`ShallowPeer`), of another protocol
@@ -347,6 +395,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         let ring = usable_depth(ev.peer_depth)?;
         conn.session = Session::new(self.session_config(), 0, self.now()).with_peer_ring(ring);
         conn.established = true;
+        conn.addr = Some(addr);
         let peer = self.add(conn);
         // The Hellos cross; a refusal (another version, no zerohop peer)
         // retires the connection with a typed error.
@@ -428,6 +477,8 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             queue: VecDeque::new(),
             assembling: None,
             established: false,
+            addr: None,
+            accepted: false,
         };
         for slot in 0..depth {
             if let Err(e) = Self::post_recv(&self.recv_pool, self.config.fragment, &mut conn, slot)
@@ -930,7 +981,13 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 conn.session.grant();
                 return Ok(());
             }
-            Inbound::Control | Inbound::Opened => return Ok(()),
+            Inbound::Opened => {
+                if let (true, Some(addr)) = (conn.accepted, conn.addr) {
+                    self.accepted.push_back((peer, addr));
+                }
+                return Ok(());
+            }
+            Inbound::Control => return Ok(()),
         };
         let skip = if in_place { HEADER_LEN } else { 0 };
         if d.first && d.last {
@@ -1007,6 +1064,8 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                     Ok(mut conn) => {
                         conn.session =
                             Session::new(self.session_config(), 0, self.now()).with_peer_ring(ring);
+                        conn.addr = conn.qp.id().peer_addr();
+                        conn.accepted = true;
                         if conn
                             .qp
                             .id()

@@ -1475,3 +1475,65 @@ fn a_want_lasts_until_its_message_comes() {
     s.consumed(1);
     assert_eq!(control_frame(&mut s), None);
 }
+
+#[test]
+fn stats_count_what_crossed_and_each_credit_stall_once() {
+    let small = SessionConfig {
+        window: 1000,
+        ..stream()
+    };
+    let (mut a, mut b) = open_pair(small, small);
+    assert_eq!(a.session.stats(), SessionStats::default());
+    for i in 0..4 {
+        a.send(&msg(i, 250)).unwrap();
+    }
+    // Out of byte credit: one stall, however often the send is tried.
+    for _ in 0..3 {
+        assert_eq!(a.session.send(1), Err(SendError::NoCredit));
+    }
+    assert_eq!(a.session.stats().credit_stalls, 1);
+    let mut got = Vec::new();
+    for f in &a.transmit() {
+        got.extend(b.receive(T0, f).unwrap());
+    }
+    assert_eq!(messages(&got).len(), 4);
+    let sent = a.session.stats();
+    assert_eq!((sent.messages_sent, sent.bytes_sent), (4, 1000));
+    assert_eq!((sent.messages_received, sent.bytes_received), (0, 0));
+    let recv = b.session.stats();
+    assert_eq!((recv.messages_received, recv.bytes_received), (4, 1000));
+    assert_eq!((recv.messages_sent, recv.credit_stalls), (0, 0));
+    // Credit back: the next message goes, and a later stall counts again.
+    b.consume(1000);
+    for f in &b.transmit() {
+        a.receive(T0, f).unwrap();
+    }
+    a.send(&msg(4, 1000)).unwrap();
+    assert_eq!(a.session.send(1), Err(SendError::NoCredit));
+    assert_eq!(a.session.stats().credit_stalls, 2);
+
+    // A message half reassembled is not counted as received.
+    let (mut c, mut d) = open_pair(ring(8, 10), ring(8, 10));
+    c.send(&msg(0, 25)).unwrap();
+    let frames = c.transmit();
+    assert_eq!(frames.len(), 3);
+    d.receive(T0, &frames[0]).unwrap();
+    assert_eq!(d.session.stats().bytes_received, 0);
+    for f in &frames[1..] {
+        d.receive(T0, f).unwrap();
+    }
+    let whole = d.session.stats();
+    assert_eq!((whole.messages_received, whole.bytes_received), (1, 25));
+}
+
+#[test]
+fn a_frame_short_of_ring_slots_counts_one_stall() {
+    let (mut a, _b) = open_pair(ring(4, 10), ring(4, 10));
+    for i in 0..5 {
+        a.send(&msg(i, 10)).unwrap();
+    }
+    assert_eq!(a.transmit().len(), 3);
+    assert_eq!(a.session.stats().credit_stalls, 1);
+    assert!(a.transmit().is_empty());
+    assert_eq!(a.session.stats().credit_stalls, 1, "the same frame waits");
+}

@@ -125,6 +125,7 @@ impl TcpTransport {
                         let token = session.peer().map_or(0, |h| h.token);
                         match self.add_peer(p.stream, p.addr, session) {
                             Ok(id) => {
+                                self.accepted.push_back((id, p.addr));
                                 if let Some(k) =
                                     self.unclaimed.iter().position(|l| l.token == token)
                                 {

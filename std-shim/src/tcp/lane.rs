@@ -77,17 +77,19 @@ pub(super) fn lane_hello(token: u32) -> [u8; HEADER_LEN] {
     .encode(&[])
 }
 
+/// Opens a peer's lane and says its Hello (the first bytes on a fresh
+/// connection: the socket takes them whole).
+pub(super) fn dial_lane(addr: SocketAddr, timeout: Duration, token: u32) -> io::Result<TcpStream> {
+    let mut lane = TcpStream::connect_timeout(&addr, timeout)?;
+    lane.set_nodelay(true)?;
+    lane.write_all(&lane_hello(token))?;
+    Ok(lane)
+}
+
 impl TcpTransport {
-    pub(super) fn open_lane(
-        &mut self,
-        id: PeerId,
-        addr: SocketAddr,
-        timeout: Duration,
-        token: u32,
-    ) -> io::Result<()> {
-        let mut lane = TcpStream::connect_timeout(&addr, timeout)?;
-        lane.set_nodelay(true)?;
-        lane.write_all(&lane_hello(token))?; // first bytes on a fresh connection
+    /// Gives a dialed lane (see [`dial_lane`]) to peer `id`, whose main
+    /// connection it will be paired with on the other side.
+    pub(super) fn add_lane(&mut self, id: PeerId, lane: TcpStream, token: u32) -> io::Result<()> {
         lane.set_nonblocking(true)?;
         let slot = id.0 as usize & 0xFF_FFFF;
         self.poller

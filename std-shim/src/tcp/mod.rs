@@ -35,7 +35,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 
 use zerohop_backends::host_bytes;
-use zerohop_core::session::{Instant, Session, SessionConfig};
+use zerohop_core::session::{Instant, Session, SessionConfig, SessionStats};
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{Capabilities, Error, Kind, PeerId, PoolError, Received, Rejected, Transport};
 
@@ -143,6 +143,15 @@ impl TcpConfig {
     }
 }
 
+/// A connection to a listener opened by [`TcpTransport::dial`], not yet a peer.
+#[derive(Debug)]
+pub struct Dialed {
+    main: TcpStream,
+    lane: Option<TcpStream>,
+    addr: SocketAddr,
+    token: u32,
+}
+
 fn peer_id(slot: usize, gen: u8) -> PeerId {
     PeerId(slot as u32 | u32::from(gen) << 24)
 }
@@ -201,6 +210,8 @@ pub struct TcpTransport {
     hot_write: VecDeque<usize>,
     arrivals: VecDeque<Result<Received<StdLease>, Error>>,
     arrival_bytes: usize,
+    /// Peers that connected to the listener and said Hello, not yet taken.
+    accepted: VecDeque<(PeerId, SocketAddr)>,
     unclaimed: VecDeque<Lane>,
     origin: StdInstant,
     next_scan: StdInstant,
@@ -232,8 +243,12 @@ impl TcpTransport {
     ///
     /// # Panics
     /// If the process cannot create an epoll instance (out of descriptors).
-    pub fn new(pool: Arc<StdPool>, config: TcpConfig, kind: Kind) -> Self {
+    /// Its longest message is at most what the pool can hold
+    /// ([`PoolConfig::largest_lease`](zerohop_core::PoolConfig::largest_lease)):
+    /// a peer is never told it may send what could never be received.
+    pub fn new(pool: Arc<StdPool>, mut config: TcpConfig, kind: Kind) -> Self {
         let now = StdInstant::now();
+        config.max_message = config.max_message.min(pool.config().largest_lease());
         TcpTransport {
             config,
             pool,
@@ -248,6 +263,7 @@ impl TcpTransport {
             hot_write: VecDeque::new(),
             arrivals: VecDeque::new(),
             arrival_bytes: 0,
+            accepted: VecDeque::new(),
             unclaimed: VecDeque::new(),
             origin: now,
             next_scan: now,
@@ -262,6 +278,11 @@ impl TcpTransport {
     /// The receive pool.
     pub fn pool(&self) -> &Arc<StdPool> {
         &self.pool
+    }
+
+    /// The longest message it takes (what its Hello tells peers).
+    pub fn max_message(&self) -> usize {
+        self.config.max_message
     }
 
     /// Listens on `addr` (port 0 picks one; see [`local_addr`](Self::local_addr)).
@@ -283,20 +304,56 @@ impl TcpTransport {
     /// TCP connection), says Hello and opens the peer's lane unless
     /// `stripe_min` is `None`. The peer answers its Hello in progress:
     /// sends before that say `WouldBlock`; a peer that does not speak
-    /// zerohop, or another version, is reported through `try_recv`.
+    /// zerohop, or another version, is reported through `try_recv` (and
+    /// by [`opened`](Self::opened)). [`dial`](Self::dial) then
+    /// [`attach`](Self::attach) do the same with the blocking part apart.
     pub fn connect(&mut self, addr: SocketAddr, timeout: Duration) -> io::Result<PeerId> {
-        let s = TcpStream::connect_timeout(&addr, timeout)?;
+        let dialed = Self::dial(addr, timeout, self.config.stripe_min.is_some())?;
+        self.attach(dialed)
+    }
+
+    /// The blocking half of [`connect`](Self::connect), which needs no
+    /// transport (so a host that is slow to answer holds up no other
+    /// peer): opens the connection to `addr`, and with `lane` its second
+    /// connection, which says its Hello at once.
+    pub fn dial(addr: SocketAddr, timeout: Duration, lane: bool) -> io::Result<Dialed> {
+        let main = TcpStream::connect_timeout(&addr, timeout)?;
         use std::hash::BuildHasher;
         // Unique among the acceptor's peers: a random key over this connection's address.
         let token = std::collections::hash_map::RandomState::new()
-            .hash_one((s.local_addr()?, std::process::id())) as u32;
-        let session = Session::new(self.config.session(), token, self.now());
-        let id = self.add_peer(s, addr, session)?;
-        if self.config.stripe_min.is_some() {
-            if let Err(e) = self.open_lane(id, addr, timeout, token) {
+            .hash_one((main.local_addr()?, std::process::id())) as u32;
+        let lane = match lane.then(|| lane::dial_lane(addr, timeout, token)) {
+            Some(Err(e)) => {
                 log::info!(
                     "tcp: no second connection to {addr} ({e}): large messages go unstriped"
                 );
+                None
+            }
+            Some(Ok(l)) => Some(l),
+            None => None,
+        };
+        Ok(Dialed {
+            main,
+            lane,
+            addr,
+            token,
+        })
+    }
+
+    /// The other half of [`connect`](Self::connect): the dialed connection
+    /// becomes a peer, whose Hello goes at once.
+    pub fn attach(&mut self, dialed: Dialed) -> io::Result<PeerId> {
+        let Dialed {
+            main,
+            lane,
+            addr,
+            token,
+        } = dialed;
+        let session = Session::new(self.config.session(), token, self.now());
+        let id = self.add_peer(main, addr, session)?;
+        if let Some(lane) = lane {
+            if let Err(e) = self.add_lane(id, lane, token) {
+                log::info!("tcp: the second connection to {addr} failed ({e}): large messages go unstriped");
             }
         }
         Ok(id)
@@ -330,6 +387,48 @@ impl TcpTransport {
     /// A live peer's address.
     pub fn peer_addr(&self, peer: PeerId) -> Option<SocketAddr> {
         self.peer(peer).map(|p| p.addr)
+    }
+
+    /// Drops a peer at once, with no Close and no report: a connect that
+    /// gave up waiting for the answer to its Hello. Whether it was there.
+    pub fn disconnect(&mut self, peer: PeerId) -> bool {
+        if self.peer(peer).is_none() {
+            return false;
+        }
+        self.drop_peer(peer.0 as usize & 0xFF_FFFF, true);
+        true
+    }
+
+    /// What has crossed to and from a live peer.
+    pub fn peer_stats(&self, peer: PeerId) -> Option<SessionStats> {
+        self.peer(peer).map(|p| p.session.stats())
+    }
+
+    /// The next peer that connected to the listener and said Hello, with its address.
+    pub fn take_accepted(&mut self) -> Option<(PeerId, SocketAddr)> {
+        self.accepted.pop_front()
+    }
+
+    /// Whether the Hellos with a peer this side connected to have crossed:
+    /// `Some(Ok)` open, `None` not yet, `Some(Err)` refused or gone (the
+    /// error `try_recv` would have reported, taken from there).
+    pub fn opened(&mut self, peer: PeerId) -> Option<Result<(), Error>> {
+        if let Some(p) = self.peer(peer) {
+            return p.session.is_open().then_some(Ok(()));
+        }
+        let about = |e: &Error| match *e {
+            Error::PeerLost(p) | Error::PeerClosed(p) => p == peer,
+            Error::Protocol { peer: p, .. } | Error::WireRule { peer: p, .. } => p == peer,
+            _ => false,
+        };
+        let at = self
+            .arrivals
+            .iter()
+            .position(|a| a.as_ref().err().is_some_and(about));
+        Some(Err(at
+            .and_then(|i| self.arrivals.remove(i))
+            .and_then(Result::err)
+            .unwrap_or(Error::PeerLost(peer))))
     }
 
     /// Bytes queued for sending, over all peers (0: everything is with the kernel).
@@ -693,5 +792,21 @@ impl Wire for TcpTransport {
 
     fn background_progress(&mut self, read: bool) -> Result<bool, Error> {
         Ok(self.pass(read))
+    }
+
+    fn take_accepted(&mut self) -> Option<(PeerId, SocketAddr)> {
+        TcpTransport::take_accepted(self)
+    }
+
+    fn opened(&mut self, peer: PeerId) -> Option<Result<(), Error>> {
+        TcpTransport::opened(self, peer)
+    }
+
+    fn peer_addr(&self, peer: PeerId) -> Option<SocketAddr> {
+        TcpTransport::peer_addr(self, peer)
+    }
+
+    fn peer_stats(&self, peer: PeerId) -> Option<SessionStats> {
+        TcpTransport::peer_stats(self, peer)
     }
 }

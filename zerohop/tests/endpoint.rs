@@ -1,0 +1,320 @@
+//! The facade as an application uses it, over TCP on loopback (every host
+//! has it): open, listen, connect by name, events, bytes, counters, the
+//! errors a user meets. The other transports run the same calls in the
+//! examples (Soft-RoCE VM, H200).
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use zerohop::{Config, Endpoint, Error, Event, Kind, MemKind, Preference};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn tcp() -> Config {
+    let mut c = Config::only(Kind::Tcp);
+    c.pool_bytes = 64 << 20;
+    c
+}
+
+fn server() -> (Endpoint, SocketAddr) {
+    let s = Endpoint::open(tcp()).unwrap();
+    let addr = s.listen("127.0.0.1:0").unwrap();
+    (s, addr)
+}
+
+/// The next event that is not a connection.
+fn next_non_connect(e: &Endpoint) -> Event {
+    loop {
+        match e.next_event(WAIT).unwrap() {
+            Event::Connected { .. } => {}
+            ev => return ev,
+        }
+    }
+}
+
+#[test]
+fn a_peer_connects_by_host_name_and_its_messages_and_counters_follow() {
+    let (s, addr) = server();
+    assert_eq!(s.kind(), Kind::Tcp);
+    assert_eq!(s.local_addr(), Some(addr));
+    let c = Endpoint::open(tcp()).unwrap();
+    let peer = c
+        .connect(format!("localhost:{}", addr.port()), WAIT)
+        .unwrap();
+    assert_eq!(c.peer_addr(peer).map(|a| a.port()), Some(addr.port()));
+    for i in 0..100u32 {
+        c.send(peer, &i.to_le_bytes().repeat(i as usize + 1))
+            .unwrap();
+    }
+    let Event::Connected {
+        peer: from,
+        addr: seen,
+    } = s.next_event(WAIT).unwrap()
+    else {
+        panic!("the connection comes first");
+    };
+    assert!(seen.ip().is_loopback());
+    assert_eq!(s.peers(), vec![(from, seen)]);
+    for i in 0..100u32 {
+        let m = s.recv(WAIT).unwrap();
+        assert_eq!(m.peer(), from);
+        assert_eq!(m.memory(), MemKind::Host);
+        assert_eq!(m.device_ptr(), None, "host memory has no kernel address");
+        assert_eq!(
+            m.bytes().unwrap(),
+            &i.to_le_bytes().repeat(i as usize + 1)[..]
+        );
+    }
+    let bytes: u64 = (1..=100u64).map(|n| 4 * n).sum();
+    let got = s.stats(from).unwrap();
+    assert_eq!((got.messages_received, got.bytes_received), (100, bytes));
+    assert_eq!((got.addr, got.errors), (seen, 0));
+    let sent = c.stats(peer).unwrap();
+    assert_eq!((sent.messages_sent, sent.bytes_sent), (100, bytes));
+}
+
+#[test]
+fn a_clean_close_is_an_event_on_both_sides_and_ends_the_event_stream() {
+    let (s, addr) = server();
+    let c = Endpoint::open(tcp()).unwrap();
+    let peer = c.connect(addr, WAIT).unwrap();
+    c.send(peer, b"bye").unwrap();
+    c.close(WAIT).unwrap();
+    let s = Arc::new(s);
+    let events: Vec<Event> = {
+        let s2 = Arc::clone(&s);
+        let t = std::thread::spawn(move || {
+            let mut v = Vec::new();
+            for e in s2.events() {
+                let e = e.unwrap();
+                let closed = matches!(e, Event::Closed { .. });
+                v.push(e);
+                if closed {
+                    s2.close(WAIT).unwrap();
+                }
+            }
+            v
+        });
+        t.join().unwrap()
+    };
+    assert!(matches!(events[0], Event::Connected { .. }), "{events:?}");
+    assert!(matches!(&events[1], Event::Message(m) if m.bytes() == Some(&b"bye"[..])));
+    let Event::Closed { addr: Some(a), .. } = &events[2] else {
+        panic!("a clean close naming the peer: {events:?}");
+    };
+    assert!(a.ip().is_loopback());
+    assert_eq!(events.len(), 3, "the stream ends once closed: {events:?}");
+    // The client hears the server's answering Close.
+    match c.next_event(WAIT).unwrap() {
+        Event::Closed { peer: p, addr } => assert_eq!((p, addr), (peer, Some(addr.unwrap()))),
+        e => panic!("expected the server's close, got {e:?}"),
+    }
+    assert!(s.peers().is_empty());
+}
+
+#[test]
+fn a_lost_peer_is_an_event_and_an_error_that_name_its_address() {
+    let (s, addr) = server();
+    let c = Endpoint::open(tcp()).unwrap();
+    let peer = c.connect(addr, WAIT).unwrap();
+    c.send(peer, b"then I die").unwrap();
+    let Event::Connected { addr: from, .. } = s.next_event(WAIT).unwrap() else {
+        panic!("a connection first");
+    };
+    let Event::Message(_) = s.next_event(WAIT).unwrap() else {
+        panic!("its message");
+    };
+    drop(c); // no close: the connection just ends
+    let Event::Lost { addr, why, .. } = next_non_connect(&s) else {
+        panic!("expected the peer lost");
+    };
+    assert_eq!(addr, Some(from));
+    let text = why.to_string();
+    assert!(
+        text.contains(&from.to_string()) && text.contains("went away"),
+        "{text}"
+    );
+    assert!(s.peers().is_empty());
+}
+
+#[test]
+fn a_message_longer_than_the_peer_takes_fails_at_the_sender_naming_the_limit() {
+    let mut small = tcp();
+    small.pool_bytes = 1 << 20; // so max_message defaults to 1 MiB
+    let s = Endpoint::open(small).unwrap();
+    assert_eq!(s.max_message(), 1 << 20);
+    let addr = s.listen("127.0.0.1:0").unwrap();
+    let c = Endpoint::open(tcp()).unwrap();
+    let peer = c.connect(addr, WAIT).unwrap();
+    let e = c.send(peer, &vec![0u8; (1 << 20) + 1]).unwrap_err();
+    let Error::TooLarge {
+        len,
+        max,
+        addr: Some(at),
+    } = e
+    else {
+        panic!("expected TooLarge, got {e:?}");
+    };
+    assert_eq!((len, max, at), ((1 << 20) + 1, 1 << 20, addr));
+    let text = e.to_string();
+    assert!(
+        text.contains("1048577")
+            && text.contains(&addr.to_string())
+            && text.contains("receive pool"),
+        "{text}"
+    );
+    assert_eq!(c.stats(peer).unwrap().errors, 1);
+    // What fits still goes.
+    c.send(peer, &vec![7u8; 1 << 20]).unwrap();
+    let m = s.recv(WAIT).unwrap();
+    assert_eq!(m.len(), 1 << 20);
+}
+
+#[test]
+fn a_limit_larger_than_the_pool_is_refused_at_open() {
+    let mut c = tcp();
+    c.pool_bytes = 1 << 20;
+    c.max_message = Some(4 << 20);
+    let e = Endpoint::open(c).unwrap_err();
+    assert!(matches!(e, Error::BadConfig(_)), "{e:?}");
+    assert!(e.to_string().contains("pool"), "{e}");
+}
+
+#[test]
+fn connecting_where_nobody_listens_or_to_a_stranger_is_a_clear_error() {
+    let c = Endpoint::open(tcp()).unwrap();
+    // Nobody listens: a port just freed.
+    let free = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let e = c.connect(free, WAIT).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Address {
+                op: "connect to",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains(&free.to_string()), "{e}");
+    // A name that does not resolve.
+    let e = c.connect("no-such-host.invalid:7470", WAIT).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("connect to no-such-host.invalid:7470"),
+        "{e}"
+    );
+    // A listener that speaks something else: refused, with why, not a hang.
+    let stranger = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = stranger.local_addr().unwrap();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = stranger.accept().unwrap();
+        let mut hello = [0u8; 32];
+        let _ = s.read_exact(&mut hello);
+        s.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n......")
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    });
+    let t0 = Instant::now();
+    let e = c.connect(at, WAIT).unwrap_err();
+    assert!(
+        t0.elapsed() < WAIT / 2,
+        "refused at once, not at the timeout"
+    );
+    assert!(e.to_string().contains("broke the protocol"), "{e}");
+    t.join().unwrap();
+    // A listener that accepts and says nothing: the timeout, named.
+    let mute = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = mute.local_addr().unwrap();
+    let e = c.connect(at, Duration::from_millis(300)).unwrap_err();
+    assert!(e.to_string().contains("no answer"), "{e}");
+    assert!(c.peers().is_empty());
+}
+
+#[test]
+fn an_explicit_transport_this_host_cannot_run_names_what_is_missing() {
+    // This build has neither verbs nor CUDA compiled in (no features).
+    for kind in [Kind::Rdma, Kind::Uma, Kind::Gpudirect] {
+        let e = Endpoint::open(Config::only(kind)).unwrap_err();
+        assert!(matches!(e, Error::Unavailable(_)), "{kind}: {e:?}");
+        assert!(e.to_string().contains(kind.name()), "{e}");
+    }
+    // Automatic falls back to tcp and says why the others were skipped.
+    let mut config = tcp();
+    config.transport = Preference::Auto;
+    let auto = Endpoint::open(config).unwrap();
+    assert_eq!(auto.kind(), Kind::Tcp);
+    assert!(auto.choice().skipped().count() >= 3);
+}
+
+#[test]
+fn one_endpoint_listens_and_connects_to_many_peers_at_once() {
+    const N: usize = 5;
+    let nodes: Vec<(Endpoint, SocketAddr)> = (0..N).map(|_| server()).collect();
+    // Each node connects to every node after it: a full mesh.
+    let mut out = vec![Vec::new(); N];
+    for (i, (e, _)) in nodes.iter().enumerate() {
+        for (_, addr) in &nodes[i + 1..] {
+            out[i].push(e.connect(addr, WAIT).unwrap());
+        }
+    }
+    for (i, (e, _)) in nodes.iter().enumerate() {
+        for p in &out[i] {
+            e.send(*p, format!("from {i}").as_bytes()).unwrap();
+        }
+    }
+    // Node j hears from every i < j.
+    for (j, (e, _)) in nodes.iter().enumerate() {
+        let mut heard: Vec<String> = (0..j)
+            .map(|_| String::from_utf8(e.recv(WAIT).unwrap().bytes().unwrap().to_vec()).unwrap())
+            .collect();
+        heard.sort();
+        let want: Vec<String> = (0..j).map(|i| format!("from {i}")).collect();
+        assert_eq!(heard, want, "node {j}");
+        assert_eq!(e.peers().len(), N - 1, "node {j} knows every other node");
+    }
+}
+
+#[test]
+fn buffers_are_filled_in_place_and_a_received_one_is_echoed_without_a_copy() {
+    let (s, addr) = server();
+    let mut config = tcp();
+    config.progress_thread = false; // caller-driven: the calls below do the work
+    let c = Endpoint::open(config).unwrap();
+    let peer = c.connect(addr, WAIT).unwrap();
+    let mut b = c.lease(4096).unwrap();
+    b.bytes_mut().unwrap().fill(0x5A);
+    b.set_len(1000).unwrap();
+    c.send_buffer(peer, b).unwrap();
+    let m = s.recv(WAIT).unwrap();
+    assert_eq!(m.bytes().unwrap(), &[0x5A; 1000][..]);
+    let from = m.peer();
+    s.send_buffer(from, m.into_buffer()).unwrap();
+    let echo = c.recv(WAIT).unwrap();
+    assert_eq!(echo.bytes().unwrap(), &[0x5A; 1000][..]);
+    let mut head = [0u8; 4];
+    c.copy_out(&echo, &mut head).unwrap();
+    assert_eq!(head, [0x5A; 4]);
+    assert!(
+        c.copy_out(&echo, &mut [0u8; 2000]).is_err(),
+        "more than the message"
+    );
+}
+
+#[test]
+fn a_recv_with_nothing_to_read_times_out_and_the_endpoint_goes_on() {
+    let (s, addr) = server();
+    let t0 = Instant::now();
+    let e = s.recv(Duration::from_millis(100)).unwrap_err();
+    assert!(e.is_timeout(), "{e:?}");
+    assert!(t0.elapsed() >= Duration::from_millis(100));
+    let c = Endpoint::open(tcp()).unwrap();
+    let peer = c.connect(addr, WAIT).unwrap();
+    c.send(peer, b"late").unwrap();
+    assert_eq!(s.recv(WAIT).unwrap().bytes(), Some(&b"late"[..]));
+}
