@@ -104,6 +104,12 @@ pub trait Wire: Transport + Send + 'static {
         0
     }
 
+    /// Peers still connected, or on their way: a closing endpoint waits
+    /// for this to reach 0 (every peer's Close answered, or the peer gone).
+    fn peers_left(&self) -> usize {
+        0
+    }
+
     /// Whether accepted sends need the progress thread to move (queued behind
     /// a full socket, or waiting for credits): a send rings it only then, so
     /// the common send wakes no other thread. Defaults to `pending_sends() > 0`.
@@ -746,15 +752,35 @@ impl<T: Wire> Endpoint<T> {
         }
     }
 
-    /// Closes: stops accepting work, flushes what is queued (until `deadline`),
-    /// stops the progress thread. `Timeout` means queued messages were not
-    /// delivered.
+    /// Ends every session cleanly: no new messages or peers; a Close to
+    /// each peer after what was sent to it; then waits (until `deadline`)
+    /// for everything queued to go and for each peer's answering Close, so
+    /// that no peer is left with a connection reset. Messages that arrive
+    /// meanwhile wait for `recv`. `Timeout`: queued messages were not all
+    /// delivered, or a peer did not answer.
+    pub fn shutdown(&self, deadline: Deadline) -> Result<(), Error> {
+        let mut t = self.shared.lock();
+        t.close()?;
+        loop {
+            // Errors are the affected peers' and reach `recv`; closing goes on.
+            let _ = t.progress();
+            if t.pending_sends() == 0 && t.peers_left() == 0 {
+                return Ok(());
+            }
+            if deadline.passed() {
+                return Err(Error::Timeout);
+            }
+            self.shared.wake_progress();
+            t = self.wait_io(t, deadline, true);
+        }
+    }
+
+    /// [`shutdown`](Self::shutdown), then stops the progress thread.
     pub fn close(mut self, deadline: Deadline) -> Result<(), Error> {
-        self.shared.lock().close()?;
-        let flushed = self.flush(deadline);
+        let done = self.shutdown(deadline);
         self.closed = true;
         self.stop();
-        flushed
+        done
     }
 
     fn stop(&mut self) {
@@ -905,6 +931,10 @@ impl<M: zerohop_backends::verbs::PayloadMemory> Wire for zerohop_backends::verbs
         // by whoever polls next); only frames waiting for credits need the
         // progress thread.
         self.unposted_frames() > 0
+    }
+
+    fn peers_left(&self) -> usize {
+        zerohop_backends::verbs::RdmaTransport::peers_left(self)
     }
 
     fn take_accepted(&mut self) -> Option<(PeerId, SocketAddr)> {

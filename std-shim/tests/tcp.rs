@@ -580,6 +580,81 @@ fn a_clean_close_is_reported_as_clean_on_both_sides() {
         );
         std::thread::sleep(Duration::from_millis(2));
     }
+    // The side that closed first lets go too, once the answer is in.
+    while c.with(|t| t.peers_left()) > 0 {
+        assert!(
+            t0.elapsed() < 5 * SECOND,
+            "the side that closed first kept the finished peer"
+        );
+        c.progress().unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn shutdown_waits_for_every_peers_answering_close_and_then_nothing_is_left() {
+    let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());
+    let clients: Vec<_> = (0..3).map(|_| client(addr)).collect();
+    for (c, peer) in &clients {
+        c.send(*peer, &[1u8; 100_000], Deadline::after(5 * SECOND), None)
+            .unwrap();
+    }
+    for _ in 0..3 {
+        let Event::Message(_) = next_message_event(&server) else {
+            unreachable!()
+        };
+    }
+    // The server closes first; each client's session answers on its own.
+    server.shutdown(Deadline::after(5 * SECOND)).unwrap();
+    assert_eq!(server.with(|t| t.peers_left()), 0);
+    for (c, peer) in &clients {
+        c.shutdown(Deadline::after(5 * SECOND)).unwrap();
+        assert_eq!(c.with(|t| t.peers_left()), 0);
+        assert_eq!(
+            c.recv(Deadline::after(SECOND), None).unwrap_err(),
+            Error::PeerClosed(*peer),
+            "the server's close reached the client as a clean close"
+        );
+    }
+}
+
+#[test]
+fn the_side_that_closed_first_lets_go_when_the_answer_comes_on_an_open_connection() {
+    // A peer that answers the Close and keeps its socket open: no end of
+    // stream comes to end the session for the transport.
+    let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());
+    let mut raw = Raw::connect(addr);
+    let Event::Accepted { .. } = server
+        .next_event(Deadline::after(5 * SECOND), None)
+        .unwrap()
+    else {
+        panic!("the raw peer's connection");
+    };
+    let closing = std::thread::spawn(move || {
+        loop {
+            if let (Frame::Close(_), _) = raw.read_frame() {
+                break;
+            }
+        }
+        raw.send(&Frame::Close(zerohop_core::wire::Close { seq: 0 }).encode(&[]));
+        raw // kept open until the test ends
+    });
+    server.shutdown(Deadline::after(5 * SECOND)).unwrap();
+    assert_eq!(server.with(|t| t.peers_left()), 0);
+    drop(closing.join().unwrap());
+}
+
+fn next_message_event(server: &Endpoint<TcpTransport>) -> Event<zerohop_std::StdLease> {
+    loop {
+        match server
+            .next_event(Deadline::after(5 * SECOND), None)
+            .unwrap()
+        {
+            Event::Accepted { .. } => {}
+            e @ Event::Message(_) => return e,
+            e => panic!("unexpected {e:?}"),
+        }
+    }
 }
 
 #[test]

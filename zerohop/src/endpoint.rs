@@ -567,14 +567,14 @@ impl Endpoint {
     }
 
     /// Closes: no new sends or peers, a clean Close to every peer after what
-    /// was sent to it, and waits up to `timeout` for what is queued to go.
-    /// Peers answer with their own Close ([`Event::Closed`]); once all
-    /// have, [`events`](Self::events) ends. `Timeout`: queued messages
-    /// were not all delivered.
+    /// was sent to it, then waits up to `timeout` for what is queued to go
+    /// and for every peer's answering Close (so none is left with a reset
+    /// connection when this process exits). Messages and events that came
+    /// meanwhile can still be read; [`events`](Self::events) ends after
+    /// them. `Timeout`: queued messages were not all delivered, or a peer
+    /// did not answer.
     pub fn close(&self, timeout: Duration) -> Result<()> {
-        each_wire!(&self.wire, e => e.with(zerohop_core::Transport::close))
-            .map_err(Error::Endpoint)?;
-        self.flush(timeout)
+        each_wire!(&self.wire, e => e.shutdown(Deadline::after(timeout))).map_err(Error::Endpoint)
     }
 }
 

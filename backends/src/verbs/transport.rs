@@ -326,6 +326,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         Some(self.peers.get(peer.0 as usize)?.as_ref()?.session.stats())
     }
 
+    /// Connections in the table, up or not yet (a closing transport waits for 0).
+    pub fn peers_left(&self) -> usize {
+        self.peers.iter().flatten().count()
+    }
+
     /// Connections up (by the CM's event, or a frame that came first),
     /// whether or not their Hellos have crossed yet.
     pub fn established(&self) -> usize {

@@ -379,6 +379,11 @@ impl TcpTransport {
             .count()
     }
 
+    /// Peers in the table, open or not yet (a closing transport waits for 0).
+    pub fn peers_left(&self) -> usize {
+        self.peers.iter().filter(|(_, p)| p.is_some()).count()
+    }
+
     /// Accepted connections that have not said Hello yet.
     pub fn handshaking(&self) -> usize {
         self.pending.iter().flatten().count()
@@ -800,6 +805,10 @@ impl Wire for TcpTransport {
 
     fn opened(&mut self, peer: PeerId) -> Option<Result<(), Error>> {
         TcpTransport::opened(self, peer)
+    }
+
+    fn peers_left(&self) -> usize {
+        TcpTransport::peers_left(self)
     }
 
     fn peer_addr(&self, peer: PeerId) -> Option<SocketAddr> {

@@ -364,7 +364,11 @@ impl TcpTransport {
                 p.stage_start += HEADER_LEN;
                 match inbound {
                     Inbound::Data(d) => {
-                        if d.striped && p.lane.as_ref().is_none_or(|l| !l.confirmed) {
+                        // A lane this side opened may not have had its ack
+                        // read yet (the acceptor stripes as soon as it pairs):
+                        // reading the lane's part reads the ack first, and a
+                        // bad one loses the peer.
+                        if d.striped && p.lane.is_none() {
                             return Outcome::Bad(Error::WireRule {
                                 peer: id,
                                 rule: "a striped frame on a connection without a paired second connection",

@@ -238,6 +238,10 @@ impl TcpTransport {
         if !p.queue.is_empty() {
             self.mark_write(slot);
             self.flush(slot);
+        } else if p.session.is_finished() && p.direct.is_none() {
+            // The peer's Close answered ours, and nothing is left to write:
+            // the side that closed first lets go here.
+            self.drop_peer(slot, true);
         }
     }
 
