@@ -944,6 +944,50 @@ fn sized(i: u64, len: usize) -> Vec<u8> {
 }
 
 #[test]
+fn a_striped_message_that_comes_before_the_lanes_ack_is_read_is_received() {
+    // The acceptor stripes as soon as it pairs the lane; the connecting side
+    // may see the striped header on its main connection before it has read
+    // the ack that waits on its lane.
+    let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());
+    let mut t = transport(64 << 20, TcpConfig::default());
+    let peer = t.connect(addr, SECOND).unwrap();
+    let caller_driven = EndpointConfig {
+        progress_thread: false,
+        ..EndpointConfig::default()
+    };
+    let c = Endpoint::new(t, caller_driven).unwrap();
+    let Event::Accepted { peer: back, .. } = server
+        .next_event(Deadline::after(5 * SECOND), None)
+        .unwrap()
+    else {
+        panic!("the connection");
+    };
+    let t0 = Instant::now();
+    while server.with(|t| t.connections(back)) != Some(2) {
+        assert!(t0.elapsed() < 5 * SECOND, "the lane was never paired");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for i in 0..3 {
+        server
+            .send(back, &sized(i, 2 << 20), Deadline::after(5 * SECOND), None)
+            .unwrap();
+    }
+    assert!(
+        server.with(|t| t.striped_sent(back)) >= 1,
+        "the acceptor striped"
+    );
+    for i in 0..3 {
+        let r = c.recv(Deadline::after(5 * SECOND), None).unwrap();
+        assert_eq!((check(host_bytes(&r.lease)), r.lease.len()), (i, 2 << 20));
+    }
+    assert_eq!(
+        c.with(|t| t.connections(peer)),
+        Some(2),
+        "the ack was read on the way"
+    );
+}
+
+#[test]
 fn large_messages_are_striped_over_two_connections_and_arrive_whole_and_in_order() {
     for check_payload in [false, true] {
         let config = TcpConfig {
