@@ -1,4 +1,5 @@
-//! `zerohop info`: the probe report.
+//! `zerohop info`: the probe report. It exits non-zero when the transport
+//! asked for (`ZEROHOP_TRANSPORT`) cannot run here.
 
 use serde::Serialize;
 use zerohop_core::{pick, Kind, Preference, Status};
@@ -62,9 +63,15 @@ pub fn run(json: bool) -> Result<(), Box<dyn std::error::Error>> {
             .unwrap_or_default(),
         error: choice.as_ref().err().map(|e| e.to_string()),
     };
+    // A transport asked for that cannot run is a failure of the command,
+    // after the report that says why.
+    let verdict = match &report.error {
+        Some(e) => Err(e.clone().into()),
+        None => Ok(()),
+    };
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
-        return Ok(());
+        return verdict;
     }
     println!("zerohop {}", env!("CARGO_PKG_VERSION"));
     println!("compiled in: {}", report.compiled.join(", "));
@@ -83,5 +90,5 @@ pub fn run(json: bool) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(e) = &report.error {
         println!("  {e}");
     }
-    Ok(())
+    verdict
 }

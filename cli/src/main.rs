@@ -1,8 +1,8 @@
 //! `zerohop`: what this host supports (`info`) and how fast it is (`perf`).
 
+mod idle;
 mod info;
 mod perf;
-mod transports;
 
 use std::process::ExitCode;
 

@@ -1,32 +1,39 @@
 //! `zerohop perf`: one-way latency from ping-pong (RTT / 2, as perftest and
-//! ucx_perftest report it) and streaming bandwidth, over a size sweep.
+//! ucx_perftest report it) and streaming bandwidth, over a size sweep,
+//! through the `zerohop` endpoint an application uses.
+//!
+//! Client and server speak a small control protocol over the endpoint: a
+//! session starts with the client's [`START`] (answered by the server), then
+//! one [`LATENCY`] and one [`STREAM`] command per size, then [`QUIT`]. Only
+//! the peer that started a session controls it: others' messages are
+//! dropped, and a peer that connects, sends garbage or leaves costs the
+//! server nothing but a log line.
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
-use std::ops::Deref;
 
-use zerohop_core::{pick, Error, Kind, Lease, PeerId, Pool, Preference};
-use zerohop_std::{probe_host, CancelToken, Config, Deadline, Endpoint, EndpointConfig, Wire};
+use zerohop::{Config, Endpoint, Event, Kind, Message, Peer, Preference};
 
-use crate::transports;
-#[cfg(feature = "gpudirect-verbs")]
-use zerohop_backends::verbs::HostPayload;
+use crate::idle;
 
 #[derive(Args, Debug)]
 pub struct PerfArgs {
-    /// Transport: auto, gpudirect, rdma, uma, tcp, mock (default: $ZEROHOP_TRANSPORT, else auto).
+    /// Transport: auto, gpudirect, rdma, uma, tcp (default: $ZEROHOP_TRANSPORT, else auto).
     #[arg(long)]
     transport: Option<String>,
-    /// Serve a remote `--connect` run on ADDR (e.g. 0.0.0.0:7470), until it finishes.
+    /// Serve `--connect` runs on ADDR (a host name or IP, with a port), one
+    /// session (or every session, with `--loop`).
     #[arg(long, conflicts_with = "connect")]
     listen: Option<String>,
-    /// Run against a `--listen` peer at ADDR.
+    /// With `--listen`: serve run after run, until killed (as ucx_perftest's server does).
+    #[arg(short = 'l', long = "loop", requires = "listen")]
+    serve_forever: bool,
+    /// Run against a `--listen` peer at ADDR (a host name or IP, with a port).
     #[arg(long)]
-    connect: Option<SocketAddr>,
+    connect: Option<String>,
     /// With `--connect` over TCP: first open this many more connections to
     /// the listener, each saying Hello and then nothing, and keep them for the
     /// run (what a node gossiping with many peers looks like to its server).
@@ -36,12 +43,12 @@ pub struct PerfArgs {
     /// exit, running nothing (to sample the listener's idle CPU).
     #[arg(long, requires = "idle_peers")]
     hold: Option<u64>,
-    /// Message sizes (bytes, k/M suffixes).
+    /// Message sizes (bytes, k/M suffixes), each at most the endpoint's longest message.
     #[arg(long, value_delimiter = ',', default_value = "64,4k,64k,1M")]
     sizes: Vec<String>,
-    /// Ping-pong round trips per size (fewer for large sizes: at most 256 MiB moved each way).
-    #[arg(long, default_value_t = 5000)]
-    iters: usize,
+    /// Ping-pong round trips per size, at least 1 (fewer for large sizes: at most 256 MiB moved each way).
+    #[arg(long, default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..=MAX_COUNT as u64))]
+    iters: u64,
     /// Bytes streamed per size for bandwidth (messages: between 1000 and 200000).
     #[arg(long, default_value = "1G")]
     stream_bytes: String,
@@ -58,14 +65,21 @@ pub struct PerfArgs {
     /// sends its registered buffer, instead of copying the caller's bytes.
     #[arg(long)]
     zero_copy: bool,
-    /// Machine-readable output.
+    /// Machine-readable output (one JSON document, with an `error` object on failure).
     #[arg(long)]
     json: bool,
 }
 
+/// The JSON document's version: 2 added `schema`, the counts per row and `error`.
+const SCHEMA: u32 = 2;
+
 #[derive(Serialize, Clone, Debug)]
 pub struct Row {
     pub size: usize,
+    /// Round trips timed (after the warm-up).
+    pub round_trips: usize,
+    /// Messages streamed for the bandwidth figure.
+    pub stream_messages: usize,
     /// The fastest round trip's half (perftest's `t_min`): the least a
     /// message costs, where p50 also carries the machine's noise.
     pub lat_min_us: f64,
@@ -78,11 +92,45 @@ pub struct Row {
 
 #[derive(Serialize, Debug)]
 struct Report {
+    schema: u32,
     transport: &'static str,
     mode: String,
     zero_copy: bool,
     skipped: Vec<String>,
     rows: Vec<Row>,
+    error: Option<Failure>,
+}
+
+/// What went wrong, and which flag it concerns.
+#[derive(Serialize, Clone, Debug)]
+pub struct Failure {
+    /// The flag and its value (`--connect host:7470`), when one is to blame.
+    flag: Option<String>,
+    message: String,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.flag {
+            Some(flag) => write!(f, "{flag}: {}", self.message),
+            None => f.write_str(&self.message),
+        }
+    }
+}
+
+impl std::error::Error for Failure {}
+
+fn fail(flag: Option<String>, e: impl std::fmt::Display) -> Failure {
+    Failure {
+        flag,
+        message: e.to_string(),
+    }
+}
+
+impl From<zerohop::Error> for Failure {
+    fn from(e: zerohop::Error) -> Failure {
+        fail(None, e)
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -102,13 +150,18 @@ impl Plan {
     }
 }
 
-// Control messages (client -> server), 17 bytes: tag, size, count.
+// The control protocol. A session starts with START (answered by START
+// itself); commands are 17 bytes: tag, size, count.
+const START: &[u8; 8] = b"zhperf\x02S";
 const LATENCY: u8 = b'L';
 const STREAM: u8 = b'B';
 const QUIT: u8 = b'Q';
 const WARMUP: usize = 100;
+/// The most round trips or messages a command may ask for.
+const MAX_COUNT: usize = 100_000_000;
+const LONG: Duration = Duration::from_secs(60);
 
-fn control(tag: u8, size: usize, count: usize) -> [u8; 17] {
+fn command(tag: u8, size: usize, count: usize) -> [u8; 17] {
     let mut m = [0u8; 17];
     m[0] = tag;
     m[1..9].copy_from_slice(&(size as u64).to_le_bytes());
@@ -116,63 +169,124 @@ fn control(tag: u8, size: usize, count: usize) -> [u8; 17] {
     m
 }
 
-/// A control message, read through the endpoint (its bytes may be in GPU memory).
-fn read_control<T, P>(ep: &Endpoint<T>, lease: &Lease<P>) -> Option<(u8, usize, usize)>
-where
-    T: Wire<Lease = Lease<P>>,
-    P: Deref<Target: Pool>,
-{
+/// A command, if `m` is one (its bytes read wherever they lie).
+fn read_command(ep: &Endpoint, m: &Message) -> Option<(u8, usize, usize)> {
     let mut b = [0u8; 17];
-    if lease.len() != b.len() || ep.read(lease, &mut b).is_err() {
+    if m.len() != b.len() || ep.copy_out(m, &mut b).is_err() {
         return None;
     }
-    parse_control(&b)
-}
-
-fn parse_control(b: &[u8]) -> Option<(u8, usize, usize)> {
-    if b.len() != 17 {
-        return None;
-    }
-    let size = u64::from_le_bytes(b[1..9].try_into().ok()?) as usize;
-    let count = u64::from_le_bytes(b[9..17].try_into().ok()?) as usize;
+    let size = usize::try_from(u64::from_le_bytes(b[1..9].try_into().ok()?)).ok()?;
+    let count = usize::try_from(u64::from_le_bytes(b[9..17].try_into().ok()?)).ok()?;
     Some((b[0], size, count))
 }
 
-const LONG: Duration = Duration::from_secs(60);
+fn is_start(ep: &Endpoint, m: &Message) -> bool {
+    let mut b = [0u8; 8];
+    m.len() == b.len() && ep.copy_out(m, &mut b).is_ok() && &b == START
+}
 
-/// Serves one client session: echo for latency, count and acknowledge for streams.
-fn serve<T, P>(ep: &Endpoint<T>, cancel: Option<&CancelToken>) -> Result<(), Error>
-where
-    T: Wire<Lease = Lease<P>>,
-    P: Deref<Target: Pool>,
-{
+/// The next message from `owner`; others' messages are dropped, and other
+/// peers' comings and goings noted. The owner's end is an error.
+fn next_from(ep: &Endpoint, owner: Peer, timeout: Duration) -> Result<Message, zerohop::Error> {
+    let until = Instant::now().checked_add(timeout);
     loop {
-        let r = ep.recv(Deadline::never(), cancel)?;
-        let Some((tag, _size, count)) = read_control(ep, &r.lease) else {
-            return Err(Error::Backend("perf: expected a control message"));
+        let left = until.map_or(Duration::MAX, |u| {
+            u.saturating_duration_since(Instant::now())
+        });
+        match ep.next_event(left)? {
+            Event::Message(m) if m.peer() == owner => return Ok(m),
+            Event::Message(m) => log::info!(
+                "perf: dropped {} bytes from {:?}, which does not hold the session",
+                m.len(),
+                ep.peer_addr(m.peer())
+            ),
+            Event::Closed { peer, .. } if peer == owner => {
+                return Err(zerohop::Error::Peer {
+                    peer,
+                    addr: ep.peer_addr(peer),
+                    error: zerohop_core::Error::PeerClosed(zerohop_core::PeerId(peer.id())),
+                })
+            }
+            Event::Lost { peer, why, .. } if peer == owner => return Err(why),
+            e => log::info!("perf: {e:?}"),
+        }
+    }
+}
+
+/// Serves sessions: one, or (`forever`) one after another; `announce`
+/// says on stderr how each went.
+fn serve(ep: &Endpoint, forever: bool, announce: bool) -> Result<(), Failure> {
+    loop {
+        let owner = await_start(ep)?;
+        let who = ep
+            .peer_addr(owner)
+            .map_or_else(|| owner.to_string(), |a| a.to_string());
+        match session(ep, owner) {
+            Ok(()) if announce => eprintln!("zerohop perf: session with {who} done"),
+            Ok(()) => {}
+            Err(e) if forever => eprintln!("zerohop perf: session with {who} ended: {e}"),
+            Err(e) => return Err(fail(None, format!("the session with {who}: {e}"))),
+        }
+        if !forever {
+            return Ok(());
+        }
+    }
+}
+
+/// Waits for a peer's START and answers it: that peer holds the session.
+fn await_start(ep: &Endpoint) -> Result<Peer, Failure> {
+    loop {
+        match ep.next_event(Duration::MAX)? {
+            Event::Message(m) if is_start(ep, &m) => {
+                let owner = m.peer();
+                drop(m);
+                if let Err(e) = ep.send(owner, START) {
+                    eprintln!("zerohop perf: answering a session start: {e}");
+                    continue;
+                }
+                return Ok(owner);
+            }
+            Event::Message(m) => log::info!(
+                "perf: dropped {} bytes from {:?} before any session",
+                m.len(),
+                ep.peer_addr(m.peer())
+            ),
+            Event::Lost { why, .. } => log::info!("perf: {why}"),
+            e => log::info!("perf: {e:?}"),
+        }
+    }
+}
+
+/// One session: the owner's commands until QUIT.
+fn session(ep: &Endpoint, owner: Peer) -> Result<(), zerohop::Error> {
+    let bad = |why: &str| zerohop::Error::BadConfig(format!("perf: {why}"));
+    loop {
+        let m = next_from(ep, owner, Duration::MAX)?;
+        let Some((tag, size, count)) = read_command(ep, &m) else {
+            return Err(bad(
+                "the session's holder sent something that is not a command",
+            ));
         };
-        let peer = r.peer;
-        drop(r);
+        drop(m);
+        if count > MAX_COUNT || size > ep.max_message() {
+            return Err(bad("a command beyond the limits (count or size)"));
+        }
         match tag {
             LATENCY => {
                 for _ in 0..count {
-                    // One deadline for the echo, read before the message
-                    // arrives: a clock read between the arrival and the
-                    // reply would lengthen the round trip being measured.
-                    let deadline = Deadline::after(LONG);
-                    let m = ep.recv(deadline, cancel)?;
-                    ep.send_lease(peer, m.lease, deadline, cancel)?; // zero-copy echo
+                    let m = next_from(ep, owner, LONG)?;
+                    ep.send_buffer(owner, m.into_buffer())?; // zero-copy echo
                 }
             }
             STREAM => {
                 let mut bytes = 0u64;
                 for _ in 0..count {
-                    bytes += ep.recv(Deadline::after(LONG), cancel)?.lease.len() as u64;
+                    bytes += next_from(ep, owner, LONG)?.len() as u64;
                 }
-                ep.send(peer, &bytes.to_le_bytes(), Deadline::after(LONG), cancel)?;
+                ep.send(owner, &bytes.to_le_bytes())?;
             }
             QUIT => return Ok(()),
-            _ => return Err(Error::Backend("perf: unknown control message")),
+            _ => return Err(bad("an unknown command")),
         }
     }
 }
@@ -182,55 +296,53 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1e6 / 2.0 // one-way: half the round trip
 }
 
-fn client<T, P>(
-    ep: &Endpoint<T>,
-    peer: PeerId,
+/// Runs the sweep against the server at `peer`; each row goes to `done`
+/// as its size finishes.
+fn client(
+    ep: &Endpoint,
+    peer: Peer,
     plan: &Plan,
     bar: &ProgressBar,
-    cancel: Option<&CancelToken>,
-) -> Result<Vec<Row>, Error>
-where
-    T: Wire<Lease = Lease<P>>,
-    P: Deref<Target: Pool>,
-{
+    done: &mut dyn FnMut(&Row),
+) -> Result<Vec<Row>, zerohop::Error> {
+    ep.send(peer, START)?;
+    let answer = ep.recv(LONG)?;
+    if !is_start(ep, &answer) {
+        return Err(zerohop::Error::BadConfig(
+            "perf: the listener did not answer the session start (another program, or another version of perf)"
+                .into(),
+        ));
+    }
+    drop(answer);
     let mut rows = Vec::new();
     for &size in &plan.sizes {
         let buf = vec![0xA5u8; size];
         // One message: the caller's bytes (copied as the wire needs), or a
         // pool buffer sent as it is.
-        let send_one = |deadline| {
+        let send_one = || {
             if plan.zero_copy {
-                let lease = ep.lease(size)?;
-                ep.send_lease(peer, lease, deadline, cancel)
+                ep.send_buffer(peer, ep.lease(size)?)
             } else {
-                ep.send(peer, &buf, deadline, cancel)
+                ep.send(peer, &buf)
             }
         };
+        bar.set_message(format!("{}: latency", human(size)));
         let n = plan.round_trips(size);
-        ep.send(
-            peer,
-            &control(LATENCY, size, n + WARMUP),
-            Deadline::after(LONG),
-            None,
-        )?;
+        ep.send(peer, &command(LATENCY, size, n + WARMUP))?;
         // One clock read per round trip, as perftest's latency tests take
         // one cycle-counter read per iteration: a round trip is the time
-        // from one send to the next, the receive and its bookkeeping
-        // included, and its deadline follows from the same reading. (Two
-        // reads per round trip, and one more per call for its deadline,
-        // sat on the path being measured: a read costs ~140 ns in the
-        // Soft-RoCE VM.)
+        // from one send to the next, the receive and its bookkeeping included.
         let mut stamps = Vec::with_capacity(n + 1);
         for i in 0..n + WARMUP {
-            let now = Instant::now();
             if i >= WARMUP {
-                stamps.push(now);
+                stamps.push(Instant::now());
             }
-            let deadline = Deadline::at(now + LONG);
-            send_one(deadline)?;
-            let r = ep.recv(deadline, cancel)?;
-            if r.lease.len() != size {
-                return Err(Error::Backend("perf: echo of the wrong size"));
+            send_one()?;
+            let r = ep.recv(LONG)?;
+            if r.len() != size {
+                return Err(zerohop::Error::BadConfig(
+                    "perf: an echo of the wrong size".into(),
+                ));
             }
         }
         stamps.push(Instant::now()); // the end of the last round trip
@@ -238,41 +350,43 @@ where
         rtts.sort_unstable();
         bar.inc(1);
 
+        bar.set_message(format!("{}: bandwidth", human(size)));
         let count = plan.stream_count(size);
-        ep.send(
-            peer,
-            &control(STREAM, size, count),
-            Deadline::after(LONG),
-            None,
-        )?;
+        ep.send(peer, &command(STREAM, size, count))?;
         let t0 = Instant::now();
         for _ in 0..count {
-            send_one(Deadline::after(LONG))?;
+            send_one()?;
         }
-        let ack = ep.recv(Deadline::after(LONG), cancel)?;
+        let ack = ep.recv(LONG)?;
         let secs = t0.elapsed().as_secs_f64();
         let mut got = [0u8; 8];
-        if ack.lease.len() != got.len() || ep.read(&ack.lease, &mut got).is_err() {
-            return Err(Error::Backend("perf: bad ack"));
+        if ack.len() != got.len() || ep.copy_out(&ack, &mut got).is_err() {
+            return Err(zerohop::Error::BadConfig(
+                "perf: a bad acknowledgement".into(),
+            ));
         }
         let got = u64::from_le_bytes(got);
         if got != (count * size) as u64 {
-            return Err(Error::Backend(
-                "perf: the receiver counted a different byte total",
+            return Err(zerohop::Error::BadConfig(
+                "perf: the receiver counted a different byte total".into(),
             ));
         }
         bar.inc(1);
-        rows.push(Row {
+        let row = Row {
             size,
+            round_trips: n,
+            stream_messages: count,
             lat_min_us: percentile(&rtts, 0.0),
             lat_p50_us: percentile(&rtts, 0.5),
             lat_p99_us: percentile(&rtts, 0.99),
             lat_p999_us: percentile(&rtts, 0.999),
             bw_gb_per_s: got as f64 / secs / 1e9,
             msg_per_s: count as f64 / secs,
-        });
+        };
+        done(&row);
+        rows.push(row);
     }
-    ep.send(peer, &control(QUIT, 0, 0), Deadline::after(LONG), cancel)?;
+    ep.send(peer, &command(QUIT, 0, 0))?;
     Ok(rows)
 }
 
@@ -284,28 +398,28 @@ fn human(n: usize) -> String {
     }
 }
 
-fn print_table(r: &Report) {
-    println!("zerohop perf: transport {} ({})", r.transport, r.mode);
-    for s in &r.skipped {
-        println!("  skipped {s}");
+fn table_header(transport: &str, mode: &str, skipped: &[String]) -> String {
+    let mut s = format!("zerohop perf: transport {transport} ({mode})\n");
+    for k in skipped {
+        s += &format!("  skipped {k}\n");
     }
-    println!(
+    s + &format!(
         "{:>8}  {:>10} {:>10} {:>10} {:>10}   {:>10} {:>12}",
         "size", "lat min", "p50", "p99", "p99.9", "GB/s", "msg/s"
-    );
-    for row in &r.rows {
-        println!(
-            "{:>8}  {:>8.2}us {:>8.2}us {:>8.2}us {:>8.2}us   {:>10.3} {:>12.0}",
-            human(row.size),
-            row.lat_min_us,
-            row.lat_p50_us,
-            row.lat_p99_us,
-            row.lat_p999_us,
-            row.bw_gb_per_s,
-            row.msg_per_s
-        );
-    }
-    println!("latency is one-way (half the ping-pong round trip), as perftest and ucx_perftest report it");
+    )
+}
+
+fn table_row(row: &Row) -> String {
+    format!(
+        "{:>8}  {:>8.2}us {:>8.2}us {:>8.2}us {:>8.2}us   {:>10.3} {:>12.0}",
+        human(row.size),
+        row.lat_min_us,
+        row.lat_p50_us,
+        row.lat_p99_us,
+        row.lat_p999_us,
+        row.bw_gb_per_s,
+        row.msg_per_s
+    )
 }
 
 fn progress(total: u64, json: bool) -> ProgressBar {
@@ -317,215 +431,217 @@ fn progress(total: u64, json: bool) -> ProgressBar {
         ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    bar.set_message("measuring");
     bar
 }
 
-fn in_process<T, P>(
-    server: Endpoint<T>,
-    client_ep: Endpoint<T>,
-    peer: PeerId,
-    plan: &Plan,
-    bar: &ProgressBar,
-) -> Result<Vec<Row>, Error>
-where
-    T: Wire<Lease = Lease<P>>,
-    P: Deref<Target: Pool>,
-{
-    // Whichever side fails first cancels the other, which would otherwise
-    // wait out its deadline (or, for the server's next command, forever)
-    // for a message that will not come; the first failure is the one reported.
-    fn cancel_on_error<R>(token: &CancelToken, r: Result<R, Error>) -> Result<R, Error> {
-        if r.is_err() {
-            token.cancel();
+/// The flags, checked before anything is opened or allocated.
+fn plan(args: &PerfArgs, config: &Config) -> Result<Plan, Failure> {
+    // The longest message this endpoint could take: 64 MiB, or its pool.
+    let limit = config
+        .max_message
+        .unwrap_or(64 << 20)
+        .min(config.pool_bytes);
+    let mut sizes = Vec::new();
+    for s in &args.sizes {
+        let flag = || Some(format!("--sizes {s}"));
+        let n = zerohop_std::parse_bytes(s)
+            .filter(|&n| n > 0)
+            .ok_or_else(|| fail(flag(), "not a byte count (e.g. 64, 4k, 1M)"))?;
+        if n > limit {
+            return Err(fail(
+                flag(),
+                format!(
+                    "{n} bytes is longer than a message may be here ({} bytes: the least of 64 MiB and ZEROHOP_POOL_BYTES)",
+                    limit
+                ),
+            ));
         }
-        r
+        sizes.push(n);
     }
-    let failed = CancelToken::new();
-    let rows = std::thread::scope(|s| {
-        let srv = s.spawn(|| cancel_on_error(&failed, serve(&server, Some(&failed))));
-        let rows = cancel_on_error(&failed, client(&client_ep, peer, plan, bar, Some(&failed)));
-        let served = srv
-            .join()
-            .unwrap_or(Err(Error::Backend("perf: the server thread panicked")));
-        match (rows, served) {
-            (Ok(rows), Ok(())) => Ok(rows),
-            (Err(Error::Cancelled), Err(e)) | (Err(e), _) | (Ok(_), Err(e)) => Err(e),
-        }
-    })?;
-    // Close both: every send delivered (the last acknowledgement included).
-    client_ep.close(Deadline::after(LONG))?;
-    server.close(Deadline::after(LONG))?;
-    Ok(rows)
+    let stream_bytes = zerohop_std::parse_bytes(&args.stream_bytes)
+        .filter(|&n| n > 0)
+        .ok_or_else(|| {
+            fail(
+                Some(format!("--stream-bytes {}", args.stream_bytes)),
+                "not a positive byte count",
+            )
+        })?;
+    Ok(Plan {
+        sizes,
+        iters: args.iters as usize,
+        zero_copy: args.zero_copy,
+        stream_bytes,
+    })
 }
 
 pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let config = Config::from_env()?;
+    let mut config = Config::from_env()?;
     // The flag overrides ZEROHOP_TRANSPORT, through the same parser and pick.
-    let preference = match &args.transport {
-        Some(t) => Preference::parse(t).map_err(|e| format!("--transport {t:?}: {e}"))?,
-        None => config.transport,
-    };
-    let choice = pick(preference, &probe_host())?;
-    let mut sizes = Vec::new();
-    for s in &args.sizes {
-        sizes.push(
-            zerohop_std::parse_bytes(s)
-                .filter(|&n| n > 0)
-                .ok_or_else(|| format!("--sizes: {s:?} is not a byte count"))?,
-        );
+    if let Some(t) = &args.transport {
+        config.transport =
+            Preference::parse(t).map_err(|e| fail(Some(format!("--transport {t}")), e))?;
     }
-    let plan = Plan {
-        sizes,
-        iters: args.iters.max(1),
-        zero_copy: args.zero_copy,
-        stream_bytes: zerohop_std::parse_bytes(&args.stream_bytes)
-            .ok_or("--stream-bytes: not a byte count")?,
-    };
-    let kind = choice.kind;
-    let skipped: Vec<String> = choice.skipped().map(|s| s.to_string()).collect();
-    let bar = progress(2 * plan.sizes.len() as u64, args.json);
-    let budget = config.pool_bytes;
+    let plan = plan(args, &config)?;
     // Progress in the caller's thread, as ucx_perftest drives its worker:
     // each side of a run is one thread that sends, receives and progresses.
-    let ep = EndpointConfig {
-        spin: Duration::from_micros(args.spin_us),
-        progress_thread: false,
-        ..EndpointConfig::default()
-    };
-    // In one process the listener must accept while the same thread
-    // connects (an RDMA connect waits for the listener's answer): it keeps a
-    // progress thread, which stays out of the way once its thread serves.
-    let listener_ep = EndpointConfig {
-        progress_thread: true,
-        ..ep
-    };
-    let (mode, rows) = match (kind, &args.listen, args.connect) {
-        (Kind::Tcp | Kind::Uma, Some(addr), _) => {
-            let (ep, bound) = transports::tcp_listen(kind, addr, budget, &ep)?;
-            eprintln!("zerohop perf: serving {} on {bound}", kind.name());
-            serve(&ep, None)?;
-            return Ok(());
-        }
-        (Kind::Tcp | Kind::Uma, None, Some(addr)) => {
-            let _idle = match args.idle_peers {
-                0 => None,
-                n => Some(transports::idle_peers(addr, n)?),
-            };
-            if let Some(secs) = args.hold {
-                eprintln!("zerohop perf: holding {} idle connections for {secs} s", args.idle_peers);
-                std::thread::sleep(Duration::from_secs(secs));
-                return Ok(());
-            }
-            let (ep, peer) = transports::tcp_connect(kind, addr, budget, &ep)?;
-            let mode = match args.idle_peers {
-                0 => format!("to {addr}"),
-                n => format!("to {addr}, beside {n} idle connections"),
-            };
-            (mode, client(&ep, peer, &plan, &bar, None)?)
-        }
-        (Kind::Tcp | Kind::Uma, None, None) => {
-            let (server, addr) = transports::tcp_listen(kind, "127.0.0.1:0", budget, &listener_ep)?;
-            let (c, peer) = transports::tcp_connect(kind, addr, budget, &ep)?;
-            (
-                "in one process, over 127.0.0.1".to_string(),
-                in_process(server, c, peer, &plan, &bar)?,
-            )
-        }
-        #[cfg(feature = "gpudirect-verbs")]
-        (Kind::Rdma, Some(addr), _) => {
-            let addr: SocketAddr = addr.parse().map_err(|e| format!("--listen {addr}: {e}"))?;
-            let ep = transports::rdma::listen(addr, budget, &ep, HostPayload)?;
-            eprintln!("zerohop perf: serving rdma on {addr}");
-            serve(&ep, None)?;
-            return Ok(());
-        }
-        #[cfg(feature = "gpudirect-verbs")]
-        (Kind::Rdma, None, Some(addr)) => {
-            let (ep, peer) = transports::rdma::connect(addr, budget, &ep, HostPayload)?;
-            (format!("to {addr}"), client(&ep, peer, &plan, &bar, None)?)
-        }
-        #[cfg(feature = "gpudirect-verbs")]
-        (Kind::Rdma, None, None) => {
-            let addr = transports::rdma::local_addr()?;
-            let server = transports::rdma::listen(addr, budget, &listener_ep, HostPayload)?;
-            let (c, peer) = transports::rdma::connect(addr, budget, &ep, HostPayload)?;
-            (
-                format!("in one process, over RDMA RC on {addr}"),
-                in_process(server, c, peer, &plan, &bar)?,
-            )
-        }
-        #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
-        (Kind::Gpudirect, Some(addr), _) => {
-            let addr: SocketAddr = addr.parse().map_err(|e| format!("--listen {addr}: {e}"))?;
-            let gpu = transports::rdma::gpu_memory()?;
-            let ep = transports::rdma::listen(addr, budget, &ep, gpu)?;
-            eprintln!("zerohop perf: serving gpudirect on {addr} (payloads in GPU memory)");
-            serve(&ep, None)?;
-            return Ok(());
-        }
-        #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
-        (Kind::Gpudirect, None, Some(addr)) => {
-            let gpu = transports::rdma::gpu_memory()?;
-            let (ep, peer) = transports::rdma::connect(addr, budget, &ep, gpu)?;
-            (
-                format!("to {addr}, payloads in GPU memory"),
-                client(&ep, peer, &plan, &bar, None)?,
-            )
-        }
-        #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
-        (Kind::Gpudirect, None, None) => {
-            let addr = transports::rdma::local_addr()?;
-            let gpu = transports::rdma::gpu_memory()?;
-            let server = transports::rdma::listen(addr, budget, &listener_ep, gpu.clone())?;
-            let (c, peer) = transports::rdma::connect(addr, budget, &ep, gpu)?;
-            (
-                format!("in one process, over RDMA RC on {addr}, payloads in GPU memory"),
-                in_process(server, c, peer, &plan, &bar)?,
-            )
-        }
-        #[cfg(feature = "mock")]
-        (Kind::Mock, None, None) => {
-            let max =
-                zerohop_backends::mock::MockLink::<{ transports::mock::LINK_BYTES }>::max_payload();
-            if let Some(&big) = plan.sizes.iter().find(|&&s| s > max) {
-                return Err(format!(
-                    "mock link carries at most {max} bytes per message; {big} asked"
-                )
-                .into());
-            }
-            let (a, b) = transports::mock::pair(budget, &ep)?;
-            (
-                "in one process, over the mock link".to_string(),
-                in_process(a, b, PeerId(0), &plan, &bar)?,
-            )
-        }
-        #[cfg(not(all(feature = "gpudirect-verbs", feature = "cuda-uma")))]
-        (Kind::Gpudirect, _, _) => {
-            return Err("perf over gpudirect needs a build with both the gpudirect-verbs and cuda-uma features \
-                        (cargo build --release -p zerohop-cli --features gpudirect-verbs,cuda-uma)"
-                .into())
-        }
-        (k, _, _) => {
-            return Err(format!(
-                "perf over {} is not available in this build for this mode",
-                k.name()
-            )
-            .into())
-        }
-    };
-    bar.finish_and_clear();
-    let report = Report {
-        transport: kind.name(),
-        mode,
+    config.spin = Duration::from_micros(args.spin_us);
+    config.progress_thread = false;
+    let transport_flag = || args.transport.as_ref().map(|t| format!("--transport {t}"));
+    if let Some(addr) = &args.listen {
+        let ep = Endpoint::open(config).map_err(|e| fail(transport_flag(), e))?;
+        let bound = ep
+            .listen(addr.as_str())
+            .map_err(|e| fail(Some(format!("--listen {addr}")), e))?;
+        eprintln!("zerohop perf: serving {} on {bound}", ep.kind());
+        return Ok(serve(&ep, args.serve_forever, true)?);
+    }
+    if let (Some(addr), Some(secs)) = (&args.connect, args.hold) {
+        let _idle = idle::peers(addr, args.idle_peers)
+            .map_err(|e| fail(Some(format!("--connect {addr}")), e))?;
+        eprintln!(
+            "zerohop perf: holding {} idle connections for {secs} s",
+            args.idle_peers
+        );
+        std::thread::sleep(Duration::from_secs(secs));
+        return Ok(());
+    }
+    let bar = progress(2 * plan.sizes.len() as u64, args.json);
+    let mut report = Report {
+        schema: SCHEMA,
+        transport: "",
+        mode: String::new(),
         zero_copy: plan.zero_copy,
-        skipped,
-        rows,
+        skipped: Vec::new(),
+        rows: Vec::new(),
+        error: None,
     };
+    let result = measure(args, config, &plan, &bar, &mut report);
+    bar.finish_and_clear();
+    if let Err(e) = &result {
+        report.error = Some(e.clone());
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print_table(&report);
+    } else if result.is_ok() {
+        println!("latency is one-way (half the ping-pong round trip), as perftest and ucx_perftest report it");
     }
-    Ok(())
+    Ok(result?)
+}
+
+/// Opens the endpoints, runs the sweep, and fills `report` as it goes
+/// (rows printed as each size finishes, unless the output is JSON).
+fn measure(
+    args: &PerfArgs,
+    config: Config,
+    plan: &Plan,
+    bar: &ProgressBar,
+    report: &mut Report,
+) -> Result<(), Failure> {
+    let transport_flag = || args.transport.as_ref().map(|t| format!("--transport {t}"));
+    let ep = Endpoint::open(config).map_err(|e| fail(transport_flag(), e))?;
+    report.transport = ep.kind().name();
+    report.skipped = ep.choice().skipped().map(|s| s.to_string()).collect();
+    let gpu = if ep.kind() == Kind::Gpudirect {
+        ", payloads in GPU memory"
+    } else {
+        ""
+    };
+    let json = args.json;
+    let mut rows_so_far = Vec::new();
+    let mut print = |row: &Row| {
+        if !json {
+            bar.suspend(|| println!("{}", table_row(row)));
+        }
+        rows_so_far.push(row.clone());
+    };
+    let result = match &args.connect {
+        Some(addr) => {
+            let flag = || Some(format!("--connect {addr}"));
+            let _idle = match args.idle_peers {
+                0 => None,
+                n => Some(idle::peers(addr, n).map_err(|e| fail(flag(), e))?),
+            };
+            let peer = ep
+                .connect(addr.as_str(), Duration::from_secs(10))
+                .map_err(|e| fail(flag(), e))?;
+            report.mode = match args.idle_peers {
+                0 => format!("to {addr}{gpu}"),
+                n => format!("to {addr}, beside {n} idle connections{gpu}"),
+            };
+            if !json {
+                bar.suspend(|| {
+                    println!(
+                        "{}",
+                        table_header(report.transport, &report.mode, &report.skipped)
+                    )
+                });
+            }
+            let r = client(&ep, peer, plan, bar, &mut print).map_err(|e| fail(flag(), e));
+            let _ = ep.close(LONG);
+            r
+        }
+        None => in_process(ep, config, plan, bar, &mut print, report, json),
+    };
+    report.rows = rows_so_far;
+    result.map(|_| ())
+}
+
+/// Server and client in one process: the server in a thread of its own.
+fn in_process(
+    client_ep: Endpoint,
+    mut config: Config,
+    plan: &Plan,
+    bar: &ProgressBar,
+    print: &mut dyn FnMut(&Row),
+    report: &mut Report,
+    json: bool,
+) -> Result<Vec<Row>, Failure> {
+    // An RDMA connect waits for the listener's answer while this thread
+    // connects: the listener keeps a progress thread, which stays out of the
+    // way once its thread serves.
+    config.progress_thread = true;
+    let server = Endpoint::open(config)?;
+    let host = match server.kind() {
+        Kind::Rdma | Kind::Gpudirect => rdma_host().map_err(|e| fail(None, e))?,
+        _ => "127.0.0.1".into(),
+    };
+    let addr = server.listen(format!("{host}:0"))?;
+    report.mode = format!("in one process, over {addr}");
+    if !json {
+        bar.suspend(|| {
+            println!(
+                "{}",
+                table_header(report.transport, &report.mode, &report.skipped)
+            )
+        });
+    }
+    let peer = client_ep.connect(addr, Duration::from_secs(10))?;
+    std::thread::scope(|s| {
+        let serving = s.spawn(|| serve(&server, false, false));
+        let rows = client(&client_ep, peer, plan, bar, print);
+        if rows.is_err() {
+            // The server waits for a command that will not come: end it.
+            let _ = client_ep.close(Duration::ZERO);
+            let _ = server.close(Duration::ZERO);
+        }
+        let served = serving
+            .join()
+            .unwrap_or_else(|_| Err(fail(None, "perf: the server thread panicked")));
+        let rows = rows?;
+        served?;
+        // Close both: every send delivered (the last acknowledgement included).
+        client_ep.close(LONG)?;
+        server.close(LONG)?;
+        Ok(rows)
+    })
+}
+
+/// The address in-process RDMA runs listen on: `$ZEROHOP_RDMA_ADDR`, else
+/// `$RXE_ADDR` (set in the Soft-RoCE VM); it must belong to the RDMA device's netdev.
+fn rdma_host() -> Result<String, String> {
+    std::env::var("ZEROHOP_RDMA_ADDR")
+        .or_else(|_| std::env::var("RXE_ADDR"))
+        .map_err(|_| {
+            "set ZEROHOP_RDMA_ADDR to an IP address of the RDMA device's network interface".into()
+        })
 }
