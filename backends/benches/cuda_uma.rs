@@ -17,7 +17,8 @@ use cudarc::driver::result;
 use cudarc::driver::sys::CUmemAttach_flags;
 use zerohop_backends::cuda::{Checksum, DeviceMemory, Gpu, HostCudaMemory};
 use zerohop_backends::{HostMemory, HostPool, Nic};
-use zerohop_core::{Chunks, InlineTables, Lease, PoolConfig, RawMemory};
+use zerohop_core::pool::{Chunks, InlineTables};
+use zerohop_core::{Lease, PoolConfig, RawMemory};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);

@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::Mutex;
 
-use zerohop_core::{Chunk, Error, MemKind, PoolTables, RawMemory, Region, Slot};
+use zerohop_core::pool::{Chunk, PoolTables, Slot};
+use zerohop_core::{Error, MemKind, RawMemory, Region};
 
 #[derive(Debug)]
 struct Allocation {

@@ -2,9 +2,8 @@
 
 use core::ops::Deref;
 
-use zerohop_core::{
-    Chunks, Error, Lease, LocalPool, Pool, PoolTables, RawMemory, Region, SlabPool,
-};
+use zerohop_core::pool::{Chunks, PoolTables};
+use zerohop_core::{Error, Lease, LocalPool, Pool, RawMemory, Region, SlabPool};
 
 #[cfg(feature = "std")]
 use crate::heap::HeapMemory;

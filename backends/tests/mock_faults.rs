@@ -8,11 +8,11 @@ use zerohop_backends::mock::{
     Arena, FaultCounts, FaultPlan, Faulty, Link, LinkEnd, MockLink, MockNic, MockTransport,
 };
 use zerohop_backends::{host_bytes, HostMemory, HostPool, Nic};
+use zerohop_core::pool::{Chunks, InlineTables};
 use zerohop_core::session::{Instant, ProtocolError, Stall};
 use zerohop_core::wire::DecodeError;
 use zerohop_core::{
-    Chunks, Error, InlineTables, Lease, PeerId, PoolConfig, PoolError, RegisterError, Registrar,
-    SizeClasses, Transport,
+    Error, Lease, PeerId, PoolConfig, PoolError, RegisterError, Registrar, SizeClasses, Transport,
 };
 
 type Pool = HostPool<InlineTables<16, 256>>;

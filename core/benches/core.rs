@@ -15,10 +15,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use zerohop_core::pool::{Chunks, InlineTables};
 use zerohop_core::testing::{CountingNic, FakeMemory};
-use zerohop_core::{
-    Access, Chunks, InlineTables, LocalPool, MrHandle, MrTable, PoolConfig, SlabPool,
-};
+use zerohop_core::{Access, LocalPool, MrHandle, MrTable, PoolConfig, SlabPool};
 
 const STRIDE: u64 = 0x1_0000;
 

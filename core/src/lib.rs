@@ -21,7 +21,7 @@ mod local_pool;
 mod mem;
 mod mr_table;
 mod pick;
-mod pool;
+pub mod pool;
 pub mod session;
 mod sync;
 #[cfg(any(test, feature = "testing"))]
@@ -38,8 +38,6 @@ pub use pick::{
     pick, Choice, Detail, Kind, KindSet, PickError, Preference, Prereq, PrereqSet, Probe, Skipped,
     Status, UnknownPreference,
 };
-pub use pool::{
-    Chunk, ChunkSource, Chunks, InlineTables, Lease, Pool, PoolConfig, PoolStats, PoolTables,
-    Registered, SizeClasses, SlabPool, Slot, SlotTicket, MAX_CLASSES,
-};
+// The pool's plumbing (its tables, chunk sources, tickets) stays in `pool`.
+pub use pool::{Lease, Pool, PoolConfig, PoolStats, SizeClasses, SlabPool};
 pub use transport::{Capabilities, PeerId, Received, Rejected, Transport};

@@ -954,6 +954,13 @@ impl Session {
         }
     }
 
+    /// This side holds the peer back: a frame's payload waits in the wire
+    /// because this side has no room for it yet (a full inbox, a dry pool).
+    /// The peer is not to blame, so the idle timer counts from `now`.
+    pub fn handle_held(&mut self, now: Instant) {
+        self.last_heard = now;
+    }
+
     /// Bytes of a frame arrived that the engine has not seen yet (a stream
     /// driver holding part of a header says so with `partial`): the peer is
     /// alive, and the idle timer counts from `now`.

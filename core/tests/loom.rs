@@ -4,8 +4,9 @@
 
 use loom::sync::Arc;
 use loom::thread;
+use zerohop_core::pool::{Chunks, InlineTables};
 use zerohop_core::testing::{CountingNic, FakeMemory};
-use zerohop_core::{Chunks, Error, InlineTables, PoolConfig, PoolError, SizeClasses, SlabPool};
+use zerohop_core::{Error, PoolConfig, PoolError, SizeClasses, SlabPool};
 
 fn pool(budget: usize) -> SlabPool<Chunks<FakeMemory, CountingNic>, InlineTables<4, 8>> {
     let mut cfg = PoolConfig::with_budget(budget);

@@ -1,10 +1,9 @@
 //! Property tests: MrTable and SlabPool against simple models, after every operation.
 
 use proptest::prelude::*;
+use zerohop_core::pool::{Chunks, InlineTables};
 use zerohop_core::testing::{CountingNic, FakeMemory, MrModel};
-use zerohop_core::{
-    Access, Chunks, Error, InlineTables, LocalPool, PoolConfig, PoolError, SizeClasses, SlabPool,
-};
+use zerohop_core::{Access, Error, LocalPool, PoolConfig, PoolError, SizeClasses, SlabPool};
 
 /// Full runs natively; a handful under miri, which is ~1000x slower and has
 /// no file system for proptest's failure file.

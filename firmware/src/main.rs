@@ -17,9 +17,8 @@ use cortex_m_semihosting::debug::{self, EXIT_FAILURE, EXIT_SUCCESS};
 use panic_halt as _;
 use zerohop_backends::mock::{Arena, LinkEnd, MockLink, MockNic, MockTransport};
 use zerohop_backends::{host_bytes, host_bytes_mut, HostMemory, HostPool, Nic};
-use zerohop_core::{
-    Chunks, Error, InlineTables, Lease, LocalPool, PeerId, PoolConfig, SizeClasses, Transport,
-};
+use zerohop_core::pool::{Chunks, InlineTables};
+use zerohop_core::{Error, Lease, LocalPool, PeerId, PoolConfig, SizeClasses, Transport};
 
 /// Messages sent and checked before the image reports success.
 const ROUNDS: u32 = 1000;

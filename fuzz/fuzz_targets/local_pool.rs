@@ -6,10 +6,10 @@
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
+use zerohop_core::pool::{Chunks, InlineTables};
 use zerohop_core::testing::{CountingNic, FakeMemory};
 use zerohop_core::{
-    Chunks, Error, InlineTables, Lease, LocalPool, MemKind, PoolConfig, PoolError, Region,
-    SizeClasses, SlabPool,
+    Error, Lease, LocalPool, MemKind, PoolConfig, PoolError, Region, SizeClasses, SlabPool,
 };
 
 #[derive(Arbitrary, Debug)]

@@ -4,10 +4,9 @@
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
+use zerohop_core::pool::{Chunks, InlineTables};
 use zerohop_core::testing::{CountingNic, FakeMemory};
-use zerohop_core::{
-    Access, Chunks, Error, InlineTables, PoolConfig, PoolError, SizeClasses, SlabPool,
-};
+use zerohop_core::{Access, Error, PoolConfig, PoolError, SizeClasses, SlabPool};
 
 #[derive(Arbitrary, Debug)]
 enum Op {

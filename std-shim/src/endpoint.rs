@@ -856,7 +856,7 @@ fn progress_loop<T: Wire>(s: &Shared<T>) {
 impl<L, T> Wire for zerohop_backends::mock::MockTransport<L, Arc<zerohop_backends::HostPool<T>>>
 where
     L: zerohop_backends::mock::Link + Send + 'static,
-    T: zerohop_core::PoolTables + Send + Sync + 'static,
+    T: zerohop_core::pool::PoolTables + Send + Sync + 'static,
 {
     fn leaser(&self) -> Leaser<Self::Lease> {
         pool_leaser(Arc::clone(self.pool()))

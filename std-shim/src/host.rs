@@ -1,11 +1,10 @@
-//! The host's pools and probe, and the transport choice from the environment.
+//! The host's pools and probe.
 
-use std::sync::{Arc, Once};
+use std::sync::Arc;
 
 use zerohop_backends::{HeapMemory, HeapTables, HostMemory, HostPool, Nic};
-use zerohop_core::{pick, Choice, Chunks, Error, Lease, PickError, PoolConfig, Probe};
-
-use crate::config::{Config, ConfigError};
+use zerohop_core::pool::Chunks;
+use zerohop_core::{Error, Lease, PoolConfig, Probe};
 
 /// The pool type std transports receive into, its tables on the heap.
 pub type StdPool = HostPool<HeapTables>;
@@ -74,40 +73,4 @@ pub fn probe_host() -> Probe {
         zerohop_backends::verbs::probe(&mut probe);
     }
     probe
-}
-
-/// Why `pick_from_env` failed.
-#[derive(Debug)]
-pub enum PickFromEnvError {
-    /// The environment was malformed.
-    Config(ConfigError),
-    /// The transport asked for cannot run here.
-    Pick(PickError),
-}
-
-impl std::fmt::Display for PickFromEnvError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            PickFromEnvError::Config(e) => e.fmt(f),
-            PickFromEnvError::Pick(e) => e.fmt(f),
-        }
-    }
-}
-
-impl std::error::Error for PickFromEnvError {}
-
-/// Reads [`Config::from_env`], probes the host, and picks. The reason each
-/// faster transport was skipped is logged once per process at info level.
-pub fn pick_from_env() -> Result<(Choice, Probe, Config), PickFromEnvError> {
-    let config = Config::from_env().map_err(PickFromEnvError::Config)?;
-    let probe = probe_host();
-    let choice = pick(config.transport, &probe).map_err(PickFromEnvError::Pick)?;
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        for s in choice.skipped() {
-            log::info!("zerohop: skipped {s}");
-        }
-        log::info!("zerohop: using {}", choice.kind);
-    });
-    Ok((choice, probe, config))
 }

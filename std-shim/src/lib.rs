@@ -1,23 +1,27 @@
 //! zerohop-std: zerohop on an operating system.
 //!
-//! - [`Endpoint`]: blocking `send`/`recv` with deadlines and cancellation over
-//!   any core [`Transport`](zerohop_core::Transport), with a progress thread.
+//! - [`Endpoint`]: blocking `send`/`recv`/`next_event` with deadlines and
+//!   cancellation over any [`Wire`] (a core
+//!   [`Transport`](zerohop_core::Transport) with descriptors to wait on),
+//!   progressed by the caller or by a progress thread. Applications use the
+//!   `zerohop` crate's endpoint, which drives this one.
 //! - [`tcp`]: the TCP wire (kind `tcp`, and kind `uma` when its pool is CUDA
 //!   managed memory).
-//! - [`Config::from_env`] and [`pick_from_env`]: which transport, how much pool.
+//! - [`Config::from_env`] (which transport, how much pool) and
+//!   [`probe_host`] (what this host has), which `zerohop::Endpoint::open` picks from.
 #![warn(missing_docs)]
 
 mod config;
 mod doorbell;
-mod endpoint;
+pub mod endpoint;
 mod host;
 mod poller;
 mod sync;
 pub mod tcp;
 
 pub use config::{parse_bytes, Config, ConfigError};
-pub use endpoint::{CancelToken, Deadline, Endpoint, EndpointConfig, Event, Leaser, Waiter, Wire};
+// What a driver implements beyond `Wire` (`Waiter`, `Leaser`) stays in `endpoint`.
+pub use endpoint::{CancelToken, Deadline, Endpoint, EndpointConfig, Event, Wire};
 #[cfg(feature = "cuda-uma")]
 pub use host::{cuda_pool, managed_pool};
-pub use host::{heap_pool, pick_from_env, probe_host, PickFromEnvError, StdLease, StdPool};
-pub use zerohop_backends::HeapTables;
+pub use host::{heap_pool, probe_host, StdLease, StdPool};

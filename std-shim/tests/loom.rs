@@ -13,7 +13,8 @@ use std::time::Duration;
 use loom::sync::{Arc, Mutex};
 use loom::thread;
 use zerohop_core::{Capabilities, Error, Kind, PeerId, Received, Rejected, Transport};
-use zerohop_std::{Deadline, Endpoint, EndpointConfig, Leaser, Wire};
+use zerohop_std::endpoint::Leaser;
+use zerohop_std::{Deadline, Endpoint, EndpointConfig, Wire};
 
 /// What left the model wire, seen from outside the endpoint.
 #[derive(Default)]

@@ -47,6 +47,7 @@ pub fn tcp_pair(
 ) -> Result<Pair<TcpTransport>, String> {
     let config = TcpConfig {
         max_message: 4 << 20,
+        idle_timeout: crate::IDLE,
         ..TcpConfig::default()
     };
     let b_pool = pool()?;
@@ -177,6 +178,7 @@ impl Harness for Rdma {
             max_message: Self::max_message(),
             recv_pool_bytes: 64 << 20,
             send_pool_bytes: 64 << 20,
+            idle_timeout: crate::IDLE,
             ..RdmaConfig::default()
         };
         // Relaxed: a port counter, one per pair.

@@ -47,7 +47,15 @@ pub trait Harness {
     fn pair() -> Result<Pair<Self::T>, String>;
     /// The largest message the suite may send.
     fn max_message() -> usize;
+    /// How long a peer may be silent mid-frame before it fails (the
+    /// harnesses set it short, so the suite can wait past it).
+    fn idle_timeout() -> Duration {
+        IDLE
+    }
 }
+
+/// The idle timeout the harnesses configure.
+pub const IDLE: Duration = Duration::from_secs(2);
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -207,10 +215,33 @@ pub fn close_flushes<H: Harness>() {
         p.a.send(p.to_b, &message(i, 2000), Deadline::after(WAIT), None)
             .unwrap();
     }
-    p.a.close(Deadline::after(WAIT)).unwrap();
+    // A close waits for the peer's answering Close, which comes once the
+    // peer has read everything before it: the peer reads meanwhile.
+    std::thread::scope(|s| {
+        let closing = s.spawn(|| p.a.close(Deadline::after(WAIT)));
+        for i in 0..50 {
+            let r = p.b.recv(Deadline::after(WAIT), None).unwrap();
+            assert_eq!(host_bytes(&r.lease), &message(i, 2000)[..]);
+        }
+        closing.join().unwrap().unwrap();
+    });
+}
+
+/// A receiver that holds a peer's messages back (it has not taken the last
+/// ones) does not time the peer out, however long it takes.
+pub fn a_receiver_that_holds_back_keeps_the_peer<H: Harness>() {
+    let Some(p) = pair_or_skip::<H>("a_receiver_that_holds_back_keeps_the_peer") else {
+        return;
+    };
+    for i in 0..50 {
+        p.a.send(p.to_b, &message(i, 2000), Deadline::after(WAIT), None)
+            .unwrap();
+    }
+    // Past the wire's idle timeout, nobody reading.
+    std::thread::sleep(H::idle_timeout() + Duration::from_millis(500));
     for i in 0..50 {
         let r = p.b.recv(Deadline::after(WAIT), None).unwrap();
-        assert_eq!(host_bytes(&r.lease), &message(i, 2000)[..]);
+        assert_eq!(host_bytes(&r.lease), &message(i, 2000)[..], "message {i}");
     }
 }
 
@@ -377,6 +408,10 @@ macro_rules! suite {
             #[test]
             fn close_flushes() {
                 $crate::close_flushes::<$harness>()
+            }
+            #[test]
+            fn a_receiver_that_holds_back_keeps_the_peer() {
+                $crate::a_receiver_that_holds_back_keeps_the_peer::<$harness>()
             }
             #[test]
             fn a_gap_fails_the_peer_and_nothing_after_it_is_delivered() {

@@ -95,7 +95,7 @@ impl PayloadMemory for HostPayload {
         access: Access,
         classes: SizeClasses,
     ) -> Result<Arc<Self::Pool>, Error> {
-        let source = zerohop_core::Chunks {
+        let source = zerohop_core::pool::Chunks {
             memory: HostMemory::Heap(HeapMemory::new()),
             registrar: Some(Nic::Verbs(registry.clone())),
         };
@@ -149,9 +149,9 @@ mod gpu {
     use std::os::fd::AsFd;
     use std::sync::Arc;
 
+    use zerohop_core::pool::{ChunkSource, Registered};
     use zerohop_core::{
-        Access, ChunkSource, Error, Kind, PoolConfig, RawMemory, Region, Registered, Registrar,
-        SizeClasses, SlabPool,
+        Access, Error, Kind, PoolConfig, RawMemory, Region, Registrar, SizeClasses, SlabPool,
     };
 
     use super::{span_check, PayloadLease, PayloadMemory};

@@ -1226,7 +1226,7 @@ fn send_error(e: SendError, peer: PeerId) -> Error {
 /// The default buffer sizes with one of exactly `frame` bytes among them: the
 /// receive ring's buffers, filled to the byte by a full frame.
 fn receive_classes(frame: usize) -> Result<SizeClasses, Error> {
-    let mut sizes = [0usize; zerohop_core::MAX_CLASSES];
+    let mut sizes = [0usize; zerohop_core::pool::MAX_CLASSES];
     let mut n = 0;
     for &c in SizeClasses::DEFAULT.as_slice() {
         if c > frame && (n == 0 || sizes[n - 1] < frame) {

@@ -1537,3 +1537,31 @@ fn a_frame_short_of_ring_slots_counts_one_stall() {
     assert!(a.transmit().is_empty());
     assert_eq!(a.session.stats().credit_stalls, 1, "the same frame waits");
 }
+
+#[test]
+fn a_frame_this_side_holds_back_does_not_time_the_peer_out() {
+    let (mut a, mut b) = open_pair(stream(), stream());
+    a.send(&msg(0, 100)).unwrap();
+    let frames = a.transmit();
+    let SimFrame::Framed(f) = &frames[0] else {
+        panic!("framed")
+    };
+    // The header is in, its payload waits: the peer is mid-frame.
+    assert!(matches!(
+        b.session.handle_header(T0, &f[..HEADER_LEN], None),
+        Ok(Inbound::Data(_))
+    ));
+    let idle = stream().idle_timeout;
+    let later = T0.after(idle - Duration::from_millis(1));
+    // This side holds the payload back (no room): the timer restarts.
+    b.session.handle_held(later);
+    assert_eq!(b.session.poll_timeout(), Some(later.after(idle)));
+    assert_eq!(b.session.handle_timeout(T0.after(idle)), Ok(()));
+    // Held no longer and silent past the timeout: stalled mid-frame.
+    assert_eq!(
+        b.session.handle_timeout(later.after(idle)),
+        Err(ProtocolError::Stalled {
+            during: Stall::Frame
+        })
+    );
+}

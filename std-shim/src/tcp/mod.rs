@@ -581,6 +581,11 @@ impl TcpTransport {
             let Some((_, Some(p))) = self.peers.get_mut(slot) else {
                 continue;
             };
+            // A payload this side leaves in the socket (the application has
+            // not taken the last messages, the pool is dry) is not the peer's stall.
+            if p.deferred || p.dry {
+                p.session.handle_held(t);
+            }
             if let Err(error) = p.session.handle_timeout(t) {
                 let id = self.id(slot);
                 self.arrivals
