@@ -46,19 +46,24 @@ impl SizeClasses {
         n: 6,
     };
 
-    /// Classes from a list: non-empty, non-zero, strictly ascending, at most [`MAX_CLASSES`].
-    pub fn new(sizes: &[usize]) -> Result<SizeClasses, PoolError> {
+    /// Classes from a list: non-empty, non-zero, strictly ascending, at most
+    /// [`MAX_CLASSES`]. A `const fn`: a constant list is checked at compile time.
+    pub const fn new(sizes: &[usize]) -> Result<SizeClasses, PoolError> {
         if sizes.is_empty() || sizes.len() > MAX_CLASSES || sizes[0] == 0 {
-            return Err(PoolError::BadConfig);
-        }
-        if sizes.windows(2).any(|w| w[0] >= w[1]) {
             return Err(PoolError::BadConfig);
         }
         let mut c = SizeClasses {
             sizes: [0; MAX_CLASSES],
             n: sizes.len(),
         };
-        c.sizes[..sizes.len()].copy_from_slice(sizes);
+        let mut i = 0;
+        while i < sizes.len() {
+            if i > 0 && sizes[i - 1] >= sizes[i] {
+                return Err(PoolError::BadConfig);
+            }
+            c.sizes[i] = sizes[i];
+            i += 1;
+        }
         Ok(c)
     }
 

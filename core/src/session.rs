@@ -528,8 +528,8 @@ pub struct Session {
     /// This side has a frame to post and one frame credit: it says so.
     waiting_due: bool,
 
-    // Counters (see [`SessionStats`]).
-    credit_stalls: u64,
+    // Counters (see [`SessionStats`]; 32 bits: a firmware target pays for 64).
+    credit_stalls: u32,
     /// The message now waiting for byte credit was counted.
     byte_stall_counted: bool,
     /// The frame now waiting for a ring slot was counted.
@@ -633,7 +633,7 @@ impl Session {
             bytes_sent: self.tx_started,
             messages_received: self.rx_next,
             bytes_received: self.rx_started - self.assembly.map_or(0, |a| u64::from(a.len)),
-            credit_stalls: self.credit_stalls,
+            credit_stalls: u64::from(self.credit_stalls),
         }
     }
 
@@ -720,7 +720,7 @@ impl Session {
             }
             if !self.byte_stall_counted {
                 self.byte_stall_counted = true;
-                self.credit_stalls += 1;
+                self.credit_stalls = self.credit_stalls.wrapping_add(1);
             }
             return Err(SendError::NoCredit);
         }
@@ -803,7 +803,7 @@ impl Session {
             self.waiting_due = self.tx_frames == Some(1);
             if !self.frame_stall_counted {
                 self.frame_stall_counted = true;
-                self.credit_stalls += 1;
+                self.credit_stalls = self.credit_stalls.wrapping_add(1);
             }
             return None;
         }

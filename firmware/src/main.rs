@@ -31,11 +31,17 @@ static NIC: MockNic = MockNic::new(None);
 static mut ARENA_TX: [u8; 8192] = [0; 8192];
 static mut ARENA_RX: [u8; 8192] = [0; 8192];
 
+/// The pool's classes, checked when the image is built.
+const CLASSES: SizeClasses = match SizeClasses::new(&[64, 256, 1024]) {
+    Ok(c) => c,
+    Err(_) => panic!("size classes"),
+};
+
 fn pool(buf: &'static mut [u8], nic: &'static MockNic) -> Pool {
     let mut cfg = PoolConfig::with_budget(8192);
     cfg.chunk_bytes = 4096;
     cfg.chunk_align = 64;
-    cfg.classes = SizeClasses::new(&[64, 256, 1024]).unwrap_or(SizeClasses::DEFAULT);
+    cfg.classes = CLASSES;
     let source = Chunks {
         memory: HostMemory::Arena(Arena::new(buf)),
         registrar: Some(Nic::Mock(nic)),
