@@ -275,15 +275,15 @@ fn a_peer_of_another_version_is_refused_by_name() {
     let (a, mut raw) = link.ends();
     let (pa, _) = pool(64 << 10);
     let mut tx = MockTransport::new(a, pa, 4096);
-    // A version-1 hello.
-    let mut v1 = [0u8; 32];
-    v1[..4].copy_from_slice(&[0x5A, 0x48, 1, 3]);
-    raw.transmit(&v1, &[]).unwrap();
+    // A version-2 hello (the version before the same-host exchange).
+    let mut v2 = [0u8; 32];
+    v2[..4].copy_from_slice(&[0x5A, 0x48, 2, 3]);
+    raw.transmit(&v2, &[]).unwrap();
     assert_eq!(
         tx.try_recv().unwrap_err(),
         Error::Protocol {
             peer: PEER,
-            error: ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 1, ours: 2 })
+            error: ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 2, ours: 3 })
         }
     );
 }

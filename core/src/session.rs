@@ -37,8 +37,8 @@ use core::fmt;
 use core::time::Duration;
 
 use crate::wire::{
-    Close, Credit, Data, DataFlags, DecodeError, Decoded, Frame, FrameKind, Hello, Takes, Want,
-    HEADER_LEN,
+    Close, Credit, Data, DataFlags, DecodeError, Decoded, Frame, FrameKind, Hello, Host, HostStep,
+    Takes, Want, HEADER_LEN,
 };
 
 /// A point in time: microseconds from an origin the driver chooses (a
@@ -91,6 +91,40 @@ pub struct SessionConfig {
     pub check_payload: bool,
     /// A peer silent this long mid-handshake, mid-frame or mid-message fails.
     pub idle_timeout: Duration,
+    /// This side's part in the same-host exchange (see [`HostRole`]).
+    pub host: HostRole,
+}
+
+/// Where a side runs, offered so that two sides on one host can move their
+/// session to shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct HostOffer {
+    /// A digest of the host's boot id and the IPC, mount and network
+    /// namespaces: equal only where memory can be shared.
+    pub host: u64,
+    /// The offering process.
+    pub pid: u32,
+    /// With `pid`, names where the offering side takes the segment.
+    pub nonce: u32,
+}
+
+/// A side's part in the same-host exchange, which a wire that can find
+/// peers on one host (TCP) runs right after the Hellos: the connecting side
+/// sends one Host frame (an offer, or none), the accepting side answers an
+/// offer, and no data goes either way until that is settled. A side that
+/// accepts hands the session over: its driver starts a fresh one in the
+/// shared memory and drops this one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum HostRole {
+    /// No exchange: this wire cannot move a session (verbs, the mock link).
+    None,
+    /// The connecting side: offers this host, or (`None`) says it will not.
+    Offer(Option<HostOffer>),
+    /// The accepting side: waits for the peer's Host frame and answers an
+    /// offer (see [`Session::answer_host`]).
+    Answer,
 }
 
 impl SessionConfig {
@@ -106,6 +140,7 @@ impl SessionConfig {
             sends_headerless: false,
             check_payload: false,
             idle_timeout: Duration::from_secs(5),
+            host: HostRole::None,
         }
     }
 
@@ -195,6 +230,14 @@ pub enum ProtocolError {
     },
     /// A second Hello, or a Hello for a second connection where a main one was due.
     UnexpectedHello,
+    /// A Host frame out of its place (on a wire without the exchange, a
+    /// second one, an answer nobody asked for).
+    UnexpectedHost,
+    /// Something else came where the same-host exchange's Host frame was due.
+    HostExpected {
+        /// What came instead.
+        got: FrameKind,
+    },
     /// A Hello with a zero window, message or frame limit.
     BadHello,
     /// A ring-wire peer whose ring is shallower than [`MIN_RING`].
@@ -267,6 +310,12 @@ impl fmt::Display for ProtocolError {
                 write!(f, "expected a hello first, got a {} frame", got.name())
             }
             ProtocolError::UnexpectedHello => f.write_str("a hello where none was due"),
+            ProtocolError::UnexpectedHost => f.write_str("a host frame where none was due"),
+            ProtocolError::HostExpected { got } => write!(
+                f,
+                "a {} frame where the same-host exchange's host frame was due",
+                got.name()
+            ),
             ProtocolError::BadHello => f.write_str("a hello with a zero limit"),
             ProtocolError::ShallowPeer { ring } => write!(
                 f,
@@ -421,6 +470,15 @@ pub enum Inbound {
     Want,
     /// The peer closed cleanly: every message it sent has arrived.
     Closed,
+    /// The peer (connecting side) offers to share memory on its host: the
+    /// driver answers with [`Session::answer_host`].
+    HostOffer(HostOffer),
+    /// The peer answered this side's offer: `accepted`, the session moves to
+    /// shared memory (the driver drops this one); else it stays here.
+    HostAnswer {
+        /// The offer was taken.
+        accepted: bool,
+    },
 }
 
 /// A data frame's payload, as the driver must place it.
@@ -471,6 +529,10 @@ struct PendingFrame {
 
 /// A headerless frame's immediate data: credits in the low 16 bits.
 const IMM_CREDITS: u32 = 0xFFFF;
+
+/// Whether this build runs the same-host exchange (the `same-host` feature):
+/// without it, every session acts as [`HostRole::None`].
+const SAME_HOST: bool = cfg!(feature = "same-host");
 
 /// One peer's protocol state. See the module documentation.
 #[derive(Clone, Debug)]
@@ -528,6 +590,19 @@ pub struct Session {
     /// This side has a frame to post and one frame credit: it says so.
     waiting_due: bool,
 
+    // The same-host exchange (see [`HostRole`]).
+    /// This side's Host frame has been handed out.
+    host_sent: bool,
+    /// The exchange is over: data may go.
+    host_settled: bool,
+    /// The peer's offer, until answered (answering side).
+    host_offered: Option<HostOffer>,
+    /// The driver's answer to the peer's offer, until handed out.
+    host_answer: Option<bool>,
+    /// The offer was taken: the session lives on in shared memory, and this
+    /// one sends nothing more and takes only credit.
+    moved: bool,
+
     // Counters (see [`SessionStats`]; 32 bits: a firmware target pays for 64).
     credit_stalls: u32,
     /// The message now waiting for byte credit was counted.
@@ -572,6 +647,11 @@ impl Session {
             owed_frames: 0,
             peer_waiting: false,
             waiting_due: false,
+            host_sent: false,
+            host_settled: !SAME_HOST || matches!(config.host, HostRole::None),
+            host_offered: None,
+            host_answer: None,
+            moved: false,
             credit_stalls: 0,
             byte_stall_counted: false,
             frame_stall_counted: false,
@@ -594,6 +674,11 @@ impl Session {
     /// The settings.
     pub fn config(&self) -> &SessionConfig {
         &self.config
+    }
+
+    /// This side's token, as its Hello carries it.
+    pub fn token(&self) -> u32 {
+        self.token
     }
 
     /// What the peer announced, once its Hello came.
@@ -624,6 +709,17 @@ impl Session {
     /// Both sides closed: nothing more will cross.
     pub fn is_finished(&self) -> bool {
         self.close_sent && self.peer_closed
+    }
+
+    /// The same-host exchange is over (or this wire has none): data may go.
+    pub fn host_settled(&self) -> bool {
+        !SAME_HOST || self.host_settled
+    }
+
+    /// The same-host offer was taken: the session moved to shared memory,
+    /// and the driver drops this one once its last frame is out.
+    pub fn is_moved(&self) -> bool {
+        SAME_HOST && self.moved
     }
 
     /// What has crossed so far.
@@ -657,7 +753,7 @@ impl Session {
     /// peer's ring has room. A driver that must either post a message at once
     /// or keep a copy of it asks first.
     pub fn ready_to_frame(&self) -> bool {
-        self.is_open() && self.hello_sent && self.may_post_data()
+        self.is_open() && self.hello_sent && self.host_settled() && self.may_post_data()
     }
 
     /// Whether a data frame (or a Want, or the Close) may be posted now:
@@ -703,7 +799,7 @@ impl Session {
         if let Some(e) = self.failed {
             return Err(SendError::Failed(e));
         }
-        if self.closing || self.peer_closed {
+        if self.closing || self.peer_closed || self.is_moved() {
             return Err(SendError::Closed);
         }
         let Some(peer) = self.peer else {
@@ -739,6 +835,16 @@ impl Session {
         self.want_due = None;
         self.byte_stall_counted = false;
         Ok(out)
+    }
+
+    /// Answers the peer's same-host offer ([`Inbound::HostOffer`]): `accept`
+    /// moves the session to shared memory (the driver then drops this one,
+    /// once the answer is out), else it stays on this wire. Ignored where no
+    /// offer waits for an answer.
+    pub fn answer_host(&mut self, accept: bool) {
+        if SAME_HOST && self.host_offered.take().is_some() {
+            self.host_answer = Some(accept);
+        }
     }
 
     /// Closes: no new messages; the Close follows the last fragment of every
@@ -790,8 +896,14 @@ impl Session {
         message: Option<&[u8]>,
         striped: bool,
     ) -> Option<DataFrame> {
-        // Nothing before this side's Hello, even when the peer's came first.
-        if msg.is_framed() || self.failed.is_some() || !self.hello_sent {
+        // Nothing before this side's Hello, even when the peer's came first,
+        // nor before the same-host exchange is over.
+        if msg.is_framed()
+            || self.failed.is_some()
+            || !self.hello_sent
+            || !self.host_settled()
+            || self.is_moved()
+        {
             return None;
         }
         // Fragments go in message order: a cursor of another message is a driver bug.
@@ -868,7 +980,7 @@ impl Session {
     /// (one slot each) die out, and a side never holds the peer's last
     /// credits without being told.
     pub fn poll_control(&mut self) -> Option<Control> {
-        if self.failed.is_some() || self.tx_frames == Some(0) {
+        if self.failed.is_some() || self.tx_frames == Some(0) || self.is_moved() {
             return None;
         }
         let frame = if !self.hello_sent {
@@ -886,8 +998,49 @@ impl Session {
                 },
                 token: self.token,
             })
+        } else if let (true, HostRole::Offer(offer), false) =
+            (SAME_HOST, self.config.host, self.host_sent)
+        {
+            // Right after the Hello: the peer need not have answered it.
+            self.host_sent = true;
+            self.host_settled = offer.is_none();
+            Frame::Host(match offer {
+                Some(o) => Host {
+                    host: o.host,
+                    pid: o.pid,
+                    nonce: o.nonce,
+                    step: HostStep::Offer,
+                },
+                None => Host {
+                    host: 0,
+                    pid: 0,
+                    nonce: 0,
+                    step: HostStep::NoOffer,
+                },
+            })
         } else if self.peer.is_none() {
             return None;
+        } else if let (true, Some(accept)) = (SAME_HOST, self.host_answer) {
+            self.host_answer = None;
+            self.host_sent = true;
+            self.host_settled = true;
+            self.moved = accept;
+            Frame::Host(Host {
+                host: 0,
+                pid: 0,
+                nonce: 0,
+                step: if accept {
+                    HostStep::Accept
+                } else {
+                    HostStep::Decline
+                },
+            })
+        } else if !self.host_settled() {
+            // Only credit until the exchange is over.
+            if !self.credit_due() {
+                return None;
+            }
+            self.credit_frame()
         } else if let (Some(len), false, true) =
             (self.want_due, self.close_sent, self.may_post_data())
         {
@@ -902,14 +1055,7 @@ impl Session {
             self.close_sent = true;
             Frame::Close(Close { seq: self.tx_seq })
         } else if self.credit_due() {
-            self.rx_limit_sent = self.rx_limit;
-            self.peer_waiting = false;
-            self.waiting_due = false;
-            Frame::Credit(Credit {
-                frames: self.take_owed(u32::MAX),
-                limit: self.rx_limit,
-                waiting: self.tx_frames == Some(1),
-            })
+            self.credit_frame()
         } else {
             return None;
         };
@@ -917,6 +1063,18 @@ impl Session {
         Some(Control {
             kind: frame.kind(),
             header: frame.encode(&[]),
+        })
+    }
+
+    /// The Credit frame due now (see [`poll_control`](Self::poll_control)).
+    fn credit_frame(&mut self) -> Frame {
+        self.rx_limit_sent = self.rx_limit;
+        self.peer_waiting = false;
+        self.waiting_due = false;
+        Frame::Credit(Credit {
+            frames: self.take_owed(u32::MAX),
+            limit: self.rx_limit,
+            waiting: self.tx_frames == Some(1),
         })
     }
 
@@ -1173,10 +1331,23 @@ impl Session {
                 other => Err(ProtocolError::HelloExpected { got: other.kind() }),
             };
         }
-        if self.peer_closed && !matches!(frame, Frame::Credit(_)) {
+        if (self.peer_closed || self.is_moved()) && !matches!(frame, Frame::Credit(_)) {
             return Err(ProtocolError::AfterClose);
         }
         self.count_frame()?;
+        if let Frame::Host(h) = frame {
+            return match SAME_HOST {
+                true => self.take_host(h),
+                false => Err(ProtocolError::UnexpectedHost),
+            };
+        }
+        // Until the exchange is settled only credit may come: the answering
+        // side's first frame after the Hello is the peer's Host frame, and
+        // neither side sends data before the answer.
+        let awaiting_host = !self.host_settled();
+        if awaiting_host && !matches!(frame, Frame::Credit(_)) {
+            return Err(ProtocolError::HostExpected { got: frame.kind() });
+        }
         match frame {
             Frame::Hello(_) => Err(ProtocolError::UnexpectedHello),
             Frame::Credit(c) => {
@@ -1213,6 +1384,40 @@ impl Session {
                 Ok(Inbound::Closed)
             }
             Frame::Data(d) => self.take_data(decoded, d),
+            Frame::Host(_) => Err(ProtocolError::UnexpectedHost),
+        }
+    }
+
+    /// The peer's Host frame: an offer (or none) on the answering side, the
+    /// answer on the offering side; anything else is out of place.
+    fn take_host(&mut self, h: Host) -> Result<Inbound, ProtocolError> {
+        match (self.config.host, h.step) {
+            (HostRole::Answer, HostStep::NoOffer | HostStep::Offer)
+                if !self.host_sent && self.host_offered.is_none() && self.host_answer.is_none() =>
+            {
+                if h.step == HostStep::NoOffer {
+                    self.host_sent = true; // nothing to answer
+                    self.host_settled = true;
+                    return Ok(Inbound::Control);
+                }
+                let offer = HostOffer {
+                    host: h.host,
+                    pid: h.pid,
+                    nonce: h.nonce,
+                };
+                self.host_offered = Some(offer);
+                Ok(Inbound::HostOffer(offer))
+            }
+            (HostRole::Offer(Some(_)), HostStep::Accept | HostStep::Decline)
+                if self.host_sent && !self.host_settled =>
+            {
+                self.host_settled = true;
+                self.moved = h.step == HostStep::Accept;
+                Ok(Inbound::HostAnswer {
+                    accepted: self.moved,
+                })
+            }
+            _ => Err(ProtocolError::UnexpectedHost),
         }
     }
 

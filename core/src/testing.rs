@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::vec::Vec;
 
 use crate::session::{
-    DataIn, Inbound, Instant, Outgoing, ProtocolError, SendError, Session, SessionConfig,
+    DataIn, HostOffer, Inbound, Instant, Outgoing, ProtocolError, SendError, Session, SessionConfig,
 };
 use crate::wire::HEADER_LEN;
 use crate::{Access, Error, MemKind, MrHandle, MrTable, RawMemory, Region, Registrar};
@@ -376,6 +376,11 @@ pub enum SimEvent {
     Wants(usize),
     /// The peer closed cleanly.
     Closed,
+    /// The peer offered to share memory (this side answered as
+    /// [`SimPeer::accept_offers`] says).
+    HostOffered(HostOffer),
+    /// The peer answered this side's offer.
+    HostAnswered(bool),
 }
 
 /// A reference driver: one session, its send queue, and reassembly into
@@ -389,6 +394,8 @@ pub struct SimPeer {
     assembling: Vec<u8>,
     /// Ring wires: slots to report reposted on the next transmit.
     slots_used: u32,
+    /// How this side answers a same-host offer (default: decline).
+    pub accept_offers: bool,
 }
 
 impl SimPeer {
@@ -399,6 +406,7 @@ impl SimPeer {
             queue: VecDeque::new(),
             assembling: Vec::new(),
             slots_used: 0,
+            accept_offers: false,
         }
     }
 
@@ -476,6 +484,13 @@ impl SimPeer {
                         events.push(SimEvent::Wants(len));
                     }
                     Inbound::Closed => events.push(SimEvent::Closed),
+                    Inbound::HostOffer(o) => {
+                        self.session.answer_host(self.accept_offers);
+                        events.push(SimEvent::HostOffered(o));
+                    }
+                    Inbound::HostAnswer { accepted } => {
+                        events.push(SimEvent::HostAnswered(accepted))
+                    }
                     Inbound::Data(d) => {
                         if let Some(m) = self.place(now, d, &bytes[HEADER_LEN..])? {
                             events.push(m);

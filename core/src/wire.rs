@@ -16,6 +16,7 @@
 //! | Hello | `window` u32 @8, `max_message` u32 @12, `frame_max` u32 @16, `ring` u16 @20, `lane` u8 @22, `takes` u8 @23, `token` u32 @24 |
 //! | Close | `seq` u64 @8 |
 //! | Want | `offset` u64 @8, `len` u32 @16 |
+//! | Host | `host` u64 @8, `pid` u32 @16, `nonce` u32 @20, `step` u8 @24 |
 //!
 //! Bytes of a body that its kind does not name are zero. `checksum` is
 //! CRC-32C over header bytes 0..28, continued over the payload when
@@ -31,8 +32,9 @@ pub const HEADER_LEN: usize = 32;
 /// `"ZH"` little-endian.
 pub const MAGIC: u16 = 0x485A;
 /// The protocol version this code speaks. Version 1 (one header layout
-/// whose fields meant different things per wire) is refused by name.
-pub const VERSION: u8 = 2;
+/// whose fields meant different things per wire) and version 2 (no Host
+/// frame) are refused by name.
+pub const VERSION: u8 = 3;
 
 /// What a frame carries: its kind byte.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,6 +51,9 @@ pub enum FrameKind {
     Close = 4,
     /// The sender waits to start a message its credit does not cover.
     Want = 5,
+    /// Where the sender runs, so peers on one host can share memory: an
+    /// offer, or the answer to one.
+    Host = 6,
 }
 
 impl FrameKind {
@@ -59,6 +64,7 @@ impl FrameKind {
             3 => FrameKind::Hello,
             4 => FrameKind::Close,
             5 => FrameKind::Want,
+            6 => FrameKind::Host,
             _ => return None,
         })
     }
@@ -71,6 +77,7 @@ impl FrameKind {
             FrameKind::Hello => "hello",
             FrameKind::Close => "close",
             FrameKind::Want => "want",
+            FrameKind::Host => "host",
         }
     }
 }
@@ -225,6 +232,51 @@ pub struct Want {
     pub len: u32,
 }
 
+/// Which step of the same-host exchange a [`Host`] frame is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[repr(u8)]
+pub enum HostStep {
+    /// The connecting side will not share memory (its other fields are 0).
+    NoOffer = 0,
+    /// The connecting side offers to share memory: its host, process and
+    /// the nonce that names where it takes the segment.
+    Offer = 1,
+    /// The accepting side took the offer: the session moves to shared memory.
+    Accept = 2,
+    /// The accepting side declined: the session stays on this wire.
+    Decline = 3,
+}
+
+impl HostStep {
+    fn from_u8(v: u8) -> Option<HostStep> {
+        Some(match v {
+            0 => HostStep::NoOffer,
+            1 => HostStep::Offer,
+            2 => HostStep::Accept,
+            3 => HostStep::Decline,
+            _ => return None,
+        })
+    }
+}
+
+/// A host frame: right after the Hellos of a wire that can find peers on
+/// the same host (TCP), the connecting side says whether it offers to share
+/// memory, and the accepting side answers an offer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Host {
+    /// The sender's host: a digest of its boot id and its IPC, mount and
+    /// network namespaces (the same only where memory can be shared).
+    pub host: u64,
+    /// The sender's process id.
+    pub pid: u32,
+    /// The sender's nonce: with `pid`, names where it takes the segment.
+    pub nonce: u32,
+    /// Offer or answer.
+    pub step: HostStep,
+}
+
 /// A decoded header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
@@ -239,6 +291,8 @@ pub enum Frame {
     Close(Close),
     /// A request for credit.
     Want(Want),
+    /// A same-host offer or its answer.
+    Host(Host),
 }
 
 impl Frame {
@@ -250,6 +304,7 @@ impl Frame {
             Frame::Hello(_) => FrameKind::Hello,
             Frame::Close(_) => FrameKind::Close,
             Frame::Want(_) => FrameKind::Want,
+            Frame::Host(_) => FrameKind::Host,
         }
     }
 
@@ -296,6 +351,12 @@ impl Frame {
             Frame::Want(w) => {
                 b[8..16].copy_from_slice(&w.offset.to_le_bytes());
                 b[16..20].copy_from_slice(&w.len.to_le_bytes());
+            }
+            Frame::Host(h) => {
+                b[8..16].copy_from_slice(&h.host.to_le_bytes());
+                b[16..20].copy_from_slice(&h.pid.to_le_bytes());
+                b[20..24].copy_from_slice(&h.nonce.to_le_bytes());
+                b[24] = h.step as u8;
             }
         }
         let mut sum = crc32c(0, &b[..28]);
@@ -347,6 +408,7 @@ impl Frame {
             FrameKind::Credit => 20..28,
             FrameKind::Close => 16..28,
             FrameKind::Want => 20..28,
+            FrameKind::Host => 25..28,
         };
         // Bytes 6..8 belong to the data kind only.
         let word6 = kind != FrameKind::Data && u16_at(6) != 0;
@@ -386,6 +448,12 @@ impl Frame {
             FrameKind::Want => Frame::Want(Want {
                 offset: u64_at(8),
                 len: u32_at(16),
+            }),
+            FrameKind::Host => Frame::Host(Host {
+                host: u64_at(8),
+                pid: u32_at(16),
+                nonce: u32_at(20),
+                step: HostStep::from_u8(b[24]).ok_or(DecodeError::ReservedBits)?,
             }),
         };
         if let Frame::Data(d) = frame {
@@ -540,8 +608,8 @@ mod tests {
         .encode(b"hi");
         assert_eq!(
             &data[..4],
-            &[0x5A, 0x48, 2, 1],
-            "magic 'ZH', version 2, data"
+            &[0x5A, 0x48, 3, 1],
+            "magic 'ZH', version 3, data"
         );
         assert_eq!(&data[4..8], &[3, 0, 0x11, 0x02], "checked + more; credits");
         assert_eq!(&data[8..16], &[8, 7, 6, 5, 4, 3, 2, 1], "seq");
@@ -554,13 +622,13 @@ mod tests {
             waiting: true,
         })
         .encode(&[]);
-        assert_eq!(&credit[2..6], &[2, 2, 1, 0], "waiting flag");
+        assert_eq!(&credit[2..6], &[3, 2, 1, 0], "waiting flag");
         assert_eq!(&credit[8..12], &[5, 0, 0, 0], "frames");
         assert_eq!(&credit[12..20], &[8, 7, 6, 5, 4, 3, 2, 1], "limit");
         assert_eq!(&credit[20..28], &[0; 8]);
 
         let h = Frame::Hello(hello()).encode(&[]);
-        assert_eq!(&h[2..4], &[2, 3]);
+        assert_eq!(&h[2..4], &[3, 3]);
         assert_eq!(&h[8..12], &[0, 0, 0, 1], "window");
         assert_eq!(&h[12..16], &[0, 0, 0, 4], "max_message");
         assert_eq!(&h[16..20], &[0, 0, 1, 0], "frame_max");
@@ -568,7 +636,7 @@ mod tests {
         assert_eq!(&h[24..28], &[0xD4, 0xC3, 0xB2, 0xA1], "token");
 
         let close = Frame::Close(Close { seq: 9 }).encode(&[]);
-        assert_eq!(&close[2..4], &[2, 4]);
+        assert_eq!(&close[2..4], &[3, 4]);
         assert_eq!(
             &close[8..28],
             &[9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
@@ -579,8 +647,21 @@ mod tests {
             len: 0x0200_0000,
         })
         .encode(&[]);
-        assert_eq!(&want[2..4], &[2, 5]);
+        assert_eq!(&want[2..4], &[3, 5]);
         assert_eq!(&want[8..20], &[0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
+
+        let host = Frame::Host(Host {
+            host: 0x0102_0304_0506_0708,
+            pid: 0x1234,
+            nonce: 0xA1B2_C3D4,
+            step: HostStep::Offer,
+        })
+        .encode(&[]);
+        assert_eq!(&host[2..8], &[3, 6, 0, 0, 0, 0], "host, no flags");
+        assert_eq!(&host[8..16], &[8, 7, 6, 5, 4, 3, 2, 1], "host");
+        assert_eq!(&host[16..20], &[0x34, 0x12, 0, 0], "pid");
+        assert_eq!(&host[20..24], &[0xD4, 0xC3, 0xB2, 0xA1], "nonce");
+        assert_eq!(&host[24..28], &[1, 0, 0, 0], "step: offer");
 
         // The checksum is CRC-32C of bytes 0..28 (and the payload, when checked).
         for (bytes, payload) in [(data, &b"hi"[..]), (credit, &[][..]), (h, &[][..])] {
@@ -615,6 +696,30 @@ mod tests {
             Frame::Want(Want {
                 offset: 1 << 40,
                 len: 99,
+            }),
+            Frame::Host(Host {
+                host: u64::MAX,
+                pid: 7,
+                nonce: u32::MAX,
+                step: HostStep::Offer,
+            }),
+            Frame::Host(Host {
+                host: 0,
+                pid: 0,
+                nonce: 0,
+                step: HostStep::NoOffer,
+            }),
+            Frame::Host(Host {
+                host: 0,
+                pid: 0,
+                nonce: 0,
+                step: HostStep::Accept,
+            }),
+            Frame::Host(Host {
+                host: 0,
+                pid: 0,
+                nonce: 0,
+                step: HostStep::Decline,
             }),
         ];
         for f in frames {
@@ -667,12 +772,36 @@ mod tests {
             Frame::decode(&[0xAB; 32], 0),
             Err(DecodeError::BadMagic(0xABAB))
         );
-        let mut v = good;
-        v[2] = 1;
-        assert_eq!(
-            Frame::decode(&v, 0),
-            Err(DecodeError::UnsupportedVersion { theirs: 1, ours: 2 })
-        );
+        for old in [1, 2] {
+            let mut v = good;
+            v[2] = old;
+            assert_eq!(
+                Frame::decode(&v, 0),
+                Err(DecodeError::UnsupportedVersion {
+                    theirs: old,
+                    ours: 3
+                })
+            );
+        }
+        // A host frame with an unknown step, or bytes past the step set.
+        let h = Frame::Host(Host {
+            host: 1,
+            pid: 2,
+            nonce: 3,
+            step: HostStep::Decline,
+        })
+        .encode(&[]);
+        for (at, v) in [(24, 4u8), (25, 1), (27, 1), (4, 1)] {
+            let mut b = h;
+            b[at] = v;
+            let sum = crc32c(0, &b[..28]);
+            b[28..32].copy_from_slice(&sum.to_le_bytes());
+            assert_eq!(
+                Frame::decode(&b, 0),
+                Err(DecodeError::ReservedBits),
+                "byte {at}"
+            );
+        }
         let mut k = good;
         k[3] = 77;
         assert_eq!(Frame::decode(&k, 0), Err(DecodeError::UnknownKind(77)));

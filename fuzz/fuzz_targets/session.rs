@@ -8,6 +8,10 @@
 //! - with no fault injected, everything sent arrives, the two fall quiet
 //!   (no livelock, no deadlock), and a close on either side is clean on both.
 //!
+//! The same-host exchange runs in three of four setups (no offer, an offer
+//! declined, an offer taken): no data crosses before it is settled, and once
+//! an offer is taken neither session sends anything more (the session moved).
+//!
 //! Headerless frames (ring wires with immediate data) travel on RC, whose
 //! own checksum guards their bytes: they are dropped, duplicated and
 //! reordered here, never corrupted or cut (nothing in a headerless frame
@@ -19,7 +23,7 @@ use std::time::Duration;
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use zerohop_core::session::{Instant, SendError, SessionConfig, MIN_RING};
+use zerohop_core::session::{HostOffer, HostRole, Instant, SendError, SessionConfig, MIN_RING};
 use zerohop_core::testing::{SimEvent, SimFrame, SimPeer};
 
 #[derive(Arbitrary, Debug)]
@@ -29,6 +33,9 @@ struct Setup {
     window: u16,
     max_message: u16,
     headerless: bool,
+    /// 0: no exchange; 1: the connecting side (a) has no offer; 2: its offer
+    /// is declined; 3: taken.
+    host: u8,
     ops: Vec<Op>,
 }
 
@@ -59,6 +66,8 @@ struct Side {
     delivered: usize,
     failed: bool,
     closed_by_peer: bool,
+    /// The session moved to shared memory (an offer taken).
+    moved: bool,
 }
 
 fn pattern(side: bool, seq: usize, len: usize) -> Vec<u8> {
@@ -66,6 +75,12 @@ fn pattern(side: bool, seq: usize, len: usize) -> Vec<u8> {
         .map(|i| (i.wrapping_mul(31) ^ seq.wrapping_mul(7) ^ usize::from(side)) as u8)
         .collect()
 }
+
+const OFFER: HostOffer = HostOffer {
+    host: 0x5EED,
+    pid: 1,
+    nonce: 2,
+};
 
 fn config(s: &Setup) -> SessionConfig {
     let ring = match s.ring % 4 {
@@ -87,6 +102,7 @@ fn config(s: &Setup) -> SessionConfig {
         sends_headerless: ring != 0 && s.headerless,
         check_payload: true,
         idle_timeout: Duration::from_millis(50),
+        host: HostRole::None,
     }
 }
 
@@ -119,6 +135,14 @@ fn deliver(from: &mut Side, to: &mut Side, now: Instant) {
                         );
                         to.closed_by_peer = true;
                     }
+                    SimEvent::HostOffered(o) => {
+                        assert_eq!(o, OFFER, "the offer as it was sent");
+                        to.moved = to.peer.accept_offers;
+                    }
+                    SimEvent::HostAnswered(taken) => {
+                        assert_eq!(taken, from.peer.accept_offers, "the answer as it was given");
+                        to.moved = taken;
+                    }
                     SimEvent::Opened | SimEvent::Wants(_) => {}
                 }
             }
@@ -142,7 +166,31 @@ fn side_mut<'a>(a: &'a mut Side, b: &'a mut Side, which: bool) -> (&'a mut Side,
 fuzz_target!(|setup: Setup| {
     let cfg = config(&setup);
     let mut now = Instant::from_micros(1);
-    let new_side = |token| Side {
+    // The same-host exchange runs on stream wires (TCP) only.
+    let (cfg_a, cfg_b) = match (setup.host % 4, cfg.ring) {
+        (0, _) | (_, 1..) => (cfg, cfg),
+        (1, 0) => (
+            SessionConfig {
+                host: HostRole::Offer(None),
+                ..cfg
+            },
+            SessionConfig {
+                host: HostRole::Answer,
+                ..cfg
+            },
+        ),
+        _ => (
+            SessionConfig {
+                host: HostRole::Offer(Some(OFFER)),
+                ..cfg
+            },
+            SessionConfig {
+                host: HostRole::Answer,
+                ..cfg
+            },
+        ),
+    };
+    let new_side = |cfg, token| Side {
         peer: SimPeer::new(cfg, token, now),
         wire: VecDeque::new(),
         sent: Vec::new(),
@@ -150,8 +198,10 @@ fuzz_target!(|setup: Setup| {
         delivered: 0,
         failed: false,
         closed_by_peer: false,
+        moved: false,
     };
-    let (mut a, mut b) = (new_side(1), new_side(2));
+    let (mut a, mut b) = (new_side(cfg_a, 1), new_side(cfg_b, 2));
+    b.peer.accept_offers = setup.host % 4 == 3;
     let mut faults = false;
     let mut closed = false;
     for op in setup.ops.iter().take(2000) {
@@ -254,7 +304,15 @@ fuzz_target!(|setup: Setup| {
             }
         }
     }
-    if faults || a.failed || b.failed {
+    if a.moved || b.moved {
+        // Nothing crossed before the exchange settled, and nothing after.
+        assert_eq!(
+            (a.delivered, b.delivered),
+            (0, 0),
+            "data around a taken offer"
+        );
+    }
+    if faults || a.failed || b.failed || a.moved || b.moved {
         return;
     }
     // No fault: everything in flight arrives, every message is consumed, and
@@ -283,6 +341,16 @@ fuzz_target!(|setup: Setup| {
     }
     assert!(quiet, "the sessions never fell quiet: a livelock");
     assert!(!a.failed && !b.failed, "a fault-free run failed");
+    if a.moved || b.moved {
+        // The offer was taken: both sessions moved, nothing crossed.
+        assert!(a.moved && b.moved, "only one side moved");
+        assert_eq!(
+            (a.delivered, b.delivered),
+            (0, 0),
+            "data around a taken offer"
+        );
+        return;
+    }
     assert_eq!(b.delivered, a.sent.len(), "a message from a never arrived");
     assert_eq!(a.delivered, b.sent.len(), "a message from b never arrived");
     assert_eq!(a.peer.queued(), 0, "a deadlock: a's messages wait for ever");

@@ -1,7 +1,8 @@
 //! Arbitrary byte streams into the real TCP receive path (over loopback):
 //! typed errors, no panic, nothing leased beyond the configured maximum, and
 //! every lease back in the pool afterwards. An input whose first byte is odd
-//! is sent after a valid Hello, so the fuzzer reaches past the handshake.
+//! is sent after a valid Hello and same-host frame, so the fuzzer reaches
+//! past the handshake.
 #![no_main]
 
 use std::io::Write;
@@ -10,7 +11,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use libfuzzer_sys::fuzz_target;
-use zerohop_core::wire::{Frame, Hello, Takes};
+use zerohop_core::wire::{Frame, Hello, Host, HostStep, Takes};
 use zerohop_core::{Error, Kind, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 use zerohop_std::{heap_pool, StdPool};
@@ -56,6 +57,20 @@ fuzz_target!(|data: &[u8]| {
             token: 1,
         });
         s.write_all(&hello.encode(&[])).unwrap();
+        // Its same-host frame: no offer, or (bit 1) an offer this listener
+        // declines (it takes none).
+        let step = if data[0] & 2 == 0 {
+            HostStep::NoOffer
+        } else {
+            HostStep::Offer
+        };
+        let host = Frame::Host(Host {
+            host: 7,
+            pid: 8,
+            nonce: 9,
+            step,
+        });
+        s.write_all(&host.encode(&[])).unwrap();
     }
     // The transport may have closed the connection already: that is an answer.
     let _ = s.write_all(data);

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use zerohop_backends::host_bytes;
 use zerohop_core::session::{ProtocolError, Stall};
-use zerohop_core::wire::{Data, DataFlags, DecodeError, Frame, Hello, Takes, HEADER_LEN};
+use zerohop_core::wire::{
+    Data, DataFlags, DecodeError, Frame, Hello, Host, HostStep, Takes, HEADER_LEN,
+};
 use zerohop_core::{crc32c, Error, Kind, PeerId, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport, STRIPE_MIN};
 use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool};
@@ -88,7 +90,22 @@ impl Raw {
         let mut s = TcpStream::connect(addr).unwrap();
         s.set_nodelay(true).unwrap();
         s.write_all(&Raw::hello(token, lane)).unwrap();
+        if lane == 0 {
+            // The connecting side's same-host frame: no offer.
+            s.write_all(&Raw::no_offer()).unwrap();
+        }
         Raw { s }
+    }
+
+    /// The Host frame of a connecting side that will not share memory.
+    fn no_offer() -> [u8; HEADER_LEN] {
+        Frame::Host(Host {
+            host: 0,
+            pid: 0,
+            nonce: 0,
+            step: HostStep::NoOffer,
+        })
+        .encode(&[])
     }
 
     /// A Hello granting a large window (lane 1: a second connection's).
@@ -532,20 +549,21 @@ fn a_listener_of_another_version_is_refused_by_name() {
     );
     let peer = t.connect(raw.local_addr().unwrap(), SECOND).unwrap();
     let (mut s, _) = raw.accept().unwrap();
-    let mut v1 = Raw::hello(1, 0);
-    v1[2] = 1;
-    s.write_all(&v1).unwrap();
+    // Version 2: the one before the same-host exchange.
+    let mut v2 = Raw::hello(1, 0);
+    v2[2] = 2;
+    s.write_all(&v2).unwrap();
     let c = Endpoint::new(t, EndpointConfig::default()).unwrap();
     let e = c.recv(Deadline::after(5 * SECOND), None).unwrap_err();
     assert_eq!(
         e,
         Error::Protocol {
             peer,
-            error: ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 1, ours: 2 })
+            error: ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 2, ours: 3 })
         }
     );
     assert!(
-        e.to_string().contains("version 1, this side speaks 2"),
+        e.to_string().contains("version 2, this side speaks 3"),
         "{e}"
     );
 }

@@ -34,8 +34,8 @@ use std::time::{Duration, Instant as StdInstant};
 
 use rdma_sys as ffi;
 use zerohop_core::session::{
-    DataFrame, Inbound, Instant, Outgoing, SendError, Session, SessionConfig, SessionStats,
-    MIN_RING,
+    DataFrame, HostRole, Inbound, Instant, Outgoing, SendError, Session, SessionConfig,
+    SessionStats, MIN_RING,
 };
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{
@@ -357,6 +357,8 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             sends_headerless: true,
             check_payload: false, // RC checks every packet (ICRC)
             idle_timeout: c.idle_timeout,
+            // A queue pair is already past any same-host question.
+            host: HostRole::None,
         }
     }
 
@@ -992,7 +994,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 }
                 return Ok(());
             }
-            Inbound::Control => return Ok(()),
+            // Without the same-host exchange (`HostRole::None`) the engine
+            // refuses Host frames itself: these never come.
+            Inbound::Control | Inbound::HostOffer(_) | Inbound::HostAnswer { .. } => return Ok(()),
         };
         let skip = if in_place { HEADER_LEN } else { 0 };
         if d.first && d.last {

@@ -3,7 +3,7 @@ use std::vec::Vec;
 
 use super::*;
 use crate::testing::{exchange, SimEvent, SimFrame, SimPeer};
-use crate::wire::{Close, Credit, Data, DataFlags, Frame, Hello, Takes, Want};
+use crate::wire::{Close, Credit, Data, DataFlags, Frame, Hello, Host, HostStep, Takes, Want};
 
 const T0: Instant = Instant::from_micros(1_000);
 
@@ -25,6 +25,7 @@ fn ring(depth: u16, frame: u32) -> SessionConfig {
         sends_headerless: false,
         check_payload: true,
         idle_timeout: Duration::from_secs(5),
+        host: HostRole::None,
     }
 }
 
@@ -214,11 +215,11 @@ fn a_peer_of_another_version_is_refused_naming_both() {
     let e = s.handle_header(T0, &h, None).unwrap_err();
     assert_eq!(
         e,
-        ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 1, ours: 2 })
+        ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 1, ours: 3 })
     );
     let text = std::format!("{e}");
     assert!(
-        text.contains("version 1") && text.contains("speaks 2"),
+        text.contains("version 1") && text.contains("speaks 3"),
         "{text}"
     );
 }
@@ -1564,4 +1565,205 @@ fn a_frame_this_side_holds_back_does_not_time_the_peer_out() {
             during: Stall::Frame
         })
     );
+}
+
+fn host_roles(offer: Option<HostOffer>) -> (SessionConfig, SessionConfig) {
+    (
+        SessionConfig {
+            host: HostRole::Offer(offer),
+            ..stream()
+        },
+        SessionConfig {
+            host: HostRole::Answer,
+            ..stream()
+        },
+    )
+}
+
+const OFFER: HostOffer = HostOffer {
+    host: 0xFEED,
+    pid: 77,
+    nonce: 5,
+};
+
+fn host_frame(step: HostStep) -> [u8; HEADER_LEN] {
+    Frame::Host(Host {
+        host: 0,
+        pid: 0,
+        nonce: 0,
+        step,
+    })
+    .encode(&[])
+}
+
+#[test]
+fn an_accepted_same_host_offer_settles_before_any_data_moves() {
+    let (c, a) = host_roles(Some(OFFER));
+    let mut conn = SimPeer::new(c, 1, T0);
+    let mut acc = SimPeer::new(a, 2, T0);
+    acc.accept_offers = true;
+    // Queued on both sides before anything crossed.
+    assert_eq!(conn.session.send(3), Err(SendError::NotOpen));
+    let hello_and_offer = conn.transmit();
+    assert_eq!(
+        hello_and_offer.len(),
+        2,
+        "the offer follows the hello at once"
+    );
+    assert!(!conn.session.host_settled());
+    let mut seen = Vec::new();
+    for f in &hello_and_offer {
+        seen.extend(acc.receive(T0, f).unwrap());
+    }
+    assert_eq!(seen, [SimEvent::Opened, SimEvent::HostOffered(OFFER)]);
+    let back = acc.transmit();
+    let kinds: Vec<_> = back
+        .iter()
+        .map(|f| Frame::decode(framed(f), 0).unwrap().frame.kind())
+        .collect();
+    assert_eq!(kinds, [FrameKind::Hello, FrameKind::Host]);
+    assert!(acc.session.host_settled());
+    let mut got = Vec::new();
+    for f in &back {
+        got.extend(conn.receive(T0, f).unwrap());
+    }
+    assert_eq!(got, [SimEvent::Opened, SimEvent::HostAnswered(true)]);
+    assert!(conn.session.host_settled());
+    // Both sessions moved: they send nothing more, take only credit, and
+    // refuse new messages.
+    assert!(conn.session.is_moved() && acc.session.is_moved());
+    assert!(conn.transmit().is_empty() && acc.transmit().is_empty());
+    assert_eq!(conn.session.send(1), Err(SendError::Closed));
+    assert_eq!(
+        acc.session
+            .handle_header(T0, &data(0, 4, 4, false)[..HEADER_LEN], None),
+        Err(ProtocolError::AfterClose)
+    );
+    let credit = credit_frame(0, 1 << 21, false);
+    assert_eq!(
+        conn.session.handle_header(T0, &credit, None),
+        Ok(Inbound::Control)
+    );
+}
+
+#[test]
+fn a_declined_offer_or_none_lets_data_go_and_data_waits_until_then() {
+    for offer in [Some(OFFER), None] {
+        let (c, a) = host_roles(offer);
+        let mut conn = SimPeer::new(c, 1, T0);
+        let mut acc = SimPeer::new(a, 2, T0);
+        // The acceptor opens on the connector's hello alone; with an offer
+        // pending, its data waits for its answer.
+        let first = conn.transmit();
+        acc.receive(T0, &first[0]).unwrap();
+        acc.send(&msg(0, 10)).unwrap();
+        let early = acc.transmit();
+        assert!(
+            early
+                .iter()
+                .all(|f| !matches!(Frame::decode(framed(f), 100).unwrap().frame, Frame::Data(_))),
+            "no data before the exchange is settled"
+        );
+        for f in &first[1..] {
+            acc.receive(T0, f).unwrap();
+        }
+        for f in &early {
+            conn.receive(T0, f).unwrap();
+        }
+        conn.send(&msg(1, 20)).unwrap();
+        let (ec, ea) = exchange(&mut conn, &mut acc, T0).unwrap();
+        assert_eq!(messages(&ec), [(0, msg(0, 10))], "{offer:?}");
+        assert_eq!(messages(&ea), [(0, msg(1, 20))], "{offer:?}");
+        if offer.is_some() {
+            assert!(ec.contains(&SimEvent::HostAnswered(false)));
+        }
+        assert!(conn.session.host_settled() && acc.session.host_settled());
+    }
+}
+
+#[test]
+fn host_frames_out_of_their_place_fail_the_session() {
+    let hello = Frame::Hello(hello(1 << 20, 0)).encode(&[]);
+    // A wire without the exchange.
+    let mut s = Session::new(stream(), 1, T0);
+    s.handle_header(T0, &hello, None).unwrap();
+    assert_eq!(
+        s.handle_header(T0, &host_frame(HostStep::Offer), None),
+        Err(ProtocolError::UnexpectedHost)
+    );
+    // The answering side: data before the peer's host frame, a second
+    // offer, an answer it never asked for.
+    let (c, a) = host_roles(Some(OFFER));
+    let mut s = Session::new(a, 1, T0);
+    s.handle_header(T0, &hello, None).unwrap();
+    assert_eq!(
+        s.handle_header(T0, &data(0, 4, 4, false)[..HEADER_LEN], None),
+        Err(ProtocolError::HostExpected {
+            got: FrameKind::Data
+        })
+    );
+    let mut s = Session::new(a, 1, T0);
+    s.handle_header(T0, &hello, None).unwrap();
+    assert!(matches!(
+        s.handle_header(T0, &host_frame(HostStep::Offer), None),
+        Ok(Inbound::HostOffer(_))
+    ));
+    assert_eq!(
+        s.handle_header(T0, &host_frame(HostStep::Offer), None),
+        Err(ProtocolError::UnexpectedHost)
+    );
+    let mut s = Session::new(a, 1, T0);
+    s.handle_header(T0, &hello, None).unwrap();
+    assert_eq!(
+        s.handle_header(T0, &host_frame(HostStep::Accept), None),
+        Err(ProtocolError::UnexpectedHost)
+    );
+    // The offering side: data before the answer, an offer, a second answer.
+    let opened = |config| {
+        let mut s = Session::new(config, 1, T0);
+        s.poll_control();
+        s.poll_control();
+        s.handle_header(T0, &hello, None).unwrap();
+        s
+    };
+    let mut s = opened(c);
+    assert_eq!(
+        s.handle_header(T0, &data(0, 4, 4, false)[..HEADER_LEN], None),
+        Err(ProtocolError::HostExpected {
+            got: FrameKind::Data
+        })
+    );
+    let mut s = opened(c);
+    assert_eq!(
+        s.handle_header(T0, &host_frame(HostStep::Offer), None),
+        Err(ProtocolError::UnexpectedHost)
+    );
+    let mut s = opened(c);
+    assert_eq!(
+        s.handle_header(T0, &host_frame(HostStep::Decline), None),
+        Ok(Inbound::HostAnswer { accepted: false })
+    );
+    assert_eq!(
+        s.handle_header(T0, &host_frame(HostStep::Decline), None),
+        Err(ProtocolError::UnexpectedHost)
+    );
+    // Credit may cross while the exchange is open.
+    let mut s = opened(c);
+    let credit = credit_frame(0, 1 << 21, false);
+    assert_eq!(s.handle_header(T0, &credit, None), Ok(Inbound::Control));
+    // A side that said it has no offer takes no answer.
+    let (none, _) = host_roles(None);
+    let mut s = opened(none);
+    assert!(s.host_settled());
+    assert_eq!(
+        s.handle_header(T0, &host_frame(HostStep::Accept), None),
+        Err(ProtocolError::UnexpectedHost)
+    );
+    assert!(std::format!(
+        "{}",
+        ProtocolError::HostExpected {
+            got: FrameKind::Close
+        }
+    )
+    .contains("close frame"));
 }

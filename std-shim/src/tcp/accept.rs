@@ -5,7 +5,7 @@ use std::io::{self, Read};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Instant as StdInstant;
 
-use zerohop_core::session::Session;
+use zerohop_core::session::{HostRole, Session};
 use zerohop_core::wire::{Frame, HEADER_LEN};
 
 use super::{key, Lane, TcpTransport, ACCEPT_BACKOFF, PENDING};
@@ -119,13 +119,14 @@ impl TcpTransport {
                 early: Vec::new(),
             }),
             Ok(Frame::Hello(_)) => {
-                let mut session = Session::new(self.config.session(), 0, self.now());
+                let answer = self.config.session(HostRole::Answer);
+                let mut session = Session::new(answer, 0, self.now());
                 match session.handle_header(self.now(), &p.hello, None) {
                     Ok(_) => {
                         let token = session.peer().map_or(0, |h| h.token);
                         match self.add_peer(p.stream, p.addr, session) {
+                            // Announced once its same-host frame settles (`control`).
                             Ok(id) => {
-                                self.accepted.push_back((id, p.addr));
                                 if let Some(k) =
                                     self.unclaimed.iter().position(|l| l.token == token)
                                 {

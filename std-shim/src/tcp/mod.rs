@@ -35,7 +35,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 
 use zerohop_backends::host_bytes;
-use zerohop_core::session::{Instant, Session, SessionConfig, SessionStats};
+use zerohop_core::session::{HostOffer, HostRole, Instant, Session, SessionConfig, SessionStats};
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{Capabilities, Error, Kind, PeerId, PoolError, Received, Rejected, Transport};
 
@@ -112,6 +112,14 @@ pub struct TcpConfig {
     pub idle_timeout: Duration,
     /// Connections that have not said Hello, kept at most; the oldest goes first (default 256).
     pub max_handshakes: usize,
+    /// What this side offers the listeners it connects to, so that one on
+    /// the same host can move the session to shared memory (the same-host
+    /// lane, [`crate::shm`]); `None` (the default) says it will not.
+    pub same_host: Option<HostOffer>,
+    /// Offers from peers that connect here wait for
+    /// [`answer_offer`](TcpTransport::answer_offer) (the same-host lane
+    /// decides); off (the default), each is declined at once.
+    pub takes_offers: bool,
 }
 
 impl Default for TcpConfig {
@@ -127,17 +135,22 @@ impl Default for TcpConfig {
             stripe_min: Some(STRIPE_MIN),
             idle_timeout: Duration::from_secs(5),
             max_handshakes: 256,
+            same_host: None,
+            takes_offers: false,
         }
     }
 }
 
 impl TcpConfig {
-    fn session(&self) -> SessionConfig {
+    /// A session's settings; `host`: the connecting side offers (or says it
+    /// will not), the accepting side answers.
+    fn session(&self, host: HostRole) -> SessionConfig {
         let max = u32::try_from(self.max_message).unwrap_or(u32::MAX);
         SessionConfig {
             window: u32::try_from(self.window).unwrap_or(u32::MAX),
             check_payload: self.check_payload,
             idle_timeout: self.idle_timeout,
+            host,
             ..SessionConfig::stream(max)
         }
     }
@@ -192,6 +205,9 @@ struct Peer {
     /// The last message was read straight into its lease: the next read
     /// into the stage takes only a header's worth and a little more.
     direct_stream: bool,
+    /// Accepting side: the application has been told of this peer (once
+    /// the same-host exchange settled on this wire).
+    announced: bool,
 }
 
 /// A TCP transport with any number of peers.
@@ -212,6 +228,11 @@ pub struct TcpTransport {
     arrival_bytes: usize,
     /// Peers that connected to the listener and said Hello, not yet taken.
     accepted: VecDeque<(PeerId, SocketAddr)>,
+    /// Same-host offers waiting for `answer_offer`.
+    offers: VecDeque<(PeerId, HostOffer)>,
+    /// Answers to this side's offers: the peer, and whether it took it
+    /// (then the TCP peer is gone: its session moved).
+    answers: VecDeque<(PeerId, bool)>,
     unclaimed: VecDeque<Lane>,
     origin: StdInstant,
     next_scan: StdInstant,
@@ -264,6 +285,8 @@ impl TcpTransport {
             arrivals: VecDeque::new(),
             arrival_bytes: 0,
             accepted: VecDeque::new(),
+            offers: VecDeque::new(),
+            answers: VecDeque::new(),
             unclaimed: VecDeque::new(),
             origin: now,
             next_scan: now,
@@ -349,7 +372,8 @@ impl TcpTransport {
             addr,
             token,
         } = dialed;
-        let session = Session::new(self.config.session(), token, self.now());
+        let offer = HostRole::Offer(self.config.same_host);
+        let session = Session::new(self.config.session(offer), token, self.now());
         let id = self.add_peer(main, addr, session)?;
         if let Some(lane) = lane {
             if let Err(e) = self.add_lane(id, lane, token) {
@@ -394,6 +418,36 @@ impl TcpTransport {
         self.peer(peer).map(|p| p.addr)
     }
 
+    /// The next same-host offer from a peer that connected here (with
+    /// `takes_offers`): answer it with [`answer_offer`](Self::answer_offer).
+    pub fn take_offer(&mut self) -> Option<(PeerId, HostOffer)> {
+        self.offers.pop_front()
+    }
+
+    /// Answers a same-host offer: `accept`, the session moves to shared
+    /// memory (this peer goes, silently, once the answer is out); else it
+    /// stays here, and the peer is announced.
+    pub fn answer_offer(&mut self, peer: PeerId, accept: bool) {
+        let Ok(p) = self.peer_mut(peer) else { return };
+        p.session.answer_host(accept);
+        self.control(peer.0 as usize & 0xFF_FFFF);
+    }
+
+    /// The next answer to one of this side's offers: the peer, and whether
+    /// it took it (then the peer is gone from here: its session moved).
+    pub fn take_answer(&mut self) -> Option<(PeerId, bool)> {
+        self.answers.pop_front()
+    }
+
+    /// A live peer's Hello token (what names it in a same-host handshake).
+    pub fn peer_token(&self, peer: PeerId) -> Option<u32> {
+        let p = self.peer(peer)?;
+        Some(match p.token {
+            Some(t) => t,              // accepting side: the peer's
+            None => p.session.token(), // connecting side: ours
+        })
+    }
+
     /// Drops a peer at once, with no Close and no report: a connect that
     /// gave up waiting for the answer to its Hello. Whether it was there.
     pub fn disconnect(&mut self, peer: PeerId) -> bool {
@@ -419,7 +473,7 @@ impl TcpTransport {
     /// error `try_recv` would have reported, taken from there).
     pub fn opened(&mut self, peer: PeerId) -> Option<Result<(), Error>> {
         if let Some(p) = self.peer(peer) {
-            return p.session.is_open().then_some(Ok(()));
+            return (p.session.is_open() && p.session.host_settled()).then_some(Ok(()));
         }
         let about = |e: &Error| match *e {
             Error::PeerLost(p) | Error::PeerClosed(p) => p == peer,
@@ -522,6 +576,7 @@ impl TcpTransport {
             dry: false,
             deferred: false,
             direct_stream: false,
+            announced: false,
         }));
         self.control(slot);
         self.mark_read(slot);

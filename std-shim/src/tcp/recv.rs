@@ -194,6 +194,7 @@ impl TcpTransport {
         let now = self.now();
         let id = self.id(slot);
         let (inbox, inbox_bytes) = (self.config.inbox_messages, self.config.inbox_bytes);
+        let takes_offers = self.config.takes_offers;
         let Some((_, Some(p))) = self.peers.get_mut(slot) else {
             return Outcome::Drained;
         };
@@ -387,6 +388,20 @@ impl TcpTransport {
                         });
                     }
                     Inbound::Closed => self.arrivals.push_back(Err(Error::PeerClosed(id))),
+                    Inbound::HostOffer(offer) => {
+                        if takes_offers {
+                            self.offers.push_back((id, offer));
+                        } else {
+                            p.session.answer_host(false); // sent by `control`
+                        }
+                    }
+                    Inbound::HostAnswer { accepted } => {
+                        self.answers.push_back((id, accepted));
+                        if accepted {
+                            // The session moved: this connection is done with, silently.
+                            return Outcome::Gone { clean: true };
+                        }
+                    }
                     // Credit owed, a Close to answer: sent after this pass
                     // (`control`); a Want by the timers, within the budget.
                     Inbound::Want | Inbound::Control | Inbound::Opened => {}

@@ -235,12 +235,23 @@ impl TcpTransport {
             p.queued_bytes += HEADER_LEN;
             self.queued_total += HEADER_LEN;
         }
+        // An accepting side's peer is news once the same-host exchange
+        // settled on this wire (a session that moved is not).
+        if p.token.is_some() && !p.announced && p.session.host_settled() && !p.session.is_moved() {
+            p.announced = true;
+            let addr = p.addr;
+            self.accepted.push_back((self.id(slot), addr));
+        }
+        let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+            return;
+        };
         if !p.queue.is_empty() {
             self.mark_write(slot);
             self.flush(slot);
-        } else if p.session.is_finished() && p.direct.is_none() {
-            // The peer's Close answered ours, and nothing is left to write:
-            // the side that closed first lets go here.
+        } else if (p.session.is_finished() || p.session.is_moved()) && p.direct.is_none() {
+            // The peer's Close answered ours (or the session moved to shared
+            // memory), and nothing is left to write: the side that closed
+            // first lets go here.
             self.drop_peer(slot, true);
         }
     }
@@ -283,7 +294,11 @@ impl TcpTransport {
                 }
             }
         }
-        let finished = p.queue.is_empty() && p.session.is_finished() && p.direct.is_none();
+        // Both closed with everything out, or moved to shared memory with
+        // its answer out.
+        let finished = p.queue.is_empty()
+            && (p.session.is_finished() || p.session.is_moved())
+            && p.direct.is_none();
         if broken || finished {
             // Both closed with everything out, or a dead socket (clean if
             // the peer had closed first).
