@@ -13,6 +13,8 @@ pub enum Kind {
     Rdma,
     /// TCP into CUDA managed memory.
     Uma,
+    /// TCP whose peers on this host move to shared-memory rings.
+    Shm,
     /// Plain TCP into host memory; always there.
     Tcp,
     /// The in-memory mock link; only when asked for.
@@ -21,15 +23,17 @@ pub enum Kind {
 
 impl Kind {
     /// Every kind, fastest first.
-    pub const ALL: [Kind; 5] = [
+    pub const ALL: [Kind; 6] = [
         Kind::Gpudirect,
         Kind::Rdma,
         Kind::Uma,
+        Kind::Shm,
         Kind::Tcp,
         Kind::Mock,
     ];
     /// The order automatic choice tries.
-    pub const AUTO_ORDER: [Kind; 4] = [Kind::Gpudirect, Kind::Rdma, Kind::Uma, Kind::Tcp];
+    pub const AUTO_ORDER: [Kind; 5] =
+        [Kind::Gpudirect, Kind::Rdma, Kind::Uma, Kind::Shm, Kind::Tcp];
 
     /// Lower-case name, as `ZEROHOP_TRANSPORT` spells it.
     pub const fn name(self) -> &'static str {
@@ -37,6 +41,7 @@ impl Kind {
             Kind::Gpudirect => "gpudirect",
             Kind::Rdma => "rdma",
             Kind::Uma => "uma",
+            Kind::Shm => "shm",
             Kind::Tcp => "tcp",
             Kind::Mock => "mock",
         }
@@ -47,7 +52,7 @@ impl Kind {
         match self {
             Kind::Gpudirect | Kind::Rdma => Some("gpudirect-verbs"),
             Kind::Uma => Some("cuda-uma"),
-            Kind::Tcp => None,
+            Kind::Shm | Kind::Tcp => None,
             Kind::Mock => Some("mock"),
         }
     }
@@ -63,6 +68,7 @@ impl Kind {
             ]),
             Kind::Rdma => PrereqSet::of(&[Prereq::IbverbsDevice, Prereq::HcaLive]),
             Kind::Uma => PrereqSet::of(&[Prereq::CudaDriver, Prereq::CudaDevice]),
+            Kind::Shm => PrereqSet::of(&[Prereq::Memfd]),
             Kind::Tcp | Kind::Mock => PrereqSet::EMPTY,
         }
     }
@@ -126,7 +132,9 @@ pub struct UnknownPreference;
 
 impl fmt::Display for UnknownPreference {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("expected one of: auto, gpudirect, rdma, uma, tcp, mock (or empty for auto)")
+        f.write_str(
+            "expected one of: auto, gpudirect, rdma, uma, shm, tcp, mock (or empty for auto)",
+        )
     }
 }
 
@@ -165,11 +173,13 @@ pub enum Prereq {
     NicDmabuf,
     /// nvidia-peermem (or nv_peer_mem) is loaded.
     Peermem,
+    /// Sealed anonymous memory (`memfd_create`) maps, for same-host lanes.
+    Memfd,
 }
 
 impl Prereq {
     /// Every prerequisite, in report order.
-    pub const ALL: [Prereq; 7] = [
+    pub const ALL: [Prereq; 8] = [
         Prereq::CudaDriver,
         Prereq::CudaDevice,
         Prereq::GpuDmabuf,
@@ -177,6 +187,7 @@ impl Prereq {
         Prereq::HcaLive,
         Prereq::NicDmabuf,
         Prereq::Peermem,
+        Prereq::Memfd,
     ];
 
     /// Its name in reports.
@@ -189,6 +200,7 @@ impl Prereq {
             Prereq::HcaLive => "hca-live",
             Prereq::NicDmabuf => "nic-dmabuf",
             Prereq::Peermem => "peermem",
+            Prereq::Memfd => "memfd",
         }
     }
 }
@@ -355,7 +367,7 @@ impl Status {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 pub struct Probe {
-    status: [Status; 7],
+    status: [Status; 8],
     compiled: KindSet,
 }
 
@@ -363,7 +375,7 @@ impl Probe {
     /// Nothing probed; tcp compiled in (it always is).
     pub const fn new() -> Probe {
         Probe {
-            status: [Status::Unknown; 7],
+            status: [Status::Unknown; 8],
             compiled: KindSet::of(&[Kind::Tcp]),
         }
     }
@@ -467,7 +479,7 @@ impl fmt::Display for Skipped {
 pub struct Choice {
     /// The transport to use.
     pub kind: Kind,
-    skipped: [Option<Skipped>; 4],
+    skipped: [Option<Skipped>; 5],
 }
 
 impl Choice {
@@ -499,7 +511,7 @@ fn why_not(probe: &Probe, kind: Kind) -> Option<Skipped> {
 }
 
 /// Chooses a transport. An explicit preference gets exactly that transport or
-/// an error naming what it lacks; `Auto` tries gpudirect > rdma > uma > tcp and
+/// an error naming what it lacks; `Auto` tries gpudirect > rdma > uma > shm > tcp and
 /// records why each faster one was skipped. Mock is never chosen automatically.
 pub fn pick(pref: Preference, probe: &Probe) -> Result<Choice, PickError> {
     match pref {
@@ -507,11 +519,11 @@ pub fn pick(pref: Preference, probe: &Probe) -> Result<Choice, PickError> {
             Some(why) => Err(PickError(why)),
             None => Ok(Choice {
                 kind,
-                skipped: [None; 4],
+                skipped: [None; 5],
             }),
         },
         Preference::Auto => {
-            let mut skipped = [None; 4];
+            let mut skipped = [None; 5];
             for (i, kind) in Kind::AUTO_ORDER.into_iter().enumerate() {
                 match why_not(probe, kind) {
                     None => return Ok(Choice { kind, skipped }),
@@ -553,6 +565,7 @@ mod tests {
             ("\tRdMa ", Preference::Only(Kind::Rdma)),
             ("uma", Preference::Only(Kind::Uma)),
             ("Tcp", Preference::Only(Kind::Tcp)),
+            (" SHM", Preference::Only(Kind::Shm)),
             ("mock", Preference::Only(Kind::Mock)),
         ] {
             assert_eq!(Preference::parse(s), Ok(want), "{s:?}");
@@ -567,7 +580,7 @@ mod tests {
         let p = probe_with(&[Kind::Gpudirect, Kind::Rdma], &[Prereq::IbverbsDevice]);
         let c = pick(Preference::Auto, &p).unwrap();
         assert_eq!(c.kind, Kind::Tcp);
-        let reasons: [Skipped; 3] = [
+        let reasons: [Skipped; 4] = [
             Skipped::Missing(
                 Kind::Gpudirect,
                 PrereqSet::of(&[
@@ -581,6 +594,7 @@ mod tests {
             ),
             Skipped::Missing(Kind::Rdma, PrereqSet::of(&[Prereq::HcaLive])),
             Skipped::NotCompiled(Kind::Uma),
+            Skipped::NotCompiled(Kind::Shm),
         ];
         assert!(c.skipped().eq(reasons.iter()));
     }
@@ -650,6 +664,31 @@ mod tests {
     }
 
     #[test]
+    fn shm_comes_after_uma_and_needs_sealed_memory() {
+        let p = probe_with(&[Kind::Shm], &[Prereq::Memfd]);
+        assert_eq!(pick(Preference::Auto, &p).unwrap().kind, Kind::Shm);
+        let p = probe_with(
+            &[Kind::Shm, Kind::Uma],
+            &[Prereq::Memfd, Prereq::CudaDriver, Prereq::CudaDevice],
+        );
+        assert_eq!(pick(Preference::Auto, &p).unwrap().kind, Kind::Uma);
+        let p = probe_with(&[Kind::Shm], &[]);
+        let c = pick(Preference::Auto, &p).unwrap();
+        assert_eq!(c.kind, Kind::Tcp);
+        assert!(c
+            .skipped()
+            .any(|s| *s == Skipped::Missing(Kind::Shm, PrereqSet::of(&[Prereq::Memfd]))));
+        assert_eq!(
+            pick(Preference::Only(Kind::Shm), &p),
+            Err(PickError(Skipped::Missing(
+                Kind::Shm,
+                PrereqSet::of(&[Prereq::Memfd])
+            )))
+        );
+        assert_eq!(std::format!("{}", Prereq::Memfd), "memfd");
+    }
+
+    #[test]
     fn mock_only_when_asked() {
         let p = probe_with(&[Kind::Mock], &[]);
         assert_eq!(pick(Preference::Auto, &p).unwrap().kind, Kind::Tcp);
@@ -687,12 +726,13 @@ mod tests {
                 Some("gpudirect-verbs"),
                 Some("cuda-uma"),
                 None,
+                None,
                 Some("mock"),
             ]
         );
         assert_eq!(
             Kind::ALL.map(Kind::name),
-            ["gpudirect", "rdma", "uma", "tcp", "mock"]
+            ["gpudirect", "rdma", "uma", "shm", "tcp", "mock"]
         );
         // Adding a member twice keeps it.
         let k = KindSet::EMPTY.with(Kind::Uma).with(Kind::Uma);

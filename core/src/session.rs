@@ -370,7 +370,8 @@ impl From<DecodeError> for ProtocolError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 pub enum SendError {
-    /// The peer's Hello has not come yet: try again after progress.
+    /// The peer's Hello has not come yet, or the same-host exchange is
+    /// not settled: try again after progress.
     NotOpen,
     /// Not enough byte credit: try again after progress (a Want is on its way).
     NoCredit,
@@ -802,7 +803,7 @@ impl Session {
         if self.closing || self.peer_closed || self.is_moved() {
             return Err(SendError::Closed);
         }
-        let Some(peer) = self.peer else {
+        let Some(peer) = self.peer.filter(|_| self.host_settled()) else {
             return Err(SendError::NotOpen);
         };
         let max = peer.max_message as usize;

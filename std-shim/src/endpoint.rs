@@ -153,11 +153,12 @@ pub trait Wire: Transport + Send + 'static {
     }
 
     /// Whether the Hellos with `peer`, which this side connected to, have
-    /// crossed: `Some(Ok)` open, `None` not yet, `Some(Err)` refused or gone.
-    /// Wires whose connect waits for the Hello say `Some(Ok)`.
-    fn opened(&mut self, peer: PeerId) -> Option<Result<(), Error>> {
-        let _ = peer;
-        Some(Ok(()))
+    /// crossed: `Some(Ok(id))` open (`id` is what names the peer from now
+    /// on: a wire may move it, as the same-host lane does), `None` not
+    /// yet, `Some(Err)` refused or gone. Wires whose connect waits for the
+    /// Hello say `Some(Ok(peer))`.
+    fn opened(&mut self, peer: PeerId) -> Option<Result<PeerId, Error>> {
+        Some(Ok(peer))
     }
 
     /// A connected peer's address.
@@ -644,9 +645,10 @@ impl<T: Wire> Endpoint<T> {
     }
 
     /// Waits until the Hellos with `peer` (which this side connected to)
-    /// have crossed: a peer that refuses (another version, not zerohop) or
-    /// goes is the error `recv` would have given.
-    pub fn wait_open(&self, peer: PeerId, deadline: Deadline) -> Result<(), Error> {
+    /// have crossed, and returns the id that names it from now on (see
+    /// [`Wire::opened`]): a peer that refuses (another version, not
+    /// zerohop) or goes is the error `recv` would have given.
+    pub fn wait_open(&self, peer: PeerId, deadline: Deadline) -> Result<PeerId, Error> {
         self.wait_for(deadline, None, |t| {
             if let Some(r) = t.opened(peer) {
                 return r.map(Some);

@@ -57,8 +57,9 @@ pub fn managed_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
 /// Probes every backend compiled into this binary. Never panics, whatever
 /// the host lacks (no libcuda, no RDMA in the kernel).
 pub fn probe_host() -> Probe {
-    #[allow(unused_mut)]
     let mut probe = Probe::new();
+    probe.set_compiled(zerohop_core::Kind::Shm);
+    crate::shm::probe(&mut probe);
     #[cfg(feature = "mock")]
     probe.set_compiled(zerohop_core::Kind::Mock);
     #[cfg(feature = "cuda-uma")]

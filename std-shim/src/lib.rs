@@ -7,6 +7,8 @@
 //!   `zerohop` crate's endpoint, which drives this one.
 //! - [`tcp`]: the TCP wire (kind `tcp`, and kind `uma` when its pool is CUDA
 //!   managed memory).
+//! - [`shm`]: the same-host lane (kind `shm`): TCP whose peers on this host
+//!   move to shared-memory rings.
 //! - [`Config::from_env`] (which transport, how much pool) and
 //!   [`probe_host`] (what this host has), which `zerohop::Endpoint::open` picks from.
 #![warn(missing_docs)]
@@ -16,6 +18,7 @@ mod doorbell;
 pub mod endpoint;
 mod host;
 mod poller;
+pub mod shm;
 mod sync;
 pub mod tcp;
 

@@ -1,17 +1,18 @@
-//! The endpoint's threads, locks and flags: std's, or loom's when built with
-//! `--cfg loom`, so the model checker runs the real endpoint code (its send,
-//! receive, flush, close and progress loop) under every interleaving.
+//! The endpoint's threads, locks and flags, and the same-host ring's atomics:
+//! std's, or loom's when built with `--cfg loom`, so the model checker runs
+//! the real endpoint code (its send, receive, flush, close and progress
+//! loop) and the real ring under every interleaving.
 
 #[cfg(not(loom))]
 pub(crate) use std::{
-    sync::atomic::{AtomicBool, AtomicUsize},
+    sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize},
     sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError},
     thread,
 };
 
 #[cfg(loom)]
 pub(crate) use loom::{
-    sync::atomic::{AtomicBool, AtomicUsize},
+    sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize},
     sync::{Arc, Condvar, Mutex, MutexGuard},
     thread,
 };

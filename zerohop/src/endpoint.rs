@@ -8,6 +8,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use zerohop_core::{Capabilities, Choice, Kind, PeerId};
+use zerohop_std::shm::{LocalWire, ShmConfig};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 use zerohop_std::{Deadline, Endpoint as Driven, EndpointConfig, StdLease};
 
@@ -39,6 +40,8 @@ struct Entry {
 enum Wire {
     /// `tcp`, and `uma` (its pool in CUDA managed memory).
     Tcp(Driven<TcpTransport>),
+    /// `shm`: TCP whose same-host peers move to shared memory.
+    Local(Driven<LocalWire>),
     #[cfg(feature = "gpudirect-verbs")]
     Rdma(Driven<zerohop_backends::verbs::RdmaTransport>),
     #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
@@ -50,6 +53,7 @@ macro_rules! each_wire {
     ($wire:expr, $e:ident => $body:expr) => {
         match $wire {
             Wire::Tcp($e) => $body,
+            Wire::Local($e) => $body,
             #[cfg(feature = "gpudirect-verbs")]
             Wire::Rdma($e) => $body,
             #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
@@ -199,6 +203,22 @@ impl Endpoint {
                 };
                 let t = TcpTransport::new(pool, tcp, kind);
                 Wire::Tcp(Driven::new(t, driven).map_err(|e| setup(e.to_string()))?)
+            }
+            Kind::Shm => {
+                let pool = zerohop_std::heap_pool(config.pool_bytes)
+                    .map_err(|e| setup(format!("the receive pool: {e}")))?;
+                let tcp = TcpConfig {
+                    max_message,
+                    idle_timeout: config.idle_timeout,
+                    ..TcpConfig::default()
+                };
+                // An explicit `shm` wants shared memory or nothing.
+                let shm = ShmConfig {
+                    required: config.transport == zerohop_core::Preference::Only(Kind::Shm),
+                    ..ShmConfig::default()
+                };
+                let t = LocalWire::new(pool, tcp, shm).map_err(|e| setup(e.to_string()))?;
+                Wire::Local(Driven::new(t, driven).map_err(|e| setup(e.to_string()))?)
             }
             #[cfg(feature = "gpudirect-verbs")]
             Kind::Rdma => {
@@ -355,8 +375,20 @@ impl Endpoint {
                             format!("no answer to our hello within {timeout:?}")
                         }
                         err => err.to_string(),
-                    })?;
-                Ok(peer)
+                    })
+            }
+            Wire::Local(e) => {
+                let dialed =
+                    TcpTransport::dial(addr, timeout, self.tcp_lanes).map_err(|e| e.to_string())?;
+                let peer = e.with(|t| t.attach(dialed)).map_err(|e| e.to_string())?;
+                // The id it ends up with: a lane's, for a peer on this host.
+                e.wait_open(peer, Deadline::after(timeout))
+                    .map_err(|err| match err {
+                        zerohop_core::Error::Timeout => {
+                            format!("no answer to our hello within {timeout:?}")
+                        }
+                        err => err.to_string(),
+                    })
             }
             #[cfg(feature = "gpudirect-verbs")]
             Wire::Rdma(e) => e.with(|t| t.connect(addr)).map_err(|e| e.to_string()),
@@ -582,6 +614,15 @@ impl Endpoint {
 trait ListenAt {
     fn listen_at(&mut self, a: SocketAddr) -> std::result::Result<SocketAddr, String>;
     fn listening(&self) -> Option<SocketAddr>;
+}
+
+impl ListenAt for LocalWire {
+    fn listen_at(&mut self, a: SocketAddr) -> std::result::Result<SocketAddr, String> {
+        self.listen(a).map_err(|e| e.to_string())
+    }
+    fn listening(&self) -> Option<SocketAddr> {
+        self.local_addr()
+    }
 }
 
 impl ListenAt for TcpTransport {

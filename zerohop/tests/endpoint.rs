@@ -245,10 +245,12 @@ fn an_explicit_transport_this_host_cannot_run_names_what_is_missing() {
         assert!(e.to_string().contains(kind.name()), "{e}");
     }
     // Automatic falls back to tcp and says why the others were skipped.
+    // Automatic takes shm here (TCP, its same-host peers in shared memory)
+    // and says why the others were skipped.
     let mut config = tcp();
     config.transport = Preference::Auto;
     let auto = Endpoint::open(config).unwrap();
-    assert_eq!(auto.kind(), Kind::Tcp);
+    assert_eq!(auto.kind(), Kind::Shm);
     assert!(auto.choice().skipped().count() >= 3);
 }
 

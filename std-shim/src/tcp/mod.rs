@@ -165,9 +165,22 @@ pub struct Dialed {
     token: u32,
 }
 
-fn peer_id(slot: usize, gen: u8) -> PeerId {
-    PeerId(slot as u32 | u32::from(gen) << 24)
+impl Dialed {
+    /// Where it goes.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
 }
+
+/// A peer's id: its slot in the low 24 bits, the slot's generation in the
+/// next 7. The top bit is never set: ids with it name same-host lanes
+/// ([`crate::shm`]), which share an endpoint with these.
+fn peer_id(slot: usize, gen: u8) -> PeerId {
+    PeerId(slot as u32 | u32::from(gen & GEN_MASK) << 24)
+}
+
+/// The generations a slot goes through before its ids repeat.
+const GEN_MASK: u8 = 0x7F;
 
 struct Peer {
     stream: TcpStream,
@@ -471,9 +484,9 @@ impl TcpTransport {
     /// Whether the Hellos with a peer this side connected to have crossed:
     /// `Some(Ok)` open, `None` not yet, `Some(Err)` refused or gone (the
     /// error `try_recv` would have reported, taken from there).
-    pub fn opened(&mut self, peer: PeerId) -> Option<Result<(), Error>> {
+    pub fn opened(&mut self, peer: PeerId) -> Option<Result<PeerId, Error>> {
         if let Some(p) = self.peer(peer) {
-            return (p.session.is_open() && p.session.host_settled()).then_some(Ok(()));
+            return (p.session.is_open() && p.session.host_settled()).then_some(Ok(peer));
         }
         let about = |e: &Error| match *e {
             Error::PeerLost(p) | Error::PeerClosed(p) => p == peer,
@@ -597,7 +610,7 @@ impl TcpTransport {
         };
         let Some(p) = p.take() else { return };
         let id = peer_id(slot, *gen);
-        *gen = gen.wrapping_add(1);
+        *gen = gen.wrapping_add(1) & GEN_MASK;
         self.queued_total -= p.queued_bytes;
         if !clean {
             log::info!(
@@ -863,7 +876,7 @@ impl Wire for TcpTransport {
         TcpTransport::take_accepted(self)
     }
 
-    fn opened(&mut self, peer: PeerId) -> Option<Result<(), Error>> {
+    fn opened(&mut self, peer: PeerId) -> Option<Result<PeerId, Error>> {
         TcpTransport::opened(self, peer)
     }
 

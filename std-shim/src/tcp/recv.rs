@@ -406,6 +406,16 @@ impl TcpTransport {
                     // (`control`); a Want by the timers, within the budget.
                     Inbound::Want | Inbound::Control | Inbound::Opened => {}
                 }
+                // An accepting side's peer whose exchange just settled (it
+                // had no offer) is news before any of its messages.
+                if p.token.is_some()
+                    && !p.announced
+                    && p.session.host_settled()
+                    && !p.session.is_moved()
+                {
+                    p.announced = true;
+                    self.accepted.push_back((id, p.addr));
+                }
                 continue;
             }
             p.session.handle_activity(now, staged > 0);

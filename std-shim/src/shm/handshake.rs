@@ -1,0 +1,218 @@
+//! How a segment reaches the other process: the side that offered listens
+//! on an abstract Unix socket named by its offer; the side that took the
+//! offer connects, and sends a small setup message with three descriptors
+//! (SCM_RIGHTS): the memfd and the two doorbells (eventfds). The connection
+//! then stays open for the lane's life: its hang-up is how each side learns
+//! that the other died (SIGKILL included), at once.
+
+use std::io::{self, IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
+
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+use zerohop_core::session::HostOffer;
+
+use super::host::socket_name;
+
+const MAGIC: [u8; 4] = *b"ZHSU";
+const VERSION: u32 = 1;
+const SETUP_BYTES: usize = 12;
+
+/// Where an offering side takes segments.
+#[derive(Debug)]
+pub(crate) struct LaneListener {
+    listener: UnixListener,
+}
+
+impl LaneListener {
+    /// Listens on the abstract socket `offer` names (nothing in the file
+    /// system: it goes with the process).
+    pub(crate) fn bind(offer: &HostOffer) -> io::Result<LaneListener> {
+        let addr = UnixAddr::from_abstract_name(socket_name(offer))?;
+        let listener = UnixListener::bind_addr(&addr)?;
+        listener.set_nonblocking(true)?;
+        Ok(LaneListener { listener })
+    }
+
+    /// A connection waiting to be taken, if one is.
+    pub(crate) fn accept(&self) -> io::Result<Option<UnixStream>> {
+        match self.listener.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(true)?;
+                Ok(Some(s))
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Its descriptor (for poll).
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.listener.as_fd()
+    }
+}
+
+/// What the taking side sends.
+#[derive(Debug)]
+pub(crate) struct Setup {
+    /// The connection's Hello token on the usual wire: which peer this is.
+    pub(crate) token: u32,
+    /// The segment's memfd.
+    pub(crate) segment: OwnedFd,
+    /// The doorbell that wakes the offering side (it polls this one).
+    pub(crate) bell_offerer: OwnedFd,
+    /// The doorbell that wakes the taking side.
+    pub(crate) bell_taker: OwnedFd,
+}
+
+/// Connects to the offering side's socket and sends it the segment and the
+/// doorbells, for the peer `token` names. The connection is the lane's link.
+pub(crate) fn send_setup(
+    offer: &HostOffer,
+    token: u32,
+    segment: BorrowedFd<'_>,
+    bell_offerer: BorrowedFd<'_>,
+    bell_taker: BorrowedFd<'_>,
+) -> io::Result<UnixStream> {
+    let addr = UnixAddr::from_abstract_name(socket_name(offer))?;
+    let s = UnixStream::connect_addr(&addr)?;
+    let mut msg = [0u8; SETUP_BYTES];
+    msg[..4].copy_from_slice(&MAGIC);
+    msg[4..8].copy_from_slice(&VERSION.to_le_bytes());
+    msg[8..12].copy_from_slice(&token.to_le_bytes());
+    let fds = [segment, bell_offerer, bell_taker];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err(io::Error::other(
+            "descriptors do not fit the control buffer",
+        ));
+    }
+    let n = rustix::net::sendmsg(&s, &[IoSlice::new(&msg)], &mut control, SendFlags::NOSIGNAL)?;
+    if n != SETUP_BYTES {
+        return Err(io::Error::other("the lane setup went in part"));
+    }
+    s.set_nonblocking(true)?;
+    Ok(s)
+}
+
+/// Reads a setup from a taken connection. `Ok(None)`: not here yet.
+/// Anything but a whole setup with its three descriptors is refused.
+pub(crate) fn recv_setup(s: &UnixStream) -> io::Result<Option<Setup>> {
+    let mut msg = [0u8; SETUP_BYTES];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let got = match rustix::net::recvmsg(
+        s,
+        &mut [IoSliceMut::new(&mut msg)],
+        &mut control,
+        RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC,
+    ) {
+        Ok(r) => r.bytes,
+        Err(rustix::io::Errno::AGAIN) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = m {
+            fds.extend(rights);
+        }
+    }
+    if got != SETUP_BYTES || msg[..4] != MAGIC {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not a lane setup",
+        ));
+    }
+    if u32::from_le_bytes([msg[4], msg[5], msg[6], msg[7]]) != VERSION {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "a lane setup of another version",
+        ));
+    }
+    let token = u32::from_le_bytes([msg[8], msg[9], msg[10], msg[11]]);
+    // Exactly three; more are closed as they drop, and refused.
+    let [segment, bell_offerer, bell_taker]: [OwnedFd; 3] = fds.try_into().map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            "a lane setup without its three descriptors",
+        )
+    })?;
+    Ok(Some(Setup {
+        token,
+        segment,
+        bell_offerer,
+        bell_taker,
+    }))
+}
+
+/// A doorbell: an eventfd, non-blocking.
+pub(crate) fn bell() -> io::Result<OwnedFd> {
+    Ok(rustix::event::eventfd(
+        0,
+        rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+    )?)
+}
+
+/// Rings a doorbell (a full counter already holds a pending ring).
+pub(crate) fn ring(bell: BorrowedFd<'_>) {
+    let _ = rustix::io::write(bell, &1u64.to_ne_bytes());
+}
+
+/// Takes a doorbell's rings, if any.
+pub(crate) fn drain(bell: BorrowedFd<'_>) {
+    let mut b = [0u8; 8];
+    let _ = rustix::io::read(bell, &mut b);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn offer(nonce: u32) -> HostOffer {
+        HostOffer {
+            host: 0xABCD,
+            pid: std::process::id(),
+            nonce,
+        }
+    }
+
+    #[test]
+    fn a_setup_crosses_with_its_descriptors_and_strangers_are_refused() {
+        let o = offer(0x5E70);
+        let l = LaneListener::bind(&o).unwrap();
+        assert!(l.accept().unwrap().is_none());
+        let seg = rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let (b1, b2) = (bell().unwrap(), bell().unwrap());
+        let link = send_setup(&o, 0x77, seg.as_fd(), b1.as_fd(), b2.as_fd()).unwrap();
+        let taken = l.accept().unwrap().expect("a connection");
+        let setup = recv_setup(&taken).unwrap().expect("the setup");
+        assert_eq!(setup.token, 0x77);
+        // The doorbells are the same eventfds: a ring on one end is seen on the other.
+        ring(b1.as_fd());
+        let mut v = [0u8; 8];
+        assert_eq!(rustix::io::read(&setup.bell_offerer, &mut v).unwrap(), 8);
+        assert_eq!(u64::from_ne_bytes(v), 1);
+        drop(link);
+        // A stranger writing garbage on the socket is refused, typed.
+        let mut s =
+            UnixStream::connect_addr(&UnixAddr::from_abstract_name(socket_name(&o)).unwrap())
+                .unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\n").unwrap();
+        let taken = l.accept().unwrap().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let e = recv_setup(&taken).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        // Nothing sent yet is "not here yet".
+        let _s2 = UnixStream::connect_addr(&UnixAddr::from_abstract_name(socket_name(&o)).unwrap())
+            .unwrap();
+        let taken = l.accept().unwrap().unwrap();
+        assert!(recv_setup(&taken).unwrap().is_none());
+    }
+}

@@ -1,0 +1,424 @@
+//! One same-host peer: a session over the segment's two rings, driven as a
+//! stream wire (TCP's framing, no fragmentation), its doorbells, and the
+//! Unix connection whose hang-up says the peer is gone.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+
+use zerohop_backends::{host_bytes, host_bytes_mut};
+use zerohop_core::session::{DataIn, Inbound, Instant, SendError, Session, SessionConfig};
+use zerohop_core::wire::HEADER_LEN;
+use zerohop_core::{Error, Lease, PeerId, Received};
+
+use super::handshake;
+use super::ring::{Consumer, Corrupt, Producer};
+use super::segment::{SegRing, Segment};
+use crate::host::{StdLease, StdPool};
+
+/// What a frame writes from.
+enum Payload {
+    None,
+    Owned(Vec<u8>),
+    Leased(StdLease),
+}
+
+impl Payload {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Payload::None => &[],
+            Payload::Owned(v) => v,
+            Payload::Leased(l) => host_bytes(l),
+        }
+    }
+}
+
+/// A frame not all in the ring yet.
+struct Out {
+    header: [u8; HEADER_LEN],
+    payload: Payload,
+    /// Bytes of header and payload already written.
+    sent: usize,
+}
+
+impl Out {
+    fn len(&self) -> usize {
+        HEADER_LEN + self.payload.bytes().len()
+    }
+}
+
+/// A data frame whose header the engine took: its payload goes here.
+struct Incoming {
+    d: DataIn,
+    lease: Option<StdLease>,
+    have: usize,
+}
+
+/// How reading a lane ended.
+pub(crate) enum Outcome {
+    /// Nothing more now.
+    Drained,
+    /// Stopped with bytes left: the inbox is full or the pool dry.
+    Stopped,
+    /// The peer broke the protocol or the ring.
+    Bad(Error),
+}
+
+/// One same-host peer.
+pub(crate) struct Lane {
+    /// The peer's address on the usual wire (how the application names it).
+    pub(crate) addr: SocketAddr,
+    pub(crate) session: Session,
+    tx: Producer<SegRing>,
+    rx: Consumer<SegRing>,
+    /// The eventfd the peer rings to wake this side, and the one this side rings.
+    my_bell: OwnedFd,
+    their_bell: OwnedFd,
+    /// The Unix connection the segment came over: its hang-up is the peer's end.
+    link: UnixStream,
+    header: [u8; HEADER_LEN],
+    have: usize,
+    incoming: Option<Incoming>,
+    queue: VecDeque<Out>,
+    pub(crate) queued_bytes: usize,
+    /// This side said it waits for room (the peer rings when it reads).
+    waiting_room: bool,
+    /// The pool had no buffer for the last message begun.
+    pub(crate) dry: bool,
+}
+
+impl Lane {
+    /// A lane over `segment`: the creator (the side that took the offer)
+    /// writes ring 0 and reads ring 1, the other the reverse. Its Hello is
+    /// written at once.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        addr: SocketAddr,
+        segment: Arc<Segment>,
+        creator: bool,
+        my_bell: OwnedFd,
+        their_bell: OwnedFd,
+        link: UnixStream,
+        config: SessionConfig,
+        token: u32,
+        now: Instant,
+    ) -> Lane {
+        let (mine, theirs) = if creator { (0, 1) } else { (1, 0) };
+        let mut lane = Lane {
+            addr,
+            session: Session::new(config, token, now),
+            tx: Producer::new(segment.ring(mine)),
+            rx: Consumer::new(segment.ring(theirs)),
+            my_bell,
+            their_bell,
+            link,
+            header: [0; HEADER_LEN],
+            have: 0,
+            incoming: None,
+            queue: VecDeque::new(),
+            queued_bytes: 0,
+            waiting_room: false,
+            dry: false,
+        };
+        lane.control();
+        lane
+    }
+
+    fn corrupt(peer: PeerId, _: Corrupt) -> Error {
+        Error::WireRule {
+            peer,
+            rule: "a same-host ring whose counters are impossible",
+        }
+    }
+
+    /// Starts a message: written into the ring as far as it fits, the rest
+    /// copied (a slice) or kept (a lease) until the ring has room.
+    // A refused lease comes back whole (as `Transport::try_send_lease`'s does).
+    #[allow(clippy::result_large_err)]
+    pub(crate) fn send(&mut self, peer: PeerId, payload: Source<'_>) -> Result<(), Refused> {
+        let len = payload.bytes().len();
+        let mut out = match self.session.send(len) {
+            Ok(o) => o,
+            Err(e) => {
+                self.control(); // a Want, when credit is short
+                return Err(payload.refused(match e {
+                    SendError::NotOpen | SendError::NoCredit => Error::WouldBlock,
+                    SendError::TooLarge { len, max } => Error::TooLarge { len, max },
+                    SendError::Closed => Error::Closed,
+                    SendError::Failed(_) | SendError::SequenceExhausted => Error::UnknownPeer(peer),
+                }));
+            }
+        };
+        let Some(f) = self.session.next_frame(&mut out, None, false) else {
+            return Err(payload.refused(Error::Backend("shm: the session framed nothing")));
+        };
+        let header = f.header.unwrap_or([0; HEADER_LEN]);
+        let mut sent = 0;
+        if self.queue.is_empty() {
+            match self.tx.write(&[&header, payload.bytes()]) {
+                Ok(m) => {
+                    sent = m.n;
+                    if m.wake {
+                        handshake::ring(self.their_bell.as_fd());
+                    }
+                }
+                Err(c) => return Err(payload.refused(Self::corrupt(peer, c))),
+            }
+        }
+        if sent < HEADER_LEN + len {
+            let payload = match payload {
+                Source::Slice(b) => Payload::Owned(b.to_vec()),
+                Source::Lease(l) => Payload::Leased(l),
+            };
+            self.queued_bytes += HEADER_LEN + len - sent;
+            self.queue.push_back(Out {
+                header,
+                payload,
+                sent,
+            });
+        }
+        self.control();
+        Ok(())
+    }
+
+    /// The engine's control frames (Hello, credit, a Want, the Close), queued.
+    pub(crate) fn control(&mut self) {
+        while let Some(c) = self.session.poll_control() {
+            self.queued_bytes += HEADER_LEN;
+            self.queue.push_back(Out {
+                header: c.header,
+                payload: Payload::None,
+                sent: 0,
+            });
+        }
+    }
+
+    /// Writes what is queued, as far as the ring has room. Whether anything moved.
+    pub(crate) fn flush(&mut self, peer: PeerId) -> Result<bool, Error> {
+        let mut any = false;
+        while let Some(o) = self.queue.front_mut() {
+            let total = o.len();
+            let (h, p) = if o.sent < HEADER_LEN {
+                (&o.header[o.sent..], o.payload.bytes())
+            } else {
+                (&[][..], &o.payload.bytes()[o.sent - HEADER_LEN..])
+            };
+            let m = self.tx.write(&[h, p]).map_err(|c| Self::corrupt(peer, c))?;
+            if m.wake {
+                handshake::ring(self.their_bell.as_fd());
+            }
+            o.sent += m.n;
+            self.queued_bytes -= m.n;
+            any |= m.n > 0;
+            if o.sent < total {
+                break;
+            }
+            self.queue.pop_front();
+        }
+        Ok(any)
+    }
+
+    /// Reads frames into `arrivals` (at most `inbox` messages there),
+    /// messages into leases of `pool`.
+    pub(crate) fn read(
+        &mut self,
+        peer: PeerId,
+        now: Instant,
+        pool: &Arc<StdPool>,
+        arrivals: &mut VecDeque<Result<Received<StdLease>, Error>>,
+        inbox: usize,
+    ) -> Outcome {
+        let protocol = |error| Outcome::Bad(Error::Protocol { peer, error });
+        loop {
+            if arrivals.len() >= inbox {
+                return Outcome::Stopped;
+            }
+            // 1. The payload of the frame whose header the engine took.
+            if let Some(inc) = self.incoming.as_mut() {
+                if inc.lease.is_none() {
+                    match Lease::take(Arc::clone(pool), inc.d.msg_len.max(1)) {
+                        Ok(mut l) => {
+                            let _ = l.set_len(inc.d.msg_len);
+                            inc.lease = Some(l);
+                            self.dry = false;
+                        }
+                        Err(_) => {
+                            self.dry = true;
+                            return Outcome::Stopped;
+                        }
+                    }
+                }
+                let lease = inc.lease.as_mut().expect("leased above");
+                let want = inc.d.len;
+                if inc.have < want {
+                    let dst = &mut host_bytes_mut(lease)[inc.have..want];
+                    match self.rx.read(dst) {
+                        Ok(m) => {
+                            inc.have += m.n;
+                            if m.wake {
+                                handshake::ring(self.their_bell.as_fd());
+                            }
+                            if inc.have < want {
+                                self.session.handle_activity(now, true);
+                                return Outcome::Drained;
+                            }
+                        }
+                        Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
+                    }
+                }
+                let inc = self.incoming.take().expect("incoming");
+                let lease = inc.lease.expect("leased");
+                match self
+                    .session
+                    .handle_payload(now, Some(&host_bytes(&lease)[..want]))
+                {
+                    Ok(Some(done)) => {
+                        self.session.consumed(done.len);
+                        arrivals.push_back(Ok(Received { peer, lease }));
+                    }
+                    // A stream wire does not fragment.
+                    Ok(None) => {
+                        return Outcome::Bad(Error::Backend("shm: a fragment on a stream lane"))
+                    }
+                    Err(e) => return protocol(e),
+                }
+                continue;
+            }
+            // 2. A header.
+            if self.have < HEADER_LEN {
+                match self.rx.read(&mut self.header[self.have..]) {
+                    Ok(m) => {
+                        self.have += m.n;
+                        if m.wake {
+                            handshake::ring(self.their_bell.as_fd());
+                        }
+                    }
+                    Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
+                }
+                if self.have < HEADER_LEN {
+                    self.session.handle_activity(now, self.have > 0);
+                    return Outcome::Drained;
+                }
+            }
+            self.have = 0;
+            let inbound = match self.session.handle_header(now, &self.header, None) {
+                Ok(i) => i,
+                Err(e) => return protocol(e),
+            };
+            match inbound {
+                Inbound::Data(d) => {
+                    if !d.first || !d.last {
+                        return Outcome::Bad(Error::Backend("shm: a fragment on a stream lane"));
+                    }
+                    self.incoming = Some(Incoming {
+                        d,
+                        lease: None,
+                        have: 0,
+                    });
+                }
+                Inbound::Closed => arrivals.push_back(Err(Error::PeerClosed(peer))),
+                Inbound::Want => self.session.grant(),
+                // A lane runs no same-host exchange (`HostRole::None`): the
+                // engine refuses Host frames itself.
+                Inbound::Control
+                | Inbound::Opened
+                | Inbound::HostOffer(_)
+                | Inbound::HostAnswer { .. } => {}
+            }
+            self.control();
+        }
+    }
+
+    /// Whether the peer's end of the link is still there (a peer killed
+    /// mid-message hangs it up: the kernel closes its descriptors).
+    pub(crate) fn alive(&self) -> bool {
+        let mut b = [0u8; 1];
+        match rustix::net::recv(
+            &self.link,
+            &mut b,
+            rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+        ) {
+            Ok((0, _)) => false,
+            Ok(_) => true, // nothing is ever sent on the link; bytes are not an end
+            Err(rustix::io::Errno::AGAIN) => true,
+            Err(_) => false,
+        }
+    }
+
+    /// Descriptors a sleeper waits on: the doorbell and the link.
+    pub(crate) fn poll_fds(&self, out: &mut Vec<libc::pollfd>) {
+        for fd in [self.my_bell.as_raw_fd(), self.link.as_raw_fd()] {
+            out.push(libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+    }
+
+    /// About to sleep: tells the peer to ring (for bytes, and for room if
+    /// frames wait for it). `true`: something came meanwhile, do not sleep.
+    pub(crate) fn prepare_sleep(&mut self) -> bool {
+        handshake::drain(self.my_bell.as_fd());
+        let bytes = self.rx.prepare_sleep().unwrap_or(true);
+        self.waiting_room = !self.queue.is_empty();
+        let room = self.waiting_room && self.tx.prepare_wait().unwrap_or(true);
+        bytes || room
+    }
+
+    /// Awake: no more rings needed until the next sleep.
+    pub(crate) fn woke(&mut self) {
+        self.rx.woke();
+        if self.waiting_room {
+            self.tx.done_waiting();
+            self.waiting_room = false;
+        }
+    }
+
+    /// Whether the session is over on both sides, with nothing left to write.
+    pub(crate) fn finished(&self) -> bool {
+        self.session.is_finished() && self.queue.is_empty()
+    }
+}
+
+/// What [`Lane::send`] sends: the caller's bytes, or a lease.
+pub(crate) enum Source<'a> {
+    Slice(&'a [u8]),
+    Lease(StdLease),
+}
+
+/// A refused send: why, and the lease back (for a lease).
+pub(crate) struct Refused {
+    pub(crate) error: Error,
+    pub(crate) lease: Option<StdLease>,
+}
+
+impl Source<'_> {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Source::Slice(b) => b,
+            Source::Lease(l) => host_bytes(l),
+        }
+    }
+
+    fn refused(self, error: Error) -> Refused {
+        Refused {
+            error,
+            lease: match self {
+                Source::Slice(_) => None,
+                Source::Lease(l) => Some(l),
+            },
+        }
+    }
+}
+
+impl std::fmt::Debug for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lane")
+            .field("addr", &self.addr)
+            .field("queued_bytes", &self.queued_bytes)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,731 @@
+//! The same-host lane (kind `shm`): peers that turn out to share this host
+//! move their session from TCP to shared memory.
+//!
+//! [`LocalWire`] is a TCP wire ([`TcpTransport`]) that offers its host to
+//! every listener it connects to, and takes such offers from peers that
+//! connect to it (the same-host exchange of the session engine, right after
+//! the Hellos, before any data). When the two identities match (boot id,
+//! IPC, mount and network namespaces: [`host`]), the accepting side creates
+//! a sealed memfd segment with a ring per direction ([`segment`], [`ring`]),
+//! passes it and two eventfd doorbells to the offering side over an abstract
+//! Unix socket ([`handshake`]), and answers *accept*; both sides then drop
+//! the TCP connection and run a fresh session over the rings ([`lane`]).
+//! Peers elsewhere stay on TCP, in the same endpoint.
+//!
+//! The peer's id says which: lanes have the top bit set. An endpoint learns
+//! of a peer only once its path is decided (the acceptor announces the lane,
+//! the connector's `opened` answers with it), so no id changes under the
+//! application.
+//!
+//! A receiver spins on the rings' counters (no system call); a sleeper
+//! waits on its doorbell after telling the peer to ring it, and on the Unix
+//! link, whose hang-up reports a peer that died (SIGKILL included) at once.
+
+pub(crate) mod handshake;
+pub(crate) mod host;
+pub(crate) mod lane;
+#[cfg_attr(loom, allow(dead_code))]
+pub(crate) mod ring;
+pub(crate) mod segment;
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant as StdInstant};
+
+use zerohop_backends::host_bytes;
+use zerohop_core::session::{HostOffer, HostRole, Instant, SessionConfig, SessionStats};
+use zerohop_core::{Capabilities, Error, Kind, PeerId, Received, Rejected, Transport};
+
+use crate::endpoint::{pool_leaser, Leaser, Waiter, Wire};
+use crate::host::{StdLease, StdPool};
+use crate::tcp::{Dialed, TcpConfig, TcpTransport};
+
+use self::handshake::{LaneListener, Setup};
+use self::lane::{Lane, Outcome, Source};
+use self::segment::Segment;
+
+pub use self::ring::Corrupt;
+pub use self::segment::SegmentError;
+
+/// Whether this host can give same-host lanes their memory: a sealed
+/// memfd that maps (and an identity to offer).
+pub fn probe(probe: &mut zerohop_core::Probe) {
+    use zerohop_core::Prereq;
+    match Segment::create(segment::MIN_RING_BYTES).and_then(|_| host::identity()) {
+        Ok(_) => probe.present(Prereq::Memfd, "sealed memfd maps; abstract Unix sockets"),
+        Err(e) => probe.missing(Prereq::Memfd, &format!("memfd: {e}")),
+    }
+}
+
+/// The top bit of a lane's [`PeerId`] (TCP peers never have it).
+pub const LANE_BIT: u32 = 1 << 31;
+/// Setups that came over the Unix socket and wait for their TCP answer, kept at most.
+const MAX_PENDING: usize = 64;
+/// How long a setup or its answer may keep the other waiting.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a spinning receiver looks at the lanes' links (a dead peer
+/// is seen at once by a sleeper; a spinner sees it within this).
+const LINK_CHECK: Duration = Duration::from_millis(5);
+/// One `try_recv` in this many also moves the TCP side and the upgrades along.
+const SIDE_EVERY: u32 = 32;
+
+/// Settings of the same-host lane.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShmConfig {
+    /// Each direction's ring, in bytes (a power of two; default 4 MiB).
+    pub ring_bytes: usize,
+    /// Received messages held for the application before reading stops (default 4096).
+    pub inbox_messages: usize,
+    /// A peer elsewhere is refused: `connect` fails unless the peer moves to
+    /// shared memory (what an explicit `shm` asks). Off, it stays on TCP.
+    pub required: bool,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        ShmConfig {
+            ring_bytes: 4 << 20,
+            inbox_messages: 4096,
+            required: false,
+        }
+    }
+}
+
+/// A slot of the lane table: its generation and the lane.
+type Slot = (u8, Option<Box<Lane>>);
+
+/// TCP, with its same-host peers in shared memory. See the module docs.
+pub struct LocalWire {
+    tcp: TcpTransport,
+    config: ShmConfig,
+    session: SessionConfig,
+    offer: HostOffer,
+    listener: LaneListener,
+    pool: Arc<StdPool>,
+    lanes: Vec<Slot>,
+    /// Unix connections taken, waiting for their setup message.
+    links: Vec<(UnixStream, StdInstant)>,
+    /// Setups received, by the TCP token they name, waiting for the answer.
+    setups: HashMap<u32, (Setup, UnixStream, StdInstant)>,
+    /// Peers this side connected to over TCP: token and address.
+    dialed: HashMap<PeerId, (u32, SocketAddr)>,
+    /// Accepted offers whose setup has not come yet: token -> TCP peer.
+    awaiting: HashMap<u32, (PeerId, SocketAddr, StdInstant)>,
+    /// A connecting side's peers that moved: the TCP id -> the lane's id
+    /// (or why the move failed).
+    moved: HashMap<PeerId, Result<PeerId, Error>>,
+    accepted: VecDeque<(PeerId, SocketAddr)>,
+    arrivals: VecDeque<Result<Received<StdLease>, Error>>,
+    origin: StdInstant,
+    polls: u32,
+    next_link_check: StdInstant,
+    /// A sleeper asked the peers to ring: the next call tells them it is awake.
+    slept: bool,
+    closed: bool,
+}
+
+impl std::fmt::Debug for LocalWire {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalWire")
+            .field("tcp", &self.tcp)
+            .field(
+                "lanes",
+                &self.lanes.iter().filter(|(_, l)| l.is_some()).count(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+fn lane_id(slot: usize, gen: u8) -> PeerId {
+    PeerId(LANE_BIT | slot as u32 | u32::from(gen & 0x7F) << 24)
+}
+
+impl LocalWire {
+    /// A wire receiving into `pool` (TCP peers and lanes alike), offering
+    /// this host to the listeners it connects to and taking the offers of
+    /// peers that connect to it.
+    pub fn new(pool: Arc<StdPool>, mut tcp: TcpConfig, config: ShmConfig) -> io::Result<LocalWire> {
+        use std::hash::BuildHasher;
+        let nonce =
+            std::collections::hash_map::RandomState::new().hash_one(std::process::id()) as u32;
+        let offer = host::offer(nonce)?;
+        let listener = LaneListener::bind(&offer)?;
+        tcp.same_host = Some(offer);
+        tcp.takes_offers = true;
+        let t = TcpTransport::new(Arc::clone(&pool), tcp, Kind::Tcp);
+        let max = u32::try_from(t.max_message()).unwrap_or(u32::MAX);
+        let session = SessionConfig {
+            window: u32::try_from(tcp.window).unwrap_or(u32::MAX),
+            idle_timeout: tcp.idle_timeout,
+            host: HostRole::None,
+            ..SessionConfig::stream(max)
+        };
+        let now = StdInstant::now();
+        Ok(LocalWire {
+            tcp: t,
+            config,
+            session,
+            offer,
+            listener,
+            pool,
+            lanes: Vec::new(),
+            links: Vec::new(),
+            setups: HashMap::new(),
+            dialed: HashMap::new(),
+            awaiting: HashMap::new(),
+            moved: HashMap::new(),
+            accepted: VecDeque::new(),
+            arrivals: VecDeque::new(),
+            origin: now,
+            polls: 0,
+            next_link_check: now,
+            slept: false,
+            closed: false,
+        })
+    }
+
+    /// The TCP side (its listener, its peers elsewhere).
+    pub fn tcp(&self) -> &TcpTransport {
+        &self.tcp
+    }
+
+    /// Listens on `addr` (TCP; same-host peers then move).
+    pub fn listen(&mut self, addr: SocketAddr) -> io::Result<SocketAddr> {
+        self.tcp.listen(addr)
+    }
+
+    /// Where it listens.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.tcp.local_addr()
+    }
+
+    /// The second half of a connect (see [`TcpTransport::dial`]): the
+    /// dialed connection becomes a TCP peer that offers this host;
+    /// [`Wire::opened`] says where it ends up.
+    pub fn attach(&mut self, dialed: Dialed) -> io::Result<PeerId> {
+        let addr = dialed.addr();
+        let peer = self.tcp.attach(dialed)?;
+        if let Some(token) = self.tcp.peer_token(peer) {
+            self.dialed.insert(peer, (token, addr));
+        }
+        Ok(peer)
+    }
+
+    /// The longest message it takes (what its Hellos tell peers).
+    pub fn max_message(&self) -> usize {
+        self.tcp.max_message()
+    }
+
+    /// Same-host peers, in shared memory now.
+    pub fn lane_count(&self) -> usize {
+        self.lanes.iter().filter(|(_, l)| l.is_some()).count()
+    }
+
+    fn now(&self) -> Instant {
+        Instant::from_micros(self.origin.elapsed().as_micros() as u64)
+    }
+
+    fn lane_mut(&mut self, id: PeerId) -> Option<&mut Lane> {
+        let slot = (id.0 & 0xFF_FFFF) as usize;
+        match self.lanes.get_mut(slot) {
+            Some((gen, Some(l)))
+                if id.0 & LANE_BIT != 0 && u32::from(*gen) == (id.0 >> 24) & 0x7F =>
+            {
+                Some(l)
+            }
+            _ => None,
+        }
+    }
+
+    fn lane(&self, id: PeerId) -> Option<&Lane> {
+        let slot = (id.0 & 0xFF_FFFF) as usize;
+        match self.lanes.get(slot) {
+            Some((gen, Some(l)))
+                if id.0 & LANE_BIT != 0 && u32::from(*gen) == (id.0 >> 24) & 0x7F =>
+            {
+                Some(l)
+            }
+            _ => None,
+        }
+    }
+
+    fn add_lane(&mut self, lane: Lane) -> PeerId {
+        let slot = match self.lanes.iter().position(|(_, l)| l.is_none()) {
+            Some(i) => i,
+            None => {
+                self.lanes.push((0, None));
+                self.lanes.len() - 1
+            }
+        };
+        self.lanes[slot].1 = Some(Box::new(lane));
+        lane_id(slot, self.lanes[slot].0)
+    }
+
+    /// Removes a lane; an unclean end (the peer had not closed) is reported
+    /// once as `PeerLost`. Its segment is unmapped, its descriptors closed.
+    fn drop_lane(&mut self, slot: usize, error: Option<Error>) {
+        let Some((gen, l)) = self.lanes.get_mut(slot) else {
+            return;
+        };
+        let Some(lane) = l.take() else { return };
+        let id = lane_id(slot, *gen);
+        *gen = gen.wrapping_add(1) & 0x7F;
+        let error = error.or_else(|| (!lane.session.peer_closed()).then_some(Error::PeerLost(id)));
+        if let Some(e) = error {
+            log::info!("shm: lane to {} ended: {e}", lane.addr);
+            self.arrivals.push_back(Err(e));
+        }
+    }
+
+    /// The upgrades: offers to take, setups to receive, answers to match.
+    fn upgrade(&mut self) {
+        // Accepting side: take the offers of peers on this host.
+        while let Some((peer, offer)) = self.tcp.take_offer() {
+            let take = !self.closed && offer.host == self.offer.host;
+            match take.then(|| self.take_offer(peer, offer)) {
+                Some(Ok(())) => self.tcp.answer_offer(peer, true),
+                Some(Err(e)) => {
+                    log::info!("shm: could not share memory with a peer on this host ({e}); it stays on tcp");
+                    self.tcp.answer_offer(peer, false);
+                }
+                None => self.tcp.answer_offer(peer, false),
+            }
+        }
+        // Offering side: connections on the lane socket, and their setups.
+        while let Ok(Some(s)) = self.listener.accept() {
+            if self.links.len() + self.setups.len() >= MAX_PENDING {
+                continue; // dropped: a flood of strangers costs them their connection
+            }
+            self.links.push((s, StdInstant::now()));
+        }
+        let now = StdInstant::now();
+        let mut i = 0;
+        while i < self.links.len() {
+            match handshake::recv_setup(&self.links[i].0) {
+                Ok(Some(setup)) => {
+                    let (link, _) = self.links.swap_remove(i);
+                    self.setups.insert(setup.token, (setup, link, now));
+                }
+                Ok(None) if now.duration_since(self.links[i].1) < SETUP_TIMEOUT => i += 1,
+                Ok(None) | Err(_) => {
+                    self.links.swap_remove(i);
+                }
+            }
+        }
+        while let Some((peer, taken)) = self.tcp.take_answer() {
+            let Some((token, addr)) = self.dialed.remove(&peer) else {
+                continue;
+            };
+            if taken {
+                self.awaiting.insert(token, (peer, addr, now));
+            } else if self.config.required {
+                self.tcp.disconnect(peer);
+                self.moved.insert(
+                    peer,
+                    Err(Error::Backend(
+                        "shm: the peer is not on this host (or takes no shared memory), and shm was asked for",
+                    )),
+                );
+            }
+        }
+        // Match each taken offer with its setup.
+        let tokens: Vec<u32> = self.awaiting.keys().copied().collect();
+        for token in tokens {
+            if let Some((setup, link, _)) = self.setups.remove(&token) {
+                let (peer, addr, _) = self.awaiting.remove(&token).expect("listed");
+                let r = self.open_lane(addr, token, setup, link);
+                self.moved.insert(peer, r);
+            } else if self.awaiting[&token].2.elapsed() > SETUP_TIMEOUT {
+                let (peer, _, _) = self.awaiting.remove(&token).expect("listed");
+                self.moved.insert(peer, Err(Error::PeerLost(peer)));
+            }
+        }
+        self.setups
+            .retain(|_, (_, _, at)| at.elapsed() < SETUP_TIMEOUT);
+    }
+
+    /// Accepting side: creates the segment and doorbells, sends them to the
+    /// offering side, and starts the lane (announced to the application).
+    fn take_offer(&mut self, peer: PeerId, offer: HostOffer) -> io::Result<()> {
+        let token = self
+            .tcp
+            .peer_token(peer)
+            .ok_or(io::ErrorKind::NotConnected)?;
+        let addr = self
+            .tcp
+            .peer_addr(peer)
+            .ok_or(io::ErrorKind::NotConnected)?;
+        let seg = Arc::new(Segment::create(self.config.ring_bytes)?);
+        let (bell_offerer, bell_taker) = (handshake::bell()?, handshake::bell()?);
+        use std::os::fd::AsFd;
+        let link = handshake::send_setup(
+            &offer,
+            token,
+            seg.fd(),
+            bell_offerer.as_fd(),
+            bell_taker.as_fd(),
+        )?;
+        let now = self.now();
+        let lane = Lane::new(
+            addr,
+            seg,
+            true,
+            bell_taker,
+            bell_offerer,
+            link,
+            self.session,
+            0,
+            now,
+        );
+        let id = self.add_lane(lane);
+        self.accepted.push_back((id, addr));
+        Ok(())
+    }
+
+    /// Offering side: maps the segment the peer sent and starts the lane.
+    fn open_lane(
+        &mut self,
+        addr: SocketAddr,
+        token: u32,
+        setup: Setup,
+        link: UnixStream,
+    ) -> Result<PeerId, Error> {
+        let seg = Segment::open(setup.segment).map_err(|e| {
+            log::warn!("shm: the segment from {addr} was refused: {e}");
+            Error::Backend("shm: the peer's segment was refused")
+        })?;
+        let now = self.now();
+        let lane = Lane::new(
+            addr,
+            Arc::new(seg),
+            false,
+            setup.bell_offerer,
+            setup.bell_taker,
+            link,
+            self.session,
+            token,
+            now,
+        );
+        Ok(self.add_lane(lane))
+    }
+
+    /// Reads every lane into the arrivals. Whether anything came.
+    fn read_lanes(&mut self) -> bool {
+        let before = self.arrivals.len();
+        let now = self.now();
+        for slot in 0..self.lanes.len() {
+            let id = lane_id(slot, self.lanes[slot].0);
+            let Some((_, Some(l))) = self.lanes.get_mut(slot) else {
+                continue;
+            };
+            let outcome = l.read(
+                id,
+                now,
+                &self.pool,
+                &mut self.arrivals,
+                self.config.inbox_messages,
+            );
+            if let Outcome::Bad(e) = outcome {
+                self.drop_lane(slot, Some(e));
+                continue;
+            }
+            if let Err(e) = l.flush(id) {
+                self.drop_lane(slot, Some(e));
+                continue;
+            }
+            if l.finished() {
+                self.drop_lane(slot, None);
+            }
+        }
+        self.arrivals.len() != before
+    }
+
+    /// Links (a dead peer), idle timers and queued frames of every lane.
+    fn tend_lanes(&mut self) -> bool {
+        let now = self.now();
+        let check = StdInstant::now() >= self.next_link_check;
+        if check {
+            self.next_link_check = StdInstant::now() + LINK_CHECK;
+        }
+        let mut any = false;
+        for slot in 0..self.lanes.len() {
+            let id = lane_id(slot, self.lanes[slot].0);
+            let Some((_, Some(l))) = self.lanes.get_mut(slot) else {
+                continue;
+            };
+            l.control();
+            match l.flush(id) {
+                Ok(moved) => any |= moved,
+                Err(e) => {
+                    self.drop_lane(slot, Some(e));
+                    continue;
+                }
+            }
+            if l.dry {
+                l.session.handle_held(now); // our pool, not the peer's stall
+            }
+            if let Err(error) = l.session.handle_timeout(now) {
+                self.drop_lane(slot, Some(Error::Protocol { peer: id, error }));
+                continue;
+            }
+            if check && !l.alive() {
+                // Its end hung up: whatever it sent is in the ring; take it first.
+                let mut tail = VecDeque::new();
+                let _ = l.read(id, now, &self.pool, &mut tail, usize::MAX);
+                self.arrivals.extend(tail);
+                self.drop_lane(slot, None);
+                any = true;
+            }
+        }
+        any
+    }
+
+    /// After a sleep: the peers need not ring any more.
+    fn awake(&mut self) {
+        if std::mem::take(&mut self.slept) {
+            for (_, l) in self.lanes.iter_mut() {
+                if let Some(l) = l {
+                    l.woke();
+                }
+            }
+        }
+    }
+
+    fn pass(&mut self) -> bool {
+        self.awake();
+        let mut any = self.tcp.progress().unwrap_or(false);
+        self.upgrade();
+        any |= self.tend_lanes();
+        any |= self.read_lanes();
+        any
+    }
+}
+
+impl Transport for LocalWire {
+    type Lease = StdLease;
+
+    fn kind(&self) -> Kind {
+        Kind::Shm
+    }
+
+    fn caps(&self) -> Capabilities {
+        Capabilities::new(false, true, 1)
+    }
+
+    fn try_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<(), Error> {
+        if peer.0 & LANE_BIT == 0 {
+            return self.tcp.try_send(peer, bytes);
+        }
+        if self.closed {
+            return Err(Error::Closed);
+        }
+        let l = self.lane_mut(peer).ok_or(Error::UnknownPeer(peer))?;
+        l.send(peer, Source::Slice(bytes)).map_err(|r| r.error)
+    }
+
+    fn try_send_lease(&mut self, peer: PeerId, lease: StdLease) -> Result<(), Rejected<StdLease>> {
+        if peer.0 & LANE_BIT == 0 {
+            return self.tcp.try_send_lease(peer, lease);
+        }
+        if self.closed {
+            return Err(Rejected {
+                error: Error::Closed,
+                lease,
+            });
+        }
+        let Some(l) = self.lane_mut(peer) else {
+            return Err(Rejected {
+                error: Error::UnknownPeer(peer),
+                lease,
+            });
+        };
+        l.send(peer, Source::Lease(lease)).map_err(|r| Rejected {
+            error: r.error,
+            lease: r.lease.expect("a lease comes back as a lease"),
+        })
+    }
+
+    fn try_recv(&mut self) -> Result<Received<StdLease>, Error> {
+        self.awake();
+        if self.arrivals.is_empty() {
+            self.polls = self.polls.wrapping_add(1);
+            if self.polls % SIDE_EVERY == 0 {
+                self.pass();
+            } else {
+                self.read_lanes();
+            }
+            // TCP peers are read when there are any (else its epoll would
+            // cost a system call on every poll of a lane).
+            if self.arrivals.is_empty() && self.tcp.peers_left() > 0 {
+                match self.tcp.try_recv() {
+                    Ok(m) => return Ok(m),
+                    Err(Error::WouldBlock) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        match self.arrivals.pop_front() {
+            Some(r) => r,
+            None if self.closed && self.tcp.peers_left() == 0 && self.lane_count() == 0 => {
+                Err(Error::Closed)
+            }
+            None => Err(Error::WouldBlock),
+        }
+    }
+
+    fn progress(&mut self) -> Result<bool, Error> {
+        Ok(self.pass())
+    }
+
+    fn close(&mut self) -> Result<(), Error> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        self.tcp.close()?;
+        for slot in 0..self.lanes.len() {
+            let id = lane_id(slot, self.lanes[slot].0);
+            if let Some((_, Some(l))) = self.lanes.get_mut(slot) {
+                l.session.close();
+                l.control();
+                let _ = l.flush(id);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Wire for LocalWire {
+    const WAKES_POLL: bool = true;
+
+    fn leaser(&self) -> Leaser<StdLease> {
+        pool_leaser(Arc::clone(&self.pool))
+    }
+
+    fn read_lease(&self, lease: &StdLease, out: &mut [u8]) -> Result<(), Error> {
+        crate::endpoint::copy_out(host_bytes(lease), out)
+    }
+
+    fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
+        self.tcp.poll_fds(out, waiter);
+        out.push(libc::pollfd {
+            fd: self.listener.fd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        for (link, _) in &self.links {
+            out.push(libc::pollfd {
+                fd: link.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        for (_, l) in &self.lanes {
+            if let Some(l) = l {
+                l.poll_fds(out);
+            }
+        }
+    }
+
+    fn prepare_sleep(&mut self, waiter: Waiter) -> bool {
+        self.slept = true;
+        let mut any = self.tcp.prepare_sleep(waiter) || !self.arrivals.is_empty();
+        for (_, l) in self.lanes.iter_mut() {
+            if let Some(l) = l {
+                any |= l.prepare_sleep();
+            }
+        }
+        any
+    }
+
+    fn pending_sends(&self) -> usize {
+        let lanes: usize = self
+            .lanes
+            .iter()
+            .filter_map(|(_, l)| l.as_ref())
+            .map(|l| l.queued_bytes)
+            .sum();
+        self.tcp.pending_sends() + lanes
+    }
+
+    fn needs_progress(&self) -> bool {
+        self.pending_sends() > 0 || !self.awaiting.is_empty() || !self.links.is_empty()
+    }
+
+    fn start_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
+        if peer.0 & LANE_BIT == 0 {
+            return self.tcp.start_send(peer, bytes);
+        }
+        self.try_send(peer, bytes).map(|()| true)
+    }
+
+    fn continue_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
+        if peer.0 & LANE_BIT == 0 {
+            return self.tcp.continue_send(peer, bytes);
+        }
+        Ok(true)
+    }
+
+    fn abandon_send(&mut self, peer: PeerId, bytes: &[u8]) {
+        if peer.0 & LANE_BIT == 0 {
+            self.tcp.abandon_send(peer, bytes);
+        }
+    }
+
+    fn background_progress(&mut self, read: bool) -> Result<bool, Error> {
+        self.awake();
+        let mut any = self.tcp.background_progress(read)?;
+        self.upgrade();
+        any |= self.tend_lanes();
+        if read {
+            any |= self.read_lanes();
+        }
+        Ok(any)
+    }
+
+    fn take_accepted(&mut self) -> Option<(PeerId, SocketAddr)> {
+        self.accepted
+            .pop_front()
+            .or_else(|| self.tcp.take_accepted())
+    }
+
+    fn opened(&mut self, peer: PeerId) -> Option<Result<PeerId, Error>> {
+        if let Some(r) = self.moved.remove(&peer) {
+            return Some(r);
+        }
+        let waiting =
+            self.dialed.contains_key(&peer) || self.awaiting.values().any(|(p, _, _)| *p == peer);
+        match self.tcp.opened(peer) {
+            Some(Ok(p)) if !self.config.required => {
+                self.dialed.remove(&peer);
+                Some(Ok(p))
+            }
+            // Required: only a lane will do; a declined offer comes back as `moved`.
+            Some(Ok(_)) => None,
+            Some(Err(_)) if waiting => None, // the TCP peer went: its lane is on its way
+            r => r,
+        }
+    }
+
+    fn peers_left(&self) -> usize {
+        self.tcp.peers_left() + self.lane_count()
+    }
+
+    fn peer_addr(&self, peer: PeerId) -> Option<SocketAddr> {
+        match peer.0 & LANE_BIT {
+            0 => self.tcp.peer_addr(peer),
+            _ => self.lane(peer).map(|l| l.addr),
+        }
+    }
+
+    fn peer_stats(&self, peer: PeerId) -> Option<SessionStats> {
+        match peer.0 & LANE_BIT {
+            0 => self.tcp.peer_stats(peer),
+            _ => self.lane(peer).map(|l| l.session.stats()),
+        }
+    }
+}

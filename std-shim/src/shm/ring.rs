@@ -1,0 +1,400 @@
+//! One direction of a same-host lane: a single-producer, single-consumer
+//! byte ring in memory both processes map, carrying the session's frames as
+//! a stream (as TCP carries them).
+//!
+//! `head` counts the bytes ever written (the producer's word), `tail` the
+//! bytes ever read (the consumer's). Each side keeps its own counter in
+//! private memory and only *publishes* it to the segment; the other side's
+//! word is read, then checked — a peer that shares memory is still not
+//! trusted: a `head` behind our `tail`, or more than the ring ahead of it,
+//! is [`Corrupt`], and no index it writes is ever used to reach memory
+//! outside the ring. Bytes are copied out of the ring into private memory
+//! before anything decodes them.
+//!
+//! Sleeping without a lost wake-up: a side about to sleep sets its `waits`
+//! word, fences (`SeqCst`), then looks at the ring once more; a side that
+//! moves the ring publishes its counter, fences, then reads the other's
+//! `waits` and rings its doorbell if set. One of the two sees the other
+//! (`loom` checks it: `tests/loom.rs`).
+
+use std::sync::atomic::Ordering;
+
+use crate::sync::{fence, AtomicU32, AtomicU64};
+
+/// The control words of one ring, as laid out in the segment: each side's
+/// counter on its own cache line, so a producer and a consumer on two cores
+/// do not share one.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub(crate) struct RingCtl {
+    /// Bytes written, ever (the producer publishes it).
+    head: Line<AtomicU64>,
+    /// Bytes read, ever (the consumer publishes it).
+    tail: Line<AtomicU64>,
+    /// Who waits for the other.
+    waits: Line<Waits>,
+}
+
+#[repr(C)]
+#[derive(Debug, Default)]
+struct Waits {
+    /// The consumer sleeps, or is about to: a write rings its doorbell.
+    reader: AtomicU32,
+    /// The producer waits for room: a read rings its doorbell.
+    writer: AtomicU32,
+}
+
+/// A value alone on its cache line (alignment, not padding fields: no
+/// bytes here that the peer writes and this side would ever read).
+#[repr(C, align(64))]
+#[derive(Debug, Default)]
+struct Line<T>(T);
+
+impl<T> std::ops::Deref for Line<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+/// Bytes of a [`RingCtl`] in the segment.
+pub(crate) const CTL_BYTES: usize = std::mem::size_of::<RingCtl>();
+
+/// The ring's memory: its control words and its data bytes. The segment
+/// gives the real one; the loom model gives one loom can watch.
+pub(crate) trait RingMem {
+    /// The control words.
+    fn ctl(&self) -> &RingCtl;
+    /// Data bytes: a power of two.
+    fn cap(&self) -> usize;
+    /// Copies `src` to data bytes `at..at + src.len()` (within `cap`).
+    fn copy_in(&self, at: usize, src: &[u8]);
+    /// Copies data bytes `at..at + dst.len()` (within `cap`) to `dst`.
+    fn copy_out(&self, at: usize, dst: &mut [u8]);
+}
+
+/// The peer's counter is impossible: behind this side's, or further ahead
+/// than the ring holds. The lane is broken (its peer only: typed, not a panic).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Corrupt {
+    /// The peer's counter as read.
+    pub theirs: u64,
+    /// This side's.
+    pub ours: u64,
+}
+
+impl std::fmt::Display for Corrupt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the peer's ring counter {} is impossible beside ours, {}",
+            self.theirs, self.ours
+        )
+    }
+}
+
+impl std::error::Error for Corrupt {}
+
+/// What moving the ring asks of the caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use]
+pub(crate) struct Moved {
+    /// Bytes moved.
+    pub(crate) n: usize,
+    /// The other side waits: ring its doorbell.
+    pub(crate) wake: bool,
+}
+
+/// Copies between a ring position and a buffer, in the two pieces a wrap
+/// makes of it.
+fn pieces(cap: usize, pos: u64, len: usize) -> [(usize, usize); 2] {
+    let at = (pos as usize) & (cap - 1);
+    let first = len.min(cap - at);
+    [(at, first), (0, len - first)]
+}
+
+/// The writing end.
+#[derive(Debug)]
+pub(crate) struct Producer<M: RingMem> {
+    mem: M,
+    head: u64,
+}
+
+impl<M: RingMem> Producer<M> {
+    /// The writing end of a fresh ring (both counters 0).
+    pub(crate) fn new(mem: M) -> Self {
+        Producer { mem, head: 0 }
+    }
+
+    /// Bytes that fit now.
+    pub(crate) fn room(&self) -> Result<usize, Corrupt> {
+        // Acquire: the consumer's reads of the bytes it released happened
+        // before this load, so overwriting them is safe.
+        let tail = self.mem.ctl().tail.load(Ordering::Acquire);
+        let cap = self.mem.cap() as u64;
+        match self.head.checked_sub(tail) {
+            Some(used) if used <= cap => Ok((cap - used) as usize),
+            _ => Err(Corrupt {
+                theirs: tail,
+                ours: self.head,
+            }),
+        }
+    }
+
+    /// Writes as much of `parts`, in order, as fits, and publishes it.
+    pub(crate) fn write(&mut self, parts: &[&[u8]]) -> Result<Moved, Corrupt> {
+        let mut room = self.room()?;
+        let mut n = 0;
+        for part in parts {
+            let take = part.len().min(room);
+            let mut from = 0;
+            for (at, len) in pieces(self.mem.cap(), self.head + n as u64, take) {
+                self.mem.copy_in(at, &part[from..from + len]);
+                from += len;
+            }
+            n += take;
+            room -= take;
+            if take < part.len() {
+                break;
+            }
+        }
+        if n == 0 {
+            return Ok(Moved { n, wake: false });
+        }
+        self.head += n as u64;
+        let ctl = self.mem.ctl();
+        // Release: the bytes copied in are visible to a consumer that
+        // acquires this head.
+        ctl.head.store(self.head, Ordering::Release);
+        // SeqCst fence: orders the head store before the load of the
+        // consumer's `reader_waits` (see the module docs: no lost wake-up).
+        fence(Ordering::SeqCst);
+        // Relaxed: the fence orders it; a stale 1 costs one spurious wake-up.
+        let wake = ctl.waits.reader.load(Ordering::Relaxed) != 0;
+        Ok(Moved { n, wake })
+    }
+
+    /// About to wait for room: says so, then looks again. `Ok(true)`:
+    /// room appeared meanwhile, do not sleep.
+    pub(crate) fn prepare_wait(&self) -> Result<bool, Corrupt> {
+        // Relaxed: the fence below orders it before the second look.
+        self.mem.ctl().waits.writer.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        Ok(self.room()? > 0)
+    }
+
+    /// Done waiting.
+    pub(crate) fn done_waiting(&self) {
+        // Relaxed: a flag the consumer only uses to decide whether to ring.
+        self.mem.ctl().waits.writer.store(0, Ordering::Relaxed);
+    }
+}
+
+/// The reading end.
+#[derive(Debug)]
+pub(crate) struct Consumer<M: RingMem> {
+    mem: M,
+    tail: u64,
+}
+
+impl<M: RingMem> Consumer<M> {
+    /// The reading end of a fresh ring (both counters 0).
+    pub(crate) fn new(mem: M) -> Self {
+        Consumer { mem, tail: 0 }
+    }
+
+    /// Bytes waiting to be read.
+    pub(crate) fn available(&self) -> Result<usize, Corrupt> {
+        // Acquire: pairs with the producer's Release store of `head`; the
+        // bytes before it are visible.
+        let head = self.mem.ctl().head.load(Ordering::Acquire);
+        match head.checked_sub(self.tail) {
+            Some(n) if n <= self.mem.cap() as u64 => Ok(n as usize),
+            _ => Err(Corrupt {
+                theirs: head,
+                ours: self.tail,
+            }),
+        }
+    }
+
+    /// Copies up to `out.len()` waiting bytes into `out`, and releases them.
+    pub(crate) fn read(&mut self, out: &mut [u8]) -> Result<Moved, Corrupt> {
+        let n = self.available()?.min(out.len());
+        if n == 0 {
+            return Ok(Moved { n, wake: false });
+        }
+        let mut to = 0;
+        for (at, len) in pieces(self.mem.cap(), self.tail, n) {
+            self.mem.copy_out(at, &mut out[to..to + len]);
+            to += len;
+        }
+        self.tail += n as u64;
+        let ctl = self.mem.ctl();
+        // Release: our reads of those bytes happen before the producer,
+        // acquiring this tail, writes over them.
+        ctl.tail.store(self.tail, Ordering::Release);
+        // SeqCst fence: orders the tail store before the load of
+        // `writer_waits` (no lost wake-up).
+        fence(Ordering::SeqCst);
+        // Relaxed: ordered by the fence.
+        let wake = ctl.waits.writer.load(Ordering::Relaxed) != 0;
+        Ok(Moved { n, wake })
+    }
+
+    /// About to sleep: says so, then looks again. `Ok(true)`: bytes came
+    /// meanwhile, do not sleep.
+    pub(crate) fn prepare_sleep(&self) -> Result<bool, Corrupt> {
+        // Relaxed: the fence below orders it before the second look.
+        self.mem.ctl().waits.reader.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        Ok(self.available()? > 0)
+    }
+
+    /// Awake again.
+    pub(crate) fn woke(&self) {
+        // Relaxed: a flag the producer only uses to decide whether to ring.
+        self.mem.ctl().waits.reader.store(0, Ordering::Relaxed);
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::cell::UnsafeCell;
+    use std::rc::Rc;
+
+    /// A ring in one process's heap, for the unit tests.
+    struct HeapRing {
+        ctl: RingCtl,
+        data: UnsafeCell<Vec<u8>>,
+    }
+
+    #[derive(Clone)]
+    struct Mem(Rc<HeapRing>);
+
+    impl Mem {
+        fn new(cap: usize) -> Mem {
+            Mem(Rc::new(HeapRing {
+                ctl: RingCtl::default(),
+                data: UnsafeCell::new(vec![0; cap]),
+            }))
+        }
+    }
+
+    impl RingMem for Mem {
+        fn ctl(&self) -> &RingCtl {
+            &self.0.ctl
+        }
+        fn cap(&self) -> usize {
+            // SAFETY: one thread; no reference into the data outlives a call.
+            unsafe { (*self.0.data.get()).len() }
+        }
+        fn copy_in(&self, at: usize, src: &[u8]) {
+            // SAFETY: as in `cap`.
+            unsafe { (&mut *self.0.data.get())[at..at + src.len()].copy_from_slice(src) }
+        }
+        fn copy_out(&self, at: usize, dst: &mut [u8]) {
+            // SAFETY: as in `cap`.
+            unsafe { dst.copy_from_slice(&(&*self.0.data.get())[at..at + dst.len()]) }
+        }
+    }
+
+    #[test]
+    fn bytes_cross_in_order_through_every_wrap_and_partial_write() {
+        let m = Mem::new(64);
+        let (mut p, mut c) = (Producer::new(m.clone()), Consumer::new(m));
+        let mut sent = Vec::new();
+        let mut got = Vec::new();
+        let mut k = 0u8;
+        for round in 0..200usize {
+            let a: Vec<u8> = (0..round % 23)
+                .map(|_| {
+                    k = k.wrapping_add(1);
+                    k
+                })
+                .collect();
+            let b: Vec<u8> = (0..round % 7)
+                .map(|_| {
+                    k = k.wrapping_add(1);
+                    k
+                })
+                .collect();
+            let room = p.room().unwrap();
+            let w = p.write(&[&a, &b]).unwrap();
+            assert_eq!(w.n, (a.len() + b.len()).min(room), "all that fits, no more");
+            sent.extend(a.iter().chain(&b).take(w.n));
+            let mut out = vec![0u8; round % 41];
+            let r = c.read(&mut out).unwrap();
+            got.extend_from_slice(&out[..r.n]);
+        }
+        let mut rest = vec![0u8; 64];
+        let r = c.read(&mut rest).unwrap();
+        got.extend_from_slice(&rest[..r.n]);
+        assert_eq!(got, sent);
+        assert_eq!(c.available().unwrap(), 0);
+        assert_eq!(p.room().unwrap(), 64);
+    }
+
+    #[test]
+    fn a_full_ring_takes_nothing_and_an_empty_one_gives_nothing() {
+        let m = Mem::new(16);
+        let (mut p, mut c) = (Producer::new(m.clone()), Consumer::new(m));
+        assert_eq!(c.read(&mut [0; 4]).unwrap().n, 0);
+        assert_eq!(p.write(&[&[1; 20]]).unwrap().n, 16);
+        assert_eq!(p.write(&[&[2; 1]]).unwrap().n, 0);
+        assert_eq!(p.room().unwrap(), 0);
+        let mut out = [0; 16];
+        assert_eq!(c.read(&mut out).unwrap().n, 16);
+        assert_eq!(out, [1; 16]);
+    }
+
+    #[test]
+    fn impossible_counters_from_the_peer_are_typed_errors() {
+        let m = Mem::new(16);
+        let (mut p, mut c) = (Producer::new(m.clone()), Consumer::new(m.clone()));
+        assert_eq!(p.write(&[&[9; 8]]).unwrap().n, 8);
+        // A head past what the ring holds, or behind the tail.
+        for bad in [8 + 17, u64::MAX] {
+            m.ctl().head.store(bad, Ordering::Relaxed);
+            assert_eq!(
+                c.available(),
+                Err(Corrupt {
+                    theirs: bad,
+                    ours: 0
+                })
+            );
+            assert!(c.read(&mut [0; 4]).is_err());
+        }
+        m.ctl().head.store(8, Ordering::Relaxed);
+        assert_eq!(c.read(&mut [0; 4]).unwrap().n, 4);
+        m.ctl().head.store(3, Ordering::Relaxed);
+        assert_eq!(c.available(), Err(Corrupt { theirs: 3, ours: 4 }));
+        // A tail ahead of what was written, or so far behind the ring overflows.
+        m.ctl().tail.store(9, Ordering::Relaxed);
+        assert_eq!(p.room(), Err(Corrupt { theirs: 9, ours: 8 }));
+        assert!(p.write(&[&[1]]).is_err());
+        m.ctl().tail.store(0, Ordering::Relaxed);
+        assert_eq!(p.room().unwrap(), 8);
+        let e = Corrupt { theirs: 9, ours: 8 }.to_string();
+        assert!(e.contains('9') && e.contains('8'), "{e}");
+    }
+
+    #[test]
+    fn a_side_about_to_sleep_is_woken_by_the_next_move_and_not_otherwise() {
+        let m = Mem::new(16);
+        let (mut p, mut c) = (Producer::new(m.clone()), Consumer::new(m));
+        assert_eq!(p.write(&[&[1]]).unwrap(), Moved { n: 1, wake: false });
+        assert!(c.prepare_sleep().unwrap(), "bytes waiting: do not sleep");
+        assert_eq!(c.read(&mut [0; 1]).unwrap().n, 1);
+        assert!(!c.prepare_sleep().unwrap(), "empty: sleep");
+        assert_eq!(p.write(&[&[2]]).unwrap(), Moved { n: 1, wake: true });
+        c.woke();
+        assert!(!p.write(&[&[3]]).unwrap().wake, "awake: no doorbell");
+        // The writer's side.
+        assert_eq!(p.write(&[&[0; 14]]).unwrap().n, 14);
+        assert!(!p.prepare_wait().unwrap(), "full: wait");
+        assert_eq!(c.read(&mut [0; 4]).unwrap(), Moved { n: 4, wake: true });
+        p.done_waiting();
+        assert!(!c.read(&mut [0; 4]).unwrap().wake);
+    }
+}

@@ -1,0 +1,54 @@
+//! The same-host lane through the facade: peers on this host move from TCP
+//! to shared memory, peers elsewhere stay on TCP, one behaviour for both.
+
+use std::time::Duration;
+
+use zerohop::{Config, Endpoint, Event, Kind};
+
+const WAIT: Duration = Duration::from_secs(10);
+const LANE: u32 = 1 << 31;
+
+fn open(kind: Kind) -> Endpoint {
+    let mut c = Config::only(kind);
+    c.pool_bytes = 64 << 20;
+    Endpoint::open(c).unwrap()
+}
+
+#[test]
+fn a_peer_on_this_host_moves_to_shared_memory_and_messages_cross_both_ways() {
+    let s = open(Kind::Shm);
+    let addr = s.listen("127.0.0.1:0").unwrap();
+    let c = open(Kind::Shm);
+    let peer = c.connect(addr, WAIT).unwrap();
+    assert!(
+        peer.id() & LANE != 0,
+        "the connecting side's peer is a lane: {peer}"
+    );
+    let Event::Connected {
+        peer: from,
+        addr: seen,
+    } = s.next_event(WAIT).unwrap()
+    else {
+        panic!("the connection first");
+    };
+    assert!(from.id() & LANE != 0, "the accepting side's too: {from}");
+    assert!(seen.ip().is_loopback());
+    for i in 0..1000u32 {
+        let len = [1, 64, 4096, 65536, 1 << 20][i as usize % 5];
+        let mut m = vec![(i % 251) as u8; len];
+        m[..1.min(len)].copy_from_slice(&[i as u8][..1.min(len)]);
+        c.send(peer, &m).unwrap();
+        let got = s.recv(WAIT).unwrap();
+        assert_eq!(got.bytes().unwrap(), &m[..], "message {i}");
+        s.send_buffer(from, got.into_buffer()).unwrap();
+        let echo = c.recv(WAIT).unwrap();
+        assert_eq!(echo.bytes().unwrap(), &m[..], "echo {i}");
+    }
+    let st = c.stats(peer).unwrap();
+    assert_eq!((st.messages_sent, st.messages_received), (1000, 1000));
+    c.close(WAIT).unwrap();
+    match s.next_event(WAIT).unwrap() {
+        Event::Closed { peer, .. } => assert_eq!(peer, from),
+        e => panic!("expected a clean close, got {e:?}"),
+    }
+}
