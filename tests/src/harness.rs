@@ -36,6 +36,68 @@ impl<M: zerohop_backends::verbs::PayloadMemory> Forge
     }
 }
 
+impl Forge for zerohop_std::shm::LocalWire {
+    fn forge(&mut self, peer: PeerId, frame: &[u8]) -> Result<(), zerohop_core::Error> {
+        self.send_raw_frame(peer, frame)
+    }
+}
+
+/// The same-host lane: two endpoints over loopback that move to shared memory.
+#[derive(Debug)]
+pub struct Shm;
+
+impl Harness for Shm {
+    type T = zerohop_std::shm::LocalWire;
+    fn pair() -> Result<Pair<Self::T>, String> {
+        use zerohop_std::shm::{LocalWire, ShmConfig, LANE_BIT};
+        let config = TcpConfig {
+            max_message: 4 << 20,
+            idle_timeout: crate::IDLE,
+            ..TcpConfig::default()
+        };
+        let shm = ShmConfig {
+            ring_bytes: 1 << 20,
+            required: true,
+            ..ShmConfig::default()
+        };
+        let (a_pool, b_pool) = (
+            heap_pool(64 << 20).map_err(|e| e.to_string())?,
+            heap_pool(64 << 20).map_err(|e| e.to_string())?,
+        );
+        let mut b = LocalWire::new(Arc::clone(&b_pool), config, shm).map_err(|e| e.to_string())?;
+        let addr = b
+            .listen("127.0.0.1:0".parse().expect("an address"))
+            .map_err(|e| e.to_string())?;
+        let a = LocalWire::new(Arc::clone(&a_pool), config, shm).map_err(|e| e.to_string())?;
+        let ep = |t| Endpoint::new(t, EndpointConfig::default()).map_err(|e| e.to_string());
+        let (a, b) = (ep(a)?, ep(b)?);
+        let dialed =
+            TcpTransport::dial(addr, Duration::from_secs(5), true).map_err(|e| e.to_string())?;
+        let tcp_peer = a.with(|t| t.attach(dialed)).map_err(|e| e.to_string())?;
+        let to_b = a
+            .wait_open(
+                tcp_peer,
+                zerohop_std::Deadline::after(Duration::from_secs(10)),
+            )
+            .map_err(|e| e.to_string())?;
+        if to_b.0 & LANE_BIT == 0 {
+            return Err("the peer stayed on tcp".into());
+        }
+        // b numbers its first lane 0 (with the lane bit).
+        Ok(Pair {
+            a,
+            b,
+            to_b,
+            to_a: PeerId(LANE_BIT),
+            a_pool,
+            b_pool,
+        })
+    }
+    fn max_message() -> usize {
+        4 << 20
+    }
+}
+
 /// Plain TCP over 127.0.0.1.
 #[derive(Debug)]
 pub struct Tcp;

@@ -1,6 +1,7 @@
 //! The suite, once per backend compiled in.
 
 zerohop_tests::suite!(tcp, zerohop_tests::harness::Tcp);
+zerohop_tests::suite!(shm, zerohop_tests::harness::Shm);
 #[cfg(feature = "mock")]
 zerohop_tests::suite!(mock, zerohop_tests::harness::Mock);
 #[cfg(feature = "cuda-uma")]

@@ -49,6 +49,13 @@ impl Out {
     }
 }
 
+/// A frame being written straight from a blocked caller's slice (the caller
+/// passes the same bytes on every call: see `Wire::start_send`).
+struct Direct {
+    header: [u8; HEADER_LEN],
+    sent: usize,
+}
+
 /// A data frame whose header the engine took: its payload goes here.
 struct Incoming {
     d: DataIn,
@@ -83,6 +90,8 @@ pub(crate) struct Lane {
     incoming: Option<Incoming>,
     queue: VecDeque<Out>,
     pub(crate) queued_bytes: usize,
+    /// The frame a blocked caller is writing from its slice: it goes first.
+    direct: Option<Direct>,
     /// This side said it waits for room (the peer rings when it reads).
     waiting_room: bool,
     /// The pool had no buffer for the last message begun.
@@ -119,6 +128,7 @@ impl Lane {
             incoming: None,
             queue: VecDeque::new(),
             queued_bytes: 0,
+            direct: None,
             waiting_room: false,
             dry: false,
         };
@@ -137,8 +147,18 @@ impl Lane {
     /// copied (a slice) or kept (a lease) until the ring has room.
     // A refused lease comes back whole (as `Transport::try_send_lease`'s does).
     #[allow(clippy::result_large_err)]
-    pub(crate) fn send(&mut self, peer: PeerId, payload: Source<'_>) -> Result<(), Refused> {
+    pub(crate) fn send(
+        &mut self,
+        peer: PeerId,
+        payload: Source<'_>,
+        direct: bool,
+        queue_limit: usize,
+    ) -> Result<bool, Refused> {
         let len = payload.bytes().len();
+        let behind = !self.queue.is_empty() || self.direct.is_some();
+        if behind && self.queued_bytes + HEADER_LEN + len > queue_limit {
+            return Err(payload.refused(Error::WouldBlock));
+        }
         let mut out = match self.session.send(len) {
             Ok(o) => o,
             Err(e) => {
@@ -156,7 +176,7 @@ impl Lane {
         };
         let header = f.header.unwrap_or([0; HEADER_LEN]);
         let mut sent = 0;
-        if self.queue.is_empty() {
+        if !behind {
             match self.tx.write(&[&header, payload.bytes()]) {
                 Ok(m) => {
                     sent = m.n;
@@ -165,6 +185,12 @@ impl Lane {
                     }
                 }
                 Err(c) => return Err(payload.refused(Self::corrupt(peer, c))),
+            }
+            // The rest from the caller's slice as the ring drains: no copy.
+            if sent < HEADER_LEN + len && direct && matches!(payload, Source::Slice(_)) {
+                self.direct = Some(Direct { header, sent });
+                self.control();
+                return Ok(false);
             }
         }
         if sent < HEADER_LEN + len {
@@ -180,7 +206,64 @@ impl Lane {
             });
         }
         self.control();
-        Ok(())
+        Ok(true)
+    }
+
+    /// Writes more of a frame begun by `send` with `direct` from the same
+    /// bytes; `Ok(true)` once all of it is in the ring.
+    pub(crate) fn continue_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
+        let Some(d) = self.direct.as_mut() else {
+            return Ok(true);
+        };
+        let (h, p) = if d.sent < HEADER_LEN {
+            (&d.header[d.sent..], bytes)
+        } else {
+            (&[][..], &bytes[d.sent - HEADER_LEN..])
+        };
+        let m = self.tx.write(&[h, p]).map_err(|c| Self::corrupt(peer, c))?;
+        if m.wake {
+            handshake::ring(self.their_bell.as_fd());
+        }
+        d.sent += m.n;
+        if d.sent < HEADER_LEN + bytes.len() {
+            return Ok(false);
+        }
+        self.direct = None;
+        self.flush(peer)?; // what queued behind it
+        Ok(true)
+    }
+
+    /// The caller of an unfinished direct send must leave: the rest is
+    /// copied and finished from the queue, ahead of everything queued.
+    pub(crate) fn abandon_send(&mut self, bytes: &[u8]) {
+        let Some(d) = self.direct.take() else { return };
+        let rest = HEADER_LEN + bytes.len() - d.sent;
+        self.queued_bytes += rest;
+        self.queue.push_front(Out {
+            header: d.header,
+            payload: Payload::Owned(bytes.to_vec()),
+            sent: d.sent,
+        });
+    }
+
+    /// Writes `frame` into the ring as it is, past the session (nothing may
+    /// be queued): what a broken peer sends, for tests.
+    #[cfg(feature = "testing")]
+    pub(crate) fn write_raw(&mut self, peer: PeerId, frame: &[u8]) -> Result<(), Error> {
+        if !self.queue.is_empty() || self.direct.is_some() {
+            return Err(Error::WouldBlock);
+        }
+        let m = self
+            .tx
+            .write(&[frame])
+            .map_err(|c| Self::corrupt(peer, c))?;
+        if m.wake {
+            handshake::ring(self.their_bell.as_fd());
+        }
+        match m.n == frame.len() {
+            true => Ok(()),
+            false => Err(Error::Backend("shm: the forged frame did not fit")),
+        }
     }
 
     /// The engine's control frames (Hello, credit, a Want, the Close), queued.
@@ -197,6 +280,9 @@ impl Lane {
 
     /// Writes what is queued, as far as the ring has room. Whether anything moved.
     pub(crate) fn flush(&mut self, peer: PeerId) -> Result<bool, Error> {
+        if self.direct.is_some() {
+            return Ok(false); // a caller is mid-frame from its slice; ours go after it
+        }
         let mut any = false;
         while let Some(o) = self.queue.front_mut() {
             let total = o.len();
@@ -363,7 +449,7 @@ impl Lane {
     pub(crate) fn prepare_sleep(&mut self) -> bool {
         handshake::drain(self.my_bell.as_fd());
         let bytes = self.rx.prepare_sleep().unwrap_or(true);
-        self.waiting_room = !self.queue.is_empty();
+        self.waiting_room = !self.queue.is_empty() || self.direct.is_some();
         let room = self.waiting_room && self.tx.prepare_wait().unwrap_or(true);
         bytes || room
     }
@@ -379,7 +465,7 @@ impl Lane {
 
     /// Whether the session is over on both sides, with nothing left to write.
     pub(crate) fn finished(&self) -> bool {
-        self.session.is_finished() && self.queue.is_empty()
+        self.session.is_finished() && self.queue.is_empty() && self.direct.is_none()
     }
 }
 

@@ -27,6 +27,8 @@ pub(crate) mod lane;
 #[cfg_attr(loom, allow(dead_code))]
 pub(crate) mod ring;
 pub(crate) mod segment;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -70,8 +72,11 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a spinning receiver looks at the lanes' links (a dead peer
 /// is seen at once by a sleeper; a spinner sees it within this).
 const LINK_CHECK: Duration = Duration::from_millis(5);
-/// One `try_recv` in this many also moves the TCP side and the upgrades along.
-const SIDE_EVERY: u32 = 32;
+/// One `try_recv` in this many looks at the clock, to move the TCP side, the
+/// upgrades and the lanes' links along every [`SIDE_PERIOD`] (a spinning
+/// receiver then pays no system call per poll).
+const CLOCK_EVERY: u32 = 64;
+const SIDE_PERIOD: Duration = Duration::from_millis(1);
 
 /// Settings of the same-host lane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +85,10 @@ pub struct ShmConfig {
     pub ring_bytes: usize,
     /// Received messages held for the application before reading stops (default 4096).
     pub inbox_messages: usize,
+    /// Bytes a lane's send queue may hold (beyond its ring) before a send
+    /// says `WouldBlock` (default 16 MiB; one message larger than this is
+    /// still taken when nothing is queued).
+    pub send_queue_bytes: usize,
     /// A peer elsewhere is refused: `connect` fails unless the peer moves to
     /// shared memory (what an explicit `shm` asks). Off, it stays on TCP.
     pub required: bool,
@@ -90,6 +99,7 @@ impl Default for ShmConfig {
         ShmConfig {
             ring_bytes: 4 << 20,
             inbox_messages: 4096,
+            send_queue_bytes: 16 << 20,
             required: false,
         }
     }
@@ -123,6 +133,8 @@ pub struct LocalWire {
     origin: StdInstant,
     polls: u32,
     next_link_check: StdInstant,
+    /// When a spinning receiver next moves the side work along.
+    next_side: StdInstant,
     /// A sleeper asked the peers to ring: the next call tells them it is awake.
     slept: bool,
     closed: bool,
@@ -183,6 +195,7 @@ impl LocalWire {
             origin: now,
             polls: 0,
             next_link_check: now,
+            next_side: now,
             slept: false,
             closed: false,
         })
@@ -218,6 +231,21 @@ impl LocalWire {
     /// The longest message it takes (what its Hellos tell peers).
     pub fn max_message(&self) -> usize {
         self.tcp.max_message()
+    }
+
+    /// Writes `frame` (a header and its payload) into a lane's ring as it
+    /// is, bypassing its session: what a broken peer sends, for tests.
+    #[cfg(feature = "testing")]
+    pub fn send_raw_frame(&mut self, peer: PeerId, frame: &[u8]) -> Result<(), Error> {
+        if peer.0 & LANE_BIT == 0 {
+            return self
+                .tcp
+                .send_raw_frame(peer, frame)
+                .map_err(|_| Error::Backend("tcp: the forged frame did not go"));
+        }
+        self.lane_mut(peer)
+            .ok_or(Error::UnknownPeer(peer))?
+            .write_raw(peer, frame)
     }
 
     /// Same-host peers, in shared memory now.
@@ -297,8 +325,10 @@ impl LocalWire {
         }
         // Offering side: connections on the lane socket, and their setups.
         while let Ok(Some(s)) = self.listener.accept() {
-            if self.links.len() + self.setups.len() >= MAX_PENDING {
-                continue; // dropped: a flood of strangers costs them their connection
+            if self.links.len() >= MAX_PENDING {
+                // Full: the oldest goes (a flood of strangers that say
+                // nothing costs them their connections, not a peer its lane).
+                self.links.remove(0);
             }
             self.links.push((s, StdInstant::now()));
         }
@@ -523,8 +553,11 @@ impl Transport for LocalWire {
         if self.closed {
             return Err(Error::Closed);
         }
+        let limit = self.config.send_queue_bytes;
         let l = self.lane_mut(peer).ok_or(Error::UnknownPeer(peer))?;
-        l.send(peer, Source::Slice(bytes)).map_err(|r| r.error)
+        l.send(peer, Source::Slice(bytes), false, limit)
+            .map(|_| ())
+            .map_err(|r| r.error)
     }
 
     fn try_send_lease(&mut self, peer: PeerId, lease: StdLease) -> Result<(), Rejected<StdLease>> {
@@ -543,17 +576,21 @@ impl Transport for LocalWire {
                 lease,
             });
         };
-        l.send(peer, Source::Lease(lease)).map_err(|r| Rejected {
-            error: r.error,
-            lease: r.lease.expect("a lease comes back as a lease"),
-        })
+        l.send(peer, Source::Lease(lease), false, usize::MAX)
+            .map(|_| ())
+            .map_err(|r| Rejected {
+                error: r.error,
+                lease: r.lease.expect("a lease comes back as a lease"),
+            })
     }
 
     fn try_recv(&mut self) -> Result<Received<StdLease>, Error> {
         self.awake();
         if self.arrivals.is_empty() {
             self.polls = self.polls.wrapping_add(1);
-            if self.polls % SIDE_EVERY == 0 {
+            let side = self.polls % CLOCK_EVERY == 0 && StdInstant::now() >= self.next_side;
+            if side {
+                self.next_side = StdInstant::now() + SIDE_PERIOD;
                 self.pass();
             } else {
                 self.read_lanes();
@@ -660,19 +697,29 @@ impl Wire for LocalWire {
         if peer.0 & LANE_BIT == 0 {
             return self.tcp.start_send(peer, bytes);
         }
-        self.try_send(peer, bytes).map(|()| true)
+        if self.closed {
+            return Err(Error::Closed);
+        }
+        let limit = self.config.send_queue_bytes;
+        let l = self.lane_mut(peer).ok_or(Error::UnknownPeer(peer))?;
+        l.send(peer, Source::Slice(bytes), true, limit)
+            .map_err(|r| r.error)
     }
 
     fn continue_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
         if peer.0 & LANE_BIT == 0 {
             return self.tcp.continue_send(peer, bytes);
         }
-        Ok(true)
+        let l = self.lane_mut(peer).ok_or(Error::PeerLost(peer))?;
+        l.continue_send(peer, bytes)
     }
 
     fn abandon_send(&mut self, peer: PeerId, bytes: &[u8]) {
         if peer.0 & LANE_BIT == 0 {
-            self.tcp.abandon_send(peer, bytes);
+            return self.tcp.abandon_send(peer, bytes);
+        }
+        if let Some(l) = self.lane_mut(peer) {
+            l.abandon_send(bytes);
         }
     }
 

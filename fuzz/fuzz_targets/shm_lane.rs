@@ -1,0 +1,120 @@
+//! A same-host lane reading shared memory that a hostile peer controls:
+//! arbitrary counters (the peer's write counter, its read counter of our
+//! ring) and arbitrary ring bytes, interleaved with well-formed frames so
+//! the fuzzer reaches past the handshake. What must hold:
+//! - nothing panics, and no access leaves the segment (ASan would say);
+//! - a broken ring or protocol is a typed error, after which the lane takes
+//!   nothing more;
+//! - nothing is delivered that the session did not accept whole, and no
+//!   message is longer than the lane's maximum;
+//! - every receive buffer goes back to the pool once the lane is gone.
+#![no_main]
+
+use arbitrary::Arbitrary;
+use libfuzzer_sys::fuzz_target;
+use zerohop_core::wire::{Data, DataFlags, Frame, Hello, Takes};
+use zerohop_core::Error;
+use zerohop_std::shm::testing::LaneRig;
+
+#[derive(Arbitrary, Debug)]
+enum Op {
+    /// The peer's Hello, as a real peer sends it first.
+    Hello,
+    /// A well-formed data frame of `len` bytes with sequence number `seq`.
+    Data {
+        seq: u8,
+        len: u16,
+    },
+    /// Raw bytes, written as a producer would.
+    Write(Vec<u8>),
+    /// The peer's write counter set to anything (small moves, or anything).
+    Head {
+        far: bool,
+        v: u64,
+    },
+    /// The peer's read counter of our ring set to anything.
+    Tail(u64),
+    /// Bytes written over the ring past any counter.
+    Scribble {
+        at: u16,
+        bytes: Vec<u8>,
+    },
+    Read,
+    Send(u16),
+    Take,
+}
+
+fuzz_target!(|ops: Vec<Op>| {
+    let Ok(mut rig) = LaneRig::new(4096, 1 << 20) else {
+        return;
+    };
+    let mut head = 0u64;
+    let mut broke = false;
+    for op in ops.iter().take(500) {
+        match op {
+            Op::Hello => {
+                let h = Frame::Hello(Hello {
+                    window: 1 << 20,
+                    max_message: 1 << 20,
+                    frame_max: 1 << 20,
+                    ring: 0,
+                    lane: 0,
+                    takes: Takes::NONE,
+                    token: 9,
+                })
+                .encode(&[]);
+                head = head.wrapping_add(rig.peer_write(&h) as u64);
+            }
+            Op::Data { seq, len } => {
+                let payload = vec![*seq; usize::from(*len) % 3000];
+                let f = Frame::Data(Data {
+                    flags: DataFlags::NONE,
+                    seq: u64::from(*seq),
+                    msg_len: payload.len() as u32,
+                    len: payload.len() as u32,
+                    offset: 0,
+                    credits: 0,
+                })
+                .encode(&payload);
+                head = head.wrapping_add(rig.peer_write(&f) as u64);
+                head = head.wrapping_add(rig.peer_write(&payload) as u64);
+            }
+            Op::Write(b) => head = head.wrapping_add(rig.peer_write(b) as u64),
+            Op::Head { far, v } => {
+                head = if *far { *v } else { head.wrapping_add(v % 64) };
+                rig.poke_head(head);
+            }
+            Op::Tail(v) => rig.poke_tail(*v),
+            Op::Scribble { at, bytes } => rig.poke_data(usize::from(*at), bytes),
+            Op::Read => match rig.read() {
+                Ok(()) => assert!(!broke, "a broken lane read on"),
+                Err(Error::Closed) => assert!(broke),
+                Err(Error::WireRule { .. } | Error::Protocol { .. } | Error::Backend(_)) => {
+                    broke = true
+                }
+                Err(e) => panic!("an untyped failure: {e:?}"),
+            },
+            Op::Send(len) => match rig.send(usize::from(*len) % 5000) {
+                Ok(()) => {}
+                Err(Error::Closed) | Err(Error::TooLarge { .. }) => {}
+                Err(Error::WireRule { .. }) => broke = true,
+                Err(e) => panic!("an untyped send failure: {e:?}"),
+            },
+            Op::Take => {
+                for m in rig.take_delivered() {
+                    match m {
+                        Ok(len) => assert!(len <= 1 << 20, "a message past the maximum"),
+                        Err(Error::PeerClosed(_)) => {}
+                        Err(e) => panic!("an untyped arrival: {e:?}"),
+                    }
+                }
+            }
+        }
+        if broke {
+            assert!(!rig.alive(), "a lane that broke stays broken");
+        }
+    }
+    let _ = rig.take_delivered();
+    rig.drop_lane();
+    assert_eq!(rig.pool_used(), 0, "every receive buffer back");
+});

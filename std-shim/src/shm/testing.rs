@@ -1,0 +1,164 @@
+//! A lane whose peer is a test or a fuzzer: it writes whatever it likes into
+//! the segment (the peer's counters, the ring's bytes), and the lane reads
+//! it as it reads a real peer's. What shared memory from a hostile process
+//! looks like, without the process.
+
+use std::collections::VecDeque;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use zerohop_core::session::{HostRole, Instant, SessionConfig};
+use zerohop_core::{Error, PeerId, Received};
+
+use super::handshake::bell;
+use super::lane::{Lane, Outcome, Source};
+use super::ring::{Producer, RingMem};
+use super::segment::{SegRing, Segment};
+use crate::host::{StdLease, StdPool};
+
+const PEER: PeerId = PeerId(super::LANE_BIT);
+
+/// A lane (the side that opened the segment) and a hand on its peer's side.
+#[derive(Debug)]
+pub struct LaneRig {
+    lane: Option<Lane>,
+    peer_tx: Producer<SegRing>,
+    peer_rx: SegRing,
+    pool: Arc<StdPool>,
+    arrivals: VecDeque<Result<Received<StdLease>, Error>>,
+    _peer_link: UnixStream,
+}
+
+impl LaneRig {
+    /// Rings of `ring_bytes` (a power of two, at least 4 KiB), messages up
+    /// to 64 KiB, a receive pool of `pool_bytes`.
+    pub fn new(ring_bytes: usize, pool_bytes: usize) -> std::io::Result<LaneRig> {
+        let seg = Arc::new(Segment::create(ring_bytes)?);
+        let (link, peer_link) = UnixStream::pair()?;
+        let config = SessionConfig {
+            check_payload: true,
+            host: HostRole::None,
+            ..SessionConfig::stream(64 << 10)
+        };
+        let pool =
+            crate::heap_pool(pool_bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
+        let lane = Lane::new(
+            "127.0.0.1:1".parse().expect("an address"),
+            Arc::clone(&seg),
+            false,
+            bell()?,
+            bell()?,
+            link,
+            config,
+            7,
+            Instant::from_micros(0),
+        );
+        Ok(LaneRig {
+            lane: Some(lane),
+            peer_tx: Producer::new(seg.ring(0)),
+            peer_rx: seg.ring(1),
+            pool,
+            arrivals: VecDeque::new(),
+            _peer_link: peer_link,
+        })
+    }
+
+    /// Writes `bytes` into the peer's ring as a well-behaved producer would
+    /// (what fits); returns how many went.
+    pub fn peer_write(&mut self, bytes: &[u8]) -> usize {
+        self.peer_tx.write(&[bytes]).map_or(0, |m| m.n)
+    }
+
+    /// Sets the peer's write counter to anything.
+    pub fn poke_head(&self, v: u64) {
+        self.peer_tx_ring()
+            .ctl()
+            .head_word()
+            .store(v, Ordering::Release);
+    }
+
+    /// Sets the peer's read counter (of the lane's own ring) to anything.
+    pub fn poke_tail(&self, v: u64) {
+        self.peer_rx.ctl().tail_word().store(v, Ordering::Release);
+    }
+
+    /// Writes `bytes` into the peer's ring's data at `at` (wrapped), past any counter.
+    pub fn poke_data(&self, at: usize, bytes: &[u8]) {
+        let r = self.peer_tx_ring();
+        let cap = r.cap();
+        for (i, b) in bytes.iter().enumerate() {
+            r.copy_in((at + i) & (cap - 1), std::slice::from_ref(b));
+        }
+    }
+
+    fn peer_tx_ring(&self) -> &SegRing {
+        self.peer_tx.mem()
+    }
+
+    /// The lane reads what is there. `Err`: the lane broke (typed); it
+    /// takes nothing more.
+    pub fn read(&mut self) -> Result<(), Error> {
+        let Some(lane) = self.lane.as_mut() else {
+            return Err(Error::Closed);
+        };
+        match lane.read(
+            PEER,
+            Instant::from_micros(1),
+            &self.pool,
+            &mut self.arrivals,
+            64,
+        ) {
+            Outcome::Bad(e) => {
+                self.lane = None; // as the transport drops it
+                Err(e)
+            }
+            _ => lane
+                .flush(PEER)
+                .map(|_| ())
+                .inspect_err(|_| self.lane = None),
+        }
+    }
+
+    /// The lane sends a message of `len` bytes (checking its own ring's room
+    /// against the peer's read counter).
+    pub fn send(&mut self, len: usize) -> Result<(), Error> {
+        let Some(lane) = self.lane.as_mut() else {
+            return Err(Error::Closed);
+        };
+        let m = vec![0x42u8; len];
+        match lane.send(PEER, Source::Slice(&m), false, 1 << 20) {
+            Ok(_) => Ok(()),
+            Err(r) if r.error == Error::WouldBlock => Ok(()),
+            Err(r) => {
+                if !matches!(r.error, Error::TooLarge { .. } | Error::Closed) {
+                    self.lane = None;
+                }
+                Err(r.error)
+            }
+        }
+    }
+
+    /// Messages delivered (taken from the arrivals; their leases go back).
+    pub fn take_delivered(&mut self) -> Vec<Result<usize, Error>> {
+        self.arrivals
+            .drain(..)
+            .map(|r| r.map(|m| m.lease.len()))
+            .collect()
+    }
+
+    /// Whether the lane still stands.
+    pub fn alive(&self) -> bool {
+        self.lane.is_some()
+    }
+
+    /// Bytes leased from the receive pool now.
+    pub fn pool_used(&self) -> usize {
+        self.pool.used_bytes()
+    }
+
+    /// Drops the lane (as a transport does when its peer goes).
+    pub fn drop_lane(&mut self) {
+        self.lane = None;
+    }
+}

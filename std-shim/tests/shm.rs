@@ -1,0 +1,234 @@
+//! The same-host lane across processes: a peer killed mid-stream (SIGKILL,
+//! either side) is reported lost at once, and nothing of the lane is left
+//! behind — no segment mapped, no descriptor open, no file anywhere.
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use zerohop_backends::host_bytes;
+use zerohop_core::{Error, PeerId};
+use zerohop_std::shm::{LocalWire, ShmConfig, LANE_BIT};
+use zerohop_std::tcp::{TcpConfig, TcpTransport};
+use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn wire(pool: &Arc<StdPool>) -> LocalWire {
+    let shm = ShmConfig {
+        ring_bytes: 1 << 20,
+        required: true,
+        ..ShmConfig::default()
+    };
+    LocalWire::new(Arc::clone(pool), TcpConfig::default(), shm).unwrap()
+}
+
+fn listener() -> (Endpoint<LocalWire>, SocketAddr, Arc<StdPool>) {
+    let pool = heap_pool(64 << 20).unwrap();
+    let mut t = wire(&pool);
+    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    (
+        Endpoint::new(t, EndpointConfig::default()).unwrap(),
+        addr,
+        pool,
+    )
+}
+
+fn connect(addr: SocketAddr) -> (Endpoint<LocalWire>, PeerId) {
+    let pool = heap_pool(64 << 20).unwrap();
+    let e = Endpoint::new(wire(&pool), EndpointConfig::default()).unwrap();
+    let d = TcpTransport::dial(addr, WAIT, true).unwrap();
+    let p = e.with(|t| t.attach(d)).unwrap();
+    let p = e.wait_open(p, Deadline::after(WAIT)).unwrap();
+    assert!(p.0 & LANE_BIT != 0, "the peer moved to shared memory");
+    (e, p)
+}
+
+/// The tests count this process's descriptors: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The lane's traces in this process: mapped segments, and descriptors.
+fn traces() -> (usize, usize) {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let segments = maps
+        .lines()
+        .filter(|l| l.contains("memfd:zerohop-lane"))
+        .count();
+    let fds = std::fs::read_dir("/proc/self/fd").unwrap().count();
+    (segments, fds)
+}
+
+/// A child that connects and streams (or sinks) until it is killed.
+#[test]
+#[ignore = "a helper process for the kill tests"]
+fn child_peer() {
+    let Ok(addr) = std::env::var("ZEROHOP_TEST_CONNECT") else {
+        return;
+    };
+    let (e, peer) = connect(addr.parse().unwrap());
+    let m = vec![0x5Au8; 64 << 10];
+    match std::env::var("ZEROHOP_TEST_ROLE").as_deref() {
+        Ok("send") => loop {
+            e.send(peer, &m, Deadline::after(WAIT), None).unwrap();
+        },
+        _ => loop {
+            drop(e.recv(Deadline::after(Duration::from_secs(60)), None));
+        },
+    }
+}
+
+fn spawn(addr: SocketAddr, role: &str) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "child_peer",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("ZEROHOP_TEST_CONNECT", addr.to_string())
+        .env("ZEROHOP_TEST_ROLE", role)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+fn accepted(server: &Endpoint<LocalWire>) -> PeerId {
+    match server.next_event(Deadline::after(WAIT), None).unwrap() {
+        Event::Accepted { peer, .. } => peer,
+        e => panic!("expected the child's connection, got {e:?}"),
+    }
+}
+
+#[test]
+fn a_sender_killed_mid_stream_is_lost_at_once_and_leaves_nothing() {
+    let _one = serial();
+    let (server, addr, pool) = listener();
+    let before = traces();
+    let mut child = spawn(addr, "send");
+    let peer = accepted(&server);
+    assert!(peer.0 & LANE_BIT != 0);
+    // Mid-stream: messages are arriving.
+    for _ in 0..50 {
+        let r = server.recv(Deadline::after(WAIT), None).unwrap();
+        assert_eq!(host_bytes(&r.lease).len(), 64 << 10);
+    }
+    assert_eq!(
+        traces().0,
+        before.0 + 1,
+        "one segment mapped while the lane lives"
+    );
+    child.kill().unwrap(); // SIGKILL
+    let killed = Instant::now();
+    let lost = loop {
+        match server.recv(Deadline::after(WAIT), None) {
+            Ok(_) => {} // what it wrote before it died
+            Err(e) => break e,
+        }
+    };
+    let took = killed.elapsed();
+    child.wait().unwrap();
+    assert_eq!(lost, Error::PeerLost(peer));
+    eprintln!("a killed sender was reported lost {took:?} after SIGKILL");
+    assert!(took < Duration::from_millis(100), "lost after {took:?}");
+    assert_eq!(traces(), before, "no segment mapped, no descriptor left");
+    assert_eq!(pool.used_bytes(), 0, "every receive buffer back");
+}
+
+#[test]
+fn a_receiver_killed_mid_stream_is_lost_at_once_and_leaves_nothing() {
+    let _one = serial();
+    let (server, addr, _pool) = listener();
+    let before = traces();
+    let mut child = spawn(addr, "recv");
+    let peer = accepted(&server);
+    let m = vec![7u8; 64 << 10];
+    for _ in 0..50 {
+        server.send(peer, &m, Deadline::after(WAIT), None).unwrap();
+    }
+    child.kill().unwrap();
+    let killed = Instant::now();
+    // The sender notices whichever way it looks: its sends fail, its recv reports.
+    let lost = loop {
+        if let Err(e) = server.send(peer, &m, Deadline::after(WAIT), None) {
+            assert!(
+                matches!(e, Error::UnknownPeer(_) | Error::PeerLost(_)),
+                "{e:?}"
+            );
+            break server.recv(Deadline::after(WAIT), None).unwrap_err();
+        }
+        if killed.elapsed() > WAIT {
+            panic!("the dead receiver was never noticed");
+        }
+    };
+    let took = killed.elapsed();
+    child.wait().unwrap();
+    assert_eq!(lost, Error::PeerLost(peer));
+    eprintln!("a killed receiver was reported lost {took:?} after SIGKILL");
+    assert!(took < Duration::from_millis(100), "lost after {took:?}");
+    assert_eq!(traces(), before, "no segment mapped, no descriptor left");
+}
+
+/// The abstract Unix sockets this process's lanes take segments on.
+fn lane_sockets() -> Vec<String> {
+    let me = format!(".{}.", std::process::id());
+    std::fs::read_to_string("/proc/net/unix")
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(7))
+        .filter(|n| n.starts_with("@zerohop-lane.") && n.contains(&me))
+        .map(|n| n[1..].to_string())
+        .collect()
+}
+
+#[test]
+fn strangers_on_the_lane_sockets_cost_them_their_connection_and_peers_still_move() {
+    let _one = serial();
+    use std::io::Write;
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
+    let (server, addr, _pool) = listener();
+    let pool = heap_pool(64 << 20).unwrap();
+    let c = Endpoint::new(wire(&pool), EndpointConfig::default()).unwrap();
+    let names = lane_sockets();
+    assert!(
+        names.len() >= 2,
+        "the listener's and the connector's: {names:?}"
+    );
+    // A flood of idle connections, and garbage, on every lane socket here.
+    let mut strangers = Vec::new();
+    for name in &names {
+        let a = UnixAddr::from_abstract_name(name.as_bytes()).unwrap();
+        for _ in 0..100 {
+            strangers.push(UnixStream::connect_addr(&a).unwrap());
+        }
+        let mut g = UnixStream::connect_addr(&a).unwrap();
+        g.write_all(&[0xEE; 300]).unwrap();
+        strangers.push(g);
+    }
+    let _ = c.progress();
+    let _ = server.progress();
+    // A real peer still moves to shared memory.
+    let d = TcpTransport::dial(addr, WAIT, true).unwrap();
+    let p = c.with(|t| t.attach(d)).unwrap();
+    let peer = c.wait_open(p, Deadline::after(WAIT)).unwrap();
+    assert!(peer.0 & LANE_BIT != 0, "moved despite the strangers");
+    let from = accepted(&server);
+    c.send(peer, b"hello", Deadline::after(WAIT), None).unwrap();
+    let r = server.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), b"hello");
+    drop(r);
+    server
+        .send(from, b"back", Deadline::after(WAIT), None)
+        .unwrap();
+    assert_eq!(
+        host_bytes(&c.recv(Deadline::after(WAIT), None).unwrap().lease),
+        b"back"
+    );
+    drop(strangers);
+}
