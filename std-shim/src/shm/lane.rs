@@ -13,6 +13,7 @@ use zerohop_core::session::{DataIn, Inbound, Instant, SendError, Session, Sessio
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{Error, Lease, PeerId, Received};
 
+use super::cma;
 use super::handshake;
 use super::ring::{Consumer, Corrupt, Producer};
 use super::segment::{SegRing, Segment};
@@ -56,11 +57,49 @@ struct Direct {
     sent: usize,
 }
 
+/// A large message handed over by a single copy ([`cma`]): its bytes stay
+/// where they are until the peer has read them.
+struct Handover {
+    ticket: u64,
+    header: [u8; HEADER_LEN],
+    held: Held,
+}
+
+enum Held {
+    /// The blocked caller's slice (it passes it to `continue_send`).
+    Caller,
+    Owned(Vec<u8>),
+    Leased(StdLease),
+}
+
+/// Where a data frame's payload comes from.
+enum Stage {
+    /// Its descriptor (a single-copy message), being read from the ring.
+    Desc {
+        have: usize,
+        buf: [u8; cma::DESC_BYTES],
+    },
+    /// The ring.
+    Inline,
+}
+
 /// A data frame whose header the engine took: its payload goes here.
 struct Incoming {
     d: DataIn,
     lease: Option<StdLease>,
     have: usize,
+    stage: Stage,
+}
+
+/// What the handover of a single-copy message has come to.
+#[derive(PartialEq, Eq)]
+enum Handed {
+    /// The peer has the bytes.
+    Done,
+    /// Not yet.
+    Waiting,
+    /// The bytes go in the ring after all (refused, or withdrawn).
+    Inline,
 }
 
 /// How reading a lane ended.
@@ -94,8 +133,22 @@ pub(crate) struct Lane {
     direct: Option<Direct>,
     /// This side said it waits for room (the peer rings when it reads).
     waiting_room: bool,
+    /// A handover's peer broke it or never finished it: the lane is over.
+    broken: bool,
     /// The pool had no buffer for the last message begun.
     pub(crate) dry: bool,
+    /// The peer's process (for single-copy reads), if known.
+    peer_pid: Option<i32>,
+    /// Large messages go by a single copy (until the peer refuses one).
+    cma_tx: bool,
+    /// Large messages come by a single copy (until this side refuses one).
+    cma_rx: bool,
+    /// The outstanding single-copy message, if any: nothing goes after it
+    /// until it is handed over.
+    handover: Option<Handover>,
+    /// The last ticket this side issued, and the last it took.
+    tx_ticket: u64,
+    rx_ticket: u64,
 }
 
 impl Lane {
@@ -115,6 +168,10 @@ impl Lane {
         now: Instant,
     ) -> Lane {
         let (mine, theirs) = if creator { (0, 1) } else { (1, 0) };
+        // The process at the other end of the link (the kernel's word, not the peer's).
+        let peer_pid = rustix::net::sockopt::socket_peercred(&link)
+            .ok()
+            .map(|c| c.pid.as_raw_nonzero().get());
         let mut lane = Lane {
             addr,
             session: Session::new(config, token, now),
@@ -130,10 +187,94 @@ impl Lane {
             queued_bytes: 0,
             direct: None,
             waiting_room: false,
+            broken: false,
             dry: false,
+            peer_pid,
+            cma_tx: true,
+            cma_rx: true,
+            handover: None,
+            tx_ticket: 0,
+            rx_ticket: 0,
         };
         lane.control();
         lane
+    }
+
+    fn bad_claim(peer: PeerId) -> Error {
+        Error::WireRule {
+            peer,
+            rule: "a same-host handover word the peer could not have written",
+        }
+    }
+
+    /// Where the handover of the outstanding single-copy message stands.
+    /// `caller`: the blocked caller's bytes, when it asks (a refusal then
+    /// turns into a direct write of the rest).
+    fn poll_handover(&mut self, peer: PeerId, caller: Option<&[u8]>) -> Result<Handed, Error> {
+        let Some(h) = self.handover.as_ref() else {
+            return Ok(Handed::Done);
+        };
+        let t = h.ticket;
+        // Acquire: the peer's reads of our bytes happened before its done.
+        let v = self
+            .tx
+            .mem_ctl()
+            .claim()
+            .load(std::sync::atomic::Ordering::Acquire);
+        let state = if v == cma::word(t, cma::OPEN) {
+            Handed::Done
+        } else if v == cma::word(t - 1, cma::OPEN)
+            // The message before was withdrawn; the peer has not reset the word yet.
+            || v == cma::word(t - 1, cma::WITHDRAWN)
+            || v == cma::word(t, cma::READING)
+        {
+            Handed::Waiting
+        } else if v == cma::word(t, cma::REFUSED) {
+            Handed::Inline
+        } else {
+            return Err(Self::bad_claim(peer));
+        };
+        match state {
+            Handed::Done => {
+                self.handover = None; // a held lease goes back
+            }
+            Handed::Inline => {
+                if matches!(h.held, Held::Caller) && caller.is_none() {
+                    return Ok(Handed::Waiting); // the caller writes it, when it next asks
+                }
+                self.cma_tx = false;
+                let h = self.handover.take().expect("handover");
+                self.inline_rest(h, caller);
+            }
+            Handed::Waiting => {}
+        }
+        Ok(state)
+    }
+
+    /// The bytes of a message whose handover failed follow its header and
+    /// descriptor in the ring: from the caller's slice (as a direct write),
+    /// or from the front of the queue.
+    fn inline_rest(&mut self, h: Handover, caller: Option<&[u8]>) {
+        // The header and descriptor are out; the descriptor's bytes are not
+        // the payload's, so the rest is the whole payload.
+        let payload = match h.held {
+            Held::Caller => {
+                self.direct = Some(Direct {
+                    header: h.header,
+                    sent: HEADER_LEN,
+                });
+                let _ = caller;
+                return;
+            }
+            Held::Owned(v) => Payload::Owned(v),
+            Held::Leased(l) => Payload::Leased(l),
+        };
+        self.queued_bytes += payload.bytes().len();
+        self.queue.push_front(Out {
+            header: h.header,
+            payload,
+            sent: HEADER_LEN,
+        });
     }
 
     fn corrupt(peer: PeerId, _: Corrupt) -> Error {
@@ -155,9 +296,22 @@ impl Lane {
         queue_limit: usize,
     ) -> Result<bool, Refused> {
         let len = payload.bytes().len();
-        let behind = !self.queue.is_empty() || self.direct.is_some();
+        let behind = !self.queue.is_empty() || self.direct.is_some() || self.handover.is_some();
         if behind && self.queued_bytes + HEADER_LEN + len > queue_limit {
             return Err(payload.refused(Error::WouldBlock));
+        }
+        // A large message by a single copy: only with nothing ahead of it,
+        // its header and descriptor whole in the ring.
+        let single = self.cma_tx && len >= cma::MIN;
+        if single {
+            match self.tx.room() {
+                _ if behind => return Err(payload.refused(Error::WouldBlock)),
+                Ok(room) if room < HEADER_LEN + cma::DESC_BYTES => {
+                    return Err(payload.refused(Error::WouldBlock))
+                }
+                Ok(_) => {}
+                Err(c) => return Err(payload.refused(Self::corrupt(peer, c))),
+            }
         }
         let mut out = match self.session.send(len) {
             Ok(o) => o,
@@ -175,6 +329,47 @@ impl Lane {
             return Err(payload.refused(Error::Backend("shm: the session framed nothing")));
         };
         let header = f.header.unwrap_or([0; HEADER_LEN]);
+        if single {
+            let ticket = self.tx_ticket + 1;
+            let (held, addr) = match payload {
+                Source::Slice(b) if direct => (Held::Caller, b.as_ptr() as u64),
+                Source::Slice(b) => {
+                    let v = b.to_vec();
+                    let a = v.as_ptr() as u64;
+                    (Held::Owned(v), a)
+                }
+                Source::Lease(l) => {
+                    let a = host_bytes(&l).as_ptr() as u64;
+                    (Held::Leased(l), a)
+                }
+            };
+            let d = cma::desc(addr, ticket);
+            match self.tx.write(&[&header, &d]) {
+                Ok(m) if m.n == HEADER_LEN + cma::DESC_BYTES => {
+                    if m.wake {
+                        handshake::ring(self.their_bell.as_fd());
+                    }
+                }
+                _ => {
+                    return Err(Refused {
+                        error: Self::corrupt(peer, Corrupt { theirs: 0, ours: 0 }),
+                        lease: match held {
+                            Held::Leased(l) => Some(l),
+                            _ => None,
+                        },
+                    })
+                }
+            }
+            self.tx_ticket = ticket;
+            let waits = matches!(held, Held::Caller);
+            self.handover = Some(Handover {
+                ticket,
+                header,
+                held,
+            });
+            self.control();
+            return Ok(!waits);
+        }
         let mut sent = 0;
         if !behind {
             match self.tx.write(&[&header, payload.bytes()]) {
@@ -212,6 +407,20 @@ impl Lane {
     /// Writes more of a frame begun by `send` with `direct` from the same
     /// bytes; `Ok(true)` once all of it is in the ring.
     pub(crate) fn continue_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
+        if self
+            .handover
+            .as_ref()
+            .is_some_and(|h| matches!(h.held, Held::Caller))
+        {
+            match self.poll_handover(peer, Some(bytes))? {
+                Handed::Done => {
+                    self.flush(peer)?;
+                    return Ok(true);
+                }
+                Handed::Waiting => return Ok(false),
+                Handed::Inline => {} // the rest from the slice, below
+            }
+        }
         let Some(d) = self.direct.as_mut() else {
             return Ok(true);
         };
@@ -236,6 +445,10 @@ impl Lane {
     /// The caller of an unfinished direct send must leave: the rest is
     /// copied and finished from the queue, ahead of everything queued.
     pub(crate) fn abandon_send(&mut self, bytes: &[u8]) {
+        if let Some(h) = self.handover.take_if(|h| matches!(h.held, Held::Caller)) {
+            self.withdraw(h, bytes);
+            return;
+        }
         let Some(d) = self.direct.take() else { return };
         let rest = HEADER_LEN + bytes.len() - d.sent;
         self.queued_bytes += rest;
@@ -244,6 +457,62 @@ impl Lane {
             payload: Payload::Owned(bytes.to_vec()),
             sent: d.sent,
         });
+    }
+
+    /// The blocked caller of a single-copy message must leave. Withdrawn
+    /// before the peer took it: its bytes follow in the ring, from a copy.
+    /// Taken: the copy under way is waited for (the caller's memory must
+    /// not go while the peer reads it); a peer that never finishes is cut off.
+    fn withdraw(&mut self, h: Handover, bytes: &[u8]) {
+        use std::sync::atomic::Ordering;
+        let t = h.ticket;
+        let claim = self.tx.mem_ctl().claim();
+        // AcqRel: wins or loses against the receiver's take; either way sees its store.
+        if claim
+            .compare_exchange(
+                cma::word(t - 1, cma::OPEN),
+                cma::word(t, cma::WITHDRAWN),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+        {
+            self.inline_rest(
+                Handover {
+                    held: Held::Owned(bytes.to_vec()),
+                    ..h
+                },
+                None,
+            );
+            return;
+        }
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        loop {
+            // Acquire: the peer's copy out of these bytes is over before we go.
+            let v = claim.load(Ordering::Acquire);
+            if v == cma::word(t, cma::OPEN) {
+                return; // done: the peer has the message
+            }
+            if v == cma::word(t, cma::REFUSED) {
+                self.cma_tx = false;
+                self.inline_rest(
+                    Handover {
+                        held: Held::Owned(bytes.to_vec()),
+                        ..h
+                    },
+                    None,
+                );
+                return;
+            }
+            if v != cma::word(t, cma::READING) || std::time::Instant::now() > until || !self.alive()
+            {
+                // A peer that breaks the word, never finishes, or died
+                // mid-copy: the lane ends (its link hangs up on the peer).
+                self.broken = true;
+                return;
+            }
+            std::hint::spin_loop();
+        }
     }
 
     /// Writes `frame` into the ring as it is, past the session (nothing may
@@ -280,6 +549,12 @@ impl Lane {
 
     /// Writes what is queued, as far as the ring has room. Whether anything moved.
     pub(crate) fn flush(&mut self, peer: PeerId) -> Result<bool, Error> {
+        if self.broken {
+            return Err(Self::bad_claim(peer));
+        }
+        if self.handover.is_some() && self.poll_handover(peer, None)? == Handed::Waiting {
+            return Ok(false); // nothing goes ahead of a message being handed over
+        }
         if self.direct.is_some() {
             return Ok(false); // a caller is mid-frame from its slice; ours go after it
         }
@@ -338,6 +613,64 @@ impl Lane {
                 }
                 let lease = inc.lease.as_mut().expect("leased above");
                 let want = inc.d.len;
+                if let Stage::Desc { have, buf } = &mut inc.stage {
+                    match self.rx.read(&mut buf[*have..]) {
+                        Ok(m) => {
+                            *have += m.n;
+                            if m.wake {
+                                handshake::ring(self.their_bell.as_fd());
+                            }
+                        }
+                        Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
+                    }
+                    if *have < cma::DESC_BYTES {
+                        self.session.handle_activity(now, true);
+                        return Outcome::Drained;
+                    }
+                    let (addr, ticket) = cma::parse(buf);
+                    if ticket != self.rx_ticket + 1 {
+                        return Outcome::Bad(Self::bad_claim(peer));
+                    }
+                    self.rx_ticket = ticket;
+                    use std::sync::atomic::Ordering;
+                    let claim = self.rx.mem_ctl().claim();
+                    // AcqRel: against the sender's withdrawal; whoever swaps first decides.
+                    match claim.compare_exchange(
+                        cma::word(ticket - 1, cma::OPEN),
+                        cma::word(ticket, cma::READING),
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    ) {
+                        Ok(_) => {
+                            let dst = &mut host_bytes_mut(lease)[..want];
+                            let got = self.peer_pid.is_some_and(|pid| cma::read(pid, addr, dst));
+                            let state = if got {
+                                inc.have = want;
+                                cma::OPEN
+                            } else {
+                                // Not permitted here (or the peer lied): the bytes come in the ring.
+                                self.cma_rx = false;
+                                inc.stage = Stage::Inline;
+                                cma::REFUSED
+                            };
+                            // Release: our copy out of the peer's memory is over.
+                            claim.store(cma::word(ticket, state), Ordering::Release);
+                            if self.rx.writer_waits() {
+                                handshake::ring(self.their_bell.as_fd());
+                            }
+                            if got {
+                                inc.stage = Stage::Inline;
+                            }
+                        }
+                        Err(v) if v == cma::word(ticket, cma::WITHDRAWN) => {
+                            // Its bytes follow in the ring; the word is ready
+                            // for the next ticket (Release: as a done).
+                            claim.store(cma::word(ticket, cma::OPEN), Ordering::Release);
+                            inc.stage = Stage::Inline;
+                        }
+                        Err(_) => return Outcome::Bad(Self::bad_claim(peer)),
+                    }
+                }
                 if inc.have < want {
                     let dst = &mut host_bytes_mut(lease)[inc.have..want];
                     match self.rx.read(dst) {
@@ -398,10 +731,19 @@ impl Lane {
                     if !d.first || !d.last {
                         return Outcome::Bad(Error::Backend("shm: a fragment on a stream lane"));
                     }
+                    let single = self.cma_rx && d.len >= cma::MIN;
                     self.incoming = Some(Incoming {
                         d,
                         lease: None,
                         have: 0,
+                        stage: if single {
+                            Stage::Desc {
+                                have: 0,
+                                buf: [0; cma::DESC_BYTES],
+                            }
+                        } else {
+                            Stage::Inline
+                        },
                     });
                 }
                 Inbound::Closed => arrivals.push_back(Err(Error::PeerClosed(peer))),
@@ -449,7 +791,8 @@ impl Lane {
     pub(crate) fn prepare_sleep(&mut self) -> bool {
         handshake::drain(self.my_bell.as_fd());
         let bytes = self.rx.prepare_sleep().unwrap_or(true);
-        self.waiting_room = !self.queue.is_empty() || self.direct.is_some();
+        self.waiting_room =
+            !self.queue.is_empty() || self.direct.is_some() || self.handover.is_some();
         let room = self.waiting_room && self.tx.prepare_wait().unwrap_or(true);
         bytes || room
     }
@@ -465,7 +808,10 @@ impl Lane {
 
     /// Whether the session is over on both sides, with nothing left to write.
     pub(crate) fn finished(&self) -> bool {
-        self.session.is_finished() && self.queue.is_empty() && self.direct.is_none()
+        self.session.is_finished()
+            && self.queue.is_empty()
+            && self.direct.is_none()
+            && self.handover.is_none()
     }
 }
 

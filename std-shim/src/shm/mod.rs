@@ -21,6 +21,7 @@
 //! waits on its doorbell after telling the peer to ring it, and on the Unix
 //! link, whose hang-up reports a peer that died (SIGKILL included) at once.
 
+pub(crate) mod cma;
 pub(crate) mod handshake;
 pub(crate) mod host;
 pub(crate) mod lane;

@@ -33,6 +33,17 @@ pub(crate) struct RingCtl {
     tail: Line<AtomicU64>,
     /// Who waits for the other.
     waits: Line<Waits>,
+    /// The single-copy handover of the ring's current large message (see
+    /// `lane`): its ticket and state, which producer and consumer change
+    /// by compare-and-swap.
+    claim: Line<AtomicU64>,
+}
+
+impl RingCtl {
+    /// The claim word of this ring's large messages.
+    pub(crate) fn claim(&self) -> &AtomicU64 {
+        &self.claim
+    }
 }
 
 #[repr(C)]
@@ -143,6 +154,11 @@ impl<M: RingMem> Producer<M> {
     #[cfg(feature = "testing")]
     pub(crate) fn mem(&self) -> &M {
         &self.mem
+    }
+
+    /// The ring's control words (its claim word).
+    pub(crate) fn mem_ctl(&self) -> &RingCtl {
+        self.mem.ctl()
     }
 
     /// Bytes that fit now.
@@ -258,6 +274,21 @@ impl<M: RingMem> Consumer<M> {
         // Relaxed: ordered by the fence.
         let wake = ctl.waits.writer.load(Ordering::Relaxed) != 0;
         Ok(Moved { n, wake })
+    }
+
+    /// The ring's control words (its claim word).
+    pub(crate) fn mem_ctl(&self) -> &RingCtl {
+        self.mem.ctl()
+    }
+
+    /// Whether the producer waits (for room, or for a handover): after
+    /// moving anything it waits for, ring its doorbell.
+    pub(crate) fn writer_waits(&self) -> bool {
+        // SeqCst fence: orders this side's last store (a tail, a claim)
+        // before the load of the producer's flag (no lost wake-up).
+        fence(Ordering::SeqCst);
+        // Relaxed: ordered by the fence.
+        self.mem.ctl().waits.writer.load(Ordering::Relaxed) != 0
     }
 
     /// About to sleep: says so, then looks again. `Ok(true)`: bytes came

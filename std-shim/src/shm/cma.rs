@@ -1,0 +1,104 @@
+//! Large messages by a single copy: the receiver reads them straight out of
+//! the sender's memory (`process_vm_readv`, "cross-memory attach"), as
+//! UCX's `cma` transport does, instead of the two copies a ring costs (in,
+//! then out). The ring carries the frame's header and a descriptor (the
+//! bytes' address in the sender, and a ticket); the bytes stay where they
+//! are until the receiver says it has them.
+//!
+//! The handover is one word per direction in the segment, the *claim*:
+//! `ticket << 2 | state`. After ticket `t - 1` is done it reads
+//! `(t - 1) << 2 | OPEN`. The receiver takes `t` by a compare-and-swap to
+//! `t << 2 | READING`, copies, and stores `t << 2 | OPEN` (done) — or
+//! `t << 2 | REFUSED` where it may not read the sender's memory (another
+//! user, a ptrace policy): then the bytes follow in the ring, and neither
+//! side tries again. A sender that must leave before `t` is taken (its
+//! caller's deadline) swaps in `t << 2 | WITHDRAWN` first: then too the
+//! bytes follow in the ring. Whoever swaps first decides; a sender whose
+//! withdrawal lost waits for the copy under way. Any other value is a
+//! peer breaking the lane.
+
+use std::ffi::c_void;
+
+/// Messages at least this long go by a single copy where the two processes
+/// may (and both sides know it from the length alone).
+pub(crate) const MIN: usize = 32 << 10;
+/// The descriptor that follows such a frame's header in the ring: the
+/// bytes' address in the sender, and the ticket.
+pub(crate) const DESC_BYTES: usize = 16;
+
+pub(crate) const OPEN: u64 = 0;
+pub(crate) const READING: u64 = 1;
+pub(crate) const WITHDRAWN: u64 = 2;
+pub(crate) const REFUSED: u64 = 3;
+
+/// The claim word's value for `ticket` in `state`.
+pub(crate) const fn word(ticket: u64, state: u64) -> u64 {
+    ticket << 2 | state
+}
+
+pub(crate) fn desc(addr: u64, ticket: u64) -> [u8; DESC_BYTES] {
+    let mut d = [0u8; DESC_BYTES];
+    d[..8].copy_from_slice(&addr.to_le_bytes());
+    d[8..].copy_from_slice(&ticket.to_le_bytes());
+    d
+}
+
+pub(crate) fn parse(d: &[u8; DESC_BYTES]) -> (u64, u64) {
+    let w = |i: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&d[i..i + 8]);
+        u64::from_le_bytes(b)
+    };
+    (w(0), w(8))
+}
+
+/// Copies `dst.len()` bytes at `addr` in process `pid` into `dst`.
+/// Whether all of them came (the kernel checks the range and the right to
+/// read it: a bad address is a short or failed read, never a fault here).
+pub(crate) fn read(pid: i32, addr: u64, dst: &mut [u8]) -> bool {
+    let mut done = 0;
+    while done < dst.len() {
+        let local = libc::iovec {
+            iov_base: dst[done..].as_mut_ptr().cast::<c_void>(),
+            iov_len: dst.len() - done,
+        };
+        let remote = libc::iovec {
+            iov_base: addr.wrapping_add(done as u64) as usize as *mut c_void,
+            iov_len: dst.len() - done,
+        };
+        // SAFETY: `local` is this process's own writable buffer of the
+        // length given; `remote` names memory in another process, which the
+        // kernel alone touches and checks (EFAULT, EPERM, ESRCH).
+        let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+        match usize::try_from(n) {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => done += n,
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_read_of_this_process_sees_its_bytes_and_a_bad_address_is_a_failed_read() {
+        let src: Vec<u8> = (0..100_000u32).map(|i| i as u8).collect();
+        let mut dst = vec![0u8; src.len()];
+        assert!(read(
+            std::process::id() as i32,
+            src.as_ptr() as u64,
+            &mut dst
+        ));
+        assert_eq!(dst, src);
+        assert!(
+            !read(std::process::id() as i32, 8, &mut dst[..16]),
+            "address 8 is mapped nowhere"
+        );
+        let (a, t) = parse(&desc(0xDEAD_BEEF, 42));
+        assert_eq!((a, t), (0xDEAD_BEEF, 42));
+        assert_eq!(word(5, READING) >> 2, 5);
+        assert_eq!(word(5, REFUSED) & 3, REFUSED);
+    }
+}
