@@ -21,7 +21,7 @@ use crate::idle;
 
 #[derive(Args, Debug)]
 pub struct PerfArgs {
-    /// Transport: auto, gpudirect, rdma, uma, tcp (default: $ZEROHOP_TRANSPORT, else auto).
+    /// Transport: auto, gpudirect, rdma, uma, shm, tcp (default: $ZEROHOP_TRANSPORT, else auto).
     #[arg(long)]
     transport: Option<String>,
     /// Serve `--connect` runs on ADDR (a host name or IP, with a port), one

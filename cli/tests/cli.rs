@@ -6,7 +6,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, ChildStderr, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 fn bin() -> String {
@@ -58,10 +58,13 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// `zerohop perf --listen` on a free port, once it serves.
+/// `zerohop perf --listen` on a port it picks itself (a port picked here
+/// and freed could be taken by another test before the listener binds it),
+/// once it serves.
 struct Listener {
     child: Child,
     addr: SocketAddr,
+    stderr: BufReader<ChildStderr>,
 }
 
 impl Listener {
@@ -70,9 +73,7 @@ impl Listener {
     }
 
     fn start_with(extra: &[&str], env: &[(&str, &str)], nofile: Option<u32>) -> Listener {
-        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let a = addr.to_string();
-        let mut args = vec!["perf", "--transport", "tcp", "--listen", &a];
+        let mut args = vec!["perf", "--transport", "tcp", "--listen", "127.0.0.1:0"];
         args.extend_from_slice(extra);
         let mut c = match nofile {
             // A descriptor limit the command cannot raise (hard = soft).
@@ -86,20 +87,26 @@ impl Listener {
             }
             None => command(&args, env),
         };
-        let child = c
+        let mut child = c
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn");
-        let t0 = Instant::now();
-        while TcpStream::connect(addr).map(drop).is_err() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "the listener never came up"
-            );
-            std::thread::sleep(Duration::from_millis(20));
+        // "zerohop perf: serving tcp on ADDR", once it is bound.
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        stderr.read_line(&mut line).unwrap();
+        let addr: SocketAddr = line
+            .trim_end()
+            .rsplit(' ')
+            .next()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("the listener did not say where it serves: {line:?}"));
+        Listener {
+            child,
+            addr,
+            stderr,
         }
-        Listener { child, addr }
     }
 
     fn alive(&mut self) -> bool {
@@ -138,7 +145,7 @@ impl Listener {
         }
         let ok = self.child.wait().unwrap().success();
         let mut err = String::new();
-        let _ = self.child.stderr.take().unwrap().read_to_string(&mut err);
+        let _ = self.stderr.read_to_string(&mut err);
         (ok, err)
     }
 }

@@ -13,7 +13,7 @@ use zerohop_core::Preference;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {
     /// `ZEROHOP_TRANSPORT` (else `ZAP_TRANSPORT`): auto, gpudirect, rdma,
-    /// uma, tcp, mock (trimmed, case-insensitive; the Go package's `default` is tcp).
+    /// uma, shm, tcp, mock (trimmed, case-insensitive; the Go package's `default` is tcp).
     pub transport: Preference,
     /// `ZEROHOP_POOL_BYTES` (else `ZAP_UMA_POOL_BYTES`, where 0 means no
     /// budget: the host's physical memory): the pool budget (default 4 GiB).
@@ -68,7 +68,7 @@ impl Config {
             c.transport = Preference::parse(&v).map_err(|_| ConfigError {
                 var: "ZEROHOP_TRANSPORT",
                 value: v.clone(),
-                expected: "one of auto, gpudirect, rdma, uma, tcp, mock",
+                expected: "one of auto, gpudirect, rdma, uma, shm, tcp, mock",
             })?;
         } else if let Some(v) = get("ZAP_TRANSPORT") {
             c.transport = match v.trim().to_ascii_lowercase().as_str() {
@@ -76,7 +76,7 @@ impl Config {
                 _ => Preference::parse(&v).map_err(|_| ConfigError {
                     var: "ZAP_TRANSPORT",
                     value: v.clone(),
-                    expected: "one of default (tcp), auto, gpudirect, rdma, uma, tcp",
+                    expected: "one of default (tcp), auto, gpudirect, rdma, uma, shm, tcp",
                 })?,
             };
         }

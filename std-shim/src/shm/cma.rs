@@ -13,7 +13,10 @@
 //! user, a ptrace policy): then the bytes follow in the ring, and neither
 //! side tries again. A sender that must leave before `t` is taken (its
 //! caller's deadline) swaps in `t << 2 | WITHDRAWN` first: then too the
-//! bytes follow in the ring. Whoever swaps first decides; a sender whose
+//! bytes follow in the ring. It swaps from `t - 1`'s done or from `t - 1`'s
+//! own withdrawal (the receiver has not come to that one yet): a withdrawn
+//! word stands for every message up to its ticket, and the receiver opens
+//! it at that ticket. Whoever swaps first decides; a sender whose
 //! withdrawal lost waits for the copy under way. Any other value is a
 //! peer breaking the lane.
 

@@ -467,24 +467,30 @@ impl Lane {
         use std::sync::atomic::Ordering;
         let t = h.ticket;
         let claim = self.tx.mem_ctl().claim();
-        // AcqRel: wins or loses against the receiver's take; either way sees its store.
-        if claim
-            .compare_exchange(
-                cma::word(t - 1, cma::OPEN),
+        // Before the take: the word is the last message's — done, or
+        // withdrawn too (the peer has not come to it yet: one withdrawn
+        // word then stands for both).
+        let mut v = claim.load(Ordering::Acquire);
+        while v == cma::word(t - 1, cma::OPEN) || v == cma::word(t - 1, cma::WITHDRAWN) {
+            // AcqRel: wins or loses against the receiver's take; either way sees its store.
+            match claim.compare_exchange(
+                v,
                 cma::word(t, cma::WITHDRAWN),
                 Ordering::AcqRel,
                 Ordering::Acquire,
-            )
-            .is_ok()
-        {
-            self.inline_rest(
-                Handover {
-                    held: Held::Owned(bytes.to_vec()),
-                    ..h
-                },
-                None,
-            );
-            return;
+            ) {
+                Ok(_) => {
+                    self.inline_rest(
+                        Handover {
+                            held: Held::Owned(bytes.to_vec()),
+                            ..h
+                        },
+                        None,
+                    );
+                    return;
+                }
+                Err(now) => v = now,
+            }
         }
         let until = std::time::Instant::now() + std::time::Duration::from_secs(2);
         loop {
@@ -662,10 +668,20 @@ impl Lane {
                                 inc.stage = Stage::Inline;
                             }
                         }
-                        Err(v) if v == cma::word(ticket, cma::WITHDRAWN) => {
-                            // Its bytes follow in the ring; the word is ready
-                            // for the next ticket (Release: as a done).
-                            claim.store(cma::word(ticket, cma::OPEN), Ordering::Release);
+                        Err(v) if v & 3 == cma::WITHDRAWN && v >> 2 >= ticket => {
+                            // Withdrawn (with the ones after it, up to the
+                            // word's ticket): its bytes follow in the ring.
+                            // The word's own message readies it for the
+                            // next ticket (Release: as a done) — unless the
+                            // sender withdraws that one meanwhile.
+                            if v >> 2 == ticket {
+                                let _ = claim.compare_exchange(
+                                    v,
+                                    cma::word(ticket, cma::OPEN),
+                                    Ordering::AcqRel,
+                                    Ordering::Acquire,
+                                );
+                            }
                             inc.stage = Stage::Inline;
                         }
                         Err(_) => return Outcome::Bad(Self::bad_claim(peer)),
