@@ -14,13 +14,13 @@ use super::{driver, CudaError, Gpu};
 /// One CUDA allocation: `base` as the driver returned it, `total` bytes; the
 /// region handed out starts at the first address aligned as asked.
 #[derive(Debug, Clone, Copy)]
-struct Allocation {
-    base: u64,
+pub(super) struct Allocation {
+    pub(super) base: u64,
     total: usize,
 }
 
 #[derive(Debug, Default)]
-struct Live(Mutex<BTreeMap<u64, Allocation>>);
+pub(super) struct Live(Mutex<BTreeMap<u64, Allocation>>);
 
 impl Live {
     fn lock(&self) -> MutexGuard<'_, BTreeMap<u64, Allocation>> {
@@ -29,7 +29,7 @@ impl Live {
     }
 
     /// The allocation containing `region`, as (region start, allocation).
-    fn containing(&self, region: Region) -> Option<(u64, Allocation)> {
+    pub(super) fn containing(&self, region: Region) -> Option<(u64, Allocation)> {
         let live = self.lock();
         let (&start, a) = live.range(..=region.addr).next_back()?;
         let end = a.base + a.total as u64;
@@ -214,8 +214,10 @@ impl Drop for HostCudaMemory {
 /// address to a kernel or a NIC (through a [`DmaBuf`](super::DmaBuf)).
 #[derive(Debug)]
 pub struct DeviceMemory {
-    gpu: Gpu,
-    live: Live,
+    pub(super) gpu: Gpu,
+    pub(super) live: Live,
+    /// CUDA IPC handles of allocations exported so far (by base).
+    pub(super) exports: Mutex<BTreeMap<u64, super::IpcHandle>>,
 }
 
 impl DeviceMemory {
@@ -224,6 +226,7 @@ impl DeviceMemory {
         DeviceMemory {
             gpu: gpu.clone(),
             live: Live::default(),
+            exports: Mutex::default(),
         }
     }
 
@@ -232,7 +235,7 @@ impl DeviceMemory {
         &self.gpu
     }
 
-    fn check(&self, region: Region, len: usize) -> Result<(), CudaError> {
+    pub(super) fn check(&self, region: Region, len: usize) -> Result<(), CudaError> {
         if region.len < len || self.live.containing(region).is_none() {
             return Err(CudaError::Driver {
                 call: "cuMemcpy",
@@ -305,6 +308,10 @@ impl RawMemory for DeviceMemory {
             .lock()
             .remove(&region.addr)
             .ok_or(Error::Backend("CUDA free of memory not allocated here"))?;
+        self.exports
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&a.base);
         self.gpu.bind()?;
         // SAFETY: `a.base` came from cuMemAlloc and left the live map just now: freed once.
         unsafe { result::free_sync(a.base) }.map_err(driver("cuMemFree"))?;

@@ -11,9 +11,12 @@
 //! - [`DeviceMemory`]: `cuMemAlloc` memory, never host-visible.
 //! - [`DmaBuf`]: device memory exported for a NIC (`cuMemGetHandleForAddressRange`).
 //! - [`Checksum`]: a GPU kernel (embedded PTX) that checksums bytes in place.
+//! - [`IpcCache`]: peers' device memory mapped by CUDA IPC, for copies
+//!   device to device between processes of one host.
 
 mod checksum;
 mod dmabuf;
+mod ipc;
 mod memory;
 
 use std::fmt;
@@ -25,6 +28,7 @@ use zerohop_core::{Prereq, Probe};
 
 pub use checksum::{cpu_checksum, Checksum};
 pub use dmabuf::DmaBuf;
+pub use ipc::{IpcCache, IpcError, IpcHandle, IpcMapping, IpcRegion};
 pub use memory::{DeviceMemory, HostCudaMemory};
 
 /// What can go wrong talking to CUDA.
