@@ -30,6 +30,12 @@ if [ "$1" = tests ]; then
   tar czf $OUT/bench-shm-raw.tgz -C /tmp bench-shm
 fi
 if [ "$1" = tcp ]; then
+  for t in backends-cuda_ipc zerohop-endpoint; do
+    echo "=== $t" >> $OUT/tests.log
+    timeout 120 ./$t --test-threads=1 --nocapture >> $OUT/tests.log 2>&1
+    echo "$t rc=$? $(grep 'test result' $OUT/tests.log | tail -1)"
+  done
+  grep -A12 "IPC GB/s" $OUT/tests.log
   rm -rf /tmp/bench-tcp; t0=$SECONDS
   BENCH_BIN_DIR=$here/new UCX_PERFTEST=$here/ucx_perftest BENCH_OUT=/tmp/bench-tcp timeout 540 bash $repo/scripts/bench-tcp 5 > $OUT/bench-tcp.log 2>&1
   echo "bench-tcp rc=$? in $((SECONDS - t0)) s"; tail -14 $OUT/bench-tcp.log
