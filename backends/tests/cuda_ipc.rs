@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use zerohop_backends::cuda::{
-    cpu_checksum, Checksum, DeviceMemory, Gpu, IpcCache, IpcError, IpcHandle, IpcRegion,
+    cpu_checksum, Checksum, CopyQueue, DeviceMemory, Gpu, IpcCache, IpcError, IpcHandle, IpcRegion,
 };
 use zerohop_core::{RawMemory, Region};
 
@@ -99,34 +99,71 @@ fn receiver_process() {
     let dst = mem.alloc(*SIZES.last().unwrap(), 2 * MIB).unwrap();
     let mut cache = IpcCache::new(&gpu, CACHE);
     let sum = Checksum::load(&gpu).unwrap();
+    // Copies in flight land in slots of their own.
+    let slots: Vec<Region> = (0..WINDOW)
+        .map(|_| mem.alloc(*SIZES.last().unwrap(), 2 * MIB).unwrap())
+        .collect();
+    let mut copies = CopyQueue::new(&gpu).unwrap();
+    let mut next_slot = 0;
     const PEER: u64 = 1;
+    s.set_nonblocking(true).unwrap();
+    let mut inbox: Vec<u8> = Vec::new();
+    let mut buf = [0u8; 4096];
     loop {
-        let mut tag = [0u8; 1];
-        if s.read_exact(&mut tag).is_err() {
-            return; // the sender went
+        // The copies that finished are done, in order.
+        let mut answers = Vec::new();
+        copies.completed(|_| answers.push(OK)).unwrap();
+        if !answers.is_empty() {
+            write_all_blocking(&mut s, &answers);
         }
-        match tag[0] {
+        // More from the sender, while a slot is free.
+        if copies.pending() < WINDOW {
+            match s.read(&mut buf) {
+                Ok(0) => return, // the sender went
+                Ok(n) => inbox.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => return,
+            }
+        }
+        let Some(&tag) = inbox.first() else { continue };
+        let need = match tag {
+            COPY | CHECK => 81,
+            _ => 1,
+        };
+        if inbox.len() < need || (tag != COPY && copies.pending() > 0) {
+            continue; // the rest of it, or what is queued before it
+        }
+        let m: Vec<u8> = inbox.drain(..need).collect();
+        match tag {
             COPY | CHECK => {
-                let mut b = [0u8; 80];
-                s.read_exact(&mut b).unwrap();
                 let r = IpcRegion {
-                    handle: IpcHandle(b[..64].try_into().unwrap()),
-                    offset: u64::from_le_bytes(b[64..72].try_into().unwrap()),
-                    len: u64::from_le_bytes(b[72..80].try_into().unwrap()) as usize,
+                    handle: IpcHandle(m[1..65].try_into().unwrap()),
+                    offset: u64::from_le_bytes(m[65..73].try_into().unwrap()),
+                    len: u64::from_le_bytes(m[73..81].try_into().unwrap()) as usize,
                 };
                 let status = match cache.resolve(PEER, &r) {
                     Err(IpcError::OutOfRange { .. }) => OUT_OF_RANGE,
                     Err(IpcError::Cuda(_)) => CUDA,
-                    Ok(src) if r.len <= dst.len => {
+                    Ok(_) if r.len > dst.len => OUT_OF_RANGE,
+                    Ok(src) if tag == COPY => {
+                        let slot = slots[next_slot];
+                        next_slot = (next_slot + 1) % WINDOW;
                         // SAFETY: `src` is a range the cache checked against
-                        // its open mapping, which stays open during the copy.
+                        // its open mapping (no entry closes while copies
+                        // are queued: the sender's allocations stay few);
+                        // the slot is reused only after WINDOW more copies,
+                        // and at most WINDOW are in flight.
+                        unsafe { copies.copy(&mem, slot, src, r.len) }.unwrap();
+                        continue; // answered when it completes
+                    }
+                    Ok(src) => {
+                        // SAFETY: as above; nothing else is in flight.
                         unsafe { mem.copy_from_peer(dst, src, r.len) }.unwrap();
                         OK
                     }
-                    Ok(_) => OUT_OF_RANGE,
                 };
                 let mut out = vec![status];
-                if tag[0] == CHECK {
+                if tag == CHECK {
                     let c = match status {
                         // SAFETY: `dst` is our live device allocation, and
                         // nothing writes it until the kernel is done.
@@ -135,7 +172,7 @@ fn receiver_process() {
                     };
                     out.extend_from_slice(&c.to_le_bytes());
                 }
-                s.write_all(&out).unwrap();
+                write_all_blocking(&mut s, &out);
             }
             STATS => {
                 let (opened, evicted) = cache.counts();
@@ -143,13 +180,23 @@ fn receiver_process() {
                 for v in [opened, evicted, cache.open_count() as u64] {
                     out.extend_from_slice(&v.to_le_bytes());
                 }
-                s.write_all(&out).unwrap();
+                write_all_blocking(&mut s, &out);
             }
             FORGET => {
                 let n = cache.forget_peer(PEER) as u64;
-                s.write_all(&n.to_le_bytes()).unwrap();
+                write_all_blocking(&mut s, &n.to_le_bytes());
             }
             _ => return,
+        }
+    }
+}
+
+fn write_all_blocking(s: &mut UnixStream, mut b: &[u8]) {
+    while !b.is_empty() {
+        match s.write(b) {
+            Ok(n) => b = &b[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) => panic!("{e}"),
         }
     }
 }
@@ -191,8 +238,8 @@ fn device_memory_crosses_processes_checked_where_it_lands() {
     let local = mem.alloc(*SIZES.last().unwrap(), 2 * MIB).unwrap();
     let mut chunks: Vec<Region> = Vec::new();
     eprintln!(
-        "{:>9} | {:>12} {:>12} {:>6} | {:>9}",
-        "size", "IPC GB/s", "local GB/s", "ratio", "msgs"
+        "{:>9} | {:>12} {:>12} {:>6} | {:>12} {:>6} | {:>9}",
+        "size", "IPC GB/s", "local GB/s", "ratio", "waited GB/s", "ratio", "msgs"
     );
     for (k, &len) in SIZES.iter().enumerate() {
         // A fresh allocation per size: the receiver's cache sees nine.
@@ -237,17 +284,25 @@ fn device_memory_crosses_processes_checked_where_it_lands() {
             done += 1;
         }
         let ipc = (n * len) as f64 / t0.elapsed().as_secs_f64() / 1e9;
-        // The same bytes copied device to device inside this process.
+        // The same bytes copied device to device inside this process: back
+        // to back (the copy engine's rate), and each waited for.
         let t0 = Instant::now();
         for _ in 0..n {
             mem.copy_from_device(local, &mem, src, len).unwrap();
         }
         gpu.synchronize().unwrap();
         let here = (n * len) as f64 / t0.elapsed().as_secs_f64() / 1e9;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            mem.copy_from_device(local, &mem, src, len).unwrap();
+            gpu.synchronize().unwrap();
+        }
+        let waited = (n * len) as f64 / t0.elapsed().as_secs_f64() / 1e9;
         eprintln!(
-            "{:>6} MiB | {ipc:>12.1} {here:>12.1} {:>5.2}x | {n:>9}",
+            "{:>6} MiB | {ipc:>12.1} {here:>12.1} {:>5.2}x | {waited:>12.1} {:>5.2}x | {n:>9}",
             len / MIB,
-            ipc / here
+            ipc / here,
+            ipc / waited
         );
         if len >= 16 * MIB {
             assert!(
@@ -351,4 +406,82 @@ fn a_receiver_killed_mid_stream_is_seen_at_once_and_holds_nothing() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The sending process: exports a filled allocation, names it, and waits
+/// to be killed.
+#[test]
+#[ignore = "the sending process of the CUDA IPC kill test"]
+fn sender_process() {
+    let Ok(path) = std::env::var("ZEROHOP_IPC_SENDER") else {
+        return;
+    };
+    let mut s = UnixStream::connect(path).unwrap();
+    let gpu = Gpu::open(0).unwrap();
+    let mem = DeviceMemory::new(&gpu);
+    let src = mem.alloc(64 * MIB, 2 * MIB).unwrap();
+    mem.copy_from_host(src, &pattern(64 * MIB, 7)).unwrap();
+    put_region(&mut s, COPY, &mem.export(src).unwrap());
+    let _ = s.read_to_end(&mut Vec::new()); // until killed
+}
+
+#[test]
+fn a_sender_killed_while_its_memory_is_read_costs_the_receiver_nothing() {
+    let Some(gpu) =
+        gpu_or_skip("a_sender_killed_while_its_memory_is_read_costs_the_receiver_nothing")
+    else {
+        return;
+    };
+    let path = std::env::temp_dir().join(format!("zerohop-ipc-{}-sender", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "sender_process", "--ignored", "--nocapture"])
+        .env("ZEROHOP_IPC_SENDER", &path)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (mut s, _) = listener.accept().unwrap();
+    let _ = std::fs::remove_file(&path);
+    let mut b = [0u8; 81];
+    s.read_exact(&mut b).unwrap();
+    let r = IpcRegion {
+        handle: IpcHandle(b[1..65].try_into().unwrap()),
+        offset: u64::from_le_bytes(b[65..73].try_into().unwrap()),
+        len: u64::from_le_bytes(b[73..81].try_into().unwrap()) as usize,
+    };
+    let mem = DeviceMemory::new(&gpu);
+    let dst = mem.alloc(r.len, 2 * MIB).unwrap();
+    let sum = Checksum::load(&gpu).unwrap();
+    let mut cache = IpcCache::new(&gpu, CACHE);
+    const PEER: u64 = 9;
+    let src = cache.resolve(PEER, &r).unwrap();
+    // SAFETY: `src` is in the cache's open mapping, checked against it.
+    unsafe { mem.copy_from_peer(dst, src, r.len) }.unwrap();
+    // SAFETY: `dst` is ours and nothing writes it meanwhile.
+    let c = unsafe { sum.run(dst.addr, r.len) }.unwrap();
+    assert_eq!(c, cpu_checksum(&pattern(64 * MIB, 7)));
+    // Killed while its memory is being read: each copy after is the
+    // driver's answer (the bytes, or a typed error), never a crash.
+    child.kill().unwrap();
+    let killed = Instant::now();
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    let seen = killed.elapsed();
+    child.wait().unwrap();
+    for _ in 0..20 {
+        // SAFETY: the mapping stays open in the cache until forgotten below.
+        let _ = unsafe { mem.copy_from_peer(dst, src, r.len) };
+    }
+    eprintln!("a killed sender was seen {seen:?} after SIGKILL");
+    assert!(seen < Duration::from_millis(100), "seen after {seen:?}");
+    assert_eq!(cache.forget_peer(PEER), 1, "its mapping closed with it");
+    assert_eq!(cache.open_count(), 0);
+    // This process's context is still sound: its own memory copies and checksums.
+    let bytes = pattern(MIB, 3);
+    mem.copy_from_host(dst, &bytes).unwrap();
+    // SAFETY: as above.
+    let c = unsafe { sum.run(dst.addr, MIB) }.unwrap();
+    assert_eq!(c, cpu_checksum(&bytes));
+    mem.free(dst).unwrap();
 }

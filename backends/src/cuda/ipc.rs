@@ -18,6 +18,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
+use cudarc::driver::result;
 use cudarc::driver::sys::{self, CUipcMem_flags};
 use zerohop_core::Region;
 
@@ -309,5 +310,132 @@ impl IpcCache {
     /// Mappings opened, and closed to make room, since the cache was made.
     pub fn counts(&self) -> (u64, u64) {
         (self.opened, self.evicted)
+    }
+}
+
+/// Device-to-device copies into this process's memory, queued on a stream
+/// of their own so the GPU copies one message while the host takes the
+/// next: each copy has a ticket, and [`completed`](Self::completed) hands
+/// back the tickets whose copies have finished, in order (an event per
+/// copy, polled, never waited on unless asked).
+pub struct CopyQueue {
+    gpu: Gpu,
+    stream: sys::CUstream,
+    pending: std::collections::VecDeque<(u64, sys::CUevent)>,
+    spare: Vec<sys::CUevent>,
+    next: u64,
+}
+
+impl fmt::Debug for CopyQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CopyQueue")
+            .field("pending", &self.pending.len())
+            .field("next", &self.next)
+            .finish()
+    }
+}
+
+impl CopyQueue {
+    /// A queue on a new non-blocking stream of `gpu`.
+    pub fn new(gpu: &Gpu) -> Result<CopyQueue, CudaError> {
+        gpu.bind()?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(super::driver("cuStreamCreate"))?;
+        Ok(CopyQueue {
+            gpu: gpu.clone(),
+            stream,
+            pending: std::collections::VecDeque::new(),
+            spare: Vec::new(),
+            next: 0,
+        })
+    }
+
+    /// Queues a copy of `len` bytes at device address `src` to the start of
+    /// `dst` (of `mem`, ours); its ticket.
+    ///
+    /// # Safety
+    /// `[src, src + len)` must stay mapped (its [`IpcCache`] entry open),
+    /// and `dst` must not be read, written or freed, until the ticket is
+    /// completed.
+    pub unsafe fn copy(
+        &mut self,
+        mem: &DeviceMemory,
+        dst: Region,
+        src: u64,
+        len: usize,
+    ) -> Result<u64, CudaError> {
+        mem.check(dst, len)?;
+        self.gpu.bind()?;
+        let event = match self.spare.pop() {
+            Some(e) => e,
+            None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(super::driver("cuEventCreate"))?,
+        };
+        // SAFETY: `dst` lies in a live allocation of ours (checked); the
+        // caller keeps both ranges alive until the ticket completes; the
+        // stream is ours and live.
+        let queued = unsafe { result::memcpy_dtod_async(dst.addr, src, len, self.stream) }
+            .map_err(super::driver("cuMemcpyDtoDAsync"))
+            .and_then(|()| {
+                // SAFETY: the event and the stream are ours and live.
+                unsafe { result::event::record(event, self.stream) }
+                    .map_err(super::driver("cuEventRecord"))
+            });
+        if let Err(e) = queued {
+            self.spare.push(event);
+            return Err(e);
+        }
+        let ticket = self.next;
+        self.next += 1;
+        self.pending.push_back((ticket, event));
+        Ok(ticket)
+    }
+
+    /// Calls `done` with each ticket whose copy has finished, oldest first;
+    /// a failed copy is the driver's error (the stream is then unusable).
+    pub fn completed(&mut self, mut done: impl FnMut(u64)) -> Result<(), CudaError> {
+        while let Some(&(ticket, event)) = self.pending.front() {
+            // SAFETY: `event` is a live event of ours, recorded on our stream.
+            match unsafe { sys::cuEventQuery(event) } {
+                sys::CUresult::CUDA_SUCCESS => {
+                    self.pending.pop_front();
+                    self.spare.push(event);
+                    done(ticket);
+                }
+                sys::CUresult::CUDA_ERROR_NOT_READY => return Ok(()),
+                r => {
+                    return Err(CudaError::Driver {
+                        call: "cuEventQuery",
+                        result: r,
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies queued and not yet completed.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+}
+
+impl Drop for CopyQueue {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_err() {
+            return;
+        }
+        // SAFETY: the stream and every event are ours; the stream's work is
+        // waited for before anything it uses is released.
+        unsafe {
+            let _ = result::stream::synchronize(self.stream);
+            for (_, e) in self.pending.drain(..) {
+                let _ = result::event::destroy(e);
+            }
+            for e in self.spare.drain(..) {
+                let _ = result::event::destroy(e);
+            }
+            let _ = result::stream::destroy(self.stream);
+        }
     }
 }

@@ -28,7 +28,7 @@ use zerohop_core::{Prereq, Probe};
 
 pub use checksum::{cpu_checksum, Checksum};
 pub use dmabuf::DmaBuf;
-pub use ipc::{IpcCache, IpcError, IpcHandle, IpcMapping, IpcRegion};
+pub use ipc::{CopyQueue, IpcCache, IpcError, IpcHandle, IpcMapping, IpcRegion};
 pub use memory::{DeviceMemory, HostCudaMemory};
 
 /// What can go wrong talking to CUDA.
