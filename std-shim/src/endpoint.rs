@@ -592,6 +592,7 @@ impl<T: Wire> Endpoint<T> {
     ) -> Result<MutexGuard<'_, T>, Error> {
         let mut t = self.shared.lock();
         Shared::adjust(&self.shared.app_calls, 1, &t);
+        let mut last_try = false;
         loop {
             if cancel.is_some_and(CancelToken::is_cancelled) {
                 return Err(Error::Cancelled);
@@ -602,6 +603,13 @@ impl<T: Wire> Endpoint<T> {
                 Err(e) => return Err(e),
             }
             if deadline.passed() {
+                // One more try once the wire has moved: a caller that cannot
+                // wait still drives it (the progress thread leaves a polling
+                // application's wire to it), so what is queued goes out.
+                if !last_try && t.progress() == Ok(true) {
+                    last_try = true;
+                    continue;
+                }
                 return Err(Error::Timeout);
             }
             // Move the wire ourselves (flush, read credit that came back);

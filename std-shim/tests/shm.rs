@@ -235,7 +235,7 @@ fn strangers_on_the_lane_sockets_cost_them_their_connection_and_peers_still_move
 
 /// A caller that cannot wait (a zero deadline) leaves each single-copy
 /// message before the peer takes it: withdrawn, one after another while
-/// the peer reads nothing, and every one still arrives intact, in order.
+/// the peer reads nothing yet, and every one still arrives intact, in order.
 #[test]
 fn single_copy_messages_withdrawn_back_to_back_arrive_intact_and_in_order() {
     let _one = serial();
@@ -243,24 +243,33 @@ fn single_copy_messages_withdrawn_back_to_back_arrive_intact_and_in_order() {
     let (client, peer) = connect(addr);
     let from = accepted(&server);
     let n = 40u8;
-    let mut sent = 0u8;
-    let t0 = Instant::now();
-    while sent < n {
-        assert!(t0.elapsed() < WAIT, "{sent} of {n} sent");
-        let m = vec![sent; (64 << 10) + usize::from(sent)];
-        match client.send(peer, &m, Deadline::after(Duration::ZERO), None) {
-            Ok(()) => sent += 1,
-            Err(Error::Timeout | Error::WouldBlock) => {
-                std::thread::sleep(Duration::from_millis(1));
+    std::thread::scope(|scope| {
+        // The receiver starts late: the first messages are all withdrawn
+        // before it comes to any of them.
+        scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            for i in 0..n {
+                let r = server
+                    .recv(Deadline::after(WAIT), None)
+                    .unwrap_or_else(|e| panic!("receiving message {i}: {e}"));
+                assert_eq!(r.peer, from);
+                let b = host_bytes(&r.lease);
+                assert_eq!(b.len(), (64 << 10) + usize::from(i), "message {i}");
+                assert!(b.iter().all(|&x| x == i), "message {i} intact");
             }
-            Err(e) => panic!("message {sent}: {e}"),
+        });
+        let mut sent = 0u8;
+        let t0 = Instant::now();
+        while sent < n {
+            assert!(t0.elapsed() < 3 * WAIT, "{sent} of {n} sent");
+            let m = vec![sent; (64 << 10) + usize::from(sent)];
+            match client.send(peer, &m, Deadline::after(Duration::ZERO), None) {
+                Ok(()) => sent += 1,
+                Err(Error::Timeout | Error::WouldBlock) => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => panic!("message {sent}: {e}"),
+            }
         }
-    }
-    for i in 0..n {
-        let r = server.recv(Deadline::after(WAIT), None).unwrap();
-        assert_eq!(r.peer, from);
-        let b = host_bytes(&r.lease);
-        assert_eq!(b.len(), (64 << 10) + usize::from(i), "message {i}");
-        assert!(b.iter().all(|&x| x == i), "message {i} intact");
-    }
+    });
 }
