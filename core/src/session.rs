@@ -897,14 +897,10 @@ impl Session {
         message: Option<&[u8]>,
         striped: bool,
     ) -> Option<DataFrame> {
-        // Nothing before this side's Hello, even when the peer's came first,
-        // nor before the same-host exchange is over.
-        if msg.is_framed()
-            || self.failed.is_some()
-            || !self.hello_sent
-            || !self.host_settled()
-            || self.is_moved()
-        {
+        // Nothing before this side's Hello, even when the peer's came first.
+        // (No message exists before the same-host exchange is over, nor
+        // after a move: `send` refuses both.)
+        if msg.is_framed() || self.failed.is_some() || !self.hello_sent {
             return None;
         }
         // Fragments go in message order: a cursor of another message is a driver bug.

@@ -1771,3 +1771,60 @@ fn host_frames_out_of_their_place_fail_the_session() {
     )
     .contains("close frame"));
 }
+
+#[test]
+fn the_token_is_this_sides_and_its_hello_carries_it() {
+    for token in [7, 0xC0FF_EE00] {
+        let mut p = SimPeer::new(stream(), token, T0);
+        assert_eq!(p.session.token(), token);
+        let out = p.transmit();
+        let Frame::Hello(h) = Frame::decode(framed(&out[0]), 0).unwrap().frame else {
+            panic!("the first frame is the hello")
+        };
+        assert_eq!(h.token, token);
+    }
+}
+
+#[test]
+fn an_answer_where_nothing_was_offered_is_ignored() {
+    let (c, a) = host_roles(None);
+    let mut conn = SimPeer::new(c, 1, T0);
+    let mut acc = SimPeer::new(a, 2, T0);
+    for f in conn.transmit() {
+        acc.receive(T0, &f).unwrap();
+    }
+    // The connector offered nothing: an acceptance now takes nothing.
+    acc.session.answer_host(true);
+    let back = acc.transmit();
+    for f in &back {
+        if let Frame::Host(h) = Frame::decode(framed(f), 0).unwrap().frame {
+            assert_ne!(h.step, HostStep::Accept, "accepted an offer never made");
+        }
+    }
+    assert!(!acc.session.is_moved() && acc.session.host_settled());
+    for f in &back {
+        conn.receive(T0, f).unwrap();
+    }
+    assert!(!conn.session.is_moved());
+    acc.send(&msg(0, 10)).unwrap();
+    let mut got = Vec::new();
+    for f in acc.transmit() {
+        got.extend(conn.receive(T0, &f).unwrap());
+    }
+    assert_eq!(got, [SimEvent::Message(0, msg(0, 10))]);
+}
+
+#[test]
+fn a_moved_session_sends_no_close_and_no_credit() {
+    let (c, a) = host_roles(Some(OFFER));
+    let mut conn = SimPeer::new(c, 1, T0);
+    let mut acc = SimPeer::new(a, 2, T0);
+    acc.accept_offers = true;
+    exchange(&mut conn, &mut acc, T0).unwrap();
+    assert!(conn.session.is_moved() && acc.session.is_moved());
+    // Closing a moved session (its driver is dropping it) puts nothing on
+    // the wire it left.
+    conn.session.close();
+    acc.session.close();
+    assert!(conn.transmit().is_empty() && acc.transmit().is_empty());
+}
