@@ -39,6 +39,16 @@ pub(crate) const fn word(ticket: u64, state: u64) -> u64 {
     ticket << 2 | state
 }
 
+/// The ticket a claim word names.
+pub(crate) const fn ticket_of(word: u64) -> u64 {
+    word >> 2
+}
+
+/// The state a claim word is in.
+pub(crate) const fn state_of(word: u64) -> u64 {
+    word & 3
+}
+
 pub(crate) fn desc(addr: u64, ticket: u64) -> [u8; DESC_BYTES] {
     let mut d = [0u8; DESC_BYTES];
     d[..8].copy_from_slice(&addr.to_le_bytes());
@@ -101,7 +111,7 @@ mod tests {
         );
         let (a, t) = parse(&desc(0xDEAD_BEEF, 42));
         assert_eq!((a, t), (0xDEAD_BEEF, 42));
-        assert_eq!(word(5, READING) >> 2, 5);
-        assert_eq!(word(5, REFUSED) & 3, REFUSED);
+        assert_eq!(ticket_of(word(5, READING)), 5);
+        assert_eq!(state_of(word(5, REFUSED)), REFUSED);
     }
 }

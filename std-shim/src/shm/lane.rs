@@ -277,6 +277,16 @@ impl Lane {
         });
     }
 
+    /// As [`inline_rest`](Self::inline_rest), from a copy of the caller's
+    /// `bytes` (the caller is leaving).
+    fn inline_copy(&mut self, h: Handover, bytes: &[u8]) {
+        let h = Handover {
+            held: Held::Owned(bytes.to_vec()),
+            ..h
+        };
+        self.inline_rest(h, None);
+    }
+
     fn corrupt(peer: PeerId, _: Corrupt) -> Error {
         Error::WireRule {
             peer,
@@ -480,13 +490,7 @@ impl Lane {
                 Ordering::Acquire,
             ) {
                 Ok(_) => {
-                    self.inline_rest(
-                        Handover {
-                            held: Held::Owned(bytes.to_vec()),
-                            ..h
-                        },
-                        None,
-                    );
+                    self.inline_copy(h, bytes);
                     return;
                 }
                 Err(now) => v = now,
@@ -501,13 +505,7 @@ impl Lane {
             }
             if v == cma::word(t, cma::REFUSED) {
                 self.cma_tx = false;
-                self.inline_rest(
-                    Handover {
-                        held: Held::Owned(bytes.to_vec()),
-                        ..h
-                    },
-                    None,
-                );
+                self.inline_copy(h, bytes);
                 return;
             }
             if v != cma::word(t, cma::READING) || std::time::Instant::now() > until || !self.alive()
@@ -668,13 +666,16 @@ impl Lane {
                                 inc.stage = Stage::Inline;
                             }
                         }
-                        Err(v) if v & 3 == cma::WITHDRAWN && v >> 2 >= ticket => {
+                        Err(v)
+                            if cma::state_of(v) == cma::WITHDRAWN
+                                && cma::ticket_of(v) >= ticket =>
+                        {
                             // Withdrawn (with the ones after it, up to the
                             // word's ticket): its bytes follow in the ring.
                             // The word's own message readies it for the
                             // next ticket (Release: as a done) — unless the
                             // sender withdraws that one meanwhile.
-                            if v >> 2 == ticket {
+                            if cma::ticket_of(v) == ticket {
                                 let _ = claim.compare_exchange(
                                     v,
                                     cma::word(ticket, cma::OPEN),
