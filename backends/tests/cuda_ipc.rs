@@ -65,12 +65,28 @@ const OK: u8 = 0;
 const OUT_OF_RANGE: u8 = 1;
 const CUDA: u8 = 2;
 
-fn put_region(s: &mut UnixStream, tag: u8, r: &IpcRegion) {
+/// A message naming a region: its tag, the handle, offset and length.
+const REGION_MSG: usize = 81;
+
+fn region_msg(tag: u8, r: &IpcRegion) -> Vec<u8> {
     let mut m = vec![tag];
     m.extend_from_slice(&r.handle.0);
     m.extend_from_slice(&r.offset.to_le_bytes());
     m.extend_from_slice(&(r.len as u64).to_le_bytes());
-    s.write_all(&m).unwrap();
+    m
+}
+
+/// The region a message of `REGION_MSG` bytes names (its tag first).
+fn parse_region(m: &[u8]) -> IpcRegion {
+    IpcRegion {
+        handle: IpcHandle(m[1..65].try_into().unwrap()),
+        offset: u64::from_le_bytes(m[65..73].try_into().unwrap()),
+        len: u64::from_le_bytes(m[73..81].try_into().unwrap()) as usize,
+    }
+}
+
+fn put_region(s: &mut UnixStream, tag: u8, r: &IpcRegion) {
+    s.write_all(&region_msg(tag, r)).unwrap();
 }
 
 fn get_u64(s: &mut UnixStream) -> u64 {
@@ -127,7 +143,7 @@ fn receiver_process() {
         }
         let Some(&tag) = inbox.first() else { continue };
         let need = match tag {
-            COPY | CHECK => 81,
+            COPY | CHECK => REGION_MSG,
             _ => 1,
         };
         if inbox.len() < need || (tag != COPY && copies.pending() > 0) {
@@ -136,11 +152,7 @@ fn receiver_process() {
         let m: Vec<u8> = inbox.drain(..need).collect();
         match tag {
             COPY | CHECK => {
-                let r = IpcRegion {
-                    handle: IpcHandle(m[1..65].try_into().unwrap()),
-                    offset: u64::from_le_bytes(m[65..73].try_into().unwrap()),
-                    len: u64::from_le_bytes(m[73..81].try_into().unwrap()) as usize,
-                };
+                let r = parse_region(&m);
                 let status = match cache.resolve(PEER, &r) {
                     Err(IpcError::OutOfRange { .. }) => OUT_OF_RANGE,
                     Err(IpcError::Cuda(_)) => CUDA,
@@ -272,10 +284,7 @@ fn device_memory_crosses_processes_checked_where_it_lands() {
         // receiver's copy has finished.
         // Each batch of dones read is answered by as many messages, in one write.
         let n = count(len);
-        let mut one = vec![COPY];
-        one.extend_from_slice(&r.handle.0);
-        one.extend_from_slice(&r.offset.to_le_bytes());
-        one.extend_from_slice(&(r.len as u64).to_le_bytes());
+        let one = region_msg(COPY, &r);
         let batch: Vec<u8> = one
             .iter()
             .copied()
@@ -460,13 +469,9 @@ fn a_sender_killed_while_its_memory_is_read_costs_the_receiver_nothing() {
         .unwrap();
     let (mut s, _) = listener.accept().unwrap();
     let _ = std::fs::remove_file(&path);
-    let mut b = [0u8; 81];
+    let mut b = [0u8; REGION_MSG];
     s.read_exact(&mut b).unwrap();
-    let r = IpcRegion {
-        handle: IpcHandle(b[1..65].try_into().unwrap()),
-        offset: u64::from_le_bytes(b[65..73].try_into().unwrap()),
-        len: u64::from_le_bytes(b[73..81].try_into().unwrap()) as usize,
-    };
+    let r = parse_region(&b);
     let mem = DeviceMemory::new(&gpu);
     let dst = mem.alloc(r.len, 2 * MIB).unwrap();
     let sum = Checksum::load(&gpu).unwrap();
