@@ -289,6 +289,8 @@ pub enum ProtocolError {
     Fragment,
     /// A headerless frame to a side that does not take them, or inside a fragmented message.
     HeaderlessRefused,
+    /// A frame naming the peer's device memory on a wire that cannot reach it.
+    DeviceRefused,
     /// A Want at the wrong offset, or for a message this side does not take.
     BadWant,
     /// A frame after the peer's Close.
@@ -344,6 +346,9 @@ impl fmt::Display for ProtocolError {
             ProtocolError::Fragment => f.write_str("fragments that do not add up to their message"),
             ProtocolError::HeaderlessRefused => {
                 f.write_str("a headerless frame where none may come")
+            }
+            ProtocolError::DeviceRefused => {
+                f.write_str("a frame naming device memory on a wire that cannot reach it")
             }
             ProtocolError::BadWant => f.write_str("a want at the wrong offset or length"),
             ProtocolError::AfterClose => f.write_str("a frame after the peer's close"),
@@ -500,6 +505,8 @@ pub struct DataIn {
     pub last: bool,
     /// The frame is striped (see [`DataFlags::STRIPED`]).
     pub striped: bool,
+    /// The message lies in the peer's device memory (see [`DataFlags::DEVICE`]).
+    pub device: bool,
 }
 
 /// A whole message, ready for the application.
@@ -603,6 +610,8 @@ pub struct Session {
     /// The offer was taken: the session lives on in shared memory, and this
     /// one sends nothing more and takes only credit.
     moved: bool,
+    /// Data frames may name the peer's device memory ([`DataFlags::DEVICE`]).
+    takes_device: bool,
 
     // Counters (see [`SessionStats`]; 32 bits: a firmware target pays for 64).
     credit_stalls: u32,
@@ -653,6 +662,7 @@ impl Session {
             host_offered: None,
             host_answer: None,
             moved: false,
+            takes_device: false,
             credit_stalls: 0,
             byte_stall_counted: false,
             frame_stall_counted: false,
@@ -793,6 +803,13 @@ impl Session {
 
     // ----- commands -----
 
+    /// This wire reaches the peer's device memory (a same-host lane with
+    /// CUDA IPC): data frames may carry [`DataFlags::DEVICE`]. Without it,
+    /// such a frame fails the session ([`ProtocolError::DeviceRefused`]).
+    pub fn take_device_frames(&mut self) {
+        self.takes_device = true;
+    }
+
     /// Starts a message of `len` bytes: its sequence number and byte credit.
     /// Without enough credit, a Want goes to the peer (once) and the answer
     /// is [`SendError::NoCredit`]: try again after progress.
@@ -889,13 +906,15 @@ impl Session {
     /// ring has no room (two frame credits: the last is kept for credit
     /// frames) or once it is all out. `message` is the whole message, where
     /// the CPU can read it: its fragments are checksummed when the
-    /// configuration says so. `striped` marks a frame whose payload the
-    /// wire splits over two connections.
+    /// configuration says so. `placement` is where the wire puts the
+    /// payload: [`DataFlags::STRIPED`] (split over two connections),
+    /// [`DataFlags::DEVICE`] (left in device memory the peer reaches), or
+    /// [`DataFlags::NONE`]; other flags are the engine's and are ignored.
     pub fn next_frame(
         &mut self,
         msg: &mut Outgoing,
         message: Option<&[u8]>,
-        striped: bool,
+        placement: DataFlags,
     ) -> Option<DataFrame> {
         // Nothing before this side's Hello, even when the peer's came first.
         // (No message exists before the same-host exchange is over, nor
@@ -919,7 +938,14 @@ impl Session {
         let offset = msg.framed;
         let len = (msg.len - offset).min(peer.frame_max);
         let last = offset + len == msg.len;
-        let headerless = self.config.sends_headerless && peer.takes_headerless && msg.first && last;
+        let striped = placement.contains(DataFlags::STRIPED);
+        let device = SAME_HOST && placement.contains(DataFlags::DEVICE);
+        let headerless = self.config.sends_headerless
+            && peer.takes_headerless
+            && msg.first
+            && last
+            && !striped
+            && !device;
         // Headers and immediate data have room for 16 bits of credits; the rest wait.
         let credits = self.take_owed(IMM_CREDITS);
         let header = if headerless {
@@ -934,7 +960,8 @@ impl Session {
                     self.config.check_payload && payload.is_some(),
                 )
                 .with(DataFlags::MORE, !last)
-                .with(DataFlags::STRIPED, striped);
+                .with(DataFlags::STRIPED, striped)
+                .with(DataFlags::DEVICE, device);
             let frame = Frame::Data(Data {
                 flags,
                 seq: msg.seq,
@@ -1457,6 +1484,9 @@ impl Session {
     }
 
     fn take_data(&mut self, decoded: Decoded, d: Data) -> Result<Inbound, ProtocolError> {
+        if SAME_HOST && d.flags.contains(DataFlags::DEVICE) && !self.takes_device {
+            return Err(ProtocolError::DeviceRefused);
+        }
         self.take_credits(u32::from(d.credits))?;
         self.check_seq(d.seq)?;
         let more = d.flags.contains(DataFlags::MORE);
@@ -1512,6 +1542,7 @@ impl Session {
             first,
             last: !more,
             striped: d.flags.contains(DataFlags::STRIPED),
+            device: d.flags.contains(DataFlags::DEVICE),
         }))
     }
 

@@ -13,7 +13,7 @@ use std::vec::Vec;
 use crate::session::{
     DataIn, HostOffer, Inbound, Instant, Outgoing, ProtocolError, SendError, Session, SessionConfig,
 };
-use crate::wire::HEADER_LEN;
+use crate::wire::{DataFlags, HEADER_LEN};
 use crate::{Access, Error, MemKind, MrHandle, MrTable, RawMemory, Region, Registrar};
 
 /// Addresses without memory behind them (core never dereferences one): a
@@ -432,7 +432,7 @@ impl SimPeer {
         let mut out = Vec::new();
         loop {
             if let Some((msg, bytes)) = self.queue.front_mut() {
-                if let Some(f) = self.session.next_frame(msg, Some(bytes), false) {
+                if let Some(f) = self.session.next_frame(msg, Some(bytes), DataFlags::NONE) {
                     let payload = &bytes[f.offset..f.offset + f.len];
                     out.push(match f.header {
                         Some(h) => {

@@ -99,7 +99,19 @@ impl DataFlags {
     /// peer. Where the split falls is the wire's rule, known to both sides;
     /// a wire without second connections refuses it.
     pub const STRIPED: DataFlags = DataFlags(4);
-    const KNOWN: u16 = 0b111;
+    /// The message lies in device memory the receiver reaches by itself (a
+    /// same-host peer's GPU memory, by CUDA IPC): the frame's `len` bytes
+    /// are the message's, but what follows the header is the wire's
+    /// descriptor of where they lie, not the bytes. A wire that cannot
+    /// reach a peer's device memory refuses it.
+    /// (Known only to builds with the `same-host` feature: elsewhere it is
+    /// a reserved bit.)
+    pub const DEVICE: DataFlags = DataFlags(8);
+    const KNOWN: u16 = if cfg!(feature = "same-host") {
+        0b1111
+    } else {
+        0b111
+    };
 
     /// Whether all of `other` is set.
     pub const fn contains(self, other: DataFlags) -> bool {
@@ -852,7 +864,7 @@ mod tests {
             credits: 0,
         })
         .encode(&[]);
-        b[4] = 8;
+        b[4] = 16;
         assert_eq!(Frame::decode(&resum(b), 0), Err(DecodeError::ReservedBits));
         // Bytes past a kind's last field: each of them.
         for (frame, from) in [

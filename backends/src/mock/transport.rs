@@ -8,7 +8,7 @@
 use core::ops::Deref;
 
 use zerohop_core::session::{DataIn, Inbound, Instant, SendError, Session, SessionConfig};
-use zerohop_core::wire::HEADER_LEN;
+use zerohop_core::wire::{DataFlags, HEADER_LEN};
 use zerohop_core::{
     Access, Capabilities, Error, Kind, Lease, PeerId, Pool, Received, Rejected, Transport,
 };
@@ -234,7 +234,10 @@ where
             SendError::Failed(_) | SendError::SequenceExhausted => Error::UnknownPeer(PEER),
         })?;
         // One frame: the peer takes messages whole (a stream configuration).
-        while let Some(f) = self.session.next_frame(&mut out, Some(bytes), false) {
+        while let Some(f) = self
+            .session
+            .next_frame(&mut out, Some(bytes), DataFlags::NONE)
+        {
             let Some(header) = f.header else {
                 return Err(Error::Backend("mock: a headerless frame"));
             };

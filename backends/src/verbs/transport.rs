@@ -37,7 +37,7 @@ use zerohop_core::session::{
     DataFrame, HostRole, Inbound, Instant, Outgoing, SendError, Session, SessionConfig,
     SessionStats, MIN_RING,
 };
-use zerohop_core::wire::HEADER_LEN;
+use zerohop_core::wire::{DataFlags, HEADER_LEN};
 use zerohop_core::{
     Access, Capabilities, Error, Kind, Lease, PeerId, PoolConfig, Received, Rejected, SizeClasses,
     Transport,
@@ -576,7 +576,10 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             let Some(front) = conn.queue.front_mut() else {
                 break;
             };
-            let Some(f) = conn.session.next_frame(&mut front.out, None, false) else {
+            let Some(f) = conn
+                .session
+                .next_frame(&mut front.out, None, DataFlags::NONE)
+            else {
                 break;
             };
             let hold = match &mut front.parts {
@@ -773,7 +776,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 Err(e) => return Err((send_error(e, peer), lease)),
             };
             // One fragment (it fits inline, so it fits a frame), framed now.
-            let Some(f) = conn.session.next_frame(&mut out, None, false) else {
+            let Some(f) = conn.session.next_frame(&mut out, None, DataFlags::NONE) else {
                 return Err((Error::Backend("verbs: the session framed nothing"), lease));
             };
             if let Err(e) = Self::post_frame(conn, &f, (addr, f.len, 0), None, true) {

@@ -162,9 +162,9 @@ fn no_data_goes_before_this_sides_own_hello() {
     s.handle_header(T0, &Frame::Hello(hello(100, 0)).encode(&[]), None)
         .unwrap();
     let mut m = s.send(3).unwrap();
-    assert_eq!(s.next_frame(&mut m, None, false), None);
+    assert_eq!(s.next_frame(&mut m, None, DataFlags::NONE), None);
     assert_eq!(s.poll_control().map(|c| c.kind), Some(FrameKind::Hello));
-    assert!(s.next_frame(&mut m, None, false).is_some());
+    assert!(s.next_frame(&mut m, None, DataFlags::NONE).is_some());
 }
 
 #[test]
@@ -1058,12 +1058,12 @@ fn the_close_waits_for_every_fragment_and_carries_the_message_count() {
     s.close();
     assert_eq!(s.poll_control(), None, "fragments first");
     let mut offsets = Vec::new();
-    while let Some(f) = s.next_frame(&mut m, None, false) {
+    while let Some(f) = s.next_frame(&mut m, None, DataFlags::NONE) {
         offsets.push((f.offset, f.len, f.last));
     }
     assert_eq!(offsets, [(0, 10, false), (10, 10, false), (20, 5, true)]);
     assert!(m.is_framed());
-    assert_eq!(s.next_frame(&mut m, None, false), None);
+    assert_eq!(s.next_frame(&mut m, None, DataFlags::NONE), None);
     let c = s.poll_control().unwrap();
     assert_eq!(
         Frame::decode(&c.header, 0).unwrap().frame,
@@ -1077,7 +1077,9 @@ fn the_close_waits_for_every_fragment_and_carries_the_message_count() {
 fn striped_and_unchecked_frames_say_so_in_their_flags() {
     let mut s = opened(stream(), hello(1 << 20, 0));
     let mut m = s.send(4).unwrap();
-    let f = s.next_frame(&mut m, Some(b"abcd"), true).unwrap();
+    let f = s
+        .next_frame(&mut m, Some(b"abcd"), DataFlags::STRIPED)
+        .unwrap();
     let d = Frame::decode(&f.header.unwrap(), 1 << 20).unwrap();
     let Frame::Data(data) = d.frame else { panic!() };
     assert!(data
@@ -1086,7 +1088,7 @@ fn striped_and_unchecked_frames_say_so_in_their_flags() {
     assert_eq!(d.verify(b"abcd"), Ok(()));
     // Without the bytes (device memory), nothing can be summed.
     let mut m = s.send(4).unwrap();
-    let f = s.next_frame(&mut m, None, false).unwrap();
+    let f = s.next_frame(&mut m, None, DataFlags::NONE).unwrap();
     let Frame::Data(data) = Frame::decode(&f.header.unwrap(), 1 << 20).unwrap().frame else {
         panic!()
     };
@@ -1098,6 +1100,51 @@ fn striped_and_unchecked_frames_say_so_in_their_flags() {
         panic!()
     };
     assert!(d.striped);
+}
+
+#[test]
+fn a_device_frame_goes_framed_and_only_a_side_that_takes_them_takes_it() {
+    // A ring wire that sends headerless frames still frames a device message.
+    let config = SessionConfig {
+        takes_headerless: true,
+        sends_headerless: true,
+        ..ring(16, 1 << 20)
+    };
+    let peer = Hello {
+        takes: Takes::HEADERLESS,
+        ..hello(1 << 20, 16)
+    };
+    let mut s = opened(config, peer);
+    let mut m = s.send(4).unwrap();
+    assert!(
+        s.clone()
+            .next_frame(&mut m.clone(), None, DataFlags::NONE)
+            .unwrap()
+            .header
+            .is_none(),
+        "a host message of the same length goes headerless"
+    );
+    let f = s.next_frame(&mut m, None, DataFlags::DEVICE).unwrap();
+    let header = f.header.expect("a device message is never headerless");
+    let Frame::Data(data) = Frame::decode(&header, 1 << 20).unwrap().frame else {
+        panic!()
+    };
+    assert!(data.flags.contains(DataFlags::DEVICE));
+    assert!(!data.flags.contains(DataFlags::PAYLOAD_CHECKED));
+    // A side that was not told its wire reaches device memory fails the peer.
+    let device = data_frame_bytes(DataFlags::DEVICE);
+    let mut r = opened(stream(), hello(1 << 20, 0));
+    assert_eq!(
+        r.handle_header(T0, &device, None),
+        Err(ProtocolError::DeviceRefused)
+    );
+    // One that was passes it on.
+    let mut r = opened(stream(), hello(1 << 20, 0));
+    r.take_device_frames();
+    let Ok(Inbound::Data(d)) = r.handle_header(T0, &device, None) else {
+        panic!()
+    };
+    assert!(d.device && !d.striped);
 }
 
 fn data_frame_bytes(flags: DataFlags) -> Vec<u8> {
@@ -1181,6 +1228,7 @@ fn every_error_says_what_went_wrong() {
         },
         ProtocolError::Fragment,
         ProtocolError::HeaderlessRefused,
+        ProtocolError::DeviceRefused,
         ProtocolError::BadWant,
         ProtocolError::AfterClose,
         ProtocolError::Unfinished,
@@ -1292,7 +1340,7 @@ fn the_getters_follow_the_state_they_name() {
     assert_eq!((a.len(), a.is_empty()), (10, false));
     assert_eq!((b.len(), b.is_empty()), (0, true));
     assert_eq!(s.unframed(), 2);
-    s.next_frame(&mut a, None, false).unwrap();
+    s.next_frame(&mut a, None, DataFlags::NONE).unwrap();
     assert_eq!(s.unframed(), 1);
 
     // Closed by the peer only: not finished until ours goes too.
@@ -1370,7 +1418,7 @@ fn on_last_credit() -> Session {
     let mut s = opened(ring(4, 10), hello(1 << 20, 4));
     for _ in 0..2 {
         let mut m = s.send(1).unwrap();
-        s.next_frame(&mut m, None, false).unwrap();
+        s.next_frame(&mut m, None, DataFlags::NONE).unwrap();
     }
     assert_eq!(s.frame_credits(), Some(1));
     s
@@ -1389,7 +1437,7 @@ fn on_its_last_frame_credit_a_side_says_it_waits_only_when_it_has_something_to_p
     // A message that cannot go.
     let mut s = on_last_credit();
     let mut m = s.send(1).unwrap();
-    assert_eq!(s.next_frame(&mut m, None, false), None);
+    assert_eq!(s.next_frame(&mut m, None, DataFlags::NONE), None);
     assert_eq!(control_frame(&mut s), waiting);
     // A Want that cannot go.
     let mut s = on_last_credit();
@@ -1413,10 +1461,10 @@ fn on_its_last_frame_credit_a_side_says_it_waits_only_when_it_has_something_to_p
 fn credits_that_arrive_end_the_wait() {
     let mut s = on_last_credit();
     let mut m = s.send(1).unwrap();
-    assert_eq!(s.next_frame(&mut m, None, false), None, "waiting");
+    assert_eq!(s.next_frame(&mut m, None, DataFlags::NONE), None, "waiting");
     s.handle_header(T0, &credit_frame(1, 1 << 20, false), None)
         .unwrap();
-    assert!(s.next_frame(&mut m, None, false).is_some());
+    assert!(s.next_frame(&mut m, None, DataFlags::NONE).is_some());
     assert_eq!(s.frame_credits(), Some(1));
     // The message went: nothing waits, so no Credit frame spends the last slot.
     assert_eq!(control_frame(&mut s), None);

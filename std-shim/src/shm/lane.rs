@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use zerohop_backends::{host_bytes, host_bytes_mut};
 use zerohop_core::session::{DataIn, Inbound, Instant, SendError, Session, SessionConfig};
-use zerohop_core::wire::HEADER_LEN;
+use zerohop_core::wire::{DataFlags, HEADER_LEN};
 use zerohop_core::{Error, Lease, PeerId, Received};
 
 use super::cma;
@@ -335,7 +335,7 @@ impl Lane {
                 }));
             }
         };
-        let Some(f) = self.session.next_frame(&mut out, None, false) else {
+        let Some(f) = self.session.next_frame(&mut out, None, DataFlags::NONE) else {
             return Err(payload.refused(Error::Backend("shm: the session framed nothing")));
         };
         let header = f.header.unwrap_or([0; HEADER_LEN]);

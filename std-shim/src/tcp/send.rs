@@ -6,7 +6,7 @@ use std::net::TcpStream;
 
 use zerohop_backends::host_bytes;
 use zerohop_core::session::SendError;
-use zerohop_core::wire::{FrameKind, HEADER_LEN};
+use zerohop_core::wire::{DataFlags, FrameKind, HEADER_LEN};
 use zerohop_core::{Error, PeerId};
 
 use super::{lane::stripe_split, TcpTransport};
@@ -167,10 +167,11 @@ impl TcpTransport {
             && p.lane
                 .as_mut()
                 .is_some_and(|l| matches!(l.confirm(), Ok(true)));
-        let Some(f) = p
-            .session
-            .next_frame(&mut out, check.then(|| src.bytes()), striped)
-        else {
+        let Some(f) = p.session.next_frame(
+            &mut out,
+            check.then(|| src.bytes()),
+            DataFlags::NONE.with(DataFlags::STRIPED, striped),
+        ) else {
             return Err((Error::Backend("tcp: the session framed nothing"), src));
         };
         let header = f.header.unwrap_or([0; HEADER_LEN]);
