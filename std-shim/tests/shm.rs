@@ -7,13 +7,17 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use zerohop_backends::host_bytes;
 use zerohop_core::{Error, PeerId};
-use zerohop_std::shm::{LocalWire, ShmConfig, LANE_BIT};
+use zerohop_std::shm::{LocalWire, ShmConfig, ShmLease, LANE_BIT};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool};
 
 const WAIT: Duration = Duration::from_secs(10);
+
+/// A received message's bytes (every message here lies in host memory).
+fn host_bytes(l: &ShmLease) -> &[u8] {
+    zerohop_backends::host_bytes(l.host().expect("a host message"))
+}
 
 fn wire(pool: &Arc<StdPool>) -> LocalWire {
     let shm = ShmConfig {

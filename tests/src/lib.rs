@@ -9,7 +9,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use zerohop_backends::host_bytes;
 use zerohop_core::session::ProtocolError;
 use zerohop_core::wire::{Data, DataFlags, Frame};
 use zerohop_core::{crc32c, Error, Lease, PeerId, Transport};
@@ -42,7 +41,7 @@ pub trait Forge {
 /// How a backend makes a pair.
 pub trait Harness {
     /// The transport.
-    type T: Wire<Lease = StdLease> + Forge;
+    type T: Wire<Lease: HostView> + Forge;
     /// A fresh connected pair, or why this host cannot make one.
     fn pair() -> Result<Pair<Self::T>, String>;
     /// The largest message the suite may send.
@@ -52,6 +51,49 @@ pub trait Harness {
     fn idle_timeout() -> Duration {
         IDLE
     }
+}
+
+/// A lease the suite reads and fills as host bytes (every harness's
+/// messages lie in host memory).
+pub trait HostView: Sized + Send + std::fmt::Debug + 'static {
+    /// A host lease as this wire's.
+    fn from_host(l: StdLease) -> Self;
+    /// Its bytes.
+    fn host(&self) -> &[u8];
+    /// Its bytes, to fill.
+    fn host_mut(&mut self) -> &mut [u8];
+}
+
+impl HostView for StdLease {
+    fn from_host(l: StdLease) -> Self {
+        l
+    }
+    fn host(&self) -> &[u8] {
+        zerohop_backends::host_bytes(self)
+    }
+    fn host_mut(&mut self) -> &mut [u8] {
+        zerohop_backends::host_bytes_mut(self)
+    }
+}
+
+impl HostView for zerohop_std::shm::ShmLease {
+    fn from_host(l: StdLease) -> Self {
+        zerohop_std::shm::ShmLease::Host(l)
+    }
+    fn host(&self) -> &[u8] {
+        zerohop_backends::host_bytes(self.host().expect("the suite sends host messages"))
+    }
+    fn host_mut(&mut self) -> &mut [u8] {
+        zerohop_backends::host_bytes_mut(self.host_mut().expect("the suite sends host messages"))
+    }
+}
+
+fn host_bytes<L: HostView>(l: &L) -> &[u8] {
+    l.host()
+}
+
+fn host_bytes_mut<L: HostView>(l: &mut L) -> &mut [u8] {
+    l.host_mut()
 }
 
 /// The idle timeout the harnesses configure.
@@ -127,8 +169,8 @@ pub fn zero_copy_send_arrives<H: Harness>() {
     let want = message(7, 1000);
     let region = lease.region();
     assert_eq!(region.len, 1000);
-    zerohop_backends::host_bytes_mut(&mut lease).copy_from_slice(&want);
-    p.a.send_lease(p.to_b, lease, Deadline::after(WAIT), None)
+    host_bytes_mut(&mut lease).copy_from_slice(&want);
+    p.a.send_lease(p.to_b, HostView::from_host(lease), Deadline::after(WAIT), None)
         .unwrap();
     let r = p.b.recv(Deadline::after(WAIT), None).unwrap();
     assert_eq!(host_bytes(&r.lease), &want[..]);
@@ -162,7 +204,7 @@ pub fn a_lease_needs_no_transport_lock<H: Harness>() {
         .expect("a lease while another thread holds the transport")
         .unwrap();
     let want = message(9, 1000);
-    zerohop_backends::host_bytes_mut(&mut lease).copy_from_slice(&want);
+    host_bytes_mut(&mut lease).copy_from_slice(&want);
     a.send_lease(p.to_b, lease, Deadline::after(WAIT), None)
         .unwrap();
     let r = p.b.recv(Deadline::after(WAIT), None).unwrap();

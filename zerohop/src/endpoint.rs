@@ -8,7 +8,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use zerohop_core::{Capabilities, Choice, Kind, PeerId};
-use zerohop_std::shm::{LocalWire, ShmConfig};
+use zerohop_std::shm::{LocalWire, ShmConfig, ShmLease};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 use zerohop_std::{Deadline, Endpoint as Driven, EndpointConfig, StdLease};
 
@@ -28,6 +28,10 @@ pub struct Endpoint {
     tcp_lanes: bool,
     /// Every peer's address, from its connection until its end is reported.
     book: Mutex<HashMap<PeerId, Entry>>,
+    /// shm on a host with a GPU: the device pool same-host peers exchange
+    /// GPU messages from and into.
+    #[cfg(feature = "cuda-uma")]
+    device_pool: Option<std::sync::Arc<zerohop_backends::cuda::DevicePool>>,
 }
 
 struct Entry {
@@ -68,6 +72,25 @@ trait LeaseBuf: Sized {
     fn from_buf(buf: Buf) -> Option<Self>;
 }
 
+impl LeaseBuf for ShmLease {
+    fn into_buf(self) -> Buf {
+        match self {
+            ShmLease::Host(l) => Buf::Host(l),
+            #[cfg(feature = "cuda-uma")]
+            ShmLease::Device(l) => Buf::Device(l),
+        }
+    }
+    fn from_buf(buf: Buf) -> Option<Self> {
+        #[allow(unreachable_patterns)]
+        match buf {
+            Buf::Host(l) => Some(ShmLease::Host(l)),
+            #[cfg(feature = "cuda-uma")]
+            Buf::Device(l) => Some(ShmLease::Device(l)),
+            _ => None,
+        }
+    }
+}
+
 impl LeaseBuf for StdLease {
     fn into_buf(self) -> Buf {
         Buf::Host(self)
@@ -89,7 +112,7 @@ impl LeaseBuf for zerohop_core::Lease<std::sync::Arc<zerohop_backends::verbs::Gp
     fn from_buf(buf: Buf) -> Option<Self> {
         match buf {
             Buf::Gpu(l) => Some(l),
-            Buf::Host(_) => None,
+            _ => None,
         }
     }
 }
@@ -188,6 +211,8 @@ impl Endpoint {
             ..EndpointConfig::default()
         };
         let tcp_lanes = TcpConfig::default().stripe_min.is_some();
+        #[cfg(feature = "cuda-uma")]
+        let mut device_pool = None;
         let wire = match kind {
             Kind::Tcp | Kind::Uma => {
                 let pool = match kind {
@@ -217,7 +242,22 @@ impl Endpoint {
                     required: config.transport == zerohop_core::Preference::Only(Kind::Shm),
                     ..ShmConfig::default()
                 };
-                let t = LocalWire::new(pool, tcp, shm).map_err(|e| setup(e.to_string()))?;
+                #[allow(unused_mut)]
+                let mut t = LocalWire::new(pool, tcp, shm).map_err(|e| setup(e.to_string()))?;
+                // A GPU here: same-host peers exchange device messages too.
+                #[cfg(feature = "cuda-uma")]
+                if zerohop_backends::cuda::driver_present() {
+                    match zerohop_backends::cuda::Gpu::open(0)
+                        .map_err(zerohop_core::Error::from)
+                        .and_then(|gpu| zerohop_backends::cuda::device_pool(&gpu, config.pool_bytes))
+                    {
+                        Ok(p) => {
+                            t.carry_device(std::sync::Arc::clone(&p));
+                            device_pool = Some(p);
+                        }
+                        Err(e) => log::info!("zerohop: shm carries no device messages: {e}"),
+                    }
+                }
                 Wire::Local(Driven::new(t, driven).map_err(|e| setup(e.to_string()))?)
             }
             #[cfg(feature = "gpudirect-verbs")]
@@ -265,6 +305,8 @@ impl Endpoint {
             max_message: held,
             tcp_lanes,
             book: Mutex::new(HashMap::new()),
+            #[cfg(feature = "cuda-uma")]
+            device_pool,
         })
     }
 
@@ -415,6 +457,32 @@ impl Endpoint {
     pub fn lease(&self, len: usize) -> Result<SendBuffer> {
         each_wire!(&self.wire, e => e.lease(len).map(LeaseBuf::into_buf))
             .map(|buf| SendBuffer { buf })
+            .map_err(Error::Endpoint)
+    }
+
+    /// A buffer of `len` bytes in GPU device memory, to fill from a kernel
+    /// (through its `device_ptr()`) and send with
+    /// [`send_buffer`](Self::send_buffer): over `gpudirect` the wire's
+    /// registered GPU memory; over `shm`, a device pool whose messages reach
+    /// same-host peers by CUDA IPC (device to device, no host copy) and
+    /// land in their device memory. Elsewhere [`Error::BadConfig`].
+    #[cfg(feature = "cuda-uma")]
+    pub fn lease_device(&self, len: usize) -> Result<SendBuffer> {
+        #[cfg(feature = "gpudirect-verbs")]
+        if let Wire::Gpu(_) = &self.wire {
+            return self.lease(len);
+        }
+        let Some(pool) = &self.device_pool else {
+            return Err(Error::BadConfig(format!(
+                "lease_device: the {} endpoint has no device memory (device messages go \
+                 over shm between processes of one host with a GPU, or over gpudirect)",
+                self.kind().name()
+            )));
+        };
+        zerohop_core::Lease::take(std::sync::Arc::clone(pool), len)
+            .map(|l| SendBuffer {
+                buf: Buf::Device(l),
+            })
             .map_err(Error::Endpoint)
     }
 
@@ -579,6 +647,23 @@ impl Endpoint {
         #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
         if let (Wire::Gpu(e), Buf::Gpu(l)) = (&self.wire, &message.buf) {
             return e.read(l, out).map_err(Error::Endpoint);
+        }
+        #[cfg(feature = "cuda-uma")]
+        if let Buf::Device(l) = &message.buf {
+            let region = zerohop_backends::cuda::lease_region(l);
+            if out.len() > region.len {
+                return Err(Error::Endpoint(zerohop_core::Error::TooLarge {
+                    len: out.len(),
+                    max: region.len,
+                }));
+            }
+            let region = zerohop_core::Region {
+                len: out.len(),
+                ..region
+            };
+            return zerohop_backends::cuda::lease_memory(l)
+                .copy_to_host(region, out)
+                .map_err(|e| Error::Endpoint(e.into()));
         }
         Err(Error::BadConfig(
             "copy_out: a message of another endpoint's memory".into(),

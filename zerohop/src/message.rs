@@ -61,10 +61,13 @@ pub enum Event {
 }
 
 /// A buffer of one of the endpoint's pools: host memory (tcp, rdma), CUDA
-/// managed memory (uma), or GPU device memory (gpudirect).
+/// managed memory (uma), or GPU device memory (gpudirect; shm's device pool).
 #[derive(Debug)]
 pub(crate) enum Buf {
     Host(StdLease),
+    /// Device memory that same-host peers exchange by CUDA IPC.
+    #[cfg(feature = "cuda-uma")]
+    Device(zerohop_backends::cuda::DeviceLease),
     #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
     Gpu(zerohop_core::Lease<std::sync::Arc<zerohop_backends::verbs::GpuPool>>),
 }
@@ -73,6 +76,8 @@ impl Buf {
     fn len(&self) -> usize {
         match self {
             Buf::Host(l) => l.len(),
+            #[cfg(feature = "cuda-uma")]
+            Buf::Device(l) => l.len(),
             #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
             Buf::Gpu(l) => l.len(),
         }
@@ -81,6 +86,8 @@ impl Buf {
     fn memory(&self) -> MemKind {
         match self {
             Buf::Host(l) => l.buffer().kind,
+            #[cfg(feature = "cuda-uma")]
+            Buf::Device(_) => MemKind::Device,
             #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
             Buf::Gpu(l) => l.buffer().kind,
         }
@@ -89,6 +96,8 @@ impl Buf {
     fn bytes(&self) -> Option<&[u8]> {
         match self {
             Buf::Host(l) => Some(host_bytes(l)),
+            #[cfg(feature = "cuda-uma")]
+            Buf::Device(_) => None,
             #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
             Buf::Gpu(_) => None,
         }
@@ -97,6 +106,8 @@ impl Buf {
     fn bytes_mut(&mut self) -> Option<&mut [u8]> {
         match self {
             Buf::Host(l) => Some(host_bytes_mut(l)),
+            #[cfg(feature = "cuda-uma")]
+            Buf::Device(_) => None,
             #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
             Buf::Gpu(_) => None,
         }
@@ -105,6 +116,8 @@ impl Buf {
     fn device_ptr(&self) -> Option<u64> {
         let ptr = match self {
             Buf::Host(l) => l.device_ptr(),
+            #[cfg(feature = "cuda-uma")]
+            Buf::Device(l) => l.device_ptr(),
             #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
             Buf::Gpu(l) => l.device_ptr(),
         };
@@ -146,8 +159,8 @@ impl Message {
     }
 
     /// Its address for a GPU kernel, where a kernel can read it in place:
-    /// CUDA managed memory (uma) and device memory (gpudirect); `None` in
-    /// host memory.
+    /// CUDA managed memory (uma) and device memory (gpudirect, and a device
+    /// message from a same-host peer over shm); `None` in host memory.
     pub fn device_ptr(&self) -> Option<u64> {
         self.buf.device_ptr()
     }
@@ -198,6 +211,8 @@ impl SendBuffer {
     pub fn set_len(&mut self, len: usize) -> crate::Result<()> {
         let r = match &mut self.buf {
             Buf::Host(l) => l.set_len(len),
+            #[cfg(feature = "cuda-uma")]
+            Buf::Device(l) => l.set_len(len),
             #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
             Buf::Gpu(l) => l.set_len(len),
         };

@@ -326,6 +326,11 @@ pub struct CopyQueue {
     next: u64,
 }
 
+// SAFETY: a CUDA stream and its events belong to a context, not a thread:
+// every method binds the GPU's context on the calling thread before it uses
+// them, and `&mut self` keeps two threads from using them at once.
+unsafe impl Send for CopyQueue {}
+
 impl fmt::Debug for CopyQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CopyQueue")
@@ -412,6 +417,19 @@ impl CopyQueue {
             }
         }
         Ok(())
+    }
+
+    /// Waits for every queued copy, then hands back their tickets as
+    /// [`completed`](Self::completed) does (before a mapping they read from
+    /// may close).
+    pub fn finish(&mut self, done: impl FnMut(u64)) -> Result<(), CudaError> {
+        if !self.pending.is_empty() {
+            self.gpu.bind()?;
+            // SAFETY: the stream is ours and live.
+            unsafe { result::stream::synchronize(self.stream) }
+                .map_err(super::driver("cuStreamSynchronize"))?;
+        }
+        self.completed(done)
     }
 
     /// Copies queued and not yet completed.

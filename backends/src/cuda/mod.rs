@@ -31,6 +31,47 @@ pub use dmabuf::DmaBuf;
 pub use ipc::{CopyQueue, IpcCache, IpcError, IpcHandle, IpcMapping, IpcRegion};
 pub use memory::{DeviceMemory, HostCudaMemory};
 
+/// A pool of GPU device memory registered with no NIC: what same-host peers
+/// send from and receive into, by CUDA IPC (each chunk exported once, on
+/// its first message: [`DeviceMemory::export`]).
+pub type DevicePool =
+    zerohop_core::SlabPool<zerohop_core::pool::Chunks<DeviceMemory, crate::Nic>, crate::HeapTables>;
+
+/// A buffer of a [`DevicePool`]: device memory, read by a kernel through
+/// its `device_ptr()`, never as `&[u8]`.
+pub type DeviceLease = zerohop_core::Lease<Arc<DevicePool>>;
+
+/// A device-memory pool of at most `budget` bytes on `gpu`: the default
+/// classes (256 B to 1 MiB) in 2 MiB chunks, larger messages in oversize
+/// buffers (the last two released kept, so a stream of large messages
+/// reuses their memory and their IPC export).
+pub fn device_pool(gpu: &Gpu, budget: usize) -> Result<Arc<DevicePool>, zerohop_core::Error> {
+    let source = zerohop_core::pool::Chunks::<DeviceMemory, crate::Nic> {
+        memory: DeviceMemory::new(gpu),
+        registrar: None,
+    };
+    Ok(Arc::new(DevicePool::new(
+        source,
+        zerohop_core::PoolConfig::with_budget(budget).fitted(),
+        crate::HeapTables::for_budget(budget),
+    )?))
+}
+
+/// The device memory a lease of a [`DevicePool`] lies in (its copies and
+/// exports go through it).
+pub fn lease_memory(lease: &DeviceLease) -> &DeviceMemory {
+    &lease.pool().source().memory
+}
+
+/// Where a device lease's message lies: its address and length.
+pub fn lease_region(lease: &DeviceLease) -> zerohop_core::Region {
+    zerohop_core::Region {
+        addr: lease.device_ptr(),
+        len: lease.len(),
+        kind: zerohop_core::MemKind::Device,
+    }
+}
+
 /// What can go wrong talking to CUDA.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

@@ -17,6 +17,7 @@ use super::cma;
 use super::handshake;
 use super::ring::{Consumer, Corrupt, Producer};
 use super::segment::{SegRing, Segment};
+use super::ShmLease;
 use crate::host::{StdLease, StdPool};
 
 /// What a frame writes from.
@@ -81,6 +82,12 @@ enum Stage {
     },
     /// The ring.
     Inline,
+    /// Its descriptor (a device message), being read from the ring.
+    #[cfg(feature = "cuda-uma")]
+    Device {
+        have: usize,
+        buf: [u8; super::device::DESC_BYTES],
+    },
 }
 
 /// A data frame whose header the engine took: its payload goes here.
@@ -149,6 +156,9 @@ pub(crate) struct Lane {
     /// The last ticket this side issued, and the last it took.
     tx_ticket: u64,
     rx_ticket: u64,
+    /// Device messages each way (a lane whose wire has a device pool).
+    #[cfg(feature = "cuda-uma")]
+    gpu: Option<Box<super::device::LaneGpu>>,
 }
 
 impl Lane {
@@ -195,9 +205,152 @@ impl Lane {
             handover: None,
             tx_ticket: 0,
             rx_ticket: 0,
+            #[cfg(feature = "cuda-uma")]
+            gpu: None,
         };
         lane.control();
         lane
+    }
+
+    /// This lane carries device messages both ways, received into `gpu`'s pool.
+    #[cfg(feature = "cuda-uma")]
+    pub(crate) fn with_gpu(mut self, gpu: super::device::LaneGpu) -> Lane {
+        self.session.take_device_frames();
+        self.gpu = Some(Box::new(gpu));
+        self
+    }
+
+    /// Sends a message in device memory: its descriptor goes in the ring,
+    /// its bytes stay in `lease` (held until the peer has copied them).
+    #[cfg(feature = "cuda-uma")]
+    pub(crate) fn send_device(
+        &mut self,
+        peer: PeerId,
+        lease: zerohop_backends::cuda::DeviceLease,
+    ) -> Result<(), (Error, zerohop_backends::cuda::DeviceLease)> {
+        use super::device::DESC_BYTES;
+        if let Err(e) = self.release_device(peer) {
+            return Err((e, lease));
+        }
+        let behind = !self.queue.is_empty() || self.direct.is_some() || self.handover.is_some();
+        let Some(gpu) = self.gpu.as_mut() else {
+            return Err((
+                Error::Backend("shm: a device buffer, and this lane has no device pool"),
+                lease,
+            ));
+        };
+        match self.tx.room() {
+            Ok(room) if !behind && gpu.has_room() && room >= HEADER_LEN + DESC_BYTES => {}
+            Ok(_) => return Err((Error::WouldBlock, lease)),
+            Err(c) => return Err((Self::corrupt(peer, c), lease)),
+        }
+        let (desc, ticket) = match gpu.describe(&lease) {
+            Ok(d) => d,
+            Err(e) => return Err((e, lease)),
+        };
+        let mut out = match self.session.send(lease.len()) {
+            Ok(o) => o,
+            Err(e) => {
+                self.control();
+                return Err((send_error(peer, e), lease));
+            }
+        };
+        let Some(f) = self.session.next_frame(&mut out, None, DataFlags::DEVICE) else {
+            return Err((Error::Backend("shm: the session framed nothing"), lease));
+        };
+        let header = f.header.unwrap_or([0; HEADER_LEN]);
+        match self.tx.write(&[&header, &desc]) {
+            Ok(m) if m.n == HEADER_LEN + DESC_BYTES => {
+                if m.wake {
+                    handshake::ring(self.their_bell.as_fd());
+                }
+            }
+            _ => {
+                return Err((Self::corrupt(peer, Corrupt { theirs: 0, ours: 0 }), lease));
+            }
+        }
+        if let Some(gpu) = self.gpu.as_mut() {
+            gpu.sent(ticket, lease);
+        }
+        self.control();
+        Ok(())
+    }
+
+    /// The sender's device buffers the peer has copied go back to the pool.
+    fn release_device(&mut self, peer: PeerId) -> Result<(), Error> {
+        #[cfg(feature = "cuda-uma")]
+        if let Some(gpu) = self.gpu.as_mut().filter(|g| g.in_flight() > 0) {
+            // Acquire: the peer's copy out of those buffers is over.
+            let done = self
+                .tx
+                .mem_ctl()
+                .device_done()
+                .load(std::sync::atomic::Ordering::Acquire);
+            gpu.release(done).map_err(|()| Error::WireRule {
+                peer,
+                rule: "a device message done that was never sent",
+            })?;
+        }
+        let _ = peer;
+        Ok(())
+    }
+
+    /// Device messages whose copies are over go to `arrivals` (with what
+    /// waited behind them), and the peer learns which it may reuse.
+    fn deliver_device(
+        &mut self,
+        peer: PeerId,
+        arrivals: &mut VecDeque<Result<Received<ShmLease>, Error>>,
+    ) -> Result<(), Error> {
+        #[cfg(feature = "cuda-uma")]
+        if let Some(gpu) = self.gpu.as_mut() {
+            if let Some(done) = gpu.deliver(peer, arrivals)? {
+                // Release: our copy out of the peer's memory is over.
+                self.rx
+                    .mem_ctl()
+                    .device_done()
+                    .store(done, std::sync::atomic::Ordering::Release);
+                if self.rx.writer_waits() {
+                    handshake::ring(self.their_bell.as_fd());
+                }
+            }
+        }
+        let _ = (peer, arrivals);
+        Ok(())
+    }
+
+    /// Hands a message (or the peer's Close) on: behind any device message
+    /// whose copy is under way, else straight to `arrivals`.
+    fn arrive(
+        &mut self,
+        arrivals: &mut VecDeque<Result<Received<ShmLease>, Error>>,
+        r: Result<Received<ShmLease>, Error>,
+    ) {
+        #[cfg(feature = "cuda-uma")]
+        if let Some(gpu) = self.gpu.as_mut().filter(|g| g.holds()) {
+            gpu.hold(r);
+            return;
+        }
+        arrivals.push_back(r);
+    }
+
+    /// Whether device copies are under way (nothing rings when one ends:
+    /// the lane must be looked at, not slept on).
+    fn copying(&self) -> bool {
+        #[cfg(feature = "cuda-uma")]
+        if let Some(gpu) = &self.gpu {
+            return gpu.holds();
+        }
+        false
+    }
+
+    /// Device messages sent that the peer has not copied yet.
+    pub(crate) fn device_in_flight(&self) -> usize {
+        #[cfg(feature = "cuda-uma")]
+        if let Some(gpu) = &self.gpu {
+            return gpu.in_flight();
+        }
+        0
     }
 
     fn bad_claim(peer: PeerId) -> Error {
@@ -327,12 +480,7 @@ impl Lane {
             Ok(o) => o,
             Err(e) => {
                 self.control(); // a Want, when credit is short
-                return Err(payload.refused(match e {
-                    SendError::NotOpen | SendError::NoCredit => Error::WouldBlock,
-                    SendError::TooLarge { len, max } => Error::TooLarge { len, max },
-                    SendError::Closed => Error::Closed,
-                    SendError::Failed(_) | SendError::SequenceExhausted => Error::UnknownPeer(peer),
-                }));
+                return Err(payload.refused(send_error(peer, e)));
             }
         };
         let Some(f) = self.session.next_frame(&mut out, None, DataFlags::NONE) else {
@@ -556,6 +704,7 @@ impl Lane {
         if self.broken {
             return Err(Self::bad_claim(peer));
         }
+        self.release_device(peer)?;
         if self.handover.is_some() && self.poll_handover(peer, None)? == Handed::Waiting {
             return Ok(false); // nothing goes ahead of a message being handed over
         }
@@ -592,15 +741,63 @@ impl Lane {
         peer: PeerId,
         now: Instant,
         pool: &Arc<StdPool>,
-        arrivals: &mut VecDeque<Result<Received<StdLease>, Error>>,
+        arrivals: &mut VecDeque<Result<Received<ShmLease>, Error>>,
         inbox: usize,
     ) -> Outcome {
         let protocol = |error| Outcome::Bad(Error::Protocol { peer, error });
         loop {
+            if let Err(e) = self.deliver_device(peer, arrivals) {
+                return Outcome::Bad(e);
+            }
             if arrivals.len() >= inbox {
                 return Outcome::Stopped;
             }
             // 1. The payload of the frame whose header the engine took.
+            #[cfg(feature = "cuda-uma")]
+            if let Some(Incoming {
+                d,
+                stage: Stage::Device { have, buf },
+                ..
+            }) = self.incoming.as_mut()
+            {
+                use super::device::DESC_BYTES;
+                if *have < DESC_BYTES {
+                    match self.rx.read(&mut buf[*have..]) {
+                        Ok(m) => {
+                            *have += m.n;
+                            if m.wake {
+                                handshake::ring(self.their_bell.as_fd());
+                            }
+                        }
+                        Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
+                    }
+                    if *have < DESC_BYTES {
+                        self.session.handle_activity(now, true);
+                        return Outcome::Drained;
+                    }
+                }
+                // The engine passes device frames only to a lane with a GPU side.
+                let Some(gpu) = self.gpu.as_mut() else {
+                    return Outcome::Bad(Error::Backend("shm: a device frame on a lane without GPU"));
+                };
+                match gpu.start(peer, buf, d.msg_len) {
+                    Ok(true) => self.dry = false,
+                    Ok(false) => {
+                        self.dry = true;
+                        return Outcome::Stopped;
+                    }
+                    Err(e) => return Outcome::Bad(e),
+                }
+                self.incoming = None;
+                match self.session.handle_payload(now, None) {
+                    Ok(Some(done)) => self.session.consumed(done.len),
+                    Ok(None) => {
+                        return Outcome::Bad(Error::Backend("shm: a fragment on a stream lane"))
+                    }
+                    Err(e) => return protocol(e),
+                }
+                continue;
+            }
             if let Some(inc) = self.incoming.as_mut() {
                 if inc.lease.is_none() {
                     match Lease::take(Arc::clone(pool), inc.d.msg_len.max(1)) {
@@ -712,7 +909,8 @@ impl Lane {
                 {
                     Ok(Some(done)) => {
                         self.session.consumed(done.len);
-                        arrivals.push_back(Ok(Received { peer, lease }));
+                        let lease = ShmLease::Host(lease);
+                        self.arrive(arrivals, Ok(Received { peer, lease }));
                     }
                     // A stream wire does not fragment.
                     Ok(None) => {
@@ -753,7 +951,9 @@ impl Lane {
                         d,
                         lease: None,
                         have: 0,
-                        stage: if single {
+                        stage: if d.device {
+                            device_stage()
+                        } else if single {
                             Stage::Desc {
                                 have: 0,
                                 buf: [0; cma::DESC_BYTES],
@@ -763,7 +963,7 @@ impl Lane {
                         },
                     });
                 }
-                Inbound::Closed => arrivals.push_back(Err(Error::PeerClosed(peer))),
+                Inbound::Closed => self.arrive(arrivals, Err(Error::PeerClosed(peer))),
                 Inbound::Want => self.session.grant(),
                 // A lane runs no same-host exchange (`HostRole::None`): the
                 // engine refuses Host frames itself.
@@ -808,10 +1008,12 @@ impl Lane {
     pub(crate) fn prepare_sleep(&mut self) -> bool {
         handshake::drain(self.my_bell.as_fd());
         let bytes = self.rx.prepare_sleep().unwrap_or(true);
-        self.waiting_room =
-            !self.queue.is_empty() || self.direct.is_some() || self.handover.is_some();
+        self.waiting_room = !self.queue.is_empty()
+            || self.direct.is_some()
+            || self.handover.is_some()
+            || self.device_in_flight() > 0;
         let room = self.waiting_room && self.tx.prepare_wait().unwrap_or(true);
-        bytes || room
+        bytes || room || self.copying()
     }
 
     /// Awake: no more rings needed until the next sleep.
@@ -829,6 +1031,33 @@ impl Lane {
             && self.queue.is_empty()
             && self.direct.is_none()
             && self.handover.is_none()
+            && self.device_in_flight() == 0
+            && !self.copying()
+    }
+}
+
+/// The stage of a device frame: its descriptor comes first.
+#[cfg(feature = "cuda-uma")]
+fn device_stage() -> Stage {
+    Stage::Device {
+        have: 0,
+        buf: [0; super::device::DESC_BYTES],
+    }
+}
+
+/// Without CUDA no lane takes device frames (the engine refuses them).
+#[cfg(not(feature = "cuda-uma"))]
+fn device_stage() -> Stage {
+    Stage::Inline
+}
+
+/// Why the engine refused a message, as the transport says it.
+fn send_error(peer: PeerId, e: SendError) -> Error {
+    match e {
+        SendError::NotOpen | SendError::NoCredit => Error::WouldBlock,
+        SendError::TooLarge { len, max } => Error::TooLarge { len, max },
+        SendError::Closed => Error::Closed,
+        SendError::Failed(_) | SendError::SequenceExhausted => Error::UnknownPeer(peer),
     }
 }
 

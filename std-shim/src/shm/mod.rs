@@ -22,6 +22,8 @@
 //! link, whose hang-up reports a peer that died (SIGKILL included) at once.
 
 pub(crate) mod cma;
+#[cfg(feature = "cuda-uma")]
+pub(crate) mod device;
 pub(crate) mod handshake;
 pub(crate) mod host;
 pub(crate) mod lane;
@@ -61,6 +63,51 @@ pub fn probe(probe: &mut zerohop_core::Probe) {
     match Segment::create(segment::MIN_RING_BYTES).and_then(|_| host::identity()) {
         Ok(_) => probe.present(Prereq::Memfd, "sealed memfd maps; abstract Unix sockets"),
         Err(e) => probe.missing(Prereq::Memfd, &format!("memfd: {e}")),
+    }
+}
+
+/// A buffer of the same-host wire: host memory (every peer), or GPU device
+/// memory (a same-host peer, with `cuda-uma`: it crosses by CUDA IPC).
+#[derive(Debug)]
+pub enum ShmLease {
+    /// Host memory, read as `&[u8]`.
+    Host(StdLease),
+    /// GPU device memory, read by a kernel through its `device_ptr()`.
+    #[cfg(feature = "cuda-uma")]
+    Device(zerohop_backends::cuda::DeviceLease),
+}
+
+impl ShmLease {
+    /// The host buffer, if it is one.
+    pub fn host(&self) -> Option<&StdLease> {
+        match self {
+            ShmLease::Host(l) => Some(l),
+            #[cfg(feature = "cuda-uma")]
+            ShmLease::Device(_) => None,
+        }
+    }
+
+    /// The host buffer to fill, if it is one.
+    pub fn host_mut(&mut self) -> Option<&mut StdLease> {
+        match self {
+            ShmLease::Host(l) => Some(l),
+            #[cfg(feature = "cuda-uma")]
+            ShmLease::Device(_) => None,
+        }
+    }
+
+    /// The message's length.
+    pub fn len(&self) -> usize {
+        match self {
+            ShmLease::Host(l) => l.len(),
+            #[cfg(feature = "cuda-uma")]
+            ShmLease::Device(l) => l.len(),
+        }
+    }
+
+    /// Whether the message is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -130,7 +177,7 @@ pub struct LocalWire {
     /// (or why the move failed).
     moved: HashMap<PeerId, Result<PeerId, Error>>,
     accepted: VecDeque<(PeerId, SocketAddr)>,
-    arrivals: VecDeque<Result<Received<StdLease>, Error>>,
+    arrivals: VecDeque<Result<Received<ShmLease>, Error>>,
     origin: StdInstant,
     polls: u32,
     next_link_check: StdInstant,
@@ -141,6 +188,10 @@ pub struct LocalWire {
     /// A sleeper asked the peers to ring: the next call tells them it is awake.
     slept: bool,
     closed: bool,
+    /// Where device messages from same-host peers land (and what lets this
+    /// side send them): lanes carry them only when it is set.
+    #[cfg(feature = "cuda-uma")]
+    device_pool: Option<Arc<zerohop_backends::cuda::DevicePool>>,
 }
 
 impl std::fmt::Debug for LocalWire {
@@ -202,7 +253,29 @@ impl LocalWire {
             clock: Instant::from_micros(0),
             slept: false,
             closed: false,
+            #[cfg(feature = "cuda-uma")]
+            device_pool: None,
         })
+    }
+
+    /// Same-host peers also carry messages in GPU device memory (sent
+    /// from buffers of `pool`, received into it), by CUDA IPC. For lanes
+    /// set up from now on.
+    #[cfg(feature = "cuda-uma")]
+    pub fn carry_device(&mut self, pool: Arc<zerohop_backends::cuda::DevicePool>) {
+        self.device_pool = Some(pool);
+    }
+
+    /// A new lane with the GPU side this wire gives them.
+    fn equip(&self, lane: Lane) -> Lane {
+        #[cfg(feature = "cuda-uma")]
+        if let Some(pool) = &self.device_pool {
+            match device::LaneGpu::new(Arc::clone(pool)) {
+                Ok(gpu) => return lane.with_gpu(gpu),
+                Err(e) => log::warn!("shm: a lane without device messages: {e}"),
+            }
+        }
+        lane
     }
 
     /// The TCP side (its listener, its peers elsewhere).
@@ -415,6 +488,7 @@ impl LocalWire {
             0,
             now,
         );
+        let lane = self.equip(lane);
         let id = self.add_lane(lane);
         self.accepted.push_back((id, addr));
         Ok(())
@@ -444,6 +518,7 @@ impl LocalWire {
             token,
             now,
         );
+        let lane = self.equip(lane);
         Ok(self.add_lane(lane))
     }
 
@@ -544,7 +619,7 @@ impl LocalWire {
 }
 
 impl Transport for LocalWire {
-    type Lease = StdLease;
+    type Lease = ShmLease;
 
     fn kind(&self) -> Kind {
         Kind::Shm
@@ -568,31 +643,44 @@ impl Transport for LocalWire {
             .map_err(|r| r.error)
     }
 
-    fn try_send_lease(&mut self, peer: PeerId, lease: StdLease) -> Result<(), Rejected<StdLease>> {
+    fn try_send_lease(&mut self, peer: PeerId, lease: ShmLease) -> Result<(), Rejected<ShmLease>> {
+        let refused = |error, lease| Err(Rejected { error, lease });
         if peer.0 & LANE_BIT == 0 {
-            return self.tcp.try_send_lease(peer, lease);
+            return match lease {
+                ShmLease::Host(l) => self.tcp.try_send_lease(peer, l).map_err(|r| Rejected {
+                    error: r.error,
+                    lease: ShmLease::Host(r.lease),
+                }),
+                #[cfg(feature = "cuda-uma")]
+                device => refused(
+                    Error::Backend("a device buffer goes only to a peer on this host (shm)"),
+                    device,
+                ),
+            };
         }
         if self.closed {
-            return Err(Rejected {
-                error: Error::Closed,
-                lease,
-            });
+            return refused(Error::Closed, lease);
         }
         let Some(l) = self.lane_mut(peer) else {
-            return Err(Rejected {
-                error: Error::UnknownPeer(peer),
-                lease,
-            });
+            return refused(Error::UnknownPeer(peer), lease);
         };
-        l.send(peer, Source::Lease(lease), false, usize::MAX)
-            .map(|_| ())
-            .map_err(|r| Rejected {
-                error: r.error,
-                lease: r.lease.expect("a lease comes back as a lease"),
-            })
+        match lease {
+            ShmLease::Host(lease) => l
+                .send(peer, Source::Lease(lease), false, usize::MAX)
+                .map(|_| ())
+                .map_err(|r| Rejected {
+                    error: r.error,
+                    lease: ShmLease::Host(r.lease.expect("a lease comes back as a lease")),
+                }),
+            #[cfg(feature = "cuda-uma")]
+            ShmLease::Device(lease) => l.send_device(peer, lease).map_err(|(error, l)| Rejected {
+                error,
+                lease: ShmLease::Device(l),
+            }),
+        }
     }
 
-    fn try_recv(&mut self) -> Result<Received<StdLease>, Error> {
+    fn try_recv(&mut self) -> Result<Received<ShmLease>, Error> {
         self.awake();
         if self.arrivals.is_empty() {
             self.polls = self.polls.wrapping_add(1);
@@ -607,7 +695,12 @@ impl Transport for LocalWire {
             // cost a system call on every poll of a lane).
             if self.arrivals.is_empty() && self.tcp.peers_left() > 0 {
                 match self.tcp.try_recv() {
-                    Ok(m) => return Ok(m),
+                    Ok(m) => {
+                        return Ok(Received {
+                            peer: m.peer,
+                            lease: ShmLease::Host(m.lease),
+                        })
+                    }
                     Err(Error::WouldBlock) => {}
                     Err(e) => return Err(e),
                 }
@@ -647,12 +740,31 @@ impl Transport for LocalWire {
 impl Wire for LocalWire {
     const WAKES_POLL: bool = true;
 
-    fn leaser(&self) -> Leaser<StdLease> {
-        pool_leaser(Arc::clone(&self.pool))
+    fn leaser(&self) -> Leaser<ShmLease> {
+        let host = pool_leaser(Arc::clone(&self.pool));
+        Box::new(move |len| host(len).map(ShmLease::Host))
     }
 
-    fn read_lease(&self, lease: &StdLease, out: &mut [u8]) -> Result<(), Error> {
-        crate::endpoint::copy_out(host_bytes(lease), out)
+    fn read_lease(&self, lease: &ShmLease, out: &mut [u8]) -> Result<(), Error> {
+        match lease {
+            ShmLease::Host(l) => crate::endpoint::copy_out(host_bytes(l), out),
+            #[cfg(feature = "cuda-uma")]
+            ShmLease::Device(l) => {
+                use zerohop_backends::cuda::{lease_memory, lease_region};
+                let region = lease_region(l);
+                if out.len() > region.len {
+                    return Err(Error::TooLarge {
+                        len: out.len(),
+                        max: region.len,
+                    });
+                }
+                let region = zerohop_core::Region {
+                    len: out.len(),
+                    ..region
+                };
+                Ok(lease_memory(l).copy_to_host(region, out)?)
+            }
+        }
     }
 
     fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
@@ -692,7 +804,7 @@ impl Wire for LocalWire {
             .lanes
             .iter()
             .filter_map(|(_, l)| l.as_ref())
-            .map(|l| l.queued_bytes)
+            .map(|l| l.queued_bytes + l.device_in_flight())
             .sum();
         self.tcp.pending_sends() + lanes
     }

@@ -37,12 +37,21 @@ pub(crate) struct RingCtl {
     /// `lane`): its ticket and state, which producer and consumer change
     /// by compare-and-swap.
     claim: Line<AtomicU64>,
+    /// The last device message (see `lane`) of this ring whose bytes the
+    /// consumer has copied out of the producer's GPU memory: its ticket,
+    /// which only the consumer stores.
+    device_done: Line<AtomicU64>,
 }
 
 impl RingCtl {
     /// The claim word of this ring's large messages.
     pub(crate) fn claim(&self) -> &AtomicU64 {
         &self.claim
+    }
+
+    /// The ticket of the last device message copied out of the producer.
+    pub(crate) fn device_done(&self) -> &AtomicU64 {
+        &self.device_done
     }
 }
 

@@ -27,7 +27,7 @@ use rustix::mm::{MapFlags, ProtFlags};
 use super::ring::{RingCtl, RingMem, CTL_BYTES};
 
 const MAGIC: [u8; 8] = *b"ZHLANE\0\x01";
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 const HEADER_BYTES: usize = 64;
 /// Where the data of ring 0 starts.
 const DATA_AT: usize = 4096;

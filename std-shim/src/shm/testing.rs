@@ -15,7 +15,8 @@ use super::handshake::bell;
 use super::lane::{Lane, Outcome, Source};
 use super::ring::{Producer, RingMem};
 use super::segment::{SegRing, Segment};
-use crate::host::{StdLease, StdPool};
+use super::ShmLease;
+use crate::host::StdPool;
 
 const PEER: PeerId = PeerId(super::LANE_BIT);
 
@@ -26,7 +27,7 @@ pub struct LaneRig {
     peer_tx: Producer<SegRing>,
     peer_rx: SegRing,
     pool: Arc<StdPool>,
-    arrivals: VecDeque<Result<Received<StdLease>, Error>>,
+    arrivals: VecDeque<Result<Received<ShmLease>, Error>>,
     _peer_link: UnixStream,
 }
 
