@@ -670,6 +670,34 @@ impl Endpoint {
         ))
     }
 
+    /// Copies `src` into the start of `buffer`, wherever it lies (the way
+    /// to fill GPU memory from the host); the message keeps its length.
+    pub fn copy_in(&self, buffer: &mut SendBuffer, src: &[u8]) -> Result<()> {
+        if src.len() > buffer.len() {
+            return Err(Error::Endpoint(zerohop_core::Error::TooLarge {
+                len: src.len(),
+                max: buffer.len(),
+            }));
+        }
+        if let Some(bytes) = buffer.bytes_mut() {
+            bytes[..src.len()].copy_from_slice(src);
+            return Ok(());
+        }
+        #[cfg(feature = "cuda-uma")]
+        if let Buf::Device(l) = &buffer.buf {
+            let region = zerohop_core::Region {
+                len: src.len(),
+                ..zerohop_backends::cuda::lease_region(l)
+            };
+            return zerohop_backends::cuda::lease_memory(l)
+                .copy_from_host(region, src)
+                .map_err(|e| Error::Endpoint(e.into()));
+        }
+        Err(Error::BadConfig(
+            "copy_in: a buffer whose memory this endpoint cannot write".into(),
+        ))
+    }
+
     /// Moves the wire along in the caller's thread (accepts, handshakes,
     /// queued sends, reads): for an endpoint opened without a progress
     /// thread, when the application has nothing else to call. Whether

@@ -1,0 +1,309 @@
+//! GPU payloads between two processes on one GPU through the facade over
+//! `shm`: a message leased in the sender's device memory
+//! (`lease_device`) lands in the receiver's device memory by CUDA IPC
+//! (device to device), in order with host messages, checksummed by a
+//! kernel where it lands; the bandwidth is printed beside a local
+//! device-to-device copy of the same size. Either process killed
+//! mid-stream is reported lost and leaves no segment, descriptor or
+//! mapping behind. Without a GPU (CI) the tests print SKIPPED.
+#![cfg(feature = "cuda-uma")]
+
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use zerohop::{Config, Endpoint, Error, Event, Kind, MemKind};
+use zerohop_backends::cuda::{cpu_checksum, Checksum, DeviceMemory, Gpu};
+use zerohop_core::RawMemory;
+
+const MIB: usize = 1 << 20;
+const SIZES: [usize; 9] = [
+    MIB,
+    2 * MIB,
+    4 * MIB,
+    8 * MIB,
+    16 * MIB,
+    32 * MIB,
+    64 * MIB,
+    128 * MIB,
+    256 * MIB,
+];
+const WAIT: Duration = Duration::from_secs(30);
+
+fn gpu_or_skip(test: &str) -> Option<Gpu> {
+    match Gpu::open(0).and_then(|g| g.memory_info().map(|m| (g, m))) {
+        Ok((g, (free, _))) if free >= 16 << 30 => Some(g),
+        Ok((_, (free, _))) => {
+            eprintln!("SKIPPED {test}: {free} bytes of device memory free (16 GiB wanted)");
+            None
+        }
+        Err(e) => {
+            eprintln!("SKIPPED {test}: {e}");
+            None
+        }
+    }
+}
+
+fn config() -> Config {
+    let mut c = Config::only(Kind::Shm);
+    c.max_message = Some(256 * MIB);
+    c.pool_bytes = 4 << 30;
+    c
+}
+
+/// The bytes of message `seed` of `len` bytes.
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Messages of each size in the bandwidth run: about 1 GiB, 8 to 256 of them.
+fn count(size: usize) -> usize {
+    ((1usize << 30) / size).clamp(8, 256)
+}
+
+/// Starts this test binary's `child` test as the other process, told `addr`.
+fn spawn(child: &str, addr: std::net::SocketAddr) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([child, "--exact", "--ignored", "--nocapture"])
+        .env("ZEROHOP_DEVICE_LANE_PEER", addr.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn peer_addr() -> Option<std::net::SocketAddr> {
+    std::env::var("ZEROHOP_DEVICE_LANE_PEER")
+        .ok()
+        .map(|a| a.parse().unwrap())
+}
+
+/// What of this process a lane holds: segment mappings and descriptors.
+fn held() -> (usize, usize) {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let segments = maps
+        .lines()
+        .filter(|l| l.contains("memfd:zerohop-lane"))
+        .count();
+    let fds = std::fs::read_dir("/proc/self/fd").unwrap().count();
+    (segments, fds)
+}
+
+fn next_message(e: &Endpoint) -> zerohop::Message {
+    match e.recv(WAIT) {
+        Ok(m) => m,
+        Err(err) => panic!("no message: {err}"),
+    }
+}
+
+/// The sending process: for each size a host message (its checksum), a
+/// device message (checked where it lands), then the bandwidth run.
+#[test]
+#[ignore = "the sending process of device_messages_cross_by_ipc_and_land_checksummed"]
+fn device_sender() {
+    let Some(addr) = peer_addr() else { return };
+    let e = Endpoint::open(config()).unwrap();
+    let peer = e.connect(addr, WAIT).unwrap();
+    for (i, &size) in SIZES.iter().enumerate() {
+        let bytes = pattern(i as u64 + 1, size);
+        let mut head = [0u8; 16];
+        head[..8].copy_from_slice(&cpu_checksum(&bytes).to_le_bytes());
+        head[8..].copy_from_slice(&(size as u64).to_le_bytes());
+        e.send(peer, &head).unwrap();
+        let mut buf = e.lease_device(size).unwrap();
+        assert_eq!(buf.bytes_mut(), None, "device memory is not host bytes");
+        e.copy_in(&mut buf, &bytes).unwrap();
+        e.send_buffer(peer, buf).unwrap();
+        for _ in 0..count(size) {
+            let buf = e.lease_device(size).unwrap();
+            e.send_buffer(peer, buf).unwrap();
+        }
+    }
+    e.close(WAIT).unwrap();
+}
+
+#[test]
+fn device_messages_cross_by_ipc_and_land_checksummed() {
+    let Some(gpu) = gpu_or_skip("device_messages_cross_by_ipc_and_land_checksummed") else {
+        return;
+    };
+    let e = Endpoint::open(config()).unwrap();
+    let addr = e.listen("127.0.0.1:0").unwrap();
+    let mut child = spawn("device_sender", addr);
+    let sum = Checksum::load(&gpu).unwrap();
+    let local = DeviceMemory::new(&gpu);
+    eprintln!("size      messages  IPC GB/s  local copy GB/s  ratio");
+    for &size in &SIZES {
+        let head = loop {
+            match e.next_event(WAIT).unwrap() {
+                Event::Message(m) => break m,
+                Event::Connected { .. } => {}
+                other => panic!("{other:?}"),
+            }
+        };
+        let head = head.bytes().expect("a host message").to_vec();
+        let want = u64::from_le_bytes(head[..8].try_into().unwrap());
+        assert_eq!(u64::from_le_bytes(head[8..].try_into().unwrap()), size as u64);
+        let m = next_message(&e);
+        assert_eq!((m.len(), m.memory(), m.bytes()), (size, MemKind::Device, None));
+        let ptr = m.device_ptr().expect("a device message has a device address");
+        // SAFETY: the message's device memory is ours and held by `m` until
+        // the kernel's answer is back.
+        let got = unsafe { sum.run(ptr, size) }.unwrap();
+        assert_eq!(got, want, "{size} bytes checksummed where they landed");
+        let mut first = [0u8; 64];
+        e.copy_out(&m, &mut first).unwrap();
+        drop(m);
+        // Bandwidth: from the first message's arrival to the last's.
+        let n = count(size);
+        let mut t0 = None;
+        for _ in 0..n {
+            let m = next_message(&e);
+            assert_eq!((m.len(), m.memory()), (size, MemKind::Device));
+            t0.get_or_insert_with(Instant::now);
+        }
+        let ipc = size as f64 * (n - 1) as f64 / t0.unwrap().elapsed().as_secs_f64() / 1e9;
+        // A local device-to-device copy of the same size, back to back.
+        let (a, b) = (local.alloc(size, 4096).unwrap(), local.alloc(size, 4096).unwrap());
+        let t = Instant::now();
+        for _ in 0..n {
+            local.copy_from_device(b, &local, a, size).unwrap();
+        }
+        let copy = size as f64 * n as f64 / t.elapsed().as_secs_f64() / 1e9;
+        let _ = (local.free(a), local.free(b));
+        eprintln!(
+            "{:>4} MiB  {n:>8}  {ipc:>8.1}  {copy:>15.1}  {:.2}x",
+            size / MIB,
+            ipc / copy
+        );
+    }
+    match e.next_event(WAIT).unwrap() {
+        Event::Closed { .. } => {}
+        other => panic!("expected the sender's clean close, got {other:?}"),
+    }
+    assert!(child.wait().unwrap().success(), "the sender failed");
+}
+
+/// A process that sends device messages (or receives them) until killed.
+#[test]
+#[ignore = "the process the device kill tests kill"]
+fn device_victim() {
+    let Some(addr) = peer_addr() else { return };
+    let e = Endpoint::open(config()).unwrap();
+    let peer = e.connect(addr, WAIT).unwrap();
+    eprintln!("ready");
+    loop {
+        match std::env::var("ZEROHOP_DEVICE_LANE_ROLE").as_deref() {
+            Ok("send") => {
+                let buf = e.lease_device(8 * MIB).unwrap();
+                let _ = e.send_buffer(peer, buf);
+            }
+            _ => {
+                let _ = e.recv(WAIT);
+            }
+        }
+    }
+}
+
+/// Kills the victim once `moving` says the stream runs, then waits for the
+/// endpoint to report it lost; how long that took.
+fn kill_mid_stream(role: &str, moving: impl Fn(&Endpoint, zerohop::Peer) -> bool) -> Duration {
+    let e = Endpoint::open(config()).unwrap();
+    let before = held();
+    let addr = e.listen("127.0.0.1:0").unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["device_victim", "--exact", "--ignored", "--nocapture"])
+        .env("ZEROHOP_DEVICE_LANE_PEER", addr.to_string())
+        .env("ZEROHOP_DEVICE_LANE_ROLE", role)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ready = std::io::BufReader::new(child.stderr.take().unwrap())
+        .lines()
+        .any(|l| l.is_ok_and(|l| l == "ready"));
+    assert!(ready, "the victim did not start");
+    let peer = loop {
+        if let Event::Connected { peer, .. } = e.next_event(WAIT).unwrap() {
+            break peer;
+        }
+    };
+    let t = Instant::now();
+    while !moving(&e, peer) {
+        assert!(t.elapsed() < WAIT, "the stream never ran");
+    }
+    child.kill().unwrap(); // SIGKILL, device messages in flight
+    let killed = Instant::now();
+    let seen = loop {
+        match e.next_event(Duration::from_millis(10)) {
+            Ok(Event::Lost { .. }) => break killed.elapsed(),
+            Ok(_) => {}
+            Err(err) if matches!(err, Error::Endpoint(zerohop_core::Error::Timeout)) => {
+                if role == "recv" {
+                    // A sender learns through its sends.
+                    if let Ok(buf) = e.lease_device(8 * MIB) {
+                        let _ = e.send_buffer(peer, buf);
+                    }
+                }
+            }
+            Err(err) => panic!("{err}"),
+        }
+        assert!(killed.elapsed() < WAIT, "the killed peer was never reported");
+    };
+    let _ = child.wait();
+    // Nothing of the lane left: its segment unmapped, its descriptors closed,
+    // and every device buffer back (a lease of the whole budget's worth goes).
+    let t = Instant::now();
+    while held() != before && t.elapsed() < Duration::from_secs(5) {
+        let _ = e.next_event(Duration::from_millis(10));
+    }
+    assert_eq!(held(), before, "segments and descriptors after the kill");
+    // Every device buffer came back: most of the pool's budget leases at once.
+    let whole = e.lease_device(3584 * MIB);
+    assert!(whole.is_ok(), "device buffers held after the kill: {whole:?}");
+    drop(whole);
+    e.close(Duration::from_secs(1)).ok();
+    seen
+}
+
+#[test]
+fn a_device_sender_killed_mid_stream_is_lost_and_leaves_nothing() {
+    if gpu_or_skip("a_device_sender_killed_mid_stream_is_lost_and_leaves_nothing").is_none() {
+        return;
+    }
+    let got = std::cell::Cell::new(0);
+    let seen = kill_mid_stream("send", |e, _| {
+        if let Ok(Event::Message(m)) = e.next_event(Duration::from_millis(100)) {
+            assert_eq!(m.memory(), MemKind::Device);
+            got.set(got.get() + 1);
+        }
+        got.get() >= 20
+    });
+    eprintln!("a device sender killed mid-stream was reported lost {seen:?} after SIGKILL");
+    assert!(seen < Duration::from_millis(100), "{seen:?}");
+}
+
+#[test]
+fn a_device_receiver_killed_mid_stream_is_lost_and_leaves_nothing() {
+    if gpu_or_skip("a_device_receiver_killed_mid_stream_is_lost_and_leaves_nothing").is_none() {
+        return;
+    }
+    let sent = std::cell::Cell::new(0);
+    let seen = kill_mid_stream("recv", |e, peer| {
+        let buf = e.lease_device(8 * MIB).unwrap();
+        if e.send_buffer(peer, buf).is_ok() {
+            sent.set(sent.get() + 1);
+        }
+        sent.get() >= 100
+    });
+    eprintln!("a device receiver killed mid-stream was reported lost {seen:?} after SIGKILL");
+    assert!(seen < Duration::from_millis(100), "{seen:?}");
+}
