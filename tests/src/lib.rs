@@ -170,8 +170,13 @@ pub fn zero_copy_send_arrives<H: Harness>() {
     let region = lease.region();
     assert_eq!(region.len, 1000);
     host_bytes_mut(&mut lease).copy_from_slice(&want);
-    p.a.send_lease(p.to_b, HostView::from_host(lease), Deadline::after(WAIT), None)
-        .unwrap();
+    p.a.send_lease(
+        p.to_b,
+        HostView::from_host(lease),
+        Deadline::after(WAIT),
+        None,
+    )
+    .unwrap();
     let r = p.b.recv(Deadline::after(WAIT), None).unwrap();
     assert_eq!(host_bytes(&r.lease), &want[..]);
     p.a.flush(Deadline::after(WAIT)).unwrap();

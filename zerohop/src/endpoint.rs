@@ -249,8 +249,9 @@ impl Endpoint {
                 if zerohop_backends::cuda::driver_present() {
                     match zerohop_backends::cuda::Gpu::open(0)
                         .map_err(zerohop_core::Error::from)
-                        .and_then(|gpu| zerohop_backends::cuda::device_pool(&gpu, config.pool_bytes))
-                    {
+                        .and_then(|gpu| {
+                            zerohop_backends::cuda::device_pool(&gpu, config.pool_bytes)
+                        }) {
                         Ok(p) => {
                             t.carry_device(std::sync::Arc::clone(&p));
                             device_pool = Some(p);

@@ -151,10 +151,18 @@ fn device_messages_cross_by_ipc_and_land_checksummed() {
         };
         let head = head.bytes().expect("a host message").to_vec();
         let want = u64::from_le_bytes(head[..8].try_into().unwrap());
-        assert_eq!(u64::from_le_bytes(head[8..].try_into().unwrap()), size as u64);
+        assert_eq!(
+            u64::from_le_bytes(head[8..].try_into().unwrap()),
+            size as u64
+        );
         let m = next_message(&e);
-        assert_eq!((m.len(), m.memory(), m.bytes()), (size, MemKind::Device, None));
-        let ptr = m.device_ptr().expect("a device message has a device address");
+        assert_eq!(
+            (m.len(), m.memory(), m.bytes()),
+            (size, MemKind::Device, None)
+        );
+        let ptr = m
+            .device_ptr()
+            .expect("a device message has a device address");
         // SAFETY: the message's device memory is ours and held by `m` until
         // the kernel's answer is back.
         let got = unsafe { sum.run(ptr, size) }.unwrap();
@@ -172,7 +180,10 @@ fn device_messages_cross_by_ipc_and_land_checksummed() {
         }
         let ipc = size as f64 * (n - 1) as f64 / t0.unwrap().elapsed().as_secs_f64() / 1e9;
         // A local device-to-device copy of the same size, back to back.
-        let (a, b) = (local.alloc(size, 4096).unwrap(), local.alloc(size, 4096).unwrap());
+        let (a, b) = (
+            local.alloc(size, 4096).unwrap(),
+            local.alloc(size, 4096).unwrap(),
+        );
         let t = Instant::now();
         for _ in 0..n {
             local.copy_from_device(b, &local, a, size).unwrap();
@@ -246,7 +257,7 @@ fn kill_mid_stream(role: &str, moving: impl Fn(&Endpoint, zerohop::Peer) -> bool
         match e.next_event(Duration::from_millis(10)) {
             Ok(Event::Lost { .. }) => break killed.elapsed(),
             Ok(_) => {}
-            Err(err) if matches!(err, Error::Endpoint(zerohop_core::Error::Timeout)) => {
+            Err(Error::Endpoint(zerohop_core::Error::Timeout)) => {
                 if role == "recv" {
                     // A sender learns through its sends.
                     if let Ok(buf) = e.lease_device(8 * MIB) {
@@ -256,7 +267,10 @@ fn kill_mid_stream(role: &str, moving: impl Fn(&Endpoint, zerohop::Peer) -> bool
             }
             Err(err) => panic!("{err}"),
         }
-        assert!(killed.elapsed() < WAIT, "the killed peer was never reported");
+        assert!(
+            killed.elapsed() < WAIT,
+            "the killed peer was never reported"
+        );
     };
     let _ = child.wait();
     // Nothing of the lane left: its segment unmapped, its descriptors closed,
@@ -268,7 +282,10 @@ fn kill_mid_stream(role: &str, moving: impl Fn(&Endpoint, zerohop::Peer) -> bool
     assert_eq!(held(), before, "segments and descriptors after the kill");
     // Every device buffer came back: most of the pool's budget leases at once.
     let whole = e.lease_device(3584 * MIB);
-    assert!(whole.is_ok(), "device buffers held after the kill: {whole:?}");
+    assert!(
+        whole.is_ok(),
+        "device buffers held after the kill: {whole:?}"
+    );
     drop(whole);
     e.close(Duration::from_secs(1)).ok();
     seen

@@ -26,8 +26,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use zerohop_backends::cuda::{
-    lease_memory, lease_region, CopyQueue, DeviceLease, DevicePool, IpcCache, IpcError,
-    IpcHandle, IpcRegion,
+    lease_memory, lease_region, CopyQueue, DeviceLease, DevicePool, IpcCache, IpcError, IpcHandle,
+    IpcRegion,
 };
 use zerohop_core::{Error, Lease, PeerId, Received};
 

@@ -223,6 +223,8 @@ impl Lane {
     /// Sends a message in device memory: its descriptor goes in the ring,
     /// its bytes stay in `lease` (held until the peer has copied them).
     #[cfg(feature = "cuda-uma")]
+    // A refused lease comes back whole (as `Transport::try_send_lease`'s does).
+    #[allow(clippy::result_large_err)]
     pub(crate) fn send_device(
         &mut self,
         peer: PeerId,
@@ -778,7 +780,9 @@ impl Lane {
                 }
                 // The engine passes device frames only to a lane with a GPU side.
                 let Some(gpu) = self.gpu.as_mut() else {
-                    return Outcome::Bad(Error::Backend("shm: a device frame on a lane without GPU"));
+                    return Outcome::Bad(Error::Backend(
+                        "shm: a device frame on a lane without GPU",
+                    ));
                 };
                 match gpu.start(peer, buf, d.msg_len) {
                     Ok(true) => self.dry = false,

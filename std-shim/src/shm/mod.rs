@@ -644,6 +644,7 @@ impl Transport for LocalWire {
     }
 
     fn try_send_lease(&mut self, peer: PeerId, lease: ShmLease) -> Result<(), Rejected<ShmLease>> {
+        #[allow(clippy::result_large_err)] // the lease comes back whole
         let refused = |error, lease| Err(Rejected { error, lease });
         if peer.0 & LANE_BIT == 0 {
             return match lease {

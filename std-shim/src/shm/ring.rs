@@ -50,6 +50,7 @@ impl RingCtl {
     }
 
     /// The ticket of the last device message copied out of the producer.
+    #[cfg(feature = "cuda-uma")]
     pub(crate) fn device_done(&self) -> &AtomicU64 {
         &self.device_done
     }
