@@ -20,10 +20,13 @@ use zerohop_std::shm::testing::LaneRig;
 enum Op {
     /// The peer's Hello, as a real peer sends it first.
     Hello,
-    /// A well-formed data frame of `len` bytes with sequence number `seq`.
+    /// A well-formed data frame of `len` bytes with sequence number `seq`
+    /// (flagged as naming device memory when `device`: a lane without a
+    /// GPU side refuses it).
     Data {
         seq: u8,
         len: u16,
+        device: bool,
     },
     /// Raw bytes, written as a producer would.
     Write(Vec<u8>),
@@ -65,10 +68,10 @@ fuzz_target!(|ops: Vec<Op>| {
                 .encode(&[]);
                 head = head.wrapping_add(rig.peer_write(&h) as u64);
             }
-            Op::Data { seq, len } => {
+            Op::Data { seq, len, device } => {
                 let payload = vec![*seq; usize::from(*len) % 3000];
                 let f = Frame::Data(Data {
-                    flags: DataFlags::NONE,
+                    flags: DataFlags::NONE.with(DataFlags::DEVICE, *device),
                     seq: u64::from(*seq),
                     msg_len: payload.len() as u32,
                     len: payload.len() as u32,
