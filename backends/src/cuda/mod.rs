@@ -41,18 +41,38 @@ pub type DevicePool =
 /// its `device_ptr()`, never as `&[u8]`.
 pub type DeviceLease = zerohop_core::Lease<Arc<DevicePool>>;
 
-/// A device-memory pool of at most `budget` bytes on `gpu`: the default
-/// classes (256 B to 1 MiB) in 2 MiB chunks, larger messages in oversize
-/// buffers (the last two released kept, so a stream of large messages
-/// reuses their memory and their IPC export).
+/// The size classes of a [`device_pool`]: GPU payloads are large, and
+/// every buffer of a kept chunk keeps its IPC export and the peer's
+/// mapping of it (a fresh allocation per message would cost an export and
+/// a peer's `cuIpcOpenMemHandle` each).
+pub const DEVICE_CLASSES: zerohop_core::SizeClasses = match zerohop_core::SizeClasses::new(&[
+    64 << 10,
+    256 << 10,
+    1 << 20,
+    4 << 20,
+    16 << 20,
+    64 << 20,
+    256 << 20,
+]) {
+    Ok(c) => c,
+    Err(_) => panic!("ascending classes"),
+};
+
+/// A device-memory pool of at most `budget` bytes on `gpu`: classes of
+/// 64 KiB to 256 MiB ([`DEVICE_CLASSES`]) carved from 256 MiB chunks (fitted
+/// to a smaller budget), larger messages in oversize buffers.
 pub fn device_pool(gpu: &Gpu, budget: usize) -> Result<Arc<DevicePool>, zerohop_core::Error> {
     let source = zerohop_core::pool::Chunks::<DeviceMemory, crate::Nic> {
         memory: DeviceMemory::new(gpu),
         registrar: None,
     };
+    let mut config = zerohop_core::PoolConfig::with_budget(budget);
+    config.classes = DEVICE_CLASSES;
+    config.chunk_bytes = 256 << 20;
+    config.chunk_align = 2 << 20;
     Ok(Arc::new(DevicePool::new(
         source,
-        zerohop_core::PoolConfig::with_budget(budget).fitted(),
+        config.fitted(),
         crate::HeapTables::for_budget(budget),
     )?))
 }

@@ -37,6 +37,9 @@ use super::ShmLease;
 pub(crate) const DESC_BYTES: usize = 64 + 8 + 8 + 8;
 /// Device messages a sender has in flight (sent, not yet copied), at most.
 pub(crate) const MAX_IN_FLIGHT: usize = 64;
+/// Their bytes, at most (one message alone may be longer): what a sender
+/// holds of its pool, and a receiver's copies queue, for one peer.
+pub(crate) const MAX_IN_FLIGHT_BYTES: usize = 512 << 20;
 /// Peer allocations a lane keeps mapped, at most.
 const MAPPINGS_PER_PEER: usize = 64;
 
@@ -87,6 +90,7 @@ pub(crate) struct LaneGpu {
     copies: CopyQueue,
     /// Sent, not yet copied by the peer: (ticket, buffer).
     sent: VecDeque<(u64, DeviceLease)>,
+    sent_bytes: usize,
     sent_ticket: u64,
     /// Received, in order: copies under way and what came after them.
     waiting: VecDeque<Waiting>,
@@ -115,6 +119,7 @@ impl LaneGpu {
             copies: CopyQueue::new(&gpu)?,
             pool,
             sent: VecDeque::new(),
+            sent_bytes: 0,
             sent_ticket: 0,
             waiting: VecDeque::new(),
             rx_ticket: 0,
@@ -122,9 +127,10 @@ impl LaneGpu {
         })
     }
 
-    /// Whether another device message may go now.
-    pub(crate) fn has_room(&self) -> bool {
-        self.sent.len() < MAX_IN_FLIGHT
+    /// Whether a device message of `len` bytes may go now.
+    pub(crate) fn has_room(&self, len: usize) -> bool {
+        self.sent.is_empty()
+            || (self.sent.len() < MAX_IN_FLIGHT && self.sent_bytes + len <= MAX_IN_FLIGHT_BYTES)
     }
 
     /// The descriptor of `lease` (exported on its allocation's first use)
@@ -138,6 +144,7 @@ impl LaneGpu {
     /// `lease` went under `ticket` (from [`describe`](Self::describe)).
     pub(crate) fn sent(&mut self, ticket: u64, lease: DeviceLease) {
         self.sent_ticket = ticket;
+        self.sent_bytes += lease.len();
         self.sent.push_back((ticket, lease));
     }
 
@@ -148,7 +155,9 @@ impl LaneGpu {
             return Err(());
         }
         while self.sent.front().is_some_and(|(t, _)| *t <= done) {
-            self.sent.pop_front();
+            if let Some((_, l)) = self.sent.pop_front() {
+                self.sent_bytes -= l.len();
+            }
         }
         Ok(())
     }

@@ -242,7 +242,8 @@ impl Lane {
             ));
         };
         match self.tx.room() {
-            Ok(room) if !behind && gpu.has_room() && room >= HEADER_LEN + DESC_BYTES => {}
+            Ok(room) if !behind && gpu.has_room(lease.len()) && room >= HEADER_LEN + DESC_BYTES => {
+            }
             Ok(_) => return Err((Error::WouldBlock, lease)),
             Err(c) => return Err((Self::corrupt(peer, c), lease)),
         }
