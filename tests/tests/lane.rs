@@ -49,6 +49,9 @@ fn a_device_frame_to_a_lane_without_a_gpu_ends_that_lane_typed() {
     }
     assert!(!rig.alive(), "the lane ended");
     assert_eq!(rig.read(), Err(Error::Closed), "and takes nothing more");
-    assert!(rig.take_delivered().is_empty(), "nothing of the device frame delivered");
+    assert!(
+        rig.take_delivered().is_empty(),
+        "nothing of the device frame delivered"
+    );
     assert_eq!(rig.pool_used(), 0, "no receive buffer held");
 }
