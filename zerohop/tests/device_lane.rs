@@ -51,6 +51,9 @@ fn config() -> Config {
     // a chunk of its own: a budget that makes the pool give chunks back
     // makes every message pay a fresh allocation, export and peer mapping.
     c.pool_bytes = 16 << 30;
+    // Both processes drive their wire in the calling thread, as `perf` does
+    // (with ZEROHOP_DEVICE_LANE_THREAD set: a progress thread beside it).
+    c.progress_thread = std::env::var_os("ZEROHOP_DEVICE_LANE_THREAD").is_some();
     c
 }
 
@@ -78,7 +81,6 @@ fn spawn(child: &str, addr: std::net::SocketAddr) -> Child {
         .args([child, "--exact", "--ignored", "--nocapture"])
         .env("ZEROHOP_DEVICE_LANE_PEER", addr.to_string())
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
         .spawn()
         .unwrap()
 }
@@ -127,10 +129,20 @@ fn device_sender() {
         e.send_buffer(peer, buf).unwrap();
         // A first batch the receiver does not time (the pools grow, the
         // receiver maps the chunks), then the timed one.
-        for _ in 0..2 * count(size) {
+        let mut slowest = (Duration::ZERO, 0);
+        for i in 0..2 * count(size) {
+            let t = Instant::now();
             let buf = e.lease_device(size).unwrap();
             e.send_buffer(peer, buf).unwrap();
+            slowest = slowest.max((t.elapsed(), i));
         }
+        eprintln!(
+            "sender, {} MiB: the slowest send took {:?} (message {} of {})",
+            size / MIB,
+            slowest.0,
+            slowest.1,
+            2 * count(size)
+        );
     }
     e.close(WAIT).unwrap();
 }
@@ -182,13 +194,22 @@ fn device_messages_cross_by_ipc_and_land_checksummed() {
         for _ in 0..n {
             drop(next_message(&e));
         }
-        let mut t0 = None;
+        let mut arrivals = Vec::with_capacity(n);
         for _ in 0..n {
             let m = next_message(&e);
             assert_eq!((m.len(), m.memory()), (size, MemKind::Device));
-            t0.get_or_insert_with(Instant::now);
+            arrivals.push(Instant::now());
         }
-        let ipc = size as f64 * (n - 1) as f64 / t0.unwrap().elapsed().as_secs_f64() / 1e9;
+        let ipc =
+            size as f64 * (n - 1) as f64 / (arrivals[n - 1] - arrivals[0]).as_secs_f64() / 1e9;
+        // Gaps between arrivals: steady, or stalls?
+        let mut gaps: Vec<(Duration, usize)> = arrivals
+            .windows(2)
+            .enumerate()
+            .map(|(i, w)| (w[1] - w[0], i + 1))
+            .collect();
+        gaps.sort_unstable();
+        let (gap_p50, (gap_max, at)) = (gaps[gaps.len() / 2].0, gaps[gaps.len() - 1]);
         // Local device-to-device copies of the same size, queued back to
         // back on a stream: the copy engine's rate.
         let (a, b) = (
@@ -205,7 +226,7 @@ fn device_messages_cross_by_ipc_and_land_checksummed() {
         let copy = size as f64 * n as f64 / t.elapsed().as_secs_f64() / 1e9;
         let _ = (local.free(a), local.free(b));
         eprintln!(
-            "{:>4} MiB  {n:>8}  {ipc:>8.1}  {copy:>30.1}  {:.2}x",
+            "{:>4} MiB  {n:>8}  {ipc:>8.1}  {copy:>30.1}  {:.2}x  gaps p50 {gap_p50:?} max {gap_max:?} (before message {at})",
             size / MIB,
             ipc / copy
         );

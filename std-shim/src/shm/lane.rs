@@ -279,8 +279,9 @@ impl Lane {
         Ok(())
     }
 
-    /// The sender's device buffers the peer has copied go back to the pool.
-    fn release_device(&mut self, peer: PeerId) -> Result<(), Error> {
+    /// The sender's device buffers the peer has copied go back to the
+    /// pool. Whether any did.
+    fn release_device(&mut self, peer: PeerId) -> Result<bool, Error> {
         #[cfg(feature = "cuda-uma")]
         if let Some(gpu) = self.gpu.as_mut().filter(|g| g.in_flight() > 0) {
             // Acquire: the peer's copy out of those buffers is over.
@@ -289,13 +290,21 @@ impl Lane {
                 .mem_ctl()
                 .device_done()
                 .load(std::sync::atomic::Ordering::Acquire);
+            let before = gpu.in_flight();
             gpu.release(done).map_err(|()| Error::WireRule {
                 peer,
                 rule: "a device message done that was never sent",
             })?;
+            return Ok(gpu.in_flight() != before);
         }
         let _ = peer;
-        Ok(())
+        Ok(false)
+    }
+
+    /// Bytes this side has taken from the peer's ring, ever: when it moves,
+    /// frames came in (credit a blocked sender waits for, among them).
+    pub(crate) fn taken(&self) -> u64 {
+        self.rx.position()
     }
 
     /// Device messages whose copies are over go to `arrivals` (with what
@@ -707,14 +716,14 @@ impl Lane {
         if self.broken {
             return Err(Self::bad_claim(peer));
         }
-        self.release_device(peer)?;
+        let released = self.release_device(peer)?;
         if self.handover.is_some() && self.poll_handover(peer, None)? == Handed::Waiting {
-            return Ok(false); // nothing goes ahead of a message being handed over
+            return Ok(released); // nothing goes ahead of a message being handed over
         }
         if self.direct.is_some() {
-            return Ok(false); // a caller is mid-frame from its slice; ours go after it
+            return Ok(released); // a caller is mid-frame from its slice; ours go after it
         }
-        let mut any = false;
+        let mut any = released;
         while let Some(o) = self.queue.front_mut() {
             let total = o.len();
             let (h, p) = if o.sent < HEADER_LEN {

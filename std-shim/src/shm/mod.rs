@@ -522,9 +522,12 @@ impl LocalWire {
         Ok(self.add_lane(lane))
     }
 
-    /// Reads every lane into the arrivals. Whether anything came.
+    /// Reads every lane into the arrivals. Whether anything came: a
+    /// message, or a frame that changed the session (credit for a blocked
+    /// sender: a sender told "nothing moved" would sleep on it).
     fn read_lanes(&mut self) -> bool {
         let before = self.arrivals.len();
+        let mut took = false;
         // The time as of the last side pass (every millisecond or so): idle
         // timers run in seconds, and a clock read per poll would cost a
         // spinning receiver a quarter of its time.
@@ -534,6 +537,7 @@ impl LocalWire {
             let Some((_, Some(l))) = self.lanes.get_mut(slot) else {
                 continue;
             };
+            let taken = l.taken();
             let outcome = l.read(
                 id,
                 now,
@@ -545,15 +549,19 @@ impl LocalWire {
                 self.drop_lane(slot, Some(e));
                 continue;
             }
-            if let Err(e) = l.flush(id) {
-                self.drop_lane(slot, Some(e));
-                continue;
+            took |= l.taken() != taken;
+            match l.flush(id) {
+                Ok(moved) => took |= moved,
+                Err(e) => {
+                    self.drop_lane(slot, Some(e));
+                    continue;
+                }
             }
             if l.finished() {
                 self.drop_lane(slot, None);
             }
         }
-        self.arrivals.len() != before
+        took || self.arrivals.len() != before
     }
 
     /// Links (a dead peer), idle timers and queued frames of every lane.

@@ -262,6 +262,11 @@ impl<M: RingMem> Consumer<M> {
         }
     }
 
+    /// Bytes read, ever.
+    pub(crate) fn position(&self) -> u64 {
+        self.tail
+    }
+
     /// Copies up to `out.len()` waiting bytes into `out`, and releases them.
     pub(crate) fn read(&mut self, out: &mut [u8]) -> Result<Moved, Corrupt> {
         let n = self.available()?.min(out.len());
