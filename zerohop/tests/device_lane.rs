@@ -244,8 +244,10 @@ fn device_messages_cross_by_ipc_and_land_checksummed() {
 fn device_victim() {
     let Some(addr) = peer_addr() else { return };
     let e = Endpoint::open(config()).unwrap();
-    let peer = e.connect(addr, WAIT).unwrap();
+    // Before the connect: the parent drives its endpoint (accepts) only
+    // once it has read this.
     eprintln!("ready");
+    let peer = e.connect(addr, WAIT).unwrap();
     loop {
         match std::env::var("ZEROHOP_DEVICE_LANE_ROLE").as_deref() {
             Ok("send") => {

@@ -316,14 +316,21 @@ impl IpcCache {
 /// Device-to-device copies into this process's memory, queued on a stream
 /// of their own so the GPU copies one message while the host takes the
 /// next: each copy has a ticket, and [`completed`](Self::completed) hands
-/// back the tickets whose copies have finished, in order (an event per
-/// copy, polled, never waited on unless asked).
+/// back the tickets whose copies have finished, in order. Copies queued
+/// between two looks share one event (recorded at the look: a stream runs
+/// its copies in order, so one event covers every copy before it), polled,
+/// never waited on unless asked.
 pub struct CopyQueue {
     gpu: Gpu,
     stream: sys::CUstream,
+    /// Events recorded, each with the last ticket it covers.
     pending: std::collections::VecDeque<(u64, sys::CUevent)>,
     spare: Vec<sys::CUevent>,
     next: u64,
+    /// Copies queued since the last event (none: `next` is covered).
+    unsealed: bool,
+    /// The last ticket handed back.
+    handed: Option<u64>,
 }
 
 // SAFETY: a CUDA stream and its events belong to a context, not a thread:
@@ -352,6 +359,8 @@ impl CopyQueue {
             pending: std::collections::VecDeque::new(),
             spare: Vec::new(),
             next: 0,
+            unsealed: false,
+            handed: None,
         })
     }
 
@@ -371,41 +380,53 @@ impl CopyQueue {
     ) -> Result<u64, CudaError> {
         mem.check(dst, len)?;
         self.gpu.bind()?;
+        // SAFETY: `dst` lies in a live allocation of ours (checked); the
+        // caller keeps both ranges alive until the ticket completes; the
+        // stream is ours and live.
+        unsafe { result::memcpy_dtod_async(dst.addr, src, len, self.stream) }
+            .map_err(super::driver("cuMemcpyDtoDAsync"))?;
+        let ticket = self.next;
+        self.next += 1;
+        self.unsealed = true;
+        Ok(ticket)
+    }
+
+    /// Records an event behind the copies queued since the last one.
+    fn seal(&mut self) -> Result<(), CudaError> {
+        if !self.unsealed {
+            return Ok(());
+        }
+        self.gpu.bind()?;
         let event = match self.spare.pop() {
             Some(e) => e,
             None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                 .map_err(super::driver("cuEventCreate"))?,
         };
-        // SAFETY: `dst` lies in a live allocation of ours (checked); the
-        // caller keeps both ranges alive until the ticket completes; the
-        // stream is ours and live.
-        let queued = unsafe { result::memcpy_dtod_async(dst.addr, src, len, self.stream) }
-            .map_err(super::driver("cuMemcpyDtoDAsync"))
-            .and_then(|()| {
-                // SAFETY: the event and the stream are ours and live.
-                unsafe { result::event::record(event, self.stream) }
-                    .map_err(super::driver("cuEventRecord"))
-            });
-        if let Err(e) = queued {
+        // SAFETY: the event and the stream are ours and live.
+        if let Err(e) = unsafe { result::event::record(event, self.stream) } {
             self.spare.push(event);
-            return Err(e);
+            return Err(super::driver("cuEventRecord")(e));
         }
-        let ticket = self.next;
-        self.next += 1;
-        self.pending.push_back((ticket, event));
-        Ok(ticket)
+        self.unsealed = false;
+        self.pending.push_back((self.next - 1, event));
+        Ok(())
     }
 
     /// Calls `done` with each ticket whose copy has finished, oldest first;
     /// a failed copy is the driver's error (the stream is then unusable).
     pub fn completed(&mut self, mut done: impl FnMut(u64)) -> Result<(), CudaError> {
-        while let Some(&(ticket, event)) = self.pending.front() {
+        self.seal()?;
+        while let Some(&(last, event)) = self.pending.front() {
             // SAFETY: `event` is a live event of ours, recorded on our stream.
             match unsafe { sys::cuEventQuery(event) } {
                 sys::CUresult::CUDA_SUCCESS => {
                     self.pending.pop_front();
                     self.spare.push(event);
-                    done(ticket);
+                    let first = self.handed.map_or(0, |h| h + 1);
+                    for t in first..=last {
+                        done(t);
+                    }
+                    self.handed = Some(last);
                 }
                 sys::CUresult::CUDA_ERROR_NOT_READY => return Ok(()),
                 r => {
@@ -423,7 +444,7 @@ impl CopyQueue {
     /// [`completed`](Self::completed) does (before a mapping they read from
     /// may close).
     pub fn finish(&mut self, done: impl FnMut(u64)) -> Result<(), CudaError> {
-        if !self.pending.is_empty() {
+        if !self.pending.is_empty() || self.unsealed {
             self.gpu.bind()?;
             // SAFETY: the stream is ours and live.
             unsafe { result::stream::synchronize(self.stream) }
@@ -432,9 +453,9 @@ impl CopyQueue {
         self.completed(done)
     }
 
-    /// Copies queued and not yet completed.
+    /// Copies queued and not yet handed back as completed.
     pub fn pending(&self) -> usize {
-        self.pending.len()
+        (self.next - self.handed.map_or(0, |h| h + 1)) as usize
     }
 }
 

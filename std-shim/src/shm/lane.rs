@@ -757,10 +757,12 @@ impl Lane {
         inbox: usize,
     ) -> Outcome {
         let protocol = |error| Outcome::Bad(Error::Protocol { peer, error });
+        // Once a read, not once a frame: each look at the copies costs a
+        // driver call, and the copies queued in this read share one event.
+        if let Err(e) = self.deliver_device(peer, arrivals) {
+            return Outcome::Bad(e);
+        }
         loop {
-            if let Err(e) = self.deliver_device(peer, arrivals) {
-                return Outcome::Bad(e);
-            }
             if arrivals.len() >= inbox {
                 return Outcome::Stopped;
             }
