@@ -183,6 +183,8 @@ pub struct PeerParams {
     pub ring: u16,
     /// It takes headerless frames.
     pub takes_headerless: bool,
+    /// It takes data frames naming device memory ([`DataFlags::DEVICE`]).
+    pub takes_device: bool,
     /// Its connection token.
     pub token: u32,
 }
@@ -804,8 +806,10 @@ impl Session {
     // ----- commands -----
 
     /// This wire reaches the peer's device memory (a same-host lane with
-    /// CUDA IPC): data frames may carry [`DataFlags::DEVICE`]. Without it,
-    /// such a frame fails the session ([`ProtocolError::DeviceRefused`]).
+    /// CUDA IPC): data frames may carry [`DataFlags::DEVICE`], and this
+    /// side's Hello says so ([`Takes::DEVICE`]: call it before the Hello
+    /// goes). Without it, such a frame fails the session
+    /// ([`ProtocolError::DeviceRefused`]).
     pub fn take_device_frames(&mut self) {
         self.takes_device = true;
     }
@@ -1015,11 +1019,9 @@ impl Session {
                 frame_max: self.config.frame_max,
                 ring: self.config.ring,
                 lane: 0,
-                takes: if self.config.takes_headerless {
-                    Takes::HEADERLESS
-                } else {
-                    Takes::NONE
-                },
+                takes: Takes::NONE
+                    .with(Takes::HEADERLESS, self.config.takes_headerless)
+                    .with(Takes::DEVICE, SAME_HOST && self.takes_device),
                 token: self.token,
             })
         } else if let (true, HostRole::Offer(offer), false) =
@@ -1338,6 +1340,7 @@ impl Session {
             frame_max: h.frame_max,
             ring: if self.config.ring != 0 { h.ring } else { 0 },
             takes_headerless: h.takes.contains(Takes::HEADERLESS),
+            takes_device: SAME_HOST && h.takes.contains(Takes::DEVICE),
             token: h.token,
         });
         self.tx_limit = u64::from(h.window);

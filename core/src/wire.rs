@@ -187,11 +187,29 @@ impl Takes {
     /// Headerless frames: a one-fragment message as its bytes alone, its
     /// credits in the wire's immediate data (verbs).
     pub const HEADERLESS: Takes = Takes(1);
-    const KNOWN: u8 = 0b1;
+    /// Data frames naming this side's peer's device memory
+    /// ([`DataFlags::DEVICE`]: a same-host lane with a GPU side). Known only
+    /// to builds with the `same-host` feature.
+    pub const DEVICE: Takes = Takes(2);
+    const KNOWN: u8 = if cfg!(feature = "same-host") {
+        0b11
+    } else {
+        0b1
+    };
 
     /// Whether all of `other` is set.
     pub const fn contains(self, other: Takes) -> bool {
         self.0 & other.0 == other.0
+    }
+
+    /// `self` with `other` set when `on`.
+    #[must_use]
+    pub const fn with(self, other: Takes, on: bool) -> Takes {
+        if on {
+            Takes(self.0 | other.0)
+        } else {
+            self
+        }
     }
 
     /// Raw bits.
@@ -892,7 +910,7 @@ mod tests {
         }
         // Unknown Hello capabilities.
         let mut b = Frame::Hello(hello()).encode(&[]);
-        b[23] = 2;
+        b[23] = 4;
         assert_eq!(Frame::decode(&resum(b), 0), Err(DecodeError::ReservedBits));
     }
 

@@ -466,7 +466,10 @@ impl Endpoint {
     /// [`send_buffer`](Self::send_buffer): over `gpudirect` the wire's
     /// registered GPU memory; over `shm`, a device pool whose messages reach
     /// same-host peers by CUDA IPC (device to device, no host copy) and
-    /// land in their device memory. Elsewhere [`Error::BadConfig`].
+    /// land in their device memory. Elsewhere [`Error::BadConfig`]. A buffer
+    /// filled by a kernel must be complete (its stream synchronized) before
+    /// `send_buffer`: the peer copies it on a stream of its own;
+    /// [`copy_in`](Self::copy_in) waits by itself.
     #[cfg(feature = "cuda-uma")]
     pub fn lease_device(&self, len: usize) -> Result<SendBuffer> {
         #[cfg(feature = "gpudirect-verbs")]
@@ -672,7 +675,8 @@ impl Endpoint {
     }
 
     /// Copies `src` into the start of `buffer`, wherever it lies (the way
-    /// to fill GPU memory from the host); the message keeps its length.
+    /// to fill GPU memory from the host), and waits until the bytes are
+    /// there; the message keeps its length.
     pub fn copy_in(&self, buffer: &mut SendBuffer, src: &[u8]) -> Result<()> {
         if src.len() > buffer.len() {
             return Err(Error::Endpoint(zerohop_core::Error::TooLarge {
@@ -697,6 +701,14 @@ impl Endpoint {
         Err(Error::BadConfig(
             "copy_in: a buffer whose memory this endpoint cannot write".into(),
         ))
+    }
+
+    /// Bytes of the device pool leased now (device messages sent and not
+    /// yet copied by their peer, messages received and held, buffers being
+    /// filled); `None` without a device pool (see [`lease_device`](Self::lease_device)).
+    #[cfg(feature = "cuda-uma")]
+    pub fn device_bytes_leased(&self) -> Option<usize> {
+        self.device_pool.as_ref().map(|p| p.used_bytes())
     }
 
     /// Moves the wire along in the caller's thread (accepts, handshakes,

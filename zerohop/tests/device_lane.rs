@@ -317,13 +317,16 @@ fn kill_mid_stream(role: &str, moving: impl Fn(&Endpoint, zerohop::Peer) -> bool
         let _ = e.next_event(Duration::from_millis(10));
     }
     assert_eq!(held(), before, "segments and descriptors after the kill");
-    // Every device buffer came back: 15 of the pool's 16 GiB lease at once.
-    let whole = e.lease_device(15 << 30);
-    assert!(
-        whole.is_ok(),
-        "device buffers held after the kill: {whole:?}"
+    // Every device buffer came back (sends in flight, copies under way).
+    let t = Instant::now();
+    while e.device_bytes_leased() != Some(0) && t.elapsed() < Duration::from_secs(5) {
+        let _ = e.next_event(Duration::from_millis(10));
+    }
+    assert_eq!(
+        e.device_bytes_leased(),
+        Some(0),
+        "device buffers held after the kill"
     );
-    drop(whole);
     e.close(Duration::from_secs(1)).ok();
     seen
 }

@@ -416,6 +416,9 @@ impl CopyQueue {
     /// a failed copy is the driver's error (the stream is then unusable).
     pub fn completed(&mut self, mut done: impl FnMut(u64)) -> Result<(), CudaError> {
         self.seal()?;
+        if !self.pending.is_empty() {
+            self.gpu.bind()?;
+        }
         while let Some(&(last, event)) = self.pending.front() {
             // SAFETY: `event` is a live event of ours, recorded on our stream.
             match unsafe { sys::cuEventQuery(event) } {
@@ -444,7 +447,9 @@ impl CopyQueue {
     /// [`completed`](Self::completed) does (before a mapping they read from
     /// may close).
     pub fn finish(&mut self, done: impl FnMut(u64)) -> Result<(), CudaError> {
-        if !self.pending.is_empty() || self.unsealed {
+        // Sealed first: the event then covers every copy the sync waits for.
+        self.seal()?;
+        if !self.pending.is_empty() {
             self.gpu.bind()?;
             // SAFETY: the stream is ours and live.
             unsafe { result::stream::synchronize(self.stream) }

@@ -250,7 +250,11 @@ impl DeviceMemory {
         self.check(region, src.len())?;
         self.gpu.bind()?;
         // SAFETY: the destination range lies inside a live allocation of ours (checked).
-        unsafe { result::memcpy_htod_sync(region.addr, src) }.map_err(driver("cuMemcpyHtoD"))
+        unsafe { result::memcpy_htod_sync(region.addr, src) }.map_err(driver("cuMemcpyHtoD"))?;
+        // From pageable memory the call may return once the bytes are
+        // staged, before they land: a peer process or a NIC reading the
+        // buffer next is ordered by nothing else.
+        self.gpu.synchronize()
     }
 
     /// Copies `len` bytes from the start of `src` (device memory of
@@ -268,7 +272,10 @@ impl DeviceMemory {
         self.gpu.bind()?;
         // SAFETY: both ranges lie inside live device allocations (checked);
         // callers hand in two distinct leases, so the ranges do not overlap.
-        unsafe { result::memcpy_dtod_sync(dst.addr, src.addr, len) }.map_err(driver("cuMemcpyDtoD"))
+        unsafe { result::memcpy_dtod_sync(dst.addr, src.addr, len) }
+            .map_err(driver("cuMemcpyDtoD"))?;
+        // A device-to-device cuMemcpy does not wait for the copy.
+        self.gpu.synchronize()
     }
 
     /// Copies the start of `region` into `dst` (synchronously).

@@ -148,6 +148,7 @@ fn the_hello_goes_first_and_opens_both_sides_with_the_peers_limits() {
             frame_max: 1 << 20,
             ring: 6,
             takes_headerless: true,
+            takes_device: false,
             token: 5,
         })
     );
@@ -1138,9 +1139,27 @@ fn a_device_frame_goes_framed_and_only_a_side_that_takes_them_takes_it() {
         r.handle_header(T0, &device, None),
         Err(ProtocolError::DeviceRefused)
     );
-    // One that was passes it on.
-    let mut r = opened(stream(), hello(1 << 20, 0));
+    // One that was passes it on, and its Hello says it takes them.
+    let mut r = Session::new(stream(), 1, T0);
     r.take_device_frames();
+    let h = r.poll_control().unwrap();
+    let Frame::Hello(said) = Frame::decode(&h.header, 0).unwrap().frame else {
+        panic!()
+    };
+    assert!(said.takes.contains(Takes::DEVICE));
+    let mut back = Session::new(stream(), 2, T0);
+    let _ = back.poll_control();
+    assert_eq!(
+        back.handle_header(T0, &h.header, Some(0)),
+        Ok(Inbound::Opened)
+    );
+    assert!(back.peer().unwrap().takes_device, "the peer learns it");
+    assert!(
+        !s.peer().unwrap().takes_device,
+        "a peer that did not say it does not"
+    );
+    let peer = Frame::Hello(hello(1 << 20, 0)).encode(&[]);
+    assert_eq!(r.handle_header(T0, &peer, Some(0)), Ok(Inbound::Opened));
     let Ok(Inbound::Data(d)) = r.handle_header(T0, &device, None) else {
         panic!()
     };

@@ -86,8 +86,10 @@ enum Waiting {
 /// stream, and the device messages in flight each way.
 pub(crate) struct LaneGpu {
     pool: Arc<DevicePool>,
-    cache: IpcCache,
+    // Declared before the cache: dropped first, it waits for its copies
+    // before the mappings they read close (even when `finish` failed).
     copies: CopyQueue,
+    cache: IpcCache,
     /// Sent, not yet copied by the peer: (ticket, buffer).
     sent: VecDeque<(u64, DeviceLease)>,
     sent_bytes: usize,
@@ -167,6 +169,11 @@ impl LaneGpu {
         self.sent.len()
     }
 
+    /// Whether the peer's `done` would give back a buffer this side holds.
+    pub(crate) fn would_release(&self, done: u64) -> bool {
+        self.sent.front().is_some_and(|(t, _)| *t <= done)
+    }
+
     /// Whether received messages wait for their copies (what comes from the
     /// peer meanwhile must wait behind them).
     pub(crate) fn holds(&self) -> bool {
@@ -194,6 +201,15 @@ impl LaneGpu {
                 rule: "a device message descriptor out of turn or of another length",
             });
         }
+        // The sender's own limits, held to: a peer cannot make this side
+        // queue more of its copies (and hold more of the shared pool).
+        let (copying, bytes) = self.copying();
+        if copying > 0 && (copying >= MAX_IN_FLIGHT || bytes + msg_len > MAX_IN_FLIGHT_BYTES) {
+            return Err(Error::WireRule {
+                peer,
+                rule: "more device messages in flight than a sender may have",
+            });
+        }
         let Ok(mut lease) = Lease::take(Arc::clone(&self.pool), msg_len.max(1)) else {
             return Ok(false);
         };
@@ -219,6 +235,28 @@ impl LaneGpu {
             lease,
         });
         Ok(true)
+    }
+
+    /// Copies under way, and their bytes.
+    fn copying(&self) -> (usize, usize) {
+        self.waiting
+            .iter()
+            .filter_map(|w| match w {
+                Waiting::Copy { lease, .. } => Some(lease.len()),
+                Waiting::Ready(_) => None,
+            })
+            .fold((0, 0), |(n, b), len| (n + 1, b + len))
+    }
+
+    /// The peer is gone: waits for the copies under way and delivers what
+    /// they and the messages behind them hold.
+    pub(crate) fn settle(
+        &mut self,
+        peer: PeerId,
+        arrivals: &mut VecDeque<Result<Received<ShmLease>, Error>>,
+    ) -> Result<(), Error> {
+        self.finish()?;
+        self.deliver(peer, arrivals).map(|_| ())
     }
 
     fn finish(&mut self) -> Result<(), Error> {

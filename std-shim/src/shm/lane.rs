@@ -164,7 +164,7 @@ pub(crate) struct Lane {
 impl Lane {
     /// A lane over `segment`: the creator (the side that took the offer)
     /// writes ring 0 and reads ring 1, the other the reverse. Its Hello is
-    /// written at once.
+    /// queued by [`start`](Self::start).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         addr: SocketAddr,
@@ -182,7 +182,7 @@ impl Lane {
         let peer_pid = rustix::net::sockopt::socket_peercred(&link)
             .ok()
             .map(|c| c.pid.as_raw_nonzero().get());
-        let mut lane = Lane {
+        Lane {
             addr,
             session: Session::new(config, token, now),
             tx: Producer::new(segment.ring(mine)),
@@ -207,16 +207,21 @@ impl Lane {
             rx_ticket: 0,
             #[cfg(feature = "cuda-uma")]
             gpu: None,
-        };
-        lane.control();
-        lane
+        }
     }
 
-    /// This lane carries device messages both ways, received into `gpu`'s pool.
+    /// This lane carries device messages both ways, received into `gpu`'s
+    /// pool (before [`start`](Self::start): its Hello says so).
     #[cfg(feature = "cuda-uma")]
     pub(crate) fn with_gpu(mut self, gpu: super::device::LaneGpu) -> Lane {
         self.session.take_device_frames();
         self.gpu = Some(Box::new(gpu));
+        self
+    }
+
+    /// Queues the lane's Hello: it goes with the first flush.
+    pub(crate) fn start(mut self) -> Lane {
+        self.control();
         self
     }
 
@@ -233,6 +238,18 @@ impl Lane {
         use super::device::DESC_BYTES;
         if let Err(e) = self.release_device(peer) {
             return Err((e, lease));
+        }
+        match self.session.peer() {
+            None => return Err((Error::WouldBlock, lease)), // its Hello has not come
+            Some(p) if !p.takes_device => {
+                return Err((
+                    Error::Backend(
+                        "shm: the peer takes no device messages (it has no GPU side: no CUDA, or no device pool)",
+                    ),
+                    lease,
+                ))
+            }
+            Some(_) => {}
         }
         let behind = !self.queue.is_empty() || self.direct.is_some() || self.handover.is_some();
         let Some(gpu) = self.gpu.as_mut() else {
@@ -1024,12 +1041,43 @@ impl Lane {
     pub(crate) fn prepare_sleep(&mut self) -> bool {
         handshake::drain(self.my_bell.as_fd());
         let bytes = self.rx.prepare_sleep().unwrap_or(true);
-        self.waiting_room = !self.queue.is_empty()
-            || self.direct.is_some()
-            || self.handover.is_some()
-            || self.device_in_flight() > 0;
+        let for_room = !self.queue.is_empty() || self.direct.is_some() || self.handover.is_some();
+        let for_done = self.device_in_flight() > 0;
+        self.waiting_room = for_room || for_done;
+        // The flag first (its fence), then the second look at what it waits for.
         let room = self.waiting_room && self.tx.prepare_wait().unwrap_or(true);
-        bytes || room || self.copying()
+        bytes || (for_room && room) || (for_done && self.device_done_moved()) || self.copying()
+    }
+
+    /// Whether the peer has copied a device message this side still holds
+    /// (its buffer can go back: no need to sleep).
+    fn device_done_moved(&self) -> bool {
+        #[cfg(feature = "cuda-uma")]
+        if let Some(gpu) = &self.gpu {
+            // Acquire: as in `release_device`.
+            let done = self
+                .tx
+                .mem_ctl()
+                .device_done()
+                .load(std::sync::atomic::Ordering::Acquire);
+            return gpu.would_release(done);
+        }
+        false
+    }
+
+    /// The peer is gone: copies under way out of its memory are waited for,
+    /// and what they and the messages behind them hold goes to `arrivals`.
+    pub(crate) fn settle_device(
+        &mut self,
+        peer: PeerId,
+        arrivals: &mut VecDeque<Result<Received<ShmLease>, Error>>,
+    ) -> Result<(), Error> {
+        #[cfg(feature = "cuda-uma")]
+        if let Some(gpu) = self.gpu.as_mut() {
+            gpu.settle(peer, arrivals)?;
+        }
+        let _ = (peer, arrivals);
+        Ok(())
     }
 
     /// Awake: no more rings needed until the next sleep.

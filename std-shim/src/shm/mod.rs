@@ -266,16 +266,16 @@ impl LocalWire {
         self.device_pool = Some(pool);
     }
 
-    /// A new lane with the GPU side this wire gives them.
+    /// A new lane with the GPU side this wire gives them, its Hello queued.
     fn equip(&self, lane: Lane) -> Lane {
         #[cfg(feature = "cuda-uma")]
         if let Some(pool) = &self.device_pool {
             match device::LaneGpu::new(Arc::clone(pool)) {
-                Ok(gpu) => return lane.with_gpu(gpu),
+                Ok(gpu) => return lane.with_gpu(gpu).start(),
                 Err(e) => log::warn!("shm: a lane without device messages: {e}"),
             }
         }
-        lane
+        lane.start()
     }
 
     /// The TCP side (its listener, its peers elsewhere).
@@ -597,8 +597,12 @@ impl LocalWire {
                 // Its end hung up: whatever it sent is in the ring; take it first.
                 let mut tail = VecDeque::new();
                 let _ = l.read(id, now, &self.pool, &mut tail, usize::MAX);
+                // Device copies out of its memory: waited for, delivered
+                // with what came behind them (else they are lost, and the
+                // peer with them).
+                let settled = l.settle_device(id, &mut tail);
                 self.arrivals.extend(tail);
-                self.drop_lane(slot, None);
+                self.drop_lane(slot, settled.err());
                 any = true;
             }
         }
@@ -619,9 +623,14 @@ impl LocalWire {
     fn pass(&mut self) -> bool {
         self.awake();
         let mut any = self.tcp.progress().unwrap_or(false);
+        // The lanes are read before new ones are set up: a lane is never
+        // announced and read in one `try_recv`, so an application that
+        // looks at what was accepted first (`next_event`) learns of the
+        // peer before its first message (under load the peer could write
+        // between the two).
+        any |= self.read_lanes();
         self.upgrade();
         any |= self.tend_lanes();
-        any |= self.read_lanes();
         any
     }
 }

@@ -54,7 +54,8 @@ impl LaneRig {
             config,
             7,
             Instant::from_micros(0),
-        );
+        )
+        .start();
         Ok(LaneRig {
             lane: Some(lane),
             peer_tx: Producer::new(seg.ring(0)),
