@@ -40,6 +40,11 @@ pub(crate) const MAX_IN_FLIGHT: usize = 64;
 /// Their bytes, at most (one message alone may be longer): what a sender
 /// holds of its pool, and a receiver's copies queue, for one peer.
 pub(crate) const MAX_IN_FLIGHT_BYTES: usize = 512 << 20;
+/// A sender whose device messages wait for the peer's copies looks again
+/// (spins) rather than sleeping while the oldest was sent this recently: a
+/// copy takes microseconds to a few hundred (256 MiB), a doorbell's
+/// wake-up tens. A receiver that takes longer lets the sender sleep.
+const DONE_SPIN: std::time::Duration = std::time::Duration::from_millis(1);
 /// Peer allocations a lane keeps mapped, at most.
 const MAPPINGS_PER_PEER: usize = 64;
 
@@ -92,6 +97,8 @@ pub(crate) struct LaneGpu {
     cache: IpcCache,
     /// Sent, not yet copied by the peer: (ticket, buffer).
     sent: VecDeque<(u64, DeviceLease)>,
+    /// When the oldest of them went.
+    oldest_sent: Option<std::time::Instant>,
     sent_bytes: usize,
     sent_ticket: u64,
     /// Received, in order: copies under way and what came after them.
@@ -121,6 +128,7 @@ impl LaneGpu {
             copies: CopyQueue::new(&gpu)?,
             pool,
             sent: VecDeque::new(),
+            oldest_sent: None,
             sent_bytes: 0,
             sent_ticket: 0,
             waiting: VecDeque::new(),
@@ -147,6 +155,9 @@ impl LaneGpu {
     pub(crate) fn sent(&mut self, ticket: u64, lease: DeviceLease) {
         self.sent_ticket = ticket;
         self.sent_bytes += lease.len();
+        if self.sent.is_empty() {
+            self.oldest_sent = Some(std::time::Instant::now());
+        }
         self.sent.push_back((ticket, lease));
     }
 
@@ -156,10 +167,15 @@ impl LaneGpu {
         if done > self.sent_ticket {
             return Err(());
         }
+        let before = self.sent.len();
         while self.sent.front().is_some_and(|(t, _)| *t <= done) {
             if let Some((_, l)) = self.sent.pop_front() {
                 self.sent_bytes -= l.len();
             }
+        }
+        if self.sent.len() != before {
+            // The next one's clock starts now (its send time is not kept).
+            self.oldest_sent = (!self.sent.is_empty()).then(std::time::Instant::now);
         }
         Ok(())
     }
@@ -172,6 +188,11 @@ impl LaneGpu {
     /// Whether the peer's `done` would give back a buffer this side holds.
     pub(crate) fn would_release(&self, done: u64) -> bool {
         self.sent.front().is_some_and(|(t, _)| *t <= done)
+    }
+
+    /// Whether a copy is due soon enough to look again rather than sleep.
+    pub(crate) fn done_due(&self) -> bool {
+        self.oldest_sent.is_some_and(|t| t.elapsed() < DONE_SPIN)
     }
 
     /// Whether received messages wait for their copies (what comes from the

@@ -1050,7 +1050,7 @@ impl Lane {
     }
 
     /// Whether the peer has copied a device message this side still holds
-    /// (its buffer can go back: no need to sleep).
+    /// (its buffer can go back), or is about to: no need to sleep.
     fn device_done_moved(&self) -> bool {
         #[cfg(feature = "cuda-uma")]
         if let Some(gpu) = &self.gpu {
@@ -1060,7 +1060,7 @@ impl Lane {
                 .mem_ctl()
                 .device_done()
                 .load(std::sync::atomic::Ordering::Acquire);
-            return gpu.would_release(done);
+            return gpu.would_release(done) || gpu.done_due();
         }
         false
     }
