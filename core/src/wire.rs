@@ -981,6 +981,10 @@ mod tests {
         assert_eq!(Takes::NONE.bits(), 0);
         assert!(Takes::HEADERLESS.contains(Takes::HEADERLESS));
         assert!(!Takes::NONE.contains(Takes::HEADERLESS));
+        let both = Takes::HEADERLESS.with(Takes::DEVICE, true);
+        assert_eq!(both.bits(), 3);
+        assert_eq!(both.with(Takes::DEVICE, true), both, "set stays set");
+        assert_eq!(both.with(Takes::DEVICE, false), both, "false leaves it");
         for (k, name) in [
             (FrameKind::Data, "data"),
             (FrameKind::Credit, "credit"),
