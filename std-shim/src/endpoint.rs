@@ -63,7 +63,7 @@ where
 }
 
 /// What an [`Endpoint`] needs of a transport beyond core's trait.
-pub trait Wire: Transport + Send + 'static {
+pub trait Wire: Transport<Lease: Send> + Send + 'static {
     /// Whether what arrives on this wire wakes a thread asleep on its
     /// [`poll_fds`](Self::poll_fds). A wire without (the mock link) is
     /// driven by the progress thread's periodic pass instead, which then
@@ -321,6 +321,10 @@ struct Shared<T: Wire> {
     passes: AtomicUsize,
     doorbell: Doorbell,
     config: EndpointConfig,
+    /// What `try_recv` gave in the pass that also accepted a peer (its first
+    /// message, or its end): held for the next look, so `next_event` reports
+    /// the peer before anything from it. Taken with the transport locked.
+    early: Mutex<Option<Result<Received<T::Lease>, Error>>>,
 }
 
 impl<T: Wire> Shared<T> {
@@ -401,6 +405,7 @@ impl<T: Wire> Endpoint<T> {
             passes: AtomicUsize::new(0),
             doorbell: Doorbell::new()?,
             config,
+            early: Mutex::new(None),
         });
         let thread = match config.progress_thread {
             true => {
@@ -628,11 +633,13 @@ impl<T: Wire> Endpoint<T> {
         deadline: Deadline,
         cancel: Option<&CancelToken>,
     ) -> Result<Received<T::Lease>, Error> {
-        self.wait_for(deadline, cancel, |t| match t.try_recv() {
-            Ok(r) => Ok(Some(r)),
-            // An empty wire, or a dry pool (waits for leases to come back).
-            Err(Error::WouldBlock | Error::Pool(_)) => Ok(None),
-            Err(e) => Err(e),
+        self.wait_for(deadline, cancel, |t| {
+            match self.early().take().unwrap_or_else(|| t.try_recv()) {
+                Ok(r) => Ok(Some(r)),
+                // An empty wire, or a dry pool (waits for leases to come back).
+                Err(Error::WouldBlock | Error::Pool(_)) => Ok(None),
+                Err(e) => Err(e),
+            }
         })
     }
 
@@ -648,8 +655,25 @@ impl<T: Wire> Endpoint<T> {
             if let Some((peer, addr)) = t.take_accepted() {
                 return Ok(Some(Event::Accepted { peer, addr }));
             }
-            Event::from_recv(t.try_recv())
+            if let Some(r) = self.early().take() {
+                return Event::from_recv(r);
+            }
+            let r = t.try_recv();
+            if !matches!(r, Err(Error::WouldBlock | Error::Pool(_))) {
+                // The same pass may have accepted the peer this came from:
+                // news of the peer goes first.
+                if let Some((peer, addr)) = t.take_accepted() {
+                    *self.early() = Some(r);
+                    return Ok(Some(Event::Accepted { peer, addr }));
+                }
+            }
+            Event::from_recv(r)
         })
+    }
+
+    fn early(&self) -> MutexGuard<'_, Option<Result<Received<T::Lease>, Error>>> {
+        // Filled and emptied whole: a poisoned slot is still consistent.
+        self.shared.early.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Waits until the Hellos with `peer` (which this side connected to)
