@@ -1114,7 +1114,14 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                         .is_some_and(|c| c.qp.id().as_ptr() == raw.as_ptr())
                 });
                 if let Some(i) = found {
-                    let conn = self.peers[i].take().expect("found");
+                    let mut conn = self.peers[i].take().expect("found");
+                    // What landed before the end is taken first: its Close
+                    // may wait in the CQ behind the CM event (a clean close
+                    // read as a lost peer otherwise). Flushed receives after
+                    // it are the end itself.
+                    if conn.established {
+                        let _ = self.drain_cq(&mut conn, PeerId(i as u32));
+                    }
                     let lost = !conn.session.peer_closed();
                     self.retire(conn, lost.then_some(Error::PeerLost(PeerId(i as u32))));
                 }
