@@ -654,20 +654,7 @@ impl Endpoint {
         }
         #[cfg(feature = "cuda-uma")]
         if let Buf::Device(l) = &message.buf {
-            let region = zerohop_backends::cuda::lease_region(l);
-            if out.len() > region.len {
-                return Err(Error::Endpoint(zerohop_core::Error::TooLarge {
-                    len: out.len(),
-                    max: region.len,
-                }));
-            }
-            let region = zerohop_core::Region {
-                len: out.len(),
-                ..region
-            };
-            return zerohop_backends::cuda::lease_memory(l)
-                .copy_to_host(region, out)
-                .map_err(|e| Error::Endpoint(e.into()));
+            return zerohop_backends::cuda::read_lease(l, out).map_err(Error::Endpoint);
         }
         Err(Error::BadConfig(
             "copy_out: a message of another endpoint's memory".into(),
@@ -690,13 +677,7 @@ impl Endpoint {
         }
         #[cfg(feature = "cuda-uma")]
         if let Buf::Device(l) = &buffer.buf {
-            let region = zerohop_core::Region {
-                len: src.len(),
-                ..zerohop_backends::cuda::lease_region(l)
-            };
-            return zerohop_backends::cuda::lease_memory(l)
-                .copy_from_host(region, src)
-                .map_err(|e| Error::Endpoint(e.into()));
+            return zerohop_backends::cuda::write_lease(l, src).map_err(Error::Endpoint);
         }
         Err(Error::BadConfig(
             "copy_in: a buffer whose memory this endpoint cannot write".into(),

@@ -92,6 +92,35 @@ pub fn lease_region(lease: &DeviceLease) -> zerohop_core::Region {
     }
 }
 
+/// The first `len` bytes of a device lease's message; `TooLarge` past it.
+fn lease_prefix(
+    lease: &DeviceLease,
+    len: usize,
+) -> Result<zerohop_core::Region, zerohop_core::Error> {
+    let region = lease_region(lease);
+    if len > region.len {
+        return Err(zerohop_core::Error::TooLarge {
+            len,
+            max: region.len,
+        });
+    }
+    Ok(zerohop_core::Region { len, ..region })
+}
+
+/// Copies the start of a device lease's message into `out` (the way to read
+/// GPU memory from the host).
+pub fn read_lease(lease: &DeviceLease, out: &mut [u8]) -> Result<(), zerohop_core::Error> {
+    let region = lease_prefix(lease, out.len())?;
+    Ok(lease_memory(lease).copy_to_host(region, out)?)
+}
+
+/// Copies `src` into the start of a device lease's message and waits until
+/// the bytes are there (the way to fill GPU memory from the host).
+pub fn write_lease(lease: &DeviceLease, src: &[u8]) -> Result<(), zerohop_core::Error> {
+    let region = lease_prefix(lease, src.len())?;
+    Ok(lease_memory(lease).copy_from_host(region, src)?)
+}
+
 /// What can go wrong talking to CUDA.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

@@ -269,18 +269,9 @@ impl LaneGpu {
             .fold((0, 0), |(n, b), len| (n + 1, b + len))
     }
 
-    /// The peer is gone: waits for the copies under way and delivers what
-    /// they and the messages behind them hold.
-    pub(crate) fn settle(
-        &mut self,
-        peer: PeerId,
-        arrivals: &mut VecDeque<Result<Received<ShmLease>, Error>>,
-    ) -> Result<(), Error> {
-        self.finish()?;
-        self.deliver(peer, arrivals).map(|_| ())
-    }
-
-    fn finish(&mut self) -> Result<(), Error> {
+    /// Waits for every copy under way (before the mappings they read may
+    /// close, or the peer is gone).
+    pub(crate) fn finish(&mut self) -> Result<(), Error> {
         let copied = &mut self.copied;
         self.copies.finish(|t| *copied = t)?;
         Ok(())

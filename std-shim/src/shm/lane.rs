@@ -300,13 +300,11 @@ impl Lane {
     /// pool. Whether any did.
     fn release_device(&mut self, peer: PeerId) -> Result<bool, Error> {
         #[cfg(feature = "cuda-uma")]
-        if let Some(gpu) = self.gpu.as_mut().filter(|g| g.in_flight() > 0) {
-            // Acquire: the peer's copy out of those buffers is over.
-            let done = self
-                .tx
-                .mem_ctl()
-                .device_done()
-                .load(std::sync::atomic::Ordering::Acquire);
+        if self.device_in_flight() > 0 {
+            let done = self.peer_device_done();
+            let Some(gpu) = self.gpu.as_mut() else {
+                return Ok(false); // in flight implies a GPU side
+            };
             let before = gpu.in_flight();
             gpu.release(done).map_err(|()| Error::WireRule {
                 peer,
@@ -316,6 +314,16 @@ impl Lane {
         }
         let _ = peer;
         Ok(false)
+    }
+
+    /// The last of this side's device messages the peer says it copied.
+    #[cfg(feature = "cuda-uma")]
+    fn peer_device_done(&self) -> u64 {
+        // Acquire: the peer's copy out of those buffers is over.
+        self.tx
+            .mem_ctl()
+            .device_done()
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Bytes this side has taken from the peer's ring, ever: when it moves,
@@ -1054,13 +1062,7 @@ impl Lane {
     fn device_done_moved(&self) -> bool {
         #[cfg(feature = "cuda-uma")]
         if let Some(gpu) = &self.gpu {
-            // Acquire: as in `release_device`.
-            let done = self
-                .tx
-                .mem_ctl()
-                .device_done()
-                .load(std::sync::atomic::Ordering::Acquire);
-            return gpu.would_release(done) || gpu.done_due();
+            return gpu.would_release(self.peer_device_done()) || gpu.done_due();
         }
         false
     }
@@ -1074,10 +1076,9 @@ impl Lane {
     ) -> Result<(), Error> {
         #[cfg(feature = "cuda-uma")]
         if let Some(gpu) = self.gpu.as_mut() {
-            gpu.settle(peer, arrivals)?;
+            gpu.finish()?;
         }
-        let _ = (peer, arrivals);
-        Ok(())
+        self.deliver_device(peer, arrivals)
     }
 
     /// Awake: no more rings needed until the next sleep.

@@ -767,21 +767,7 @@ impl Wire for LocalWire {
         match lease {
             ShmLease::Host(l) => crate::endpoint::copy_out(host_bytes(l), out),
             #[cfg(feature = "cuda-uma")]
-            ShmLease::Device(l) => {
-                use zerohop_backends::cuda::{lease_memory, lease_region};
-                let region = lease_region(l);
-                if out.len() > region.len {
-                    return Err(Error::TooLarge {
-                        len: out.len(),
-                        max: region.len,
-                    });
-                }
-                let region = zerohop_core::Region {
-                    len: out.len(),
-                    ..region
-                };
-                Ok(lease_memory(l).copy_to_host(region, out)?)
-            }
+            ShmLease::Device(l) => zerohop_backends::cuda::read_lease(l, out),
         }
     }
 
