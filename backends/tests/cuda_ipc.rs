@@ -60,6 +60,8 @@ const COPY: u8 = b'M';
 const CHECK: u8 = b'C';
 const STATS: u8 = b'S';
 const FORGET: u8 = b'F';
+/// The receiver's host time in CUDA calls since the last ask (then reset).
+const TIMES: u8 = b'T';
 const QUIT: u8 = b'Q';
 const OK: u8 = 0;
 const OUT_OF_RANGE: u8 = 1;
@@ -125,10 +127,17 @@ fn receiver_process() {
     s.set_nonblocking(true).unwrap();
     let mut inbox: Vec<u8> = Vec::new();
     let mut buf = [0u8; 4096];
+    // Host time in the calls of the copy path, for the TIMES answer.
+    let mut times = CallTimes::default();
     loop {
         // The copies that finished are done, in order.
         let mut answers = Vec::new();
+        let t = Instant::now();
+        let busy = copies.pending() > 0;
         copies.completed(|_| answers.push(OK)).unwrap();
+        if busy {
+            times.completed.add(t.elapsed());
+        }
         if !answers.is_empty() {
             write_all_blocking(&mut s, &answers);
         }
@@ -153,19 +162,24 @@ fn receiver_process() {
         match tag {
             COPY | CHECK => {
                 let r = parse_region(&m);
-                let status = match cache.resolve(PEER, &r) {
+                let t = Instant::now();
+                let resolved = cache.resolve(PEER, &r);
+                times.resolve.add(t.elapsed());
+                let status = match resolved {
                     Err(IpcError::OutOfRange { .. }) => OUT_OF_RANGE,
                     Err(IpcError::Cuda(_)) => CUDA,
                     Ok(_) if r.len > dst.len => OUT_OF_RANGE,
                     Ok(src) if tag == COPY => {
                         let slot = slots[next_slot];
                         next_slot = (next_slot + 1) % WINDOW;
+                        let t = Instant::now();
                         // SAFETY: `src` is a range the cache checked against
                         // its open mapping (no entry closes while copies
                         // are queued: the sender's allocations stay few);
                         // the slot is reused only after WINDOW more copies,
                         // and at most WINDOW are in flight.
                         unsafe { copies.copy(&mem, slot, src, r.len) }.unwrap();
+                        times.copy.add(t.elapsed());
                         continue; // answered when it completes
                     }
                     Ok(src) => {
@@ -194,6 +208,15 @@ fn receiver_process() {
                 }
                 write_all_blocking(&mut s, &out);
             }
+            TIMES => {
+                let mut out = Vec::new();
+                for c in [times.copy, times.resolve, times.completed] {
+                    out.extend_from_slice(&c.calls.to_le_bytes());
+                    out.extend_from_slice(&c.nanos.to_le_bytes());
+                }
+                times = CallTimes::default();
+                write_all_blocking(&mut s, &out);
+            }
             FORGET => {
                 let n = cache.forget_peer(PEER) as u64;
                 write_all_blocking(&mut s, &n.to_le_bytes());
@@ -201,6 +224,32 @@ fn receiver_process() {
             _ => return,
         }
     }
+}
+
+/// Calls and host nanoseconds spent in them.
+#[derive(Clone, Copy, Default)]
+struct Spent {
+    calls: u64,
+    nanos: u64,
+}
+
+impl Spent {
+    fn add(&mut self, d: Duration) {
+        self.calls += 1;
+        self.nanos += d.as_nanos() as u64;
+    }
+
+    /// Microseconds per call.
+    fn per_call(self) -> f64 {
+        self.nanos as f64 / 1e3 / self.calls.max(1) as f64
+    }
+}
+
+#[derive(Default)]
+struct CallTimes {
+    copy: Spent,
+    resolve: Spent,
+    completed: Spent,
 }
 
 fn write_all_blocking(s: &mut UnixStream, mut b: &[u8]) {
@@ -248,10 +297,11 @@ fn device_memory_crosses_processes_checked_where_it_lands() {
     let mem = DeviceMemory::new(&gpu);
     let (mut child, mut s) = spawn_receiver("cross");
     let local = mem.alloc(*SIZES.last().unwrap(), 2 * MIB).unwrap();
+    let mut queue = CopyQueue::new(&gpu).unwrap();
     let mut chunks: Vec<Region> = Vec::new();
     let mut rows = Vec::new();
     eprintln!(
-        "{:>9} | {:>12} {:>12} {:>6} | {:>12} {:>6} | {:>9}",
+        "{:>9} | {:>12} {:>12} {:>6} | {:>12} {:>6} | {:>9} | host time per call",
         "size", "IPC GB/s", "local GB/s", "ratio", "waited GB/s", "ratio", "msgs"
     );
     for (k, &len) in SIZES.iter().enumerate() {
@@ -304,13 +354,33 @@ fn device_memory_crosses_processes_checked_where_it_lands() {
             sent += more;
         }
         let ipc = (n * len) as f64 / t0.elapsed().as_secs_f64() / 1e9;
+        s.write_all(&[TIMES]).unwrap();
+        let mut spent = [Spent::default(); 3];
+        for x in &mut spent {
+            *x = Spent {
+                calls: get_u64(&mut s),
+                nanos: get_u64(&mut s),
+            };
+        }
+        // The host's cost of queueing a local copy, for comparison.
+        let mut issued = Spent::default();
+        for _ in 0..n.min(64) {
+            let t = Instant::now();
+            // SAFETY: both are live allocations of ours; `finish` below
+            // waits for every copy before either is used again.
+            unsafe { queue.copy(&mem, local, src.addr, len) }.unwrap();
+            issued.add(t.elapsed());
+        }
+        queue.finish(|_| {}).unwrap();
         // The same bytes copied device to device inside this process: back
         // to back (the copy engine's rate), and each waited for.
         let t0 = Instant::now();
         for _ in 0..n {
-            mem.copy_from_device(local, &mem, src, len).unwrap();
+            // SAFETY: both are live allocations of ours; `finish` waits for
+            // every copy before either is used again.
+            unsafe { queue.copy(&mem, local, src.addr, len) }.unwrap();
         }
-        gpu.synchronize().unwrap();
+        queue.finish(|_| {}).unwrap();
         let here = (n * len) as f64 / t0.elapsed().as_secs_f64() / 1e9;
         let t0 = Instant::now();
         for _ in 0..n {
@@ -319,10 +389,15 @@ fn device_memory_crosses_processes_checked_where_it_lands() {
         }
         let waited = (n * len) as f64 / t0.elapsed().as_secs_f64() / 1e9;
         eprintln!(
-            "{:>6} MiB | {ipc:>12.1} {here:>12.1} {:>5.2}x | {waited:>12.1} {:>5.2}x | {n:>9}",
+            "{:>6} MiB | {ipc:>12.1} {here:>12.1} {:>5.2}x | {waited:>12.1} {:>5.2}x | {n:>9} | receiver's host us per call: copy {:.2} resolve {:.2} completed {:.2} ({} calls); a local copy queued {:.2}",
             len / MIB,
             ipc / here,
-            ipc / waited
+            ipc / waited,
+            spent[0].per_call(),
+            spent[1].per_call(),
+            spent[2].per_call(),
+            spent[2].calls,
+            issued.per_call(),
         );
         rows.push((len, ipc, here));
         chunks.push(src);
