@@ -19,6 +19,10 @@ fn host_bytes(l: &ShmLease) -> &[u8] {
     zerohop_backends::host_bytes(l.host().expect("a host message"))
 }
 
+/// Messages this long go by a single copy (`process_vm_readv`): half the
+/// rings of [`wire`].
+const SINGLE: usize = 512 << 10;
+
 fn wire(pool: &Arc<StdPool>) -> LocalWire {
     let shm = ShmConfig {
         ring_bytes: 1 << 20,
@@ -75,7 +79,7 @@ fn child_peer() {
         return;
     };
     let (e, peer) = connect(addr.parse().unwrap());
-    let m = vec![0x5Au8; 64 << 10];
+    let m = vec![0x5Au8; SINGLE];
     match std::env::var("ZEROHOP_TEST_ROLE").as_deref() {
         Ok("send") => loop {
             e.send(peer, &m, Deadline::after(WAIT), None).unwrap();
@@ -120,7 +124,7 @@ fn a_sender_killed_mid_stream_is_lost_at_once_and_leaves_nothing() {
     // Mid-stream: messages are arriving.
     for _ in 0..50 {
         let r = server.recv(Deadline::after(WAIT), None).unwrap();
-        assert_eq!(host_bytes(&r.lease).len(), 64 << 10);
+        assert_eq!(host_bytes(&r.lease).len(), SINGLE);
     }
     assert_eq!(
         traces().0,
@@ -151,7 +155,7 @@ fn a_receiver_killed_mid_stream_is_lost_at_once_and_leaves_nothing() {
     let before = traces();
     let mut child = spawn(addr, "recv");
     let peer = accepted(&server);
-    let m = vec![7u8; 64 << 10];
+    let m = vec![7u8; SINGLE];
     for _ in 0..50 {
         server.send(peer, &m, Deadline::after(WAIT), None).unwrap();
     }
@@ -258,7 +262,7 @@ fn single_copy_messages_withdrawn_back_to_back_arrive_intact_and_in_order() {
                     .unwrap_or_else(|e| panic!("receiving message {i}: {e}"));
                 assert_eq!(r.peer, from);
                 let b = host_bytes(&r.lease);
-                assert_eq!(b.len(), (64 << 10) + usize::from(i), "message {i}");
+                assert_eq!(b.len(), SINGLE + usize::from(i), "message {i}");
                 assert!(b.iter().all(|&x| x == i), "message {i} intact");
             }
         });
@@ -266,7 +270,7 @@ fn single_copy_messages_withdrawn_back_to_back_arrive_intact_and_in_order() {
         let t0 = Instant::now();
         while sent < n {
             assert!(t0.elapsed() < 3 * WAIT, "{sent} of {n} sent");
-            let m = vec![sent; (64 << 10) + usize::from(sent)];
+            let m = vec![sent; SINGLE + usize::from(sent)];
             match client.send(peer, &m, Deadline::after(Duration::ZERO), None) {
                 Ok(()) => sent += 1,
                 Err(Error::Timeout | Error::WouldBlock) => {

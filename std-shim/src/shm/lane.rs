@@ -146,6 +146,8 @@ pub(crate) struct Lane {
     pub(crate) dry: bool,
     /// The peer's process (for single-copy reads), if known.
     peer_pid: Option<i32>,
+    /// Messages at least this long go by a single copy ([`cma::threshold`]).
+    single_min: usize,
     /// Large messages go by a single copy (until the peer refuses one).
     cma_tx: bool,
     /// Large messages come by a single copy (until this side refuses one).
@@ -184,6 +186,7 @@ impl Lane {
             .map(|c| c.pid.as_raw_nonzero().get());
         Lane {
             addr,
+            single_min: cma::threshold(segment.ring_bytes()),
             session: Session::new(config, token, now),
             tx: Producer::new(segment.ring(mine)),
             rx: Consumer::new(segment.ring(theirs)),
@@ -502,7 +505,7 @@ impl Lane {
         }
         // A large message by a single copy: only with nothing ahead of it,
         // its header and descriptor whole in the ring.
-        let single = self.cma_tx && len >= cma::MIN;
+        let single = self.cma_tx && len >= self.single_min;
         if single {
             match self.tx.room() {
                 _ if behind => return Err(payload.refused(Error::WouldBlock)),
@@ -987,7 +990,7 @@ impl Lane {
                     if !d.first || !d.last {
                         return Outcome::Bad(Error::Backend("shm: a fragment on a stream lane"));
                     }
-                    let single = self.cma_rx && d.len >= cma::MIN;
+                    let single = self.cma_rx && d.len >= self.single_min;
                     self.incoming = Some(Incoming {
                         d,
                         lease: None,
