@@ -19,9 +19,9 @@ fn host_bytes(l: &ShmLease) -> &[u8] {
     zerohop_backends::host_bytes(l.host().expect("a host message"))
 }
 
-/// Messages this long go by a single copy (`process_vm_readv`): half the
-/// rings of [`wire`].
-const SINGLE: usize = 512 << 10;
+/// Messages this long go by a single copy (`process_vm_readv`; the default
+/// threshold is 32 KiB).
+const SINGLE: usize = 64 << 10;
 
 fn wire(pool: &Arc<StdPool>) -> LocalWire {
     let shm = ShmConfig {

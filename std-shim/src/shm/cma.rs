@@ -22,21 +22,14 @@
 
 use std::ffi::c_void;
 
-/// Messages at least this long go by a single copy where the two processes
-/// may, in a segment whose rings hold `ring_bytes` (both sides know it from
-/// the length and the segment alone): half a ring. Below that the two
-/// copies through the ring win, since the sender's copy in and the
-/// receiver's copy out overlap on two cores and several messages are in
-/// flight, where a single copy hands over one message at a time and pins
-/// the sender's pages for each `process_vm_readv`. Measured with the
-/// default 4 MiB rings on the 2-vCPU build VM (`zerohop perf --transport
-/// shm`, three alternating runs): through the ring 64 KiB went at
-/// 8.1–10.2 GB/s and 5.2–6.8 µs against 5.1–7.3 GB/s and 10.8–12.3 µs by a
-/// single copy; 256 KiB 8.0–9.2 against 7.4–8.8 GB/s; 1 MiB 10.6–11.1
-/// against 8.2–9.0 GB/s; 2 MiB went faster by a single copy.
-pub(crate) const fn threshold(ring_bytes: usize) -> usize {
-    ring_bytes / 2
-}
+/// Messages at least this long go by a single copy by default
+/// ([`ShmConfig::single_copy_from`](super::ShmConfig::single_copy_from); the
+/// side that makes the segment writes its value there, and both sides go by
+/// it).
+pub(crate) const DEFAULT_MIN: usize = 32 << 10;
+/// The least a segment's threshold is taken to be (a smaller value in a
+/// peer's segment is read as this, on both sides).
+pub(crate) const FLOOR: usize = 4 << 10;
 /// The descriptor that follows such a frame's header in the ring: the
 /// bytes' address in the sender, and the ticket.
 pub(crate) const DESC_BYTES: usize = 16;

@@ -146,7 +146,7 @@ pub(crate) struct Lane {
     pub(crate) dry: bool,
     /// The peer's process (for single-copy reads), if known.
     peer_pid: Option<i32>,
-    /// Messages at least this long go by a single copy ([`cma::threshold`]).
+    /// Messages at least this long go by a single copy (the segment says).
     single_min: usize,
     /// Large messages go by a single copy (until the peer refuses one).
     cma_tx: bool,
@@ -186,7 +186,7 @@ impl Lane {
             .map(|c| c.pid.as_raw_nonzero().get());
         Lane {
             addr,
-            single_min: cma::threshold(segment.ring_bytes()),
+            single_min: segment.single_copy_from(),
             session: Session::new(config, token, now),
             tx: Producer::new(segment.ring(mine)),
             rx: Consumer::new(segment.ring(theirs)),

@@ -147,6 +147,14 @@ fn pieces(cap: usize, pos: u64, len: usize) -> [(usize, usize); 2] {
     [(at, first), (0, len - first)]
 }
 
+/// A long write publishes its bytes in steps of this many (see
+/// [`Producer::write`]). Under loom, every byte: the model then sees a
+/// consumer read a write that is still going on.
+#[cfg(not(loom))]
+const PUBLISH_EVERY: usize = 16 << 10;
+#[cfg(loom)]
+const PUBLISH_EVERY: usize = 1;
+
 /// The writing end.
 #[derive(Debug)]
 pub(crate) struct Producer<M: RingMem> {
@@ -186,27 +194,36 @@ impl<M: RingMem> Producer<M> {
         }
     }
 
-    /// Writes as much of `parts`, in order, as fits, and publishes it.
+    /// Writes as much of `parts`, in order, as fits, and publishes it: every
+    /// [`PUBLISH_EVERY`] bytes on the way, so that a consumer spinning on
+    /// the ring copies a long message out while the rest is copied in.
     pub(crate) fn write(&mut self, parts: &[&[u8]]) -> Result<Moved, Corrupt> {
         let mut room = self.room()?;
-        let mut n = 0;
+        let start = self.head;
         for part in parts {
             let take = part.len().min(room);
             let mut from = 0;
-            for (at, len) in pieces(self.mem.cap(), self.head + n as u64, take) {
-                self.mem.copy_in(at, &part[from..from + len]);
-                from += len;
+            while from < take {
+                let step = (take - from).min(PUBLISH_EVERY);
+                for (at, len) in pieces(self.mem.cap(), self.head, step) {
+                    self.mem.copy_in(at, &part[from..from + len]);
+                    from += len;
+                }
+                self.head += step as u64;
+                if from < take {
+                    // Release: as the final store below, for the bytes so far.
+                    self.mem.ctl().head.store(self.head, Ordering::Release);
+                }
             }
-            n += take;
             room -= take;
             if take < part.len() {
                 break;
             }
         }
+        let n = (self.head - start) as usize;
         if n == 0 {
             return Ok(Moved { n, wake: false });
         }
-        self.head += n as u64;
         let ctl = self.mem.ctl();
         // Release: the bytes copied in are visible to a consumer that
         // acquires this head.
@@ -398,6 +415,58 @@ mod tests {
         assert_eq!(got, sent);
         assert_eq!(c.available().unwrap(), 0);
         assert_eq!(p.room().unwrap(), 64);
+    }
+
+    /// A ring that notes, at each copy in, how far the head was published.
+    struct Watched {
+        mem: Mem,
+        seen: std::cell::RefCell<Vec<(usize, u64)>>,
+    }
+
+    impl RingMem for &Watched {
+        fn ctl(&self) -> &RingCtl {
+            self.mem.ctl()
+        }
+        fn cap(&self) -> usize {
+            self.mem.cap()
+        }
+        fn copy_in(&self, at: usize, src: &[u8]) {
+            if !src.is_empty() {
+                let head = self.mem.ctl().head.load(Ordering::Relaxed);
+                self.seen.borrow_mut().push((at, head));
+            }
+            self.mem.copy_in(at, src)
+        }
+        fn copy_out(&self, at: usize, dst: &mut [u8]) {
+            self.mem.copy_out(at, dst)
+        }
+    }
+
+    #[test]
+    fn a_long_write_is_published_as_it_goes() {
+        let w = Watched {
+            mem: Mem::new(1 << 20),
+            seen: Default::default(),
+        };
+        let mut p = Producer::new(&w);
+        let header = [7u8; 32];
+        let payload = vec![9u8; 3 * PUBLISH_EVERY + 5];
+        assert_eq!(p.write(&[&header, &payload]).unwrap().n, 32 + payload.len());
+        // The header, then the payload's steps: each begun with the bytes
+        // before it already published (bar the first, which goes with it).
+        let seen = w.seen.borrow().clone();
+        let starts: Vec<usize> = seen.iter().map(|&(at, _)| at).collect();
+        let step = |k: usize| 32 + k * PUBLISH_EVERY;
+        assert_eq!(starts, [0, 32, step(1), step(2), step(3)]);
+        let heads: Vec<u64> = seen.iter().map(|&(_, h)| h).collect();
+        assert_eq!(
+            heads,
+            [0, 0, step(1) as u64, step(2) as u64, step(3) as u64]
+        );
+        let mut c = Consumer::new(&w);
+        let mut out = vec![0u8; 32 + payload.len()];
+        assert_eq!(c.read(&mut out).unwrap().n, out.len());
+        assert!(out[..32] == header && out[32..] == payload[..]);
     }
 
     #[test]

@@ -27,8 +27,8 @@ use rustix::mm::{MapFlags, ProtFlags};
 use super::ring::{RingCtl, RingMem, CTL_BYTES};
 
 const MAGIC: [u8; 8] = *b"ZHLANE\0\x01";
-/// The layout and its rules: 4 since single copies start at half a ring
-/// (`cma::threshold`; a peer of 3 would read a descriptor as bytes).
+/// The layout and its rules: 4 since the header says where single copies
+/// start (bytes 16..20; a peer of 3 assumed 32 KiB).
 const VERSION: u32 = 4;
 const HEADER_BYTES: usize = 64;
 /// Where the data of ring 0 starts.
@@ -74,6 +74,8 @@ pub(crate) struct Segment {
     base: NonNull<u8>,
     len: usize,
     ring_bytes: usize,
+    /// Where single copies start, as the header says (see `single_copy_from`).
+    single_copy_from: u32,
     fd: OwnedFd,
 }
 
@@ -86,8 +88,9 @@ unsafe impl Sync for Segment {}
 
 impl Segment {
     /// A fresh segment with two rings of `ring_bytes` each (a power of two,
-    /// within the limits), sealed, mapped, its header written.
-    pub(crate) fn create(ring_bytes: usize) -> io::Result<Segment> {
+    /// within the limits), sealed, mapped, its header written; messages of
+    /// `single_copy_from` bytes and up cross it by a single copy.
+    pub(crate) fn create(ring_bytes: usize, single_copy_from: usize) -> io::Result<Segment> {
         if !ring_bytes.is_power_of_two() || !(MIN_RING_BYTES..=MAX_RING_BYTES).contains(&ring_bytes)
         {
             return Err(io::Error::new(
@@ -102,11 +105,14 @@ impl Segment {
         let len = DATA_AT + 2 * ring_bytes;
         rustix::fs::ftruncate(&fd, len as u64)?;
         rustix::fs::fcntl_add_seals(&fd, SEALS)?;
-        let seg = Self::map(fd, len, ring_bytes)?;
+        let mut seg = Self::map(fd, len, ring_bytes)?;
+        let single = u32::try_from(single_copy_from).unwrap_or(u32::MAX);
+        seg.single_copy_from = single;
         let mut header = [0u8; HEADER_BYTES];
         header[..8].copy_from_slice(&MAGIC);
         header[8..12].copy_from_slice(&VERSION.to_le_bytes());
         header[12..16].copy_from_slice(&(ring_bytes as u32).to_le_bytes());
+        header[16..20].copy_from_slice(&single.to_le_bytes());
         // SAFETY: the header lies inside the fresh mapping (len > 64), which
         // nobody else has yet.
         unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), seg.base.as_ptr(), HEADER_BYTES) };
@@ -154,6 +160,7 @@ impl Segment {
             ));
         }
         seg.ring_bytes = ring_bytes;
+        seg.single_copy_from = word(16);
         Ok(seg)
     }
 
@@ -176,6 +183,7 @@ impl Segment {
             base,
             len,
             ring_bytes,
+            single_copy_from: u32::MAX,
             fd,
         })
     }
@@ -186,8 +194,15 @@ impl Segment {
     }
 
     /// Each ring's data bytes.
+    #[cfg(test)]
     pub(crate) fn ring_bytes(&self) -> usize {
         self.ring_bytes
+    }
+
+    /// Messages of this many bytes and up go by a single copy, as the
+    /// segment's maker said (both sides read it the same way).
+    pub(crate) fn single_copy_from(&self) -> usize {
+        (self.single_copy_from as usize).max(super::cma::FLOOR)
     }
 
     /// Ring `which` (0: the creator's frames, 1: the opener's).
@@ -282,10 +297,21 @@ mod tests {
 
     #[test]
     fn a_segment_crosses_as_its_memfd_and_both_maps_see_one_ring() {
-        let a = Arc::new(Segment::create(1 << 16).unwrap());
+        let a = Arc::new(Segment::create(1 << 16, 100 << 10).unwrap());
         let fd = a.fd().try_clone_to_owned().unwrap();
         let b = Arc::new(Segment::open(fd).unwrap());
         assert_eq!(b.ring_bytes(), 1 << 16);
+        // Where single copies start: the maker's word, on both sides.
+        assert_eq!(a.single_copy_from(), 100 << 10);
+        assert_eq!(b.single_copy_from(), 100 << 10);
+        // Below the floor, both read the floor.
+        let tiny = Segment::create(1 << 16, 1).unwrap();
+        let fd = tiny.fd().try_clone_to_owned().unwrap();
+        assert_eq!(tiny.single_copy_from(), crate::shm::cma::FLOOR);
+        assert_eq!(
+            Segment::open(fd).unwrap().single_copy_from(),
+            crate::shm::cma::FLOOR
+        );
         let mut p = Producer::new(a.ring(0));
         let mut c = Consumer::new(b.ring(0));
         assert_eq!(p.write(&[b"through the memfd"]).unwrap().n, 17);
@@ -329,7 +355,7 @@ mod tests {
         assert!(invalid(Segment::open(fd)).contains("ring sizes"));
         // Sizes a lane may not have.
         for bad in [0, 1000, 1 << 31] {
-            assert!(Segment::create(bad).is_err(), "{bad}");
+            assert!(Segment::create(bad, 32 << 10).is_err(), "{bad}");
         }
     }
 }

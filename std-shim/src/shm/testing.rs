@@ -35,7 +35,7 @@ impl LaneRig {
     /// Rings of `ring_bytes` (a power of two, at least 4 KiB), messages up
     /// to 64 KiB, a receive pool of `pool_bytes`.
     pub fn new(ring_bytes: usize, pool_bytes: usize) -> std::io::Result<LaneRig> {
-        let seg = Arc::new(Segment::create(ring_bytes)?);
+        let seg = Arc::new(Segment::create(ring_bytes, super::cma::DEFAULT_MIN)?);
         let (link, peer_link) = UnixStream::pair()?;
         let config = SessionConfig {
             check_payload: true,
