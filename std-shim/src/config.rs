@@ -19,6 +19,11 @@ pub struct Config {
     /// budget: the host's physical memory): the pool budget (default 4 GiB).
     /// Plain bytes or a binary suffix: `512M`, `4GiB`, `64k`.
     pub pool_bytes: usize,
+    /// `ZEROHOP_SHM_SINGLE_COPY_FROM`: same-host messages of this many
+    /// bytes and up are read straight out of the sender's memory, smaller
+    /// ones go through the ring (default 32 KiB; see
+    /// [`ShmConfig::single_copy_from`](crate::shm::ShmConfig::single_copy_from)).
+    pub shm_single_copy_from: usize,
 }
 
 impl Default for Config {
@@ -26,6 +31,7 @@ impl Default for Config {
         Config {
             transport: Preference::Auto,
             pool_bytes: 4 << 30,
+            shm_single_copy_from: crate::shm::ShmConfig::default().single_copy_from,
         }
     }
 }
@@ -100,6 +106,13 @@ impl Config {
                 }
             };
         }
+        if let Some(v) = get("ZEROHOP_SHM_SINGLE_COPY_FROM") {
+            c.shm_single_copy_from = parse_bytes(&v).ok_or(ConfigError {
+                var: "ZEROHOP_SHM_SINGLE_COPY_FROM",
+                value: v.clone(),
+                expected: "a byte count, optionally with k/M/G (binary) suffix, e.g. 32k or 2M",
+            })?;
+        }
         Ok(c)
     }
 }
@@ -167,6 +180,11 @@ mod tests {
         .unwrap();
         assert_eq!(c.transport, Preference::Only(Kind::Tcp));
         assert_eq!(c.pool_bytes, 512 << 20);
+        assert_eq!(c.shm_single_copy_from, 32 << 10, "the default");
+        let c = Config::from_lookup(env(&[("ZEROHOP_SHM_SINGLE_COPY_FROM", "2M")])).unwrap();
+        assert_eq!(c.shm_single_copy_from, 2 << 20);
+        let e = Config::from_lookup(env(&[("ZEROHOP_SHM_SINGLE_COPY_FROM", "half")])).unwrap_err();
+        assert_eq!(e.var, "ZEROHOP_SHM_SINGLE_COPY_FROM");
     }
 
     #[test]

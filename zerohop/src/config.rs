@@ -46,6 +46,13 @@ pub struct Config {
     /// A peer silent this long mid-handshake or mid-message is dropped
     /// (default 5 s). A peer that is quiet between messages is kept.
     pub idle_timeout: Duration,
+    /// Over `shm`, messages of this many bytes and up are read straight
+    /// out of the sender's memory (one copy, one message handed over at a
+    /// time), smaller ones go through the shared ring (two copies,
+    /// pipelined); the side that sets a lane up decides for both (default
+    /// 32 KiB, what a many-core server wants; on a small VM 2 MiB can be
+    /// faster: BENCHMARKS.md). `ZEROHOP_SHM_SINGLE_COPY_FROM`.
+    pub shm_single_copy_from: usize,
 }
 
 impl Default for Config {
@@ -58,6 +65,7 @@ impl Default for Config {
             spin: Duration::from_micros(50),
             send_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(5),
+            shm_single_copy_from: zerohop_std::Config::default().shm_single_copy_from,
         }
     }
 }
@@ -74,6 +82,7 @@ impl Config {
         Ok(Config {
             transport: env.transport,
             pool_bytes: env.pool_bytes,
+            shm_single_copy_from: env.shm_single_copy_from,
             ..Config::default()
         })
     }

@@ -240,6 +240,7 @@ impl Endpoint {
                 // An explicit `shm` wants shared memory or nothing.
                 let shm = ShmConfig {
                     required: config.transport == zerohop_core::Preference::Only(Kind::Shm),
+                    single_copy_from: config.shm_single_copy_from,
                     ..ShmConfig::default()
                 };
                 #[allow(unused_mut)]
