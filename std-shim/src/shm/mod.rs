@@ -148,9 +148,10 @@ pub struct ShmConfig {
     /// for both (default 32 KiB; at least 4 KiB). Which is faster depends
     /// on the host: on the 16-core H200 host the single copy wins from
     /// 32 KiB (64 KiB at 11.3 GB/s against 7.2 through the ring, 1 MiB at
-    /// 14.3 against 8.3); on the 2-vCPU build VM the ring wins up to 1 MiB
-    /// (64 KiB at 9.4 GB/s against 5.6, 1 MiB at 13.1 against 7.0), where
-    /// half the ring (2 MiB with the default rings) is the better setting.
+    /// 14.3 against 8.3); on the 2-vCPU build VM the ring won up to 1 MiB
+    /// in one set of runs (64 KiB at 9.4 GB/s against 5.6, 1 MiB at 13.1
+    /// against 7.0) and drew in another: there 2 MiB may be the better
+    /// setting (BENCHMARKS.md).
     pub single_copy_from: usize,
 }
 
