@@ -149,9 +149,9 @@ pub struct ShmConfig {
     /// on the host: on the 16-core H200 host the single copy wins from
     /// 32 KiB (64 KiB at 11.3 GB/s against 7.2 through the ring, 1 MiB at
     /// 14.3 against 8.3); on the 2-vCPU build VM the ring won up to 1 MiB
-    /// in one set of runs (64 KiB at 9.4 GB/s against 5.6, 1 MiB at 13.1
-    /// against 7.0) and drew in another: there 2 MiB may be the better
-    /// setting (BENCHMARKS.md).
+    /// in one set of alternating runs (64 KiB at 8.1–10.2 GB/s against
+    /// 5.1–7.3, 1 MiB at 10.6–11.1 against 8.2–9.0) and drew in another:
+    /// there 2 MiB may be the better setting (BENCHMARKS.md).
     pub single_copy_from: usize,
 }
 
