@@ -775,8 +775,24 @@ impl Lane {
     }
 
     /// Reads frames into `arrivals` (at most `inbox` messages there),
-    /// messages into leases of `pool`.
+    /// messages into leases of `pool`, and gives the room they took back
+    /// to the peer once, after all of them.
     pub(crate) fn read(
+        &mut self,
+        peer: PeerId,
+        now: Instant,
+        pool: &Arc<StdPool>,
+        arrivals: &mut VecDeque<Result<Received<ShmLease>, Error>>,
+        inbox: usize,
+    ) -> Outcome {
+        let outcome = self.read_frames(peer, now, pool, arrivals, inbox);
+        if self.rx.publish() {
+            handshake::ring(self.their_bell.as_fd());
+        }
+        outcome
+    }
+
+    fn read_frames(
         &mut self,
         peer: PeerId,
         now: Instant,
@@ -805,12 +821,7 @@ impl Lane {
                 use super::device::DESC_BYTES;
                 if *have < DESC_BYTES {
                     match self.rx.read(&mut buf[*have..]) {
-                        Ok(m) => {
-                            *have += m.n;
-                            if m.wake {
-                                handshake::ring(self.their_bell.as_fd());
-                            }
-                        }
+                        Ok(n) => *have += n,
                         Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
                     }
                     if *have < DESC_BYTES {
@@ -860,12 +871,7 @@ impl Lane {
                 let want = inc.d.len;
                 if let Stage::Desc { have, buf } = &mut inc.stage {
                     match self.rx.read(&mut buf[*have..]) {
-                        Ok(m) => {
-                            *have += m.n;
-                            if m.wake {
-                                handshake::ring(self.their_bell.as_fd());
-                            }
-                        }
+                        Ok(n) => *have += n,
                         Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
                     }
                     if *have < cma::DESC_BYTES {
@@ -932,11 +938,8 @@ impl Lane {
                 if inc.have < want {
                     let dst = &mut host_bytes_mut(lease)[inc.have..want];
                     match self.rx.read(dst) {
-                        Ok(m) => {
-                            inc.have += m.n;
-                            if m.wake {
-                                handshake::ring(self.their_bell.as_fd());
-                            }
+                        Ok(n) => {
+                            inc.have += n;
                             if inc.have < want {
                                 self.session.handle_activity(now, true);
                                 return Outcome::Drained;
@@ -967,12 +970,7 @@ impl Lane {
             // 2. A header.
             if self.have < HEADER_LEN {
                 match self.rx.read(&mut self.header[self.have..]) {
-                    Ok(m) => {
-                        self.have += m.n;
-                        if m.wake {
-                            handshake::ring(self.their_bell.as_fd());
-                        }
-                    }
+                    Ok(n) => self.have += n,
                     Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
                 }
                 if self.have < HEADER_LEN {
@@ -1051,6 +1049,11 @@ impl Lane {
     /// frames wait for it). `true`: something came meanwhile, do not sleep.
     pub(crate) fn prepare_sleep(&mut self) -> bool {
         handshake::drain(self.my_bell.as_fd());
+        // Each read pass gives back the room it took; nothing read may
+        // stay held while this side sleeps (the peer may wait for it).
+        if self.rx.publish() {
+            handshake::ring(self.their_bell.as_fd());
+        }
         let bytes = self.rx.prepare_sleep().unwrap_or(true);
         let for_room = !self.queue.is_empty() || self.direct.is_some() || self.handover.is_some();
         let for_done = self.device_in_flight() > 0;

@@ -160,12 +160,21 @@ const PUBLISH_EVERY: usize = 1;
 pub(crate) struct Producer<M: RingMem> {
     mem: M,
     head: u64,
+    /// The consumer's tail as last read: room is reckoned from it, and the
+    /// tail is read again only when that room is short. A tail read on
+    /// every write would pull its cache line from the consumer's core once
+    /// a message.
+    seen_tail: u64,
 }
 
 impl<M: RingMem> Producer<M> {
     /// The writing end of a fresh ring (both counters 0).
     pub(crate) fn new(mem: M) -> Self {
-        Producer { mem, head: 0 }
+        Producer {
+            mem,
+            head: 0,
+            seen_tail: 0,
+        }
     }
 
     /// The ring's memory.
@@ -179,14 +188,17 @@ impl<M: RingMem> Producer<M> {
         self.mem.ctl()
     }
 
-    /// Bytes that fit now.
-    pub(crate) fn room(&self) -> Result<usize, Corrupt> {
+    /// Bytes that fit now (the consumer's tail read afresh).
+    pub(crate) fn room(&mut self) -> Result<usize, Corrupt> {
         // Acquire: the consumer's reads of the bytes it released happened
         // before this load, so overwriting them is safe.
         let tail = self.mem.ctl().tail.load(Ordering::Acquire);
         let cap = self.mem.cap() as u64;
         match self.head.checked_sub(tail) {
-            Some(used) if used <= cap => Ok((cap - used) as usize),
+            Some(used) if used <= cap => {
+                self.seen_tail = tail;
+                Ok((cap - used) as usize)
+            }
             _ => Err(Corrupt {
                 theirs: tail,
                 ours: self.head,
@@ -198,7 +210,12 @@ impl<M: RingMem> Producer<M> {
     /// [`PUBLISH_EVERY`] bytes on the way, so that a consumer spinning on
     /// the ring copies a long message out while the rest is copied in.
     pub(crate) fn write(&mut self, parts: &[&[u8]]) -> Result<Moved, Corrupt> {
-        let mut room = self.room()?;
+        let want: usize = parts.iter().map(|p| p.len()).sum();
+        // `seen_tail` passed the checks when read: head - seen_tail <= cap.
+        let mut room = self.mem.cap() - (self.head - self.seen_tail) as usize;
+        if room < want {
+            room = self.room()?;
+        }
         let start = self.head;
         for part in parts {
             let take = part.len().min(room);
@@ -238,7 +255,7 @@ impl<M: RingMem> Producer<M> {
 
     /// About to wait for room: says so, then looks again. `Ok(true)`:
     /// room appeared meanwhile, do not sleep.
-    pub(crate) fn prepare_wait(&self) -> Result<bool, Corrupt> {
+    pub(crate) fn prepare_wait(&mut self) -> Result<bool, Corrupt> {
         // Relaxed: the fence below orders it before the second look.
         self.mem.ctl().waits.writer.store(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
@@ -253,25 +270,46 @@ impl<M: RingMem> Producer<M> {
 }
 
 /// The reading end.
+///
+/// Reads take bytes; [`Consumer::publish`] gives their room back to the
+/// producer. A reader publishes once a pass (after every frame it found),
+/// not once a read: each publication is a store the producer's core must
+/// fetch and a fence. A long read publishes as it goes, as a long write does.
 #[derive(Debug)]
 pub(crate) struct Consumer<M: RingMem> {
     mem: M,
     tail: u64,
+    /// The producer's head as last read (checked then): bytes up to it are
+    /// read without looking at the head again.
+    seen_head: u64,
+    /// The tail as last stored to the segment.
+    stored: u64,
+    /// The tail as of the last look at the producer's `waits` after a store.
+    published: u64,
 }
 
 impl<M: RingMem> Consumer<M> {
     /// The reading end of a fresh ring (both counters 0).
     pub(crate) fn new(mem: M) -> Self {
-        Consumer { mem, tail: 0 }
+        Consumer {
+            mem,
+            tail: 0,
+            seen_head: 0,
+            stored: 0,
+            published: 0,
+        }
     }
 
-    /// Bytes waiting to be read.
-    pub(crate) fn available(&self) -> Result<usize, Corrupt> {
+    /// Bytes waiting to be read (the producer's head read afresh).
+    pub(crate) fn available(&mut self) -> Result<usize, Corrupt> {
         // Acquire: pairs with the producer's Release store of `head`; the
         // bytes before it are visible.
         let head = self.mem.ctl().head.load(Ordering::Acquire);
         match head.checked_sub(self.tail) {
-            Some(n) if n <= self.mem.cap() as u64 => Ok(n as usize),
+            Some(n) if n <= self.mem.cap() as u64 => {
+                self.seen_head = head;
+                Ok(n as usize)
+            }
             _ => Err(Corrupt {
                 theirs: head,
                 ours: self.tail,
@@ -284,28 +322,53 @@ impl<M: RingMem> Consumer<M> {
         self.tail
     }
 
-    /// Copies up to `out.len()` waiting bytes into `out`, and releases them.
-    pub(crate) fn read(&mut self, out: &mut [u8]) -> Result<Moved, Corrupt> {
-        let n = self.available()?.min(out.len());
-        if n == 0 {
-            return Ok(Moved { n, wake: false });
+    /// Copies up to `out.len()` waiting bytes into `out`; how many. Their
+    /// room goes back to the producer at [`Consumer::publish`], or on the
+    /// way through a long read.
+    pub(crate) fn read(&mut self, out: &mut [u8]) -> Result<usize, Corrupt> {
+        // `seen_head` passed the checks when read: tail <= seen_head.
+        let mut n = (self.seen_head - self.tail) as usize;
+        if n < out.len() {
+            n = self.available()?;
         }
+        let n = n.min(out.len());
         let mut to = 0;
-        for (at, len) in pieces(self.mem.cap(), self.tail, n) {
-            self.mem.copy_out(at, &mut out[to..to + len]);
-            to += len;
+        while to < n {
+            let step = (n - to).min(PUBLISH_EVERY);
+            for (at, len) in pieces(self.mem.cap(), self.tail, step) {
+                self.mem.copy_out(at, &mut out[to..to + len]);
+                to += len;
+            }
+            self.tail += step as u64;
+            if self.tail - self.stored >= PUBLISH_EVERY as u64 {
+                // Release: our reads of those bytes happen before the
+                // producer, acquiring this tail, writes over them. The
+                // look at `waits` comes at `publish`.
+                self.mem.ctl().tail.store(self.tail, Ordering::Release);
+                self.stored = self.tail;
+            }
         }
-        self.tail += n as u64;
+        Ok(n)
+    }
+
+    /// Gives the room of every byte read back to the producer. `true`: the
+    /// producer waits for it, ring its doorbell.
+    pub(crate) fn publish(&mut self) -> bool {
+        if self.tail == self.published {
+            return false;
+        }
         let ctl = self.mem.ctl();
-        // Release: our reads of those bytes happen before the producer,
-        // acquiring this tail, writes over them.
-        ctl.tail.store(self.tail, Ordering::Release);
+        if self.tail != self.stored {
+            // Release: as in `read`.
+            ctl.tail.store(self.tail, Ordering::Release);
+            self.stored = self.tail;
+        }
+        self.published = self.tail;
         // SeqCst fence: orders the tail store before the load of
         // `writer_waits` (no lost wake-up).
         fence(Ordering::SeqCst);
         // Relaxed: ordered by the fence.
-        let wake = ctl.waits.writer.load(Ordering::Relaxed) != 0;
-        Ok(Moved { n, wake })
+        ctl.waits.writer.load(Ordering::Relaxed) != 0
     }
 
     /// The ring's control words (its claim word).
@@ -325,7 +388,7 @@ impl<M: RingMem> Consumer<M> {
 
     /// About to sleep: says so, then looks again. `Ok(true)`: bytes came
     /// meanwhile, do not sleep.
-    pub(crate) fn prepare_sleep(&self) -> Result<bool, Corrupt> {
+    pub(crate) fn prepare_sleep(&mut self) -> Result<bool, Corrupt> {
         // Relaxed: the fence below orders it before the second look.
         self.mem.ctl().waits.reader.store(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
@@ -406,12 +469,14 @@ mod tests {
             assert_eq!(w.n, (a.len() + b.len()).min(room), "all that fits, no more");
             sent.extend(a.iter().chain(&b).take(w.n));
             let mut out = vec![0u8; round % 41];
-            let r = c.read(&mut out).unwrap();
-            got.extend_from_slice(&out[..r.n]);
+            let n = c.read(&mut out).unwrap();
+            got.extend_from_slice(&out[..n]);
+            let _ = c.publish();
         }
         let mut rest = vec![0u8; 64];
-        let r = c.read(&mut rest).unwrap();
-        got.extend_from_slice(&rest[..r.n]);
+        let n = c.read(&mut rest).unwrap();
+        got.extend_from_slice(&rest[..n]);
+        let _ = c.publish();
         assert_eq!(got, sent);
         assert_eq!(c.available().unwrap(), 0);
         assert_eq!(p.room().unwrap(), 64);
@@ -438,6 +503,10 @@ mod tests {
             self.mem.copy_in(at, src)
         }
         fn copy_out(&self, at: usize, dst: &mut [u8]) {
+            if !dst.is_empty() {
+                let tail = self.mem.ctl().tail.load(Ordering::Relaxed);
+                self.seen.borrow_mut().push((at, tail));
+            }
             self.mem.copy_out(at, dst)
         }
     }
@@ -465,21 +534,57 @@ mod tests {
         );
         let mut c = Consumer::new(&w);
         let mut out = vec![0u8; 32 + payload.len()];
-        assert_eq!(c.read(&mut out).unwrap().n, out.len());
+        assert_eq!(c.read(&mut out).unwrap(), out.len());
         assert!(out[..32] == header && out[32..] == payload[..]);
+    }
+
+    #[test]
+    fn a_read_gives_room_back_at_publish_and_a_long_one_as_it_goes() {
+        let w = Watched {
+            mem: Mem::new(1 << 20),
+            seen: Default::default(),
+        };
+        let (mut p, mut c) = (Producer::new(&w), Consumer::new(&w));
+        let tail = || w.mem.ctl().tail.load(Ordering::Relaxed);
+        // Short reads: their room comes back once, at `publish`.
+        assert_eq!(p.write(&[&[1; 100]]).unwrap().n, 100);
+        assert_eq!(c.read(&mut [0; 32]).unwrap(), 32);
+        assert_eq!(c.read(&mut [0; 68]).unwrap(), 68);
+        assert_eq!(tail(), 0, "not before publish");
+        assert!(!c.publish(), "no writer waits");
+        assert_eq!(tail(), 100);
+        // A long read: each step begins with the steps before it given back.
+        let payload = vec![9u8; 3 * PUBLISH_EVERY + 5];
+        assert_eq!(p.write(&[&payload]).unwrap().n, payload.len());
+        w.seen.borrow_mut().clear();
+        let mut out = vec![0u8; payload.len()];
+        assert_eq!(c.read(&mut out).unwrap(), out.len());
+        assert!(out == payload);
+        let step = |k: usize| (100 + k * PUBLISH_EVERY) as u64;
+        let tails: Vec<u64> = w.seen.borrow().iter().map(|&(_, t)| t).collect();
+        assert_eq!(tails, [100, step(1), step(2), step(3)]);
+        let _ = c.publish();
+        assert_eq!(tail(), 100 + payload.len() as u64);
     }
 
     #[test]
     fn a_full_ring_takes_nothing_and_an_empty_one_gives_nothing() {
         let m = Mem::new(16);
         let (mut p, mut c) = (Producer::new(m.clone()), Consumer::new(m));
-        assert_eq!(c.read(&mut [0; 4]).unwrap().n, 0);
+        assert_eq!(c.read(&mut [0; 4]).unwrap(), 0);
         assert_eq!(p.write(&[&[1; 20]]).unwrap().n, 16);
         assert_eq!(p.write(&[&[2; 1]]).unwrap().n, 0);
         assert_eq!(p.room().unwrap(), 0);
         let mut out = [0; 16];
-        assert_eq!(c.read(&mut out).unwrap().n, 16);
+        assert_eq!(c.read(&mut out).unwrap(), 16);
         assert_eq!(out, [1; 16]);
+        assert_eq!(
+            p.write(&[&[2; 1]]).unwrap().n,
+            0,
+            "read, not yet given back"
+        );
+        let _ = c.publish();
+        assert_eq!(p.write(&[&[2; 1]]).unwrap().n, 1);
     }
 
     #[test]
@@ -500,15 +605,24 @@ mod tests {
             assert!(c.read(&mut [0; 4]).is_err());
         }
         m.ctl().head.store(8, Ordering::Relaxed);
-        assert_eq!(c.read(&mut [0; 4]).unwrap().n, 4);
+        assert_eq!(c.read(&mut [0; 4]).unwrap(), 4);
         m.ctl().head.store(3, Ordering::Relaxed);
         assert_eq!(c.available(), Err(Corrupt { theirs: 3, ours: 4 }));
-        // A tail ahead of what was written, or so far behind the ring overflows.
-        m.ctl().tail.store(9, Ordering::Relaxed);
-        assert_eq!(p.room(), Err(Corrupt { theirs: 9, ours: 8 }));
+        // A tail ahead of what was written, or so far behind the ring
+        // overflows: seen at the producer's next look at it, which a write
+        // the room it knows of cannot hold makes.
+        m.ctl().tail.store(17, Ordering::Relaxed);
+        assert_eq!(p.write(&[&[1; 8]]).unwrap().n, 8, "fits what it knew");
+        assert_eq!(
+            p.room(),
+            Err(Corrupt {
+                theirs: 17,
+                ours: 16
+            })
+        );
         assert!(p.write(&[&[1]]).is_err());
-        m.ctl().tail.store(0, Ordering::Relaxed);
-        assert_eq!(p.room().unwrap(), 8);
+        m.ctl().tail.store(4, Ordering::Relaxed);
+        assert_eq!(p.room().unwrap(), 4);
         let e = Corrupt { theirs: 9, ours: 8 }.to_string();
         assert!(e.contains('9') && e.contains('8'), "{e}");
     }
@@ -519,7 +633,8 @@ mod tests {
         let (mut p, mut c) = (Producer::new(m.clone()), Consumer::new(m));
         assert_eq!(p.write(&[&[1]]).unwrap(), Moved { n: 1, wake: false });
         assert!(c.prepare_sleep().unwrap(), "bytes waiting: do not sleep");
-        assert_eq!(c.read(&mut [0; 1]).unwrap().n, 1);
+        assert_eq!(c.read(&mut [0; 1]).unwrap(), 1);
+        assert!(!c.publish(), "no writer waits");
         assert!(!c.prepare_sleep().unwrap(), "empty: sleep");
         assert_eq!(p.write(&[&[2]]).unwrap(), Moved { n: 1, wake: true });
         c.woke();
@@ -527,9 +642,12 @@ mod tests {
         // The writer's side.
         assert_eq!(p.write(&[&[0; 14]]).unwrap().n, 14);
         assert!(!p.prepare_wait().unwrap(), "full: wait");
-        assert_eq!(c.read(&mut [0; 4]).unwrap(), Moved { n: 4, wake: true });
+        assert_eq!(c.read(&mut [0; 4]).unwrap(), 4);
+        assert!(c.publish(), "the writer waits: ring");
+        assert!(!c.publish(), "nothing new read: nothing to give back");
         p.done_waiting();
-        assert!(!c.read(&mut [0; 4]).unwrap().wake);
+        assert_eq!(c.read(&mut [0; 4]).unwrap(), 4);
+        assert!(!c.publish(), "the writer stopped waiting");
     }
 }
 
@@ -625,12 +743,12 @@ mod model {
             let mut got = Vec::new();
             while got.len() < 3 {
                 let mut b = [0u8; 2];
-                let r = c.read(&mut b).unwrap();
-                got.extend_from_slice(&b[..r.n]);
-                if r.wake {
+                let n = c.read(&mut b).unwrap();
+                got.extend_from_slice(&b[..n]);
+                if c.publish() {
                     to_writer.ring();
                 }
-                if got.len() < 3 && r.n == 0 && !c.prepare_sleep().unwrap() {
+                if got.len() < 3 && n == 0 && !c.prepare_sleep().unwrap() {
                     to_reader.wait();
                 }
                 c.woke();

@@ -316,13 +316,13 @@ mod tests {
         let mut c = Consumer::new(b.ring(0));
         assert_eq!(p.write(&[b"through the memfd"]).unwrap().n, 17);
         let mut out = [0u8; 17];
-        assert_eq!(c.read(&mut out).unwrap().n, 17);
+        assert_eq!(c.read(&mut out).unwrap(), 17);
         assert_eq!(&out, b"through the memfd");
         // The other ring is the other direction.
         let mut p1 = Producer::new(b.ring(1));
         let mut c1 = Consumer::new(a.ring(1));
         assert_eq!(p1.write(&[b"back"]).unwrap().n, 4);
-        assert_eq!(c1.read(&mut out[..4]).unwrap().n, 4);
+        assert_eq!(c1.read(&mut out[..4]).unwrap(), 4);
         assert_eq!(&out[..4], b"back");
     }
 
