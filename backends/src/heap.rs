@@ -1,7 +1,6 @@
 //! Host memory from the process heap (the tcp transport's receive buffers).
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
-use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::Mutex;
 
@@ -22,7 +21,10 @@ unsafe impl Send for Allocation {}
 /// layout and views can recover each pointer with its provenance.
 #[derive(Debug, Default)]
 pub struct HeapMemory {
-    live: Mutex<BTreeMap<u64, Allocation>>,
+    /// Sorted by address. A pool holds few allocations (its chunks, and
+    /// oversize buffers), and every view of a lease looks one up: a binary
+    /// search of a flat array is the cheap look.
+    live: Mutex<Vec<(u64, Allocation)>>,
 }
 
 impl HeapMemory {
@@ -33,10 +35,10 @@ impl HeapMemory {
 
     /// Bytes allocated now.
     pub fn allocated(&self) -> usize {
-        self.lock().values().map(|a| a.layout.size()).sum()
+        self.lock().iter().map(|(_, a)| a.layout.size()).sum()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Allocation>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(u64, Allocation)>> {
         // A panic while holding this lock cannot leave the map half-updated
         // (each update is one insert or remove), so poisoning is ignored.
         self.live.lock().unwrap_or_else(|e| e.into_inner())
@@ -45,7 +47,10 @@ impl HeapMemory {
     /// A pointer to `region`'s first byte, if it lies inside one live allocation.
     pub fn pointer(&self, region: Region) -> Option<NonNull<u8>> {
         let live = self.lock();
-        let (&start, a) = live.range(..=region.addr).next_back()?;
+        // The last allocation starting at or before the region.
+        let i = live.partition_point(|&(start, _)| start <= region.addr);
+        let (start, a) = live.get(i.checked_sub(1)?)?;
+        let start = *start;
         let whole = Region {
             addr: start,
             len: a.layout.size(),
@@ -67,7 +72,9 @@ impl RawMemory for HeapMemory {
         let ptr =
             NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or(Error::OutOfMemory { len })?;
         let addr = ptr.as_ptr().addr() as u64;
-        self.lock().insert(addr, Allocation { ptr, layout });
+        let mut live = self.lock();
+        let i = live.partition_point(|&(start, _)| start < addr);
+        live.insert(i, (addr, Allocation { ptr, layout }));
         Ok(Region {
             addr,
             len,
@@ -76,9 +83,13 @@ impl RawMemory for HeapMemory {
     }
 
     fn free(&self, region: Region) -> Result<(), Error> {
-        let a = self.lock().remove(&region.addr).ok_or(Error::Backend(
-            "free of memory this heap source did not allocate",
-        ))?;
+        let a = {
+            let mut live = self.lock();
+            let i = live
+                .binary_search_by_key(&region.addr, |&(start, _)| start)
+                .map_err(|_| Error::Backend("free of memory this heap source did not allocate"))?;
+            live.remove(i).1
+        };
         // SAFETY: `a.ptr` came from `alloc_zeroed(a.layout)` and was removed from
         // the map, so it is freed exactly once with its own layout.
         unsafe { dealloc(a.ptr.as_ptr(), a.layout) };
@@ -93,7 +104,7 @@ impl RawMemory for HeapMemory {
 impl Drop for HeapMemory {
     fn drop(&mut self) {
         let live = std::mem::take(self.live.get_mut().unwrap_or_else(|e| e.into_inner()));
-        for a in live.into_values() {
+        for (_, a) in live {
             // SAFETY: every entry is a live allocation made with this layout.
             unsafe { dealloc(a.ptr.as_ptr(), a.layout) };
         }
@@ -129,5 +140,41 @@ impl PoolTables for HeapTables {
     }
     fn slots(&mut self) -> &mut [Slot] {
         &mut self.slots
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inside(m: &HeapMemory, addr: u64, len: usize) -> Option<u64> {
+        let r = Region {
+            addr,
+            len,
+            kind: MemKind::Host,
+        };
+        m.pointer(r).map(|p| p.as_ptr().addr() as u64)
+    }
+
+    #[test]
+    fn views_are_found_inside_live_allocations_only() {
+        let m = HeapMemory::new();
+        let rs: Vec<Region> = [4096, 100, 65536]
+            .iter()
+            .map(|&n| m.alloc(n, 64).unwrap())
+            .collect();
+        assert_eq!(m.allocated(), 4096 + 100 + 65536);
+        for r in &rs {
+            assert_eq!(inside(&m, r.addr, r.len), Some(r.addr), "the whole");
+            assert_eq!(inside(&m, r.addr + 7, r.len - 7), Some(r.addr + 7));
+            assert_eq!(inside(&m, r.addr + 1, r.len), None, "past its end");
+        }
+        let lowest = rs.iter().map(|r| r.addr).min().unwrap();
+        assert_eq!(inside(&m, lowest - 1, 1), None, "before every allocation");
+        m.free(rs[1]).unwrap();
+        assert_eq!(inside(&m, rs[1].addr, 1), None, "freed");
+        assert!(m.free(rs[1]).is_err(), "freed twice");
+        assert_eq!(inside(&m, rs[2].addr, rs[2].len), Some(rs[2].addr));
+        assert_eq!(m.allocated(), 4096 + 65536);
     }
 }

@@ -188,10 +188,14 @@ fn is_start(ep: &Endpoint, m: &Message) -> bool {
 /// The next message from `owner`; others' messages are dropped, and other
 /// peers' comings and goings noted. The owner's end is an error.
 fn next_from(ep: &Endpoint, owner: Peer, timeout: Duration) -> Result<Message, zerohop::Error> {
-    let until = Instant::now().checked_add(timeout);
+    // The clock is read only once another event comes first: the echo of
+    // a latency run reads none.
+    let mut until: Option<Option<Instant>> = None;
     loop {
-        let left = until.map_or(Duration::MAX, |u| {
-            u.saturating_duration_since(Instant::now())
+        let left = until.map_or(timeout, |u| {
+            u.map_or(Duration::MAX, |u| {
+                u.saturating_duration_since(Instant::now())
+            })
         });
         match ep.next_event(left)? {
             Event::Message(m) if m.peer() == owner => return Ok(m),
@@ -210,6 +214,7 @@ fn next_from(ep: &Endpoint, owner: Peer, timeout: Duration) -> Result<Message, z
             Event::Lost { peer, why, .. } if peer == owner => return Err(why),
             e => log::info!("perf: {e:?}"),
         }
+        until.get_or_insert_with(|| Instant::now().checked_add(timeout));
     }
 }
 

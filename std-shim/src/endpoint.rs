@@ -216,36 +216,68 @@ impl<L> Event<L> {
 }
 
 /// When a blocking call gives up.
+///
+/// A deadline [`after`](Deadline::after) a duration starts at the call's
+/// first look at the clock: a call that completes at once (a message already
+/// there, a send the wire takes) reads no clock at all; one that waits reads
+/// it within a few polls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Deadline(Option<Instant>);
+pub struct Deadline(When);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum When {
+    Never,
+    At(Instant),
+    /// This long from the first look at the clock.
+    In(Duration),
+}
 
 impl Deadline {
     /// Never.
     pub const fn never() -> Self {
-        Deadline(None)
+        Deadline(When::Never)
     }
 
-    /// `d` from now.
-    pub fn after(d: Duration) -> Self {
-        Deadline(Instant::now().checked_add(d))
+    /// `d` from the first time the call looks at the clock (see above).
+    pub const fn after(d: Duration) -> Self {
+        Deadline(When::In(d))
     }
 
     /// At `t`.
     pub const fn at(t: Instant) -> Self {
-        Deadline(Some(t))
+        Deadline(When::At(t))
     }
 
-    fn remaining(&self) -> Option<Duration> {
-        self.0.map(|t| t.saturating_duration_since(Instant::now()))
+    /// The same deadline, started now if it was not yet: for a caller that
+    /// makes several calls under one deadline.
+    pub fn started(mut self) -> Self {
+        self.fix(Instant::now());
+        self
     }
 
-    fn passed(&self) -> bool {
+    /// The instant it passes (started at `now` if it was not yet).
+    fn fix(&mut self, now: Instant) -> Option<Instant> {
+        if let When::In(d) = self.0 {
+            self.0 = now.checked_add(d).map_or(When::Never, When::At);
+        }
+        match self.0 {
+            When::At(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    fn remaining(&mut self) -> Option<Duration> {
+        let now = Instant::now();
+        self.fix(now).map(|t| t.saturating_duration_since(now))
+    }
+
+    fn passed(&mut self) -> bool {
         self.remaining() == Some(Duration::ZERO)
     }
 
     /// Whether passed at `now` (a clock read the caller already has).
-    fn passed_at(&self, now: Instant) -> bool {
-        self.0.is_some_and(|t| now >= t)
+    fn passed_at(&mut self, now: Instant) -> bool {
+        self.fix(now).is_some_and(|t| now >= t)
     }
 }
 
@@ -460,7 +492,7 @@ impl<T: Wire> Endpoint<T> {
         r
     }
 
-    fn wait<'a>(&self, guard: MutexGuard<'a, T>, deadline: Deadline) -> MutexGuard<'a, T> {
+    fn wait<'a>(&self, guard: MutexGuard<'a, T>, mut deadline: Deadline) -> MutexGuard<'a, T> {
         let cap = self.shared.config.poll_interval;
         let d = deadline.remaining().map_or(cap, |r| r.min(cap));
         // Relaxed: as in `Shared::lock`. Counted while asleep too: on waking
@@ -483,7 +515,7 @@ impl<T: Wire> Endpoint<T> {
     fn wait_io<'a>(
         &'a self,
         mut guard: MutexGuard<'a, T>,
-        deadline: Deadline,
+        mut deadline: Deadline,
         reading: bool,
     ) -> MutexGuard<'a, T> {
         let waiter = Waiter::App { reading };
@@ -520,7 +552,7 @@ impl<T: Wire> Endpoint<T> {
         &self,
         peer: PeerId,
         bytes: &[u8],
-        deadline: Deadline,
+        mut deadline: Deadline,
         cancel: Option<&CancelToken>,
     ) -> Result<(), Error> {
         let mut done = true;
@@ -591,7 +623,7 @@ impl<T: Wire> Endpoint<T> {
     /// Returns the transport, still locked.
     fn send_with(
         &self,
-        deadline: Deadline,
+        mut deadline: Deadline,
         cancel: Option<&CancelToken>,
         mut attempt: impl FnMut(&mut T) -> Result<(), Error>,
     ) -> Result<MutexGuard<'_, T>, Error> {
@@ -695,7 +727,7 @@ impl<T: Wire> Endpoint<T> {
     /// descriptors, until the deadline or a cancellation.
     fn wait_for<R>(
         &self,
-        deadline: Deadline,
+        mut deadline: Deadline,
         cancel: Option<&CancelToken>,
         mut look: impl FnMut(&mut T) -> Result<Option<R>, Error>,
     ) -> Result<R, Error> {
@@ -770,7 +802,7 @@ impl<T: Wire> Endpoint<T> {
     /// Waits until every accepted send is with the OS (TCP) or completed (RDMA).
     /// Drives the transport itself and waits on its descriptors, as a blocked
     /// `send` does; the progress thread helps where there are none.
-    pub fn flush(&self, deadline: Deadline) -> Result<(), Error> {
+    pub fn flush(&self, mut deadline: Deadline) -> Result<(), Error> {
         let mut t = self.shared.lock();
         loop {
             // Errors are the affected peers' and reach `recv`; flushing goes on.
@@ -792,7 +824,7 @@ impl<T: Wire> Endpoint<T> {
     /// that no peer is left with a connection reset. Messages that arrive
     /// meanwhile wait for `recv`. `Timeout`: queued messages were not all
     /// delivered, or a peer did not answer.
-    pub fn shutdown(&self, deadline: Deadline) -> Result<(), Error> {
+    pub fn shutdown(&self, mut deadline: Deadline) -> Result<(), Error> {
         let mut t = self.shared.lock();
         t.close()?;
         loop {
@@ -981,5 +1013,34 @@ impl<M: zerohop_backends::verbs::PayloadMemory> Wire for zerohop_backends::verbs
 
     fn peer_stats(&self, peer: PeerId) -> Option<SessionStats> {
         zerohop_backends::verbs::RdmaTransport::peer_stats(self, peer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_deadline_after_a_duration_starts_at_its_first_look_and_then_stays() {
+        let d = Duration::from_millis(40);
+        let mut late = Deadline::after(d);
+        std::thread::sleep(2 * d);
+        // Not started by the sleep: its first look starts it.
+        assert!(!late.passed(), "started at its first look, not at `after`");
+        let fixed = late;
+        assert_eq!(late.remaining().map(|r| r <= d), Some(true));
+        std::thread::sleep(d + Duration::from_millis(5));
+        assert!(late.passed(), "then it runs out");
+        assert_eq!(late, fixed, "started once");
+        // `started` starts it for a caller with several calls under it.
+        let s = Deadline::after(d).started();
+        assert!(matches!(s.0, When::At(_)));
+        assert_eq!(s.started(), s);
+        // A duration past the clock's range never passes.
+        let mut never = Deadline::after(Duration::MAX);
+        assert!(!never.passed() && never.remaining().is_none());
+        assert_eq!(never, Deadline::never());
+        let mut gone = Deadline::at(Instant::now());
+        assert!(gone.passed_at(Instant::now() + Duration::from_millis(1)));
     }
 }

@@ -509,11 +509,12 @@ impl Endpoint {
     /// [`peers`](Self::peers)); one that closes or is lost comes back as an
     /// [`Error::Peer`] naming it, and the endpoint serves the others.
     pub fn recv(&self, timeout: Duration) -> Result<Message> {
-        let deadline = Deadline::after(timeout);
+        let mut deadline = Deadline::after(timeout);
         loop {
             match self.event_by(deadline)? {
                 Event::Message(m) => return Ok(m),
-                Event::Connected { .. } => {}
+                // The wait goes on, under one clock from here.
+                Event::Connected { .. } => deadline = deadline.started(),
                 Event::Closed { peer, addr } => {
                     return Err(Error::Peer {
                         peer,

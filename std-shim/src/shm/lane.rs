@@ -867,7 +867,8 @@ impl Lane {
                         }
                     }
                 }
-                let lease = inc.lease.as_mut().expect("leased above");
+                // One view of the lease a frame: a view is a lookup in the pool's memory.
+                let bytes = host_bytes_mut(inc.lease.as_mut().expect("leased above"));
                 let want = inc.d.len;
                 if let Stage::Desc { have, buf } = &mut inc.stage {
                     match self.rx.read(&mut buf[*have..]) {
@@ -893,7 +894,7 @@ impl Lane {
                         Ordering::Acquire,
                     ) {
                         Ok(_) => {
-                            let dst = &mut host_bytes_mut(lease)[..want];
+                            let dst = &mut bytes[..want];
                             let got = self.peer_pid.is_some_and(|pid| cma::read(pid, addr, dst));
                             let state = if got {
                                 inc.have = want;
@@ -936,8 +937,7 @@ impl Lane {
                     }
                 }
                 if inc.have < want {
-                    let dst = &mut host_bytes_mut(lease)[inc.have..want];
-                    match self.rx.read(dst) {
+                    match self.rx.read(&mut bytes[inc.have..want]) {
                         Ok(n) => {
                             inc.have += n;
                             if inc.have < want {
@@ -948,12 +948,9 @@ impl Lane {
                         Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
                     }
                 }
-                let inc = self.incoming.take().expect("incoming");
-                let lease = inc.lease.expect("leased");
-                match self
-                    .session
-                    .handle_payload(now, Some(&host_bytes(&lease)[..want]))
-                {
+                let verdict = self.session.handle_payload(now, Some(&bytes[..want]));
+                let lease = self.incoming.take().and_then(|i| i.lease).expect("leased");
+                match verdict {
                     Ok(Some(done)) => {
                         self.session.consumed(done.len);
                         let lease = ShmLease::Host(lease);

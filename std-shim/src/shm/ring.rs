@@ -141,10 +141,13 @@ pub(crate) struct Moved {
 
 /// Copies between a ring position and a buffer, in the two pieces a wrap
 /// makes of it.
-fn pieces(cap: usize, pos: u64, len: usize) -> [(usize, usize); 2] {
+fn pieces(cap: usize, pos: u64, len: usize) -> impl Iterator<Item = (usize, usize)> {
     let at = (pos as usize) & (cap - 1);
     let first = len.min(cap - at);
+    // The second piece is empty unless the bytes wrap: no call for it.
     [(at, first), (0, len - first)]
+        .into_iter()
+        .filter(|&(_, n)| n > 0)
 }
 
 /// A long write publishes its bytes in steps of this many (see

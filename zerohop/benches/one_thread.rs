@@ -1,0 +1,70 @@
+//! What the library's own code costs per message, with no waiting in it:
+//! one thread drives both endpoints of a connection (send, receive, echo the
+//! buffer back, receive), so every nanosecond is bookkeeping, copies and
+//! system calls, never a peer's core. On a noisy machine the time moves;
+//! the instructions do not: `scripts/count-instructions` runs this under
+//! callgrind at two lengths and prints the user-space instructions per
+//! one-way message (the difference, so start-up drops out).
+//!
+//! `cargo bench -p zerohop --bench one_thread -- [shm|tcp] [ROUND_TRIPS]`
+
+use std::time::{Duration, Instant};
+
+use zerohop::{Config, Endpoint, Event, Kind};
+
+const WAIT: Duration = Duration::from_secs(10);
+const WARMUP: usize = 1000;
+
+fn open(kind: Kind) -> Endpoint {
+    let mut c = Config::only(kind);
+    c.pool_bytes = 64 << 20;
+    // The caller drives both ends: no thread of the endpoint's own.
+    c.progress_thread = false;
+    Endpoint::open(c).expect("open an endpoint")
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    let kind = match args.first().map(String::as_str) {
+        None | Some("shm") => Kind::Shm,
+        Some("tcp") => Kind::Tcp,
+        Some(other) => panic!("one_thread: a transport, shm or tcp, not {other}"),
+    };
+    let round_trips: usize = args.get(1).map_or(200_000, |n| n.parse().expect("a count"));
+    let server = open(kind);
+    let addr = server.listen("127.0.0.1:0").expect("listen");
+    let client = open(kind);
+    // The listener must be polled while the client connects.
+    let (peer, from) = std::thread::scope(|s| {
+        let accepted = s.spawn(|| loop {
+            if let Event::Connected { peer, .. } = server.next_event(WAIT).expect("accept") {
+                return peer;
+            }
+        });
+        let peer = client.connect(addr, WAIT).expect("connect");
+        (peer, accepted.join().expect("the accepting thread"))
+    });
+    let message = [0xA5u8; 64];
+    let mut round_trip = || {
+        client.send(peer, &message).expect("send");
+        let m = server.recv(WAIT).expect("receive");
+        server.send_buffer(from, m.into_buffer()).expect("echo");
+        let echo = client.recv(WAIT).expect("receive the echo");
+        assert_eq!(echo.len(), message.len());
+    };
+    for _ in 0..WARMUP {
+        round_trip();
+    }
+    let t0 = Instant::now();
+    for _ in 0..round_trips {
+        round_trip();
+    }
+    let per_message = t0.elapsed().as_secs_f64() * 1e6 / (2 * round_trips) as f64;
+    println!(
+        "{}: 64 B, {round_trips} round trips in one thread: {per_message:.3} us per one-way message (send and receive)",
+        kind.name()
+    );
+}
