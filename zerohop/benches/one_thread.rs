@@ -48,7 +48,7 @@ fn main() {
         (peer, accepted.join().expect("the accepting thread"))
     });
     let message = [0xA5u8; 64];
-    let mut round_trip = || {
+    let round_trip = || {
         client.send(peer, &message).expect("send");
         let m = server.recv(WAIT).expect("receive");
         server.send_buffer(from, m.into_buffer()).expect("echo");
