@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use zerohop_core::{Error, PeerId};
+use zerohop_core::{Error, Kind, PeerId};
 use zerohop_std::shm::{LocalWire, ShmConfig, ShmLease, LANE_BIT};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool};
@@ -29,7 +29,7 @@ fn wire(pool: &Arc<StdPool>) -> LocalWire {
         required: true,
         ..ShmConfig::default()
     };
-    LocalWire::new(Arc::clone(pool), TcpConfig::default(), shm).unwrap()
+    LocalWire::new(Arc::clone(pool), TcpConfig::default(), shm, Kind::Shm).unwrap()
 }
 
 fn listener() -> (Endpoint<LocalWire>, SocketAddr, Arc<StdPool>) {
@@ -280,4 +280,34 @@ fn single_copy_messages_withdrawn_back_to_back_arrive_intact_and_in_order() {
             }
         }
     });
+}
+
+#[test]
+fn a_wire_with_lanes_is_of_kind_shm_or_uma_and_says_so() {
+    use zerohop_core::Transport;
+    let pool = heap_pool(8 << 20).unwrap();
+    let t = wire(&pool);
+    assert_eq!(t.kind(), Kind::Shm);
+    assert!(!t.caps().gpu_resident, "heap memory: no kernel reads it");
+    for other in [Kind::Tcp, Kind::Rdma, Kind::Gpudirect, Kind::Mock] {
+        let e = LocalWire::new(
+            Arc::clone(&pool),
+            TcpConfig::default(),
+            ShmConfig::default(),
+            other,
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{other:?}");
+    }
+    // `uma` names the managed pool it is given (the facade's choice); the
+    // wire itself is the same.
+    let u = LocalWire::new(
+        Arc::clone(&pool),
+        TcpConfig::default(),
+        ShmConfig::default(),
+        Kind::Uma,
+    )
+    .unwrap();
+    assert_eq!(u.kind(), Kind::Uma);
+    assert!(u.caps().gpu_resident);
 }

@@ -64,11 +64,13 @@ impl Harness for Shm {
             heap_pool(64 << 20).map_err(|e| e.to_string())?,
             heap_pool(64 << 20).map_err(|e| e.to_string())?,
         );
-        let mut b = LocalWire::new(Arc::clone(&b_pool), config, shm).map_err(|e| e.to_string())?;
+        let mut b = LocalWire::new(Arc::clone(&b_pool), config, shm, Kind::Shm)
+            .map_err(|e| e.to_string())?;
         let addr = b
             .listen("127.0.0.1:0".parse().expect("an address"))
             .map_err(|e| e.to_string())?;
-        let a = LocalWire::new(Arc::clone(&a_pool), config, shm).map_err(|e| e.to_string())?;
+        let a = LocalWire::new(Arc::clone(&a_pool), config, shm, Kind::Shm)
+            .map_err(|e| e.to_string())?;
         let ep = |t| Endpoint::new(t, EndpointConfig::default()).map_err(|e| e.to_string());
         let (a, b) = (ep(a)?, ep(b)?);
         let dialed =

@@ -214,53 +214,58 @@ impl Endpoint {
         #[cfg(feature = "cuda-uma")]
         let mut device_pool = None;
         let wire = match kind {
-            Kind::Tcp | Kind::Uma => {
+            Kind::Tcp => {
+                let pool = zerohop_std::heap_pool(config.pool_bytes)
+                    .map_err(|e| setup(format!("the receive pool: {e}")))?;
+                let t = TcpTransport::new(pool, tcp_config(&config, max_message), kind);
+                Wire::Tcp(Driven::new(t, driven).map_err(|e| setup(e.to_string()))?)
+            }
+            // `uma` is `shm`'s wire over managed memory: peers on this host
+            // move to lanes as well, their messages landing in the same pool.
+            Kind::Shm | Kind::Uma => {
                 let pool = match kind {
                     #[cfg(feature = "cuda-uma")]
                     Kind::Uma => zerohop_std::managed_pool(config.pool_bytes),
                     _ => zerohop_std::heap_pool(config.pool_bytes),
                 }
                 .map_err(|e| setup(format!("the receive pool: {e}")))?;
-                let tcp = TcpConfig {
-                    max_message,
-                    idle_timeout: config.idle_timeout,
-                    ..TcpConfig::default()
-                };
-                let t = TcpTransport::new(pool, tcp, kind);
-                Wire::Tcp(Driven::new(t, driven).map_err(|e| setup(e.to_string()))?)
-            }
-            Kind::Shm => {
-                let pool = zerohop_std::heap_pool(config.pool_bytes)
-                    .map_err(|e| setup(format!("the receive pool: {e}")))?;
-                let tcp = TcpConfig {
-                    max_message,
-                    idle_timeout: config.idle_timeout,
-                    ..TcpConfig::default()
-                };
                 // An explicit `shm` wants shared memory or nothing.
                 let shm = ShmConfig {
                     required: config.transport == zerohop_core::Preference::Only(Kind::Shm),
                     single_copy_from: config.shm_single_copy_from,
                     ..ShmConfig::default()
                 };
-                #[allow(unused_mut)]
-                let mut t = LocalWire::new(pool, tcp, shm).map_err(|e| setup(e.to_string()))?;
-                // A GPU here: same-host peers exchange device messages too.
-                #[cfg(feature = "cuda-uma")]
-                if zerohop_backends::cuda::driver_present() {
-                    match zerohop_backends::cuda::Gpu::open(0)
-                        .map_err(zerohop_core::Error::from)
-                        .and_then(|gpu| {
-                            zerohop_backends::cuda::device_pool(&gpu, config.pool_bytes)
-                        }) {
-                        Ok(p) => {
-                            t.carry_device(std::sync::Arc::clone(&p));
-                            device_pool = Some(p);
+                let tcp = tcp_config(&config, max_message);
+                match LocalWire::new(std::sync::Arc::clone(&pool), tcp, shm, kind) {
+                    #[allow(unused_mut)]
+                    Ok(mut t) => {
+                        // A GPU here: same-host peers exchange device messages too.
+                        #[cfg(feature = "cuda-uma")]
+                        if zerohop_backends::cuda::driver_present() {
+                            match zerohop_backends::cuda::Gpu::open(0)
+                                .map_err(zerohop_core::Error::from)
+                                .and_then(|gpu| {
+                                    zerohop_backends::cuda::device_pool(&gpu, config.pool_bytes)
+                                }) {
+                                Ok(p) => {
+                                    t.carry_device(std::sync::Arc::clone(&p));
+                                    device_pool = Some(p);
+                                }
+                                Err(e) => {
+                                    log::info!("zerohop: shm carries no device messages: {e}")
+                                }
+                            }
                         }
-                        Err(e) => log::info!("zerohop: shm carries no device messages: {e}"),
+                        Wire::Local(Driven::new(t, driven).map_err(|e| setup(e.to_string()))?)
                     }
+                    // `uma` without lanes is still `uma`: TCP into managed memory.
+                    Err(e) if kind == Kind::Uma => {
+                        log::info!("zerohop: uma without same-host lanes: {e}");
+                        let t = TcpTransport::new(pool, tcp, kind);
+                        Wire::Tcp(Driven::new(t, driven).map_err(|e| setup(e.to_string()))?)
+                    }
+                    Err(e) => return Err(setup(e.to_string())),
                 }
-                Wire::Local(Driven::new(t, driven).map_err(|e| setup(e.to_string()))?)
             }
             #[cfg(feature = "gpudirect-verbs")]
             Kind::Rdma => {
@@ -753,6 +758,15 @@ impl<M: zerohop_backends::verbs::PayloadMemory> ListenAt
     }
     fn listening(&self) -> Option<SocketAddr> {
         self.local_addr()
+    }
+}
+
+/// The TCP wire's settings from the endpoint's.
+fn tcp_config(config: &Config, max_message: usize) -> TcpConfig {
+    TcpConfig {
+        max_message,
+        idle_timeout: config.idle_timeout,
+        ..TcpConfig::default()
     }
 }
 

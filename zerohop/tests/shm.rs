@@ -52,3 +52,48 @@ fn a_peer_on_this_host_moves_to_shared_memory_and_messages_cross_both_ways() {
         e => panic!("expected a clean close, got {e:?}"),
     }
 }
+
+/// `uma` is the same wire over CUDA managed memory: a peer on this host moves
+/// to a lane (from another uma endpoint or a shm one), and what it sends lands
+/// in managed memory a kernel can read in place. Needs a GPU: says SKIPPED
+/// and passes where uma cannot open.
+#[test]
+fn uma_peers_on_this_host_move_to_shared_memory_into_managed_memory() {
+    let mut config = Config::only(Kind::Uma);
+    config.pool_bytes = 64 << 20;
+    let s = match Endpoint::open(config) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("SKIPPED: uma does not open here ({e})");
+            return;
+        }
+    };
+    assert_eq!(s.kind(), Kind::Uma);
+    let addr = s.listen("127.0.0.1:0").unwrap();
+    let uma = Endpoint::open(config).unwrap();
+    let shm = open(Kind::Shm);
+    for c in [&uma, &shm] {
+        let peer = c.connect(addr, WAIT).unwrap();
+        assert!(peer.id() & LANE != 0, "a lane from {:?}: {peer}", c.kind());
+        let Event::Connected { peer: from, .. } = s.next_event(WAIT).unwrap() else {
+            panic!("the connection first");
+        };
+        assert!(from.id() & LANE != 0);
+        for len in [64, 64 << 10, 1 << 20] {
+            let m: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+            c.send(peer, &m).unwrap();
+            let got = s.recv(WAIT).unwrap();
+            assert_eq!(got.memory(), zerohop::MemKind::Managed, "{len} B");
+            assert!(got.device_ptr().is_some());
+            assert_eq!(got.bytes().unwrap(), &m[..], "{len} B");
+            s.send_buffer(from, got.into_buffer()).unwrap();
+            let echo = c.recv(WAIT).unwrap();
+            assert_eq!(echo.bytes().unwrap(), &m[..]);
+        }
+        c.close(WAIT).unwrap();
+        match s.next_event(WAIT).unwrap() {
+            Event::Closed { peer, .. } => assert_eq!(peer, from),
+            e => panic!("expected a clean close, got {e:?}"),
+        }
+    }
+}

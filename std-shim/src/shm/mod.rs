@@ -172,6 +172,8 @@ type Slot = (u8, Option<Box<Lane>>);
 
 /// TCP, with its same-host peers in shared memory. See the module docs.
 pub struct LocalWire {
+    /// `Shm`, or `Uma` over a CUDA managed pool.
+    kind: Kind,
     tcp: TcpTransport,
     config: ShmConfig,
     session: SessionConfig,
@@ -227,8 +229,25 @@ fn lane_id(slot: usize, gen: u8) -> PeerId {
 impl LocalWire {
     /// A wire receiving into `pool` (TCP peers and lanes alike), offering
     /// this host to the listeners it connects to and taking the offers of
-    /// peers that connect to it.
-    pub fn new(pool: Arc<StdPool>, mut tcp: TcpConfig, config: ShmConfig) -> io::Result<LocalWire> {
+    /// peers that connect to it. `kind` is `Shm`, or `Uma` when `pool` is
+    /// CUDA managed memory: the `uma` wire, whose peers on this host move
+    /// to lanes as `shm`'s do, their messages landing in the managed pool.
+    pub fn new(
+        pool: Arc<StdPool>,
+        mut tcp: TcpConfig,
+        config: ShmConfig,
+        kind: Kind,
+    ) -> io::Result<LocalWire> {
+        let tcp_kind = match kind {
+            Kind::Shm => Kind::Tcp,
+            Kind::Uma => Kind::Uma,
+            _ => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "a wire with same-host lanes is of kind shm or uma",
+                ))
+            }
+        };
         use std::hash::BuildHasher;
         let nonce =
             std::collections::hash_map::RandomState::new().hash_one(std::process::id()) as u32;
@@ -236,7 +255,7 @@ impl LocalWire {
         let listener = LaneListener::bind(&offer)?;
         tcp.same_host = Some(offer);
         tcp.takes_offers = true;
-        let t = TcpTransport::new(Arc::clone(&pool), tcp, Kind::Tcp);
+        let t = TcpTransport::new(Arc::clone(&pool), tcp, tcp_kind);
         let max = u32::try_from(t.max_message()).unwrap_or(u32::MAX);
         let session = SessionConfig {
             window: u32::try_from(tcp.window).unwrap_or(u32::MAX),
@@ -246,6 +265,7 @@ impl LocalWire {
         };
         let now = StdInstant::now();
         Ok(LocalWire {
+            kind,
             tcp: t,
             config,
             session,
@@ -656,11 +676,11 @@ impl Transport for LocalWire {
     type Lease = ShmLease;
 
     fn kind(&self) -> Kind {
-        Kind::Shm
+        self.kind
     }
 
     fn caps(&self) -> Capabilities {
-        Capabilities::new(false, true, 1)
+        Capabilities::new(self.kind == Kind::Uma, true, 1)
     }
 
     fn try_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<(), Error> {
