@@ -311,3 +311,84 @@ fn a_wire_with_lanes_is_of_kind_shm_or_uma_and_says_so() {
     assert_eq!(u.kind(), Kind::Uma);
     assert!(u.caps().gpu_resident);
 }
+
+/// A caller-driven receiver (no progress thread) away for longer than the
+/// idle timeout, which then finds a frame half written, waits for the rest
+/// as it would any time: the quiet before the frame is not the frame's
+/// stall. (Its lanes are read with the time of the last side pass, which
+/// after the quiet is old.)
+#[cfg(feature = "testing")]
+#[test]
+fn a_frame_half_written_after_a_long_quiet_is_not_a_stall() {
+    use zerohop_core::wire::{Data, DataFlags, Frame};
+    let _g = serial();
+    let idle = Duration::from_millis(800);
+    let tcp = TcpConfig {
+        idle_timeout: idle,
+        ..TcpConfig::default()
+    };
+    let shm = ShmConfig {
+        ring_bytes: 1 << 20,
+        required: true,
+        ..ShmConfig::default()
+    };
+    let (a_pool, b_pool) = (heap_pool(16 << 20).unwrap(), heap_pool(16 << 20).unwrap());
+    let mut b = LocalWire::new(b_pool, tcp, shm, Kind::Shm).unwrap();
+    let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let driven = EndpointConfig {
+        progress_thread: false,
+        ..EndpointConfig::default()
+    };
+    let b = Endpoint::new(b, driven).unwrap();
+    let a = Endpoint::new(
+        LocalWire::new(a_pool, tcp, shm, Kind::Shm).unwrap(),
+        EndpointConfig::default(),
+    )
+    .unwrap();
+    // The receiver is driven by its caller: it answers the connection
+    // while it waits for it.
+    let (to_b, to_a) = std::thread::scope(|s| {
+        let accepted = s.spawn(|| loop {
+            if let Event::Accepted { peer, .. } = b.next_event(Deadline::after(WAIT), None).unwrap()
+            {
+                return peer;
+            }
+        });
+        let d = TcpTransport::dial(addr, WAIT, true).unwrap();
+        let p = a.with(|t| t.attach(d)).unwrap();
+        (
+            a.wait_open(p, Deadline::after(WAIT)).unwrap(),
+            accepted.join().unwrap(),
+        )
+    });
+    assert!(to_b.0 & LANE_BIT != 0 && to_a.0 & LANE_BIT != 0);
+    a.send(to_b, b"m0", Deadline::after(WAIT), None).unwrap();
+    let r = b.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), b"m0");
+    drop(r);
+    // Away, past the idle timeout.
+    std::thread::sleep(idle + Duration::from_millis(400));
+    let payload: Vec<u8> = (0..4000u32).map(|i| (i % 251) as u8).collect();
+    let header = Frame::Data(Data {
+        flags: DataFlags::NONE,
+        seq: 1,
+        msg_len: payload.len() as u32,
+        len: payload.len() as u32,
+        offset: 0,
+        credits: 0,
+    })
+    .encode(&payload);
+    let mut frame = header.to_vec();
+    frame.extend_from_slice(&payload);
+    let half = frame.len() / 2;
+    a.with(|t| t.send_raw_frame(to_b, &frame[..half])).unwrap();
+    // Back: the half is found (with the old time) and the side passes of
+    // a quarter of the timeout go by; the rest comes well inside it.
+    match b.recv(Deadline::after(idle / 4), None) {
+        Err(Error::Timeout) => {}
+        other => panic!("the half frame's wait is not a stall: {other:?}"),
+    }
+    a.with(|t| t.send_raw_frame(to_b, &frame[half..])).unwrap();
+    let r = b.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), &payload[..]);
+}

@@ -133,6 +133,8 @@ pub(crate) struct Lane {
     link: UnixStream,
     header: [u8; HEADER_LEN],
     have: usize,
+    /// Bytes taken from the peer's ring as of the last [`Lane::heard`].
+    taken_when_heard: u64,
     incoming: Option<Incoming>,
     queue: VecDeque<Out>,
     pub(crate) queued_bytes: usize,
@@ -190,6 +192,7 @@ impl Lane {
             session: Session::new(config, token, now),
             tx: Producer::new(segment.ring(mine)),
             rx: Consumer::new(segment.ring(theirs)),
+            taken_when_heard: 0,
             my_bell,
             their_bell,
             link,
@@ -333,6 +336,21 @@ impl Lane {
     /// frames came in (credit a blocked sender waits for, among them).
     pub(crate) fn taken(&self) -> u64 {
         self.rx.position()
+    }
+
+    /// The clock as of a side pass: bytes taken since the last one mean the
+    /// peer was heard since, whatever time the reads that took them were
+    /// told. Reads between side passes use the time of the last one (a
+    /// clock read a poll would cost a spinning receiver a quarter of its
+    /// time); after a long quiet that time is old, and a frame found half
+    /// written then must not look stalled since it.
+    pub(crate) fn heard(&mut self, now: Instant) {
+        let taken = self.taken();
+        if taken != self.taken_when_heard {
+            self.taken_when_heard = taken;
+            let partial = self.have > 0 || self.incoming.is_some();
+            self.session.handle_activity(now, partial);
+        }
     }
 
     /// Device messages whose copies are over go to `arrivals` (with what

@@ -626,6 +626,7 @@ impl LocalWire {
             if l.dry {
                 l.session.handle_held(now); // our pool, not the peer's stall
             }
+            l.heard(now);
             if let Err(error) = l.session.handle_timeout(now) {
                 self.drop_lane(slot, Some(Error::Protocol { peer: id, error }));
                 continue;
