@@ -33,6 +33,16 @@ pub enum HostMemory {
 }
 
 impl HostMemory {
+    /// What memory it hands out: `Host`, or CUDA's `Managed` or `Pinned`.
+    pub fn kind(&self) -> zerohop_core::MemKind {
+        match self {
+            #[cfg(feature = "cuda-uma")]
+            HostMemory::Cuda(m) => m.kind(),
+            #[allow(unreachable_patterns)]
+            _ => zerohop_core::MemKind::Host,
+        }
+    }
+
     /// A pointer to `region`'s first byte with the provenance of the allocation
     /// it lies in, or `None` when this source did not allocate it.
     fn pointer(&self, region: Region) -> Option<core::ptr::NonNull<u8>> {

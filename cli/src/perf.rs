@@ -186,10 +186,11 @@ fn is_start(ep: &Endpoint, m: &Message) -> bool {
 }
 
 /// The next message from `owner`; others' messages are dropped, and other
-/// peers' comings and goings noted. The owner's end is an error.
+/// peers' comings and goings noted. The owner's end is an error. `timeout`
+/// bounds the wait for the first event, then the rest of the wait once
+/// another event came first (at most twice `timeout` in all): the clock is
+/// read only then, so the echo of a latency run reads none.
 fn next_from(ep: &Endpoint, owner: Peer, timeout: Duration) -> Result<Message, zerohop::Error> {
-    // The clock is read only once another event comes first: the echo of
-    // a latency run reads none.
     let mut until: Option<Option<Instant>> = None;
     loop {
         let left = until.map_or(timeout, |u| {

@@ -220,7 +220,10 @@ impl<L> Event<L> {
 /// A deadline [`after`](Deadline::after) a duration starts at the call's
 /// first look at the clock: a call that completes at once (a message already
 /// there, a send the wire takes) reads no clock at all; one that waits reads
-/// it within a few polls.
+/// it within a few polls. Each call starts its own copy: a caller that makes
+/// several calls under one deadline passes it
+/// [`started`](Deadline::started), or to a call that keeps it in place
+/// ([`Endpoint::next_event_by`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Deadline(When);
 
@@ -556,7 +559,7 @@ impl<T: Wire> Endpoint<T> {
         cancel: Option<&CancelToken>,
     ) -> Result<(), Error> {
         let mut done = true;
-        let mut t = self.send_with(deadline, cancel, |t| {
+        let mut t = self.send_with(&mut deadline, cancel, |t| {
             done = t.start_send(peer, bytes)?;
             Ok(())
         })?;
@@ -598,12 +601,12 @@ impl<T: Wire> Endpoint<T> {
         &self,
         peer: PeerId,
         lease: T::Lease,
-        deadline: Deadline,
+        mut deadline: Deadline,
         cancel: Option<&CancelToken>,
     ) -> Result<(), Error> {
         // The transport hands a refused lease back; keep it for the next attempt.
         let mut lease = Some(lease);
-        let t = self.send_with(deadline, cancel, |t| {
+        let t = self.send_with(&mut deadline, cancel, |t| {
             let Some(l) = lease.take() else {
                 return Err(Error::Closed);
             };
@@ -623,7 +626,7 @@ impl<T: Wire> Endpoint<T> {
     /// Returns the transport, still locked.
     fn send_with(
         &self,
-        mut deadline: Deadline,
+        deadline: &mut Deadline,
         cancel: Option<&CancelToken>,
         mut attempt: impl FnMut(&mut T) -> Result<(), Error>,
     ) -> Result<MutexGuard<'_, T>, Error> {
@@ -654,7 +657,7 @@ impl<T: Wire> Endpoint<T> {
             if t.progress() == Ok(true) {
                 continue;
             }
-            t = self.wait_io(t, deadline, false);
+            t = self.wait_io(t, *deadline, false);
         }
     }
 
@@ -662,10 +665,10 @@ impl<T: Wire> Endpoint<T> {
     /// frames) come back here once each; the endpoint keeps serving the others.
     pub fn recv(
         &self,
-        deadline: Deadline,
+        mut deadline: Deadline,
         cancel: Option<&CancelToken>,
     ) -> Result<Received<T::Lease>, Error> {
-        self.wait_for(deadline, cancel, |t| {
+        self.wait_for(&mut deadline, cancel, |t| {
             match self.early().take().unwrap_or_else(|| t.try_recv()) {
                 Ok(r) => Ok(Some(r)),
                 // An empty wire, or a dry pool (waits for leases to come back).
@@ -680,7 +683,19 @@ impl<T: Wire> Endpoint<T> {
     /// (closed, deadline, cancellation) or a failure of the whole wire.
     pub fn next_event(
         &self,
-        deadline: Deadline,
+        mut deadline: Deadline,
+        cancel: Option<&CancelToken>,
+    ) -> Result<Event<T::Lease>, Error> {
+        self.next_event_by(&mut deadline, cancel)
+    }
+
+    /// As [`next_event`](Self::next_event), under a deadline the caller
+    /// keeps: one [`after`](Deadline::after) a duration starts in place at
+    /// the first look at the clock, so the caller's next call under it goes
+    /// on from there rather than starting again.
+    pub fn next_event_by(
+        &self,
+        deadline: &mut Deadline,
         cancel: Option<&CancelToken>,
     ) -> Result<Event<T::Lease>, Error> {
         self.wait_for(deadline, cancel, |t| {
@@ -712,8 +727,8 @@ impl<T: Wire> Endpoint<T> {
     /// have crossed, and returns the id that names it from now on (see
     /// [`Wire::opened`]): a peer that refuses (another version, not
     /// zerohop) or goes is the error `recv` would have given.
-    pub fn wait_open(&self, peer: PeerId, deadline: Deadline) -> Result<PeerId, Error> {
-        self.wait_for(deadline, None, |t| {
+    pub fn wait_open(&self, peer: PeerId, mut deadline: Deadline) -> Result<PeerId, Error> {
+        self.wait_for(&mut deadline, None, |t| {
             if let Some(r) = t.opened(peer) {
                 return r.map(Some);
             }
@@ -727,7 +742,7 @@ impl<T: Wire> Endpoint<T> {
     /// descriptors, until the deadline or a cancellation.
     fn wait_for<R>(
         &self,
-        mut deadline: Deadline,
+        deadline: &mut Deadline,
         cancel: Option<&CancelToken>,
         mut look: impl FnMut(&mut T) -> Result<Option<R>, Error>,
     ) -> Result<R, Error> {
@@ -778,7 +793,7 @@ impl<T: Wire> Endpoint<T> {
             if self.thread.is_none() && t.progress() == Ok(true) {
                 continue;
             }
-            t = self.wait_io(t, deadline, true);
+            t = self.wait_io(t, *deadline, true);
         };
         Shared::adjust(&self.shared.app_reading, -1, &t);
         drop(t);

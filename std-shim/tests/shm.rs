@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use zerohop_core::{Error, Kind, PeerId};
 use zerohop_std::shm::{LocalWire, ShmConfig, ShmLease, LANE_BIT};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
-use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool};
+use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool, Wire};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -289,7 +289,14 @@ fn a_wire_with_lanes_is_of_kind_shm_or_uma_and_says_so() {
     let t = wire(&pool);
     assert_eq!(t.kind(), Kind::Shm);
     assert!(!t.caps().gpu_resident, "heap memory: no kernel reads it");
-    for other in [Kind::Tcp, Kind::Rdma, Kind::Gpudirect, Kind::Mock] {
+    // `uma` receives into managed memory, which a heap pool is not.
+    for other in [
+        Kind::Uma,
+        Kind::Tcp,
+        Kind::Rdma,
+        Kind::Gpudirect,
+        Kind::Mock,
+    ] {
         let e = LocalWire::new(
             Arc::clone(&pool),
             TcpConfig::default(),
@@ -299,17 +306,20 @@ fn a_wire_with_lanes_is_of_kind_shm_or_uma_and_says_so() {
         .unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{other:?}");
     }
-    // `uma` names the managed pool it is given (the facade's choice); the
-    // wire itself is the same.
-    let u = LocalWire::new(
-        Arc::clone(&pool),
-        TcpConfig::default(),
-        ShmConfig::default(),
-        Kind::Uma,
-    )
-    .unwrap();
-    assert_eq!(u.kind(), Kind::Uma);
-    assert!(u.caps().gpu_resident);
+    // Over a managed pool, where there is a GPU (the facade's uma test
+    // runs the whole wire there).
+    #[cfg(feature = "cuda-uma")]
+    if let Ok(managed) = zerohop_std::managed_pool(8 << 20) {
+        let u = LocalWire::new(
+            managed,
+            TcpConfig::default(),
+            ShmConfig::default(),
+            Kind::Uma,
+        )
+        .unwrap();
+        assert_eq!(u.kind(), Kind::Uma);
+        assert!(u.caps().gpu_resident, "a kernel reads managed memory");
+    }
 }
 
 /// A caller-driven receiver (no progress thread) away for longer than the
@@ -391,4 +401,26 @@ fn a_frame_half_written_after_a_long_quiet_is_not_a_stall() {
     a.with(|t| t.send_raw_frame(to_b, &frame[half..])).unwrap();
     let r = b.recv(Deadline::after(WAIT), None).unwrap();
     assert_eq!(host_bytes(&r.lease), &payload[..]);
+}
+
+/// A connect that times out (a listener that takes the connection and
+/// never answers the Hello) leaves nothing behind once given up.
+#[test]
+fn a_connect_given_up_leaves_no_peer_behind() {
+    let _g = serial();
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = silent.local_addr().unwrap();
+    let pool = heap_pool(8 << 20).unwrap();
+    let e = Endpoint::new(wire(&pool), EndpointConfig::default()).unwrap();
+    let d = TcpTransport::dial(addr, WAIT, false).unwrap();
+    let (_held, _) = silent.accept().unwrap();
+    let p = e.with(|t| t.attach(d)).unwrap();
+    assert_eq!(
+        e.wait_open(p, Deadline::after(Duration::from_millis(300))),
+        Err(Error::Timeout)
+    );
+    assert_eq!(e.with(|t| t.peers_left()), 1, "still there until given up");
+    assert!(e.with(|t| t.disconnect(p)));
+    assert_eq!(e.with(|t| t.peers_left()), 0);
+    assert!(!e.with(|t| t.disconnect(p)), "once");
 }

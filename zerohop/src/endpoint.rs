@@ -28,8 +28,9 @@ pub struct Endpoint {
     tcp_lanes: bool,
     /// Every peer's address, from its connection until its end is reported.
     book: Mutex<HashMap<PeerId, Entry>>,
-    /// shm on a host with a GPU: the device pool same-host peers exchange
-    /// GPU messages from and into.
+    /// shm or uma on a host with a GPU: the device pool same-host peers
+    /// exchange GPU messages from and into (its chunks allocated as
+    /// messages need them, up to `pool_bytes`).
     #[cfg(feature = "cuda-uma")]
     device_pool: Option<std::sync::Arc<zerohop_backends::cuda::DevicePool>>,
 }
@@ -42,9 +43,11 @@ struct Entry {
 /// The transports the facade drives, each behind the std layer's endpoint
 /// (deadlines, spinning then sleeping, the optional progress thread).
 enum Wire {
-    /// `tcp`, and `uma` (its pool in CUDA managed memory).
+    /// `tcp`; and `uma` where its same-host lanes cannot be set up (TCP
+    /// into CUDA managed memory).
     Tcp(Driven<TcpTransport>),
-    /// `shm`: TCP whose same-host peers move to shared memory.
+    /// `shm`, and `uma` (its pool in CUDA managed memory): TCP whose
+    /// same-host peers move to shared memory.
     Local(Driven<LocalWire>),
     #[cfg(feature = "gpudirect-verbs")]
     Rdma(Driven<zerohop_backends::verbs::RdmaTransport>),
@@ -151,7 +154,7 @@ impl Iterator for Events<'_> {
         if self.done {
             return None;
         }
-        match self.endpoint.event_by(Deadline::never()) {
+        match self.endpoint.event_by(&mut Deadline::never()) {
             Err(e) if e.is_closed() => {
                 self.done = true;
                 None
@@ -251,9 +254,9 @@ impl Endpoint {
                                     t.carry_device(std::sync::Arc::clone(&p));
                                     device_pool = Some(p);
                                 }
-                                Err(e) => {
-                                    log::info!("zerohop: shm carries no device messages: {e}")
-                                }
+                                Err(e) => log::info!(
+                                    "zerohop: same-host lanes carry no device messages: {e}"
+                                ),
                             }
                         }
                         Wire::Local(Driven::new(t, driven).map_err(|e| setup(e.to_string()))?)
@@ -434,6 +437,7 @@ impl Endpoint {
                 e.wait_open(peer, Deadline::after(timeout))
                     .map_err(|err| match err {
                         zerohop_core::Error::Timeout => {
+                            let _ = e.with(|t| t.disconnect(peer));
                             format!("no answer to our hello within {timeout:?}")
                         }
                         err => err.to_string(),
@@ -470,7 +474,7 @@ impl Endpoint {
     /// A buffer of `len` bytes in GPU device memory, to fill from a kernel
     /// (through its `device_ptr()`) and send with
     /// [`send_buffer`](Self::send_buffer): over `gpudirect` the wire's
-    /// registered GPU memory; over `shm`, a device pool whose messages reach
+    /// registered GPU memory; over `shm` and `uma`, a device pool whose messages reach
     /// same-host peers by CUDA IPC (device to device, no host copy) and
     /// land in their device memory. Elsewhere [`Error::BadConfig`]. A buffer
     /// filled by a kernel must be complete (its stream synchronized) before
@@ -514,12 +518,12 @@ impl Endpoint {
     /// [`peers`](Self::peers)); one that closes or is lost comes back as an
     /// [`Error::Peer`] naming it, and the endpoint serves the others.
     pub fn recv(&self, timeout: Duration) -> Result<Message> {
+        // One clock for every wait of the call (started at the first).
         let mut deadline = Deadline::after(timeout);
         loop {
-            match self.event_by(deadline)? {
+            match self.event_by(&mut deadline)? {
                 Event::Message(m) => return Ok(m),
-                // The wait goes on, under one clock from here.
-                Event::Connected { .. } => deadline = deadline.started(),
+                Event::Connected { .. } => {}
                 Event::Closed { peer, addr } => {
                     return Err(Error::Peer {
                         peer,
@@ -535,7 +539,7 @@ impl Endpoint {
     /// The next event (a peer connected, a message, a peer closed or
     /// lost), waiting up to `timeout`.
     pub fn next_event(&self, timeout: Duration) -> Result<Event> {
-        self.event_by(Deadline::after(timeout))
+        self.event_by(&mut Deadline::after(timeout))
     }
 
     /// Every event as it comes, blocking between them; the iterator ends
@@ -547,8 +551,8 @@ impl Endpoint {
         }
     }
 
-    fn event_by(&self, deadline: Deadline) -> Result<Event> {
-        each_wire!(&self.wire, e => e.next_event(deadline, None).map(|ev| self.event(ev)))
+    fn event_by(&self, deadline: &mut Deadline) -> Result<Event> {
+        each_wire!(&self.wire, e => e.next_event_by(deadline, None).map(|ev| self.event(ev)))
             .map_err(Error::Endpoint)
     }
 

@@ -67,6 +67,11 @@ pub struct HostCudaMemory {
 }
 
 impl HostCudaMemory {
+    /// What it allocates: managed or pinned host memory.
+    pub fn kind(&self) -> MemKind {
+        self.kind
+    }
+
     /// `cuMemAllocManaged` memory (attached globally): bytes a kernel reads in place.
     pub fn managed(gpu: &Gpu) -> Self {
         HostCudaMemory {

@@ -794,7 +794,8 @@ impl Lane {
 
     /// Reads frames into `arrivals` (at most `inbox` messages there),
     /// messages into leases of `pool`, and gives the room they took back
-    /// to the peer once, after all of them.
+    /// to the peer once, after all of them (a long read also every 16 KiB
+    /// on the way).
     pub(crate) fn read(
         &mut self,
         peer: PeerId,

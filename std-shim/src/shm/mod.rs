@@ -238,9 +238,16 @@ impl LocalWire {
         config: ShmConfig,
         kind: Kind,
     ) -> io::Result<LocalWire> {
+        use zerohop_backends::HostBacked;
         let tcp_kind = match kind {
             Kind::Shm => Kind::Tcp,
-            Kind::Uma => Kind::Uma,
+            Kind::Uma if pool.host_memory().kind() == zerohop_core::MemKind::Managed => Kind::Uma,
+            Kind::Uma => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "uma receives into CUDA managed memory: this pool is not",
+                ))
+            }
             _ => {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidInput,
@@ -342,6 +349,28 @@ impl LocalWire {
     /// The longest message it takes (what its Hellos tell peers).
     pub fn max_message(&self) -> usize {
         self.tcp.max_message()
+    }
+
+    /// Gives up on a peer this side connected to before its Hellos crossed
+    /// (a connect that timed out): its TCP connection closes, an upgrade on
+    /// its way is forgotten, and a lane it already moved to closes, with no
+    /// event for a peer the application never had. Whether it was known.
+    pub fn disconnect(&mut self, peer: PeerId) -> bool {
+        let mut known = self.dialed.remove(&peer).is_some();
+        let before = self.awaiting.len();
+        self.awaiting.retain(|_, (p, _, _)| *p != peer);
+        known |= self.awaiting.len() != before;
+        if let Some(moved) = self.moved.remove(&peer) {
+            known = true;
+            if let Ok(lane) = moved {
+                if self.lane(lane).is_some() {
+                    let (gen, l) = &mut self.lanes[(lane.0 & 0xFF_FFFF) as usize];
+                    *gen = gen.wrapping_add(1) & 0x7F;
+                    drop(l.take()); // its link hangs up on the peer
+                }
+            }
+        }
+        self.tcp.disconnect(peer) || known
     }
 
     /// Writes `frame` (a header and its payload) into a lane's ring as it

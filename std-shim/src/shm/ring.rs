@@ -13,9 +13,10 @@
 //!
 //! Sleeping without a lost wake-up: a side about to sleep sets its `waits`
 //! word, fences (`SeqCst`), then looks at the ring once more; a side that
-//! moves the ring publishes its counter, fences, then reads the other's
-//! `waits` and rings its doorbell if set. One of the two sees the other
-//! (`loom` checks it: `tests/loom.rs`).
+//! moves the ring publishes its counter (the producer at each write, the
+//! consumer at [`Consumer::publish`], once a read pass), fences, then reads
+//! the other's `waits` and rings its doorbell if set. One of the two sees
+//! the other (`loom` checks it: the `model` module below).
 
 use std::sync::atomic::Ordering;
 
@@ -157,6 +158,14 @@ fn pieces(cap: usize, pos: u64, len: usize) -> impl Iterator<Item = (usize, usiz
 const PUBLISH_EVERY: usize = 16 << 10;
 #[cfg(loom)]
 const PUBLISH_EVERY: usize = 1;
+
+/// A long read gives its room back in steps of this many (see
+/// [`Consumer::read`]). Under loom, never before [`Consumer::publish`]:
+/// the model then checks that the room a read took comes back there.
+#[cfg(not(loom))]
+const RELEASE_EVERY: usize = 16 << 10;
+#[cfg(loom)]
+const RELEASE_EVERY: usize = usize::MAX;
 
 /// The writing end.
 #[derive(Debug)]
@@ -337,13 +346,13 @@ impl<M: RingMem> Consumer<M> {
         let n = n.min(out.len());
         let mut to = 0;
         while to < n {
-            let step = (n - to).min(PUBLISH_EVERY);
+            let step = (n - to).min(RELEASE_EVERY);
             for (at, len) in pieces(self.mem.cap(), self.tail, step) {
                 self.mem.copy_out(at, &mut out[to..to + len]);
                 to += len;
             }
             self.tail += step as u64;
-            if self.tail - self.stored >= PUBLISH_EVERY as u64 {
+            if self.tail - self.stored >= RELEASE_EVERY as u64 {
                 // Release: our reads of those bytes happen before the
                 // producer, acquiring this tail, writes over them. The
                 // look at `waits` comes at `publish`.
@@ -500,6 +509,7 @@ mod tests {
         }
         fn copy_in(&self, at: usize, src: &[u8]) {
             if !src.is_empty() {
+                // Relaxed: one thread; the value is only recorded.
                 let head = self.mem.ctl().head.load(Ordering::Relaxed);
                 self.seen.borrow_mut().push((at, head));
             }
@@ -507,6 +517,7 @@ mod tests {
         }
         fn copy_out(&self, at: usize, dst: &mut [u8]) {
             if !dst.is_empty() {
+                // Relaxed: one thread; the value is only recorded.
                 let tail = self.mem.ctl().tail.load(Ordering::Relaxed);
                 self.seen.borrow_mut().push((at, tail));
             }
@@ -548,6 +559,7 @@ mod tests {
             seen: Default::default(),
         };
         let (mut p, mut c) = (Producer::new(&w), Consumer::new(&w));
+        // Relaxed: one thread.
         let tail = || w.mem.ctl().tail.load(Ordering::Relaxed);
         // Short reads: their room comes back once, at `publish`.
         assert_eq!(p.write(&[&[1; 100]]).unwrap().n, 100);
@@ -557,13 +569,13 @@ mod tests {
         assert!(!c.publish(), "no writer waits");
         assert_eq!(tail(), 100);
         // A long read: each step begins with the steps before it given back.
-        let payload = vec![9u8; 3 * PUBLISH_EVERY + 5];
+        let payload = vec![9u8; 3 * RELEASE_EVERY + 5];
         assert_eq!(p.write(&[&payload]).unwrap().n, payload.len());
         w.seen.borrow_mut().clear();
         let mut out = vec![0u8; payload.len()];
         assert_eq!(c.read(&mut out).unwrap(), out.len());
         assert!(out == payload);
-        let step = |k: usize| (100 + k * PUBLISH_EVERY) as u64;
+        let step = |k: usize| (100 + k * RELEASE_EVERY) as u64;
         let tails: Vec<u64> = w.seen.borrow().iter().map(|&(_, t)| t).collect();
         assert_eq!(tails, [100, step(1), step(2), step(3)]);
         let _ = c.publish();

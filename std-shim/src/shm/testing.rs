@@ -122,8 +122,8 @@ impl LaneRig {
         }
     }
 
-    /// The lane sends a message of `len` bytes (checking its own ring's room
-    /// against the peer's read counter).
+    /// The lane sends a message of `len` bytes (its ring's room reckoned from
+    /// the peer's read counter as last read, read again when short).
     pub fn send(&mut self, len: usize) -> Result<(), Error> {
         let Some(lane) = self.lane.as_mut() else {
             return Err(Error::Closed);
