@@ -805,10 +805,16 @@ impl Lane {
         inbox: usize,
     ) -> Outcome {
         let outcome = self.read_frames(peer, now, pool, arrivals, inbox);
+        self.give_back_room();
+        outcome
+    }
+
+    /// Gives the room of every byte read back to the peer, ringing it if
+    /// it waits for room.
+    fn give_back_room(&mut self) {
         if self.rx.publish() {
             handshake::ring(self.their_bell.as_fd());
         }
-        outcome
     }
 
     fn read_frames(
@@ -1067,9 +1073,7 @@ impl Lane {
         handshake::drain(self.my_bell.as_fd());
         // Each read pass gives back the room it took; nothing read may
         // stay held while this side sleeps (the peer may wait for it).
-        if self.rx.publish() {
-            handshake::ring(self.their_bell.as_fd());
-        }
+        self.give_back_room();
         let bytes = self.rx.prepare_sleep().unwrap_or(true);
         let for_room = !self.queue.is_empty() || self.direct.is_some() || self.handover.is_some();
         let for_done = self.device_in_flight() > 0;

@@ -364,9 +364,8 @@ impl LocalWire {
             known = true;
             if let Ok(lane) = moved {
                 if self.lane(lane).is_some() {
-                    let (gen, l) = &mut self.lanes[(lane.0 & 0xFF_FFFF) as usize];
-                    *gen = gen.wrapping_add(1) & 0x7F;
-                    drop(l.take()); // its link hangs up on the peer
+                    // Silently: the application never had this peer.
+                    drop(self.retire_lane((lane.0 & 0xFF_FFFF) as usize));
                 }
             }
         }
@@ -433,15 +432,23 @@ impl LocalWire {
         lane_id(slot, self.lanes[slot].0)
     }
 
+    /// Takes the lane out of its slot (the slot's next lane gets a new
+    /// generation, so the old id names nothing): its id and the lane, whose
+    /// drop unmaps the segment and hangs its link up on the peer.
+    fn retire_lane(&mut self, slot: usize) -> Option<(PeerId, Box<Lane>)> {
+        let (gen, l) = self.lanes.get_mut(slot)?;
+        let lane = l.take()?;
+        let id = lane_id(slot, *gen);
+        *gen = gen.wrapping_add(1) & 0x7F;
+        Some((id, lane))
+    }
+
     /// Removes a lane; an unclean end (the peer had not closed) is reported
     /// once as `PeerLost`. Its segment is unmapped, its descriptors closed.
     fn drop_lane(&mut self, slot: usize, error: Option<Error>) {
-        let Some((gen, l)) = self.lanes.get_mut(slot) else {
+        let Some((id, lane)) = self.retire_lane(slot) else {
             return;
         };
-        let Some(lane) = l.take() else { return };
-        let id = lane_id(slot, *gen);
-        *gen = gen.wrapping_add(1) & 0x7F;
         let error = error.or_else(|| (!lane.session.peer_closed()).then_some(Error::PeerLost(id)));
         if let Some(e) = error {
             log::info!("shm: lane to {} ended: {e}", lane.addr);
