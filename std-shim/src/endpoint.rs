@@ -24,7 +24,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use zerohop_core::session::SessionStats;
-use zerohop_core::{Error, PeerId, Received, Transport};
+use zerohop_core::{Error, PeerId, PoolError, Received, Transport};
 
 use crate::doorbell::Doorbell;
 use crate::sync::{thread, Arc, AtomicBool, AtomicUsize, Condvar, Mutex, MutexGuard, TryLockError};
@@ -284,6 +284,16 @@ impl Deadline {
     }
 }
 
+/// Whether a pool that said `e` may have a buffer later (its leases come back).
+fn comes_back(e: PoolError) -> bool {
+    matches!(
+        e,
+        PoolError::Exhausted { .. }
+            | PoolError::TooManyBuffers { .. }
+            | PoolError::TooManyChunks { .. }
+    )
+}
+
 /// Cancels blocking calls from another thread (Go's `context` in miniature).
 /// Waiting calls notice within [`EndpointConfig::poll_interval`].
 #[derive(Clone, Debug, Default)]
@@ -473,6 +483,35 @@ impl<T: Wire> Endpoint<T> {
         (self.shared.leaser)(len)
     }
 
+    /// As [`lease`](Self::lease), waiting while the pool is dry: its buffers
+    /// come back as queued zero-copy sends go out, which this call moves
+    /// along (a sender of many small leases outruns the wire and holds every
+    /// buffer descriptor of the pool in its queue). At the deadline, the
+    /// pool's error.
+    pub fn lease_by(&self, len: usize, deadline: &mut Deadline) -> Result<T::Lease, Error> {
+        let mut last = match (self.shared.leaser)(len) {
+            Err(Error::Pool(e)) if comes_back(e) => e,
+            other => return other,
+        };
+        let mut got = None;
+        let r = self.send_with(deadline, None, |_| match (self.shared.leaser)(len) {
+            Ok(l) => {
+                got = Some(l);
+                Ok(())
+            }
+            Err(Error::Pool(e)) if comes_back(e) => {
+                last = e;
+                Err(Error::WouldBlock)
+            }
+            Err(e) => Err(e),
+        });
+        match r {
+            Ok(_) => got.ok_or(Error::Pool(last)),
+            Err(Error::Timeout) => Err(Error::Pool(last)),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Copies the start of a received message into `out`: see [`Wire::read_lease`].
     pub fn read(&self, lease: &T::Lease, out: &mut [u8]) -> Result<(), Error> {
         self.shared.lock().read_lease(lease, out)
@@ -633,6 +672,12 @@ impl<T: Wire> Endpoint<T> {
         let mut t = self.shared.lock();
         Shared::adjust(&self.shared.app_calls, 1, &t);
         let mut last_try = false;
+        // As `recv`: a short spin before sleeping (a sleeping sender pays a
+        // wake-up for each message the peer makes room for), the clock read
+        // once in `CLOCK_EVERY` tries while spinning.
+        let spin = self.shared.config.spin;
+        let mut spin_until = None;
+        let mut spins = 0u32;
         loop {
             if cancel.is_some_and(CancelToken::is_cancelled) {
                 return Err(Error::Cancelled);
@@ -642,7 +687,9 @@ impl<T: Wire> Endpoint<T> {
                 Err(Error::WouldBlock) => {}
                 Err(e) => return Err(e),
             }
-            if deadline.passed() {
+            spins = spins.wrapping_add(1);
+            let now = (spin.is_zero() || spins % CLOCK_EVERY == 0).then(Instant::now);
+            if now.is_some_and(|now| deadline.passed_at(now)) {
                 // One more try once the wire has moved: a caller that cannot
                 // wait still drives it (the progress thread leaves a polling
                 // application's wire to it), so what is queued goes out.
@@ -657,7 +704,11 @@ impl<T: Wire> Endpoint<T> {
             if t.progress() == Ok(true) {
                 continue;
             }
-            t = self.wait_io(t, *deadline, false);
+            if now.is_none_or(|now| now < *spin_until.get_or_insert(now + spin)) {
+                t = self.shared.relax(t);
+            } else {
+                t = self.wait_io(t, *deadline, false);
+            }
         }
     }
 

@@ -1,6 +1,7 @@
 //! The same-host lane against a peer that writes its frames by hand
 //! (`LaneRig`): a frame naming device memory, to a lane that carries none,
-//! is a typed protocol error that ends that lane, and nothing is held after.
+//! is a typed protocol error that ends that lane, and nothing is held after;
+//! a buffer handed over by a single copy stays out until the peer has it.
 
 use zerohop_core::session::ProtocolError;
 use zerohop_core::wire::{Data, DataFlags, Frame, Hello, Takes};
@@ -54,4 +55,30 @@ fn a_device_frame_to_a_lane_without_a_gpu_ends_that_lane_typed() {
         "nothing of the device frame delivered"
     );
     assert_eq!(rig.pool_used(), 0, "no receive buffer held");
+}
+
+#[test]
+fn a_lease_handed_over_by_a_single_copy_goes_back_and_its_end_is_progress() {
+    let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+    rig.peer_write(&hello());
+    rig.read().unwrap();
+    while rig.flush().unwrap() {} // the lane's own Hello and credit out
+    let base = rig.pool_used();
+    rig.send_lease(48 << 10).unwrap();
+    assert!(
+        rig.pool_used() >= base + (48 << 10),
+        "the lease is held while the peer may read it"
+    );
+    assert_eq!(
+        rig.flush(),
+        Ok(false),
+        "nothing moves before the peer's copy"
+    );
+    assert!(rig.pool_used() >= base + (48 << 10));
+    rig.peer_copied(1);
+    // A sender waiting behind the handover sleeps when nothing moved: its
+    // end must count, or the sender sleeps a poll interval each message.
+    assert_eq!(rig.flush(), Ok(true), "the end of the handover is progress");
+    assert_eq!(rig.pool_used(), base, "and the lease went back");
+    assert_eq!(rig.flush(), Ok(false), "once");
 }

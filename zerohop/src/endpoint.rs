@@ -465,8 +465,12 @@ impl Endpoint {
 
     /// A buffer of `len` bytes to fill in place and send without a copy
     /// (from the wire's send pool: registered with the NIC where there is one).
+    /// While the pool is dry (zero-copy sends queued faster than the wire
+    /// takes them hold its buffers), waits up to `send_timeout` for one to
+    /// come back; then the pool's error.
     pub fn lease(&self, len: usize) -> Result<SendBuffer> {
-        each_wire!(&self.wire, e => e.lease(len).map(LeaseBuf::into_buf))
+        let mut deadline = Deadline::after(self.config.send_timeout);
+        each_wire!(&self.wire, e => e.lease_by(len, &mut deadline).map(LeaseBuf::into_buf))
             .map(|buf| SendBuffer { buf })
             .map_err(Error::Endpoint)
     }

@@ -328,6 +328,38 @@ fn buffers_are_filled_in_place_and_a_received_one_is_echoed_without_a_copy() {
 }
 
 #[test]
+fn a_zero_copy_sender_that_outruns_its_pool_waits_for_buffers_and_nothing_is_lost() {
+    let (s, addr) = server();
+    let mut config = tcp();
+    config.pool_bytes = 4 << 20; // two chunks: the queue holds all of it soon
+    let c = Endpoint::open(config).unwrap();
+    let peer = c.connect(addr, WAIT).unwrap();
+    const N: u32 = 8000; // 32 MiB of 4 KiB leases: eight pools' worth
+    std::thread::scope(|scope| {
+        let reader = scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200)); // the sender runs dry first
+            for i in 0..N {
+                let m = match next_non_connect(&s) {
+                    Event::Message(m) => m,
+                    e => panic!("message {i}: {e:?}"),
+                };
+                let b = m.bytes().unwrap();
+                assert_eq!(b.len(), 4096);
+                assert_eq!(b[..4], i.to_le_bytes(), "message {i} in order");
+            }
+        });
+        for i in 0..N {
+            // Before leases waited, this failed with the pool's error once
+            // the queued sends held every buffer.
+            let mut b = c.lease(4096).unwrap_or_else(|e| panic!("lease {i}: {e}"));
+            b.bytes_mut().unwrap()[..4].copy_from_slice(&i.to_le_bytes());
+            c.send_buffer(peer, b).unwrap();
+        }
+        reader.join().unwrap();
+    });
+}
+
+#[test]
 fn a_recv_with_nothing_to_read_times_out_and_the_endpoint_goes_on() {
     let (s, addr) = server();
     let t0 = Instant::now();

@@ -517,6 +517,13 @@ impl Lane {
         queue_limit: usize,
     ) -> Result<bool, Refused> {
         let len = payload.bytes().len();
+        // A handover that ended since the last look is not in the way (one
+        // load of the claim word, where the wire's progress costs system calls).
+        if self.handover.is_some() {
+            if let Err(e) = self.poll_handover(peer, None) {
+                return Err(payload.refused(e));
+            }
+        }
         let behind = !self.queue.is_empty() || self.direct.is_some() || self.handover.is_some();
         if behind && self.queued_bytes + HEADER_LEN + len > queue_limit {
             return Err(payload.refused(Error::WouldBlock));
@@ -762,14 +769,17 @@ impl Lane {
         if self.broken {
             return Err(Self::bad_claim(peer));
         }
-        let released = self.release_device(peer)?;
-        if self.handover.is_some() && self.poll_handover(peer, None)? == Handed::Waiting {
-            return Ok(released); // nothing goes ahead of a message being handed over
+        let mut any = self.release_device(peer)?;
+        if self.handover.is_some() {
+            // A handover that ended is progress: the sender's next message may go.
+            match self.poll_handover(peer, None)? {
+                Handed::Waiting => return Ok(any), // nothing goes ahead of it
+                Handed::Done | Handed::Inline => any = true,
+            }
         }
         if self.direct.is_some() {
-            return Ok(released); // a caller is mid-frame from its slice; ours go after it
+            return Ok(any); // a caller is mid-frame from its slice; ours go after it
         }
-        let mut any = released;
         while let Some(o) = self.queue.front_mut() {
             let total = o.len();
             let (h, p) = if o.sent < HEADER_LEN {

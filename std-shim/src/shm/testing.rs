@@ -141,6 +141,34 @@ impl LaneRig {
         }
     }
 
+    /// The lane sends a buffer of `len` bytes leased from the pool (from
+    /// 32 KiB up by a single copy: the lease stays out until the peer says
+    /// it has the bytes, [`peer_copied`](Self::peer_copied)).
+    pub fn send_lease(&mut self, len: usize) -> Result<(), Error> {
+        let Some(lane) = self.lane.as_mut() else {
+            return Err(Error::Closed);
+        };
+        let lease = zerohop_core::Lease::take(Arc::clone(&self.pool), len)?;
+        lane.send(PEER, Source::Lease(lease), false, 1 << 20)
+            .map(|_| ())
+            .map_err(|r| r.error)
+    }
+
+    /// The peer says it has copied the lane's single-copy message `ticket`
+    /// (the first is 1), as a peer does after its `process_vm_readv`.
+    pub fn peer_copied(&self, ticket: u64) {
+        let done = super::cma::word(ticket, super::cma::OPEN);
+        self.peer_rx.ctl().claim().store(done, Ordering::Release);
+    }
+
+    /// The lane's flush: whether anything moved.
+    pub fn flush(&mut self) -> Result<bool, Error> {
+        let Some(lane) = self.lane.as_mut() else {
+            return Err(Error::Closed);
+        };
+        lane.flush(PEER)
+    }
+
     /// Messages delivered (taken from the arrivals; their leases go back).
     pub fn take_delivered(&mut self) -> Vec<Result<usize, Error>> {
         self.arrivals
