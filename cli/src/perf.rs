@@ -327,7 +327,9 @@ fn client(
         // pool buffer sent as it is.
         let send_one = || {
             if plan.zero_copy {
-                ep.send_buffer(peer, ep.lease(size)?)
+                // Waiting while the pool is dry: a stream of small leases
+                // outruns the wire, and its queue holds every buffer.
+                ep.send_buffer(peer, ep.lease_timeout(size, LONG)?)
             } else {
                 ep.send(peer, &buf)
             }

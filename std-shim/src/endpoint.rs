@@ -284,14 +284,52 @@ impl Deadline {
     }
 }
 
-/// Whether a pool that said `e` may have a buffer later (its leases come back).
-fn comes_back(e: PoolError) -> bool {
-    matches!(
-        e,
-        PoolError::Exhausted { .. }
-            | PoolError::TooManyBuffers { .. }
-            | PoolError::TooManyChunks { .. }
-    )
+/// A sender's wait: busy tries for `spin` from its first, then a sleep
+/// each try. The clock is read at the first try (a send that cannot wait
+/// gives up at once) and then once in [`CLOCK_EVERY`] while spinning, at
+/// every try once asleep.
+struct Spin {
+    spin: Duration,
+    until: Option<Instant>,
+    tries: u32,
+    spinning: bool,
+}
+
+impl Spin {
+    fn new(spin: Duration) -> Self {
+        Spin {
+            spin,
+            until: None,
+            tries: 0,
+            spinning: !spin.is_zero(),
+        }
+    }
+
+    /// The time, on the tries that read it.
+    fn clock(&mut self) -> Option<Instant> {
+        self.tries = self.tries.wrapping_add(1);
+        (!self.spinning || self.tries % CLOCK_EVERY == 1).then(Instant::now)
+    }
+
+    /// Whether this try spins (else it sleeps), given what it read.
+    fn on(&mut self, now: Option<Instant>) -> bool {
+        if let Some(now) = now {
+            if now >= *self.until.get_or_insert(now + self.spin) {
+                self.spinning = false;
+            }
+        }
+        self.spinning
+    }
+}
+
+/// Whether a pool that said `e` to a lease of `len` may have one later
+/// (its leases come back); not when `len` is beyond its whole budget.
+fn comes_back(e: PoolError, len: usize) -> bool {
+    match e {
+        PoolError::Exhausted { cap, .. } => len <= cap,
+        PoolError::TooManyBuffers { .. } | PoolError::TooManyChunks { .. } => true,
+        _ => false,
+    }
 }
 
 /// Cancels blocking calls from another thread (Go's `context` in miniature).
@@ -486,20 +524,27 @@ impl<T: Wire> Endpoint<T> {
     /// As [`lease`](Self::lease), waiting while the pool is dry: its buffers
     /// come back as queued zero-copy sends go out, which this call moves
     /// along (a sender of many small leases outruns the wire and holds every
-    /// buffer descriptor of the pool in its queue). At the deadline, the
-    /// pool's error.
-    pub fn lease_by(&self, len: usize, deadline: &mut Deadline) -> Result<T::Lease, Error> {
+    /// buffer descriptor of the pool in its queue), and as the application
+    /// drops what it received (on wires that send from their receive pool).
+    /// At the deadline, the pool's error; at once, a length beyond the
+    /// pool's whole budget.
+    pub fn lease_by(
+        &self,
+        len: usize,
+        deadline: &mut Deadline,
+        cancel: Option<&CancelToken>,
+    ) -> Result<T::Lease, Error> {
         let mut last = match (self.shared.leaser)(len) {
-            Err(Error::Pool(e)) if comes_back(e) => e,
+            Err(Error::Pool(e)) if comes_back(e, len) => e,
             other => return other,
         };
         let mut got = None;
-        let r = self.send_with(deadline, None, |_| match (self.shared.leaser)(len) {
+        let r = self.send_with(deadline, cancel, |_| match (self.shared.leaser)(len) {
             Ok(l) => {
                 got = Some(l);
                 Ok(())
             }
-            Err(Error::Pool(e)) if comes_back(e) => {
+            Err(Error::Pool(e)) if comes_back(e, len) => {
                 last = e;
                 Err(Error::WouldBlock)
             }
@@ -562,7 +607,9 @@ impl<T: Wire> Endpoint<T> {
     ) -> MutexGuard<'a, T> {
         let waiter = Waiter::App { reading };
         if guard.prepare_sleep(waiter) {
-            return guard; // something arrived while arming: look before sleeping
+            // Something to look at before sleeping (it may be another
+            // caller's to do, as the rest of its send): let a waiter in.
+            return self.shared.relax(guard);
         }
         let mut fds = Vec::new();
         guard.poll_fds(&mut fds, waiter);
@@ -604,24 +651,19 @@ impl<T: Wire> Endpoint<T> {
         })?;
         // Like `recv`: retry for a short spin before sleeping until the socket
         // has room, since a sleeping thread's wake-up costs more than the
-        // receiver needs to make that room. The clock is read only once a
-        // send has to wait.
-        let mut spin_until = None;
-        let mut spins = 0u32;
+        // receiver needs to make that room.
+        let mut spin = Spin::new(self.shared.config.spin);
         while !done {
             if cancel.is_some_and(CancelToken::is_cancelled) {
                 t.abandon_send(peer, bytes);
                 break;
             }
-            spins = spins.wrapping_add(1);
-            // One clock read serves the deadline and the spin.
-            let now = (spins % CLOCK_EVERY == 0).then(Instant::now);
+            let now = spin.clock();
             if now.is_some_and(|now| deadline.passed_at(now)) {
                 t.abandon_send(peer, bytes);
                 break;
             }
-            if now.is_none_or(|now| now < *spin_until.get_or_insert(now + self.shared.config.spin))
-            {
+            if spin.on(now) {
                 t = self.shared.relax(t);
             } else {
                 t = self.wait_io(t, deadline, false);
@@ -672,12 +714,9 @@ impl<T: Wire> Endpoint<T> {
         let mut t = self.shared.lock();
         Shared::adjust(&self.shared.app_calls, 1, &t);
         let mut last_try = false;
-        // As `recv`: a short spin before sleeping (a sleeping sender pays a
-        // wake-up for each message the peer makes room for), the clock read
-        // once in `CLOCK_EVERY` tries while spinning.
-        let spin = self.shared.config.spin;
-        let mut spin_until = None;
-        let mut spins = 0u32;
+        // As `send`: a short spin before sleeping (a sleeping sender pays a
+        // wake-up for each message the peer makes room for).
+        let mut spin = Spin::new(self.shared.config.spin);
         loop {
             if cancel.is_some_and(CancelToken::is_cancelled) {
                 return Err(Error::Cancelled);
@@ -687,8 +726,7 @@ impl<T: Wire> Endpoint<T> {
                 Err(Error::WouldBlock) => {}
                 Err(e) => return Err(e),
             }
-            spins = spins.wrapping_add(1);
-            let now = (spin.is_zero() || spins % CLOCK_EVERY == 0).then(Instant::now);
+            let now = spin.clock();
             if now.is_some_and(|now| deadline.passed_at(now)) {
                 // One more try once the wire has moved: a caller that cannot
                 // wait still drives it (the progress thread leaves a polling
@@ -704,7 +742,7 @@ impl<T: Wire> Endpoint<T> {
             if t.progress() == Ok(true) {
                 continue;
             }
-            if now.is_none_or(|now| now < *spin_until.get_or_insert(now + spin)) {
+            if spin.on(now) {
                 t = self.shared.relax(t);
             } else {
                 t = self.wait_io(t, *deadline, false);

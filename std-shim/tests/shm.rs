@@ -283,6 +283,57 @@ fn single_copy_messages_withdrawn_back_to_back_arrive_intact_and_in_order() {
 }
 
 #[test]
+fn two_threads_sending_to_one_peer_each_finish_only_their_own_frames() {
+    let _one = serial();
+    let (server, addr, _pool) = listener();
+    let (client, peer) = connect(addr);
+    let from = accepted(&server);
+    const EACH: u32 = 300;
+    const SMALL: usize = 24 << 10; // through the ring, which it overruns
+    std::thread::scope(|scope| {
+        // One thread's caller waits on each single copy's handover, the
+        // other's finishes its ring frames from its slice as the ring
+        // drains: whoever ends one thread's frame, the other must go on
+        // with its own, not write its bytes into that one's place.
+        for (tag, len) in [(1u8, SINGLE), (2u8, SMALL)] {
+            let client = &client;
+            scope.spawn(move || {
+                for i in 0..EACH {
+                    let mut m = vec![tag; len];
+                    m[..4].copy_from_slice(&i.to_le_bytes());
+                    client
+                        .send(peer, &m, Deadline::after(WAIT), None)
+                        .unwrap_or_else(|e| panic!("sender {tag}, message {i}: {e}"));
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_millis(100)); // the ring fills first
+        let mut next = [0u32; 3];
+        for n in 0..2 * EACH {
+            let r = server
+                .recv(Deadline::after(WAIT), None)
+                .unwrap_or_else(|e| panic!("receiving message {n}: {e}"));
+            assert_eq!(r.peer, from);
+            let b = host_bytes(&r.lease);
+            let tag = b[4];
+            let len = match tag {
+                1 => SINGLE,
+                2 => SMALL,
+                _ => panic!("message {n}: of neither sender (byte {tag})"),
+            };
+            assert_eq!(b.len(), len, "message {n} from sender {tag}");
+            let i = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            assert!(
+                b[4..].iter().all(|&x| x == tag),
+                "sender {tag}'s {i} intact"
+            );
+            assert_eq!(i, next[usize::from(tag)], "sender {tag}'s in order");
+            next[usize::from(tag)] += 1;
+        }
+    });
+}
+
+#[test]
 fn a_wire_with_lanes_is_of_kind_shm_or_uma_and_says_so() {
     use zerohop_core::Transport;
     let pool = heap_pool(8 << 20).unwrap();

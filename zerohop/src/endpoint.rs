@@ -465,12 +465,22 @@ impl Endpoint {
 
     /// A buffer of `len` bytes to fill in place and send without a copy
     /// (from the wire's send pool: registered with the NIC where there is one).
-    /// While the pool is dry (zero-copy sends queued faster than the wire
-    /// takes them hold its buffers), waits up to `send_timeout` for one to
-    /// come back; then the pool's error.
+    /// A dry pool is an error at once: see [`lease_timeout`](Self::lease_timeout).
     pub fn lease(&self, len: usize) -> Result<SendBuffer> {
-        let mut deadline = Deadline::after(self.config.send_timeout);
-        each_wire!(&self.wire, e => e.lease_by(len, &mut deadline).map(LeaseBuf::into_buf))
+        each_wire!(&self.wire, e => e.lease(len).map(LeaseBuf::into_buf))
+            .map(|buf| SendBuffer { buf })
+            .map_err(Error::Endpoint)
+    }
+
+    /// As [`lease`](Self::lease), waiting up to `timeout` while the pool is
+    /// dry and moving the wire meanwhile: a zero-copy sender that outruns
+    /// the wire holds the pool's buffers in its queue until they go out (on
+    /// `tcp` and `shm` the pool is also where received messages wait, so
+    /// dropping those gives buffers back too). Then the pool's error; a
+    /// length beyond the pool's whole budget fails at once.
+    pub fn lease_timeout(&self, len: usize, timeout: Duration) -> Result<SendBuffer> {
+        let mut deadline = Deadline::after(timeout);
+        each_wire!(&self.wire, e => e.lease_by(len, &mut deadline, None).map(LeaseBuf::into_buf))
             .map(|buf| SendBuffer { buf })
             .map_err(Error::Endpoint)
     }

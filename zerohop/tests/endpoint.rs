@@ -349,14 +349,22 @@ fn a_zero_copy_sender_that_outruns_its_pool_waits_for_buffers_and_nothing_is_los
             }
         });
         for i in 0..N {
-            // Before leases waited, this failed with the pool's error once
-            // the queued sends held every buffer.
-            let mut b = c.lease(4096).unwrap_or_else(|e| panic!("lease {i}: {e}"));
+            // `lease` fails with the pool's error once the queued sends
+            // hold every buffer; this one waits for them to go out.
+            let mut b = c
+                .lease_timeout(4096, WAIT)
+                .unwrap_or_else(|e| panic!("lease {i}: {e}"));
             b.bytes_mut().unwrap()[..4].copy_from_slice(&i.to_le_bytes());
             c.send_buffer(peer, b).unwrap();
         }
         reader.join().unwrap();
     });
+    let t0 = Instant::now();
+    assert!(
+        c.lease_timeout(8 << 20, WAIT).is_err(),
+        "more than the whole pool"
+    );
+    assert!(t0.elapsed() < WAIT / 2, "said at once, not at the deadline");
 }
 
 #[test]

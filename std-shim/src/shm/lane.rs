@@ -51,11 +51,24 @@ impl Out {
     }
 }
 
+/// A blocked caller's slice, by address and length. Two threads may send
+/// to one peer, and one's frame may stand where the other's ended: a
+/// caller finishes or withdraws only its own.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Caller(usize, usize);
+
+impl Caller {
+    fn of(bytes: &[u8]) -> Self {
+        Caller(bytes.as_ptr().addr(), bytes.len())
+    }
+}
+
 /// A frame being written straight from a blocked caller's slice (the caller
 /// passes the same bytes on every call: see `Wire::start_send`).
 struct Direct {
     header: [u8; HEADER_LEN],
     sent: usize,
+    caller: Caller,
 }
 
 /// A large message handed over by a single copy ([`cma`]): its bytes stay
@@ -68,9 +81,16 @@ struct Handover {
 
 enum Held {
     /// The blocked caller's slice (it passes it to `continue_send`).
-    Caller,
+    Caller(Caller),
     Owned(Vec<u8>),
     Leased(StdLease),
+}
+
+impl Held {
+    /// Whether this is the blocked caller's slice `bytes`.
+    fn is_callers(&self, bytes: &[u8]) -> bool {
+        matches!(*self, Held::Caller(c) if c == Caller::of(bytes))
+    }
 }
 
 /// Where a data frame's payload comes from.
@@ -450,7 +470,7 @@ impl Lane {
                 self.handover = None; // a held lease goes back
             }
             Handed::Inline => {
-                if matches!(h.held, Held::Caller) && caller.is_none() {
+                if matches!(h.held, Held::Caller(..)) && caller.is_none() {
                     return Ok(Handed::Waiting); // the caller writes it, when it next asks
                 }
                 self.cma_tx = false;
@@ -469,10 +489,11 @@ impl Lane {
         // The header and descriptor are out; the descriptor's bytes are not
         // the payload's, so the rest is the whole payload.
         let payload = match h.held {
-            Held::Caller => {
+            Held::Caller(c) => {
                 self.direct = Some(Direct {
                     header: h.header,
                     sent: HEADER_LEN,
+                    caller: c,
                 });
                 let _ = caller;
                 return;
@@ -518,11 +539,10 @@ impl Lane {
     ) -> Result<bool, Refused> {
         let len = payload.bytes().len();
         // A handover that ended since the last look is not in the way (one
-        // load of the claim word, where the wire's progress costs system calls).
+        // load of the claim word, where the wire's progress costs system
+        // calls). A bad word is the lane's end, which `flush` reports.
         if self.handover.is_some() {
-            if let Err(e) = self.poll_handover(peer, None) {
-                return Err(payload.refused(e));
-            }
+            let _ = self.poll_handover(peer, None);
         }
         let behind = !self.queue.is_empty() || self.direct.is_some() || self.handover.is_some();
         if behind && self.queued_bytes + HEADER_LEN + len > queue_limit {
@@ -555,7 +575,7 @@ impl Lane {
         if single {
             let ticket = self.tx_ticket + 1;
             let (held, addr) = match payload {
-                Source::Slice(b) if direct => (Held::Caller, b.as_ptr() as u64),
+                Source::Slice(b) if direct => (Held::Caller(Caller::of(b)), b.as_ptr() as u64),
                 Source::Slice(b) => {
                     let v = b.to_vec();
                     let a = v.as_ptr() as u64;
@@ -584,7 +604,7 @@ impl Lane {
                 }
             }
             self.tx_ticket = ticket;
-            let waits = matches!(held, Held::Caller);
+            let waits = matches!(held, Held::Caller(..));
             self.handover = Some(Handover {
                 ticket,
                 header,
@@ -605,8 +625,13 @@ impl Lane {
                 Err(c) => return Err(payload.refused(Self::corrupt(peer, c))),
             }
             // The rest from the caller's slice as the ring drains: no copy.
-            if sent < HEADER_LEN + len && direct && matches!(payload, Source::Slice(_)) {
-                self.direct = Some(Direct { header, sent });
+            if let (true, true, Source::Slice(b)) = (sent < HEADER_LEN + len, direct, &payload) {
+                let caller = Caller::of(b);
+                self.direct = Some(Direct {
+                    header,
+                    sent,
+                    caller,
+                });
                 self.control();
                 return Ok(false);
             }
@@ -633,7 +658,7 @@ impl Lane {
         if self
             .handover
             .as_ref()
-            .is_some_and(|h| matches!(h.held, Held::Caller))
+            .is_some_and(|h| h.held.is_callers(bytes))
         {
             match self.poll_handover(peer, Some(bytes))? {
                 Handed::Done => {
@@ -644,7 +669,12 @@ impl Lane {
                 Handed::Inline => {} // the rest from the slice, below
             }
         }
-        let Some(d) = self.direct.as_mut() else {
+        // Not this caller's frame (or none): its own is all out.
+        let Some(d) = self
+            .direct
+            .as_mut()
+            .filter(|d| d.caller == Caller::of(bytes))
+        else {
             return Ok(true);
         };
         let (h, p) = if d.sent < HEADER_LEN {
@@ -668,11 +698,13 @@ impl Lane {
     /// The caller of an unfinished direct send must leave: the rest is
     /// copied and finished from the queue, ahead of everything queued.
     pub(crate) fn abandon_send(&mut self, bytes: &[u8]) {
-        if let Some(h) = self.handover.take_if(|h| matches!(h.held, Held::Caller)) {
+        if let Some(h) = self.handover.take_if(|h| h.held.is_callers(bytes)) {
             self.withdraw(h, bytes);
             return;
         }
-        let Some(d) = self.direct.take() else { return };
+        let Some(d) = self.direct.take_if(|d| d.caller == Caller::of(bytes)) else {
+            return;
+        };
         let rest = HEADER_LEN + bytes.len() - d.sent;
         self.queued_bytes += rest;
         self.queue.push_front(Out {
