@@ -82,3 +82,36 @@ fn a_lease_handed_over_by_a_single_copy_goes_back_and_its_end_is_progress() {
     assert_eq!(rig.pool_used(), base, "and the lease went back");
     assert_eq!(rig.flush(), Ok(false), "once");
 }
+
+#[test]
+fn a_blocked_caller_finishes_only_its_own_frame() {
+    // A ring smaller than the second message, so that its caller writes
+    // the rest from its slice as the ring drains.
+    let mut rig = LaneRig::new(16 << 10, 1 << 20).unwrap();
+    rig.peer_write(&hello());
+    rig.read().unwrap();
+    while rig.flush().unwrap() {}
+    rig.peer_take(); // the lane's Hello and credit
+    let a = vec![0xAA; 48 << 10];
+    assert_eq!(
+        rig.send_direct(&a),
+        Ok(false),
+        "a single copy: its caller waits"
+    );
+    assert_eq!(rig.peer_take().len(), 32 + 16, "its header and descriptor");
+    rig.peer_copied(1);
+    // Another caller's send sees the handover over and writes its frame,
+    // which the ring does not hold whole.
+    let b = vec![0xBB; 20 << 10];
+    assert_eq!(rig.send_direct(&b), Ok(false), "the rest from its slice");
+    // The first caller comes back: its message is out, and the frame that
+    // stands is the other's, which it must not write into.
+    assert_eq!(rig.continue_send(&a), Ok(true), "a's message is over");
+    let mut out = rig.peer_take();
+    while !rig.continue_send(&b).unwrap() {
+        out.extend(rig.peer_take());
+    }
+    out.extend(rig.peer_take());
+    assert_eq!(out.len(), 32 + b.len(), "b's frame, whole and alone");
+    assert!(out[32..].iter().all(|&x| x == 0xBB), "b's bytes only");
+}

@@ -13,7 +13,7 @@ use zerohop_core::{Error, PeerId, Received};
 
 use super::handshake::bell;
 use super::lane::{Lane, Outcome, Source};
-use super::ring::{Producer, RingMem};
+use super::ring::{Consumer, Producer, RingMem};
 use super::segment::{SegRing, Segment};
 use super::ShmLease;
 use crate::host::StdPool;
@@ -26,6 +26,8 @@ pub struct LaneRig {
     lane: Option<Lane>,
     peer_tx: Producer<SegRing>,
     peer_rx: SegRing,
+    /// The peer's reading end of the lane's ring.
+    peer_in: Consumer<SegRing>,
     pool: Arc<StdPool>,
     arrivals: VecDeque<Result<Received<ShmLease>, Error>>,
     _peer_link: UnixStream,
@@ -60,6 +62,7 @@ impl LaneRig {
             lane: Some(lane),
             peer_tx: Producer::new(seg.ring(0)),
             peer_rx: seg.ring(1),
+            peer_in: Consumer::new(seg.ring(1)),
             pool,
             arrivals: VecDeque::new(),
             _peer_link: peer_link,
@@ -159,6 +162,37 @@ impl LaneRig {
     pub fn peer_copied(&self, ticket: u64) {
         let done = super::cma::word(ticket, super::cma::OPEN);
         self.peer_rx.ctl().claim().store(done, Ordering::Release);
+    }
+
+    /// A blocked caller's send of `bytes` (as the endpoint's `send`):
+    /// `Ok(false)` while it must go on with [`continue_send`](Self::continue_send).
+    pub fn send_direct(&mut self, bytes: &[u8]) -> Result<bool, Error> {
+        let Some(lane) = self.lane.as_mut() else {
+            return Err(Error::Closed);
+        };
+        lane.send(PEER, Source::Slice(bytes), true, 1 << 20)
+            .map_err(|r| r.error)
+    }
+
+    /// The same caller again, with the same `bytes`: `Ok(true)` once its
+    /// message is out of its hands.
+    pub fn continue_send(&mut self, bytes: &[u8]) -> Result<bool, Error> {
+        let Some(lane) = self.lane.as_mut() else {
+            return Err(Error::Closed);
+        };
+        lane.continue_send(PEER, bytes)
+    }
+
+    /// What the lane has written for its peer since the last call (the
+    /// peer reads it all, and gives the room back).
+    pub fn peer_take(&mut self) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = self.peer_in.read(&mut buf) {
+            out.extend_from_slice(&buf[..n]);
+        }
+        self.peer_in.publish();
+        out
     }
 
     /// The lane's flush: whether anything moved.
