@@ -12,6 +12,13 @@ pub type StdPool = HostPool<HeapTables>;
 /// A buffer leased from a [`StdPool`].
 pub type StdLease = Lease<Arc<StdPool>>;
 
+/// Messages a peer's send queue holds at most, whatever their bytes: each
+/// queued zero-copy send holds one of its pool's buffer descriptors, and a
+/// sender of small leases that outruns its wire would otherwise hold them
+/// all (every other lease then fails, and a pool does not move descriptors
+/// between size classes).
+pub(crate) const QUEUED_MESSAGES: usize = 4096;
+
 /// A heap-backed pool of `budget` bytes with the default size classes
 /// (fitted to a budget under one chunk: see [`PoolConfig::fitted`]).
 pub fn heap_pool(budget: usize) -> Result<Arc<StdPool>, Error> {

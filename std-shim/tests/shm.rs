@@ -334,6 +334,40 @@ fn two_threads_sending_to_one_peer_each_finish_only_their_own_frames() {
 }
 
 #[test]
+fn a_zero_copy_sender_of_small_messages_never_holds_every_buffer() {
+    let _one = serial();
+    let (server, addr, _pool) = listener();
+    let (client, peer) = connect(addr);
+    let from = accepted(&server);
+    const N: u32 = 200_000;
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200)); // the sender runs ahead
+            for i in 0..N {
+                let r = server
+                    .recv(Deadline::after(WAIT), None)
+                    .unwrap_or_else(|e| panic!("message {i}: {e}"));
+                assert_eq!(r.peer, from);
+                assert_eq!(host_bytes(&r.lease)[..4], i.to_le_bytes(), "in order");
+            }
+        });
+        for i in 0..N {
+            // `lease` does not wait: it fails once queued sends hold every
+            // buffer descriptor of the pool, which the queue's bound on
+            // messages (not only bytes) prevents.
+            let mut l = client
+                .lease(64)
+                .unwrap_or_else(|e| panic!("lease {i}: {e}"));
+            let b = zerohop_backends::host_bytes_mut(l.host_mut().expect("a host buffer"));
+            b[..4].copy_from_slice(&i.to_le_bytes());
+            client
+                .send_lease(peer, l, Deadline::after(WAIT), None)
+                .unwrap_or_else(|e| panic!("send {i}: {e}"));
+        }
+    });
+}
+
+#[test]
 fn a_wire_with_lanes_is_of_kind_shm_or_uma_and_says_so() {
     use zerohop_core::Transport;
     let pool = heap_pool(8 << 20).unwrap();

@@ -192,6 +192,33 @@ fn two_endpoints_exchange_messages_in_order_and_release_every_buffer() {
 }
 
 #[test]
+fn a_zero_copy_sender_of_small_messages_never_holds_every_buffer() {
+    let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());
+    let (c, peer) = client(addr);
+    const N: u32 = 300_000;
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            std::thread::sleep(SECOND); // the sender runs ahead
+            for i in 0..N {
+                let r = server
+                    .recv(Deadline::after(10 * SECOND), None)
+                    .unwrap_or_else(|e| panic!("message {i}: {e}"));
+                assert_eq!(host_bytes(&r.lease)[..4], i.to_le_bytes(), "in order");
+            }
+        });
+        for i in 0..N {
+            // `lease` does not wait: it fails once queued sends hold every
+            // buffer descriptor of the pool, which the queue's bound on
+            // messages (not only bytes) prevents.
+            let mut l = c.lease(64).unwrap_or_else(|e| panic!("lease {i}: {e}"));
+            zerohop_backends::host_bytes_mut(&mut l)[..4].copy_from_slice(&i.to_le_bytes());
+            c.send_lease(peer, l, Deadline::after(10 * SECOND), None)
+                .unwrap_or_else(|e| panic!("send {i}: {e}"));
+        }
+    });
+}
+
+#[test]
 fn a_thread_sends_while_another_spins_in_recv_on_the_same_endpoint() {
     // A receiver spinning in `recv` keeps the transport locked between its
     // polls while no other thread wants it; a sender on the same endpoint

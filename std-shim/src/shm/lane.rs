@@ -18,7 +18,7 @@ use super::handshake;
 use super::ring::{Consumer, Corrupt, Producer};
 use super::segment::{SegRing, Segment};
 use super::ShmLease;
-use crate::host::{StdLease, StdPool};
+use crate::host::{StdLease, StdPool, QUEUED_MESSAGES};
 
 /// What a frame writes from.
 enum Payload {
@@ -545,7 +545,10 @@ impl Lane {
             let _ = self.poll_handover(peer, None);
         }
         let behind = !self.queue.is_empty() || self.direct.is_some() || self.handover.is_some();
-        if behind && self.queued_bytes + HEADER_LEN + len > queue_limit {
+        if behind
+            && (self.queued_bytes + HEADER_LEN + len > queue_limit
+                || self.queue.len() >= QUEUED_MESSAGES)
+        {
             return Err(payload.refused(Error::WouldBlock));
         }
         // A large message by a single copy: only with nothing ahead of it,

@@ -753,12 +753,13 @@ impl Transport for LocalWire {
         if self.closed {
             return refused(Error::Closed, lease);
         }
+        let limit = self.config.send_queue_bytes;
         let Some(l) = self.lane_mut(peer) else {
             return refused(Error::UnknownPeer(peer), lease);
         };
         match lease {
             ShmLease::Host(lease) => l
-                .send(peer, Source::Lease(lease), false, usize::MAX)
+                .send(peer, Source::Lease(lease), false, limit)
                 .map(|_| ())
                 .map_err(|r| Rejected {
                     error: r.error,

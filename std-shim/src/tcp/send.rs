@@ -10,7 +10,7 @@ use zerohop_core::wire::{DataFlags, FrameKind, HEADER_LEN};
 use zerohop_core::{Error, PeerId};
 
 use super::{lane::stripe_split, TcpTransport};
-use crate::host::StdLease;
+use crate::host::{StdLease, QUEUED_MESSAGES};
 
 pub(super) enum Payload {
     None,
@@ -153,7 +153,9 @@ impl TcpTransport {
             Ok(p) => p,
             Err(e) => return Err((e, src)),
         };
-        if p.queued_bytes > 0 && p.queued_bytes + HEADER_LEN + len > limit {
+        if p.queued_bytes > 0
+            && (p.queued_bytes + HEADER_LEN + len > limit || p.queue.len() >= QUEUED_MESSAGES)
+        {
             return Err((Error::WouldBlock, src));
         }
         let mut out = match p.session.send(len) {
