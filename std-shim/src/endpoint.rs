@@ -726,12 +726,15 @@ impl<T: Wire> Endpoint<T> {
                 Err(Error::WouldBlock) => {}
                 Err(e) => return Err(e),
             }
+            if last_try {
+                return Err(Error::Timeout); // the deadline had passed
+            }
             let now = spin.clock();
             if now.is_some_and(|now| deadline.passed_at(now)) {
                 // One more try once the wire has moved: a caller that cannot
                 // wait still drives it (the progress thread leaves a polling
                 // application's wire to it), so what is queued goes out.
-                if !last_try && t.progress() == Ok(true) {
+                if t.progress() == Ok(true) {
                     last_try = true;
                     continue;
                 }
