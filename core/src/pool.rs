@@ -653,10 +653,11 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
         Ok(Some(index))
     }
 
-    /// Takes one class chunk with no outstanding lease out of the pool: its
-    /// free slots are unlinked (their descriptors become spares) and its
-    /// memory is returned for the caller to give back outside the lock.
-    /// O(chunks + free slots of that class): a cold path, run only at the budget.
+    /// Takes one chunk with no outstanding lease out of the pool: a class
+    /// chunk's free slots are unlinked (their descriptors become spares) and
+    /// its memory is returned for the caller to give back outside the lock.
+    /// O(chunks + free slots of that class): a cold path, run only at the
+    /// budget or when descriptors run out.
     fn reclaim_idle(st: &mut State<T>) -> Option<Registered> {
         // A kept oversize buffer first: nothing points into it.
         if let Some(k) = st.spare_oversize.iter().position(|&c| c != NONE) {
@@ -767,6 +768,11 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
         None
     }
 
+    /// Whether a slot descriptor is free or can still be made.
+    fn slot_free(st: &State<T>) -> bool {
+        st.free[OVERSIZE] != NONE || st.slots_made < st.slot_cap
+    }
+
     fn slot_descriptor(st: &mut State<T>) -> Option<u32> {
         let head = st.free[OVERSIZE];
         if head != NONE {
@@ -844,9 +850,26 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
                 }
                 .into());
             }
-            // A class chunk needs a slot descriptor too; check now so a full
+            // Descriptors can run out before memory: a burst of one class
+            // carves them all, and they stay with its chunks. Idle chunks
+            // of other classes make way for them, as they do for memory at
+            // the budget: a class must not starve while another hoards.
+            let chunks_short =
+                |st: &State<T>| st.free_chunks == NONE && st.chunks_made == st.chunk_cap;
+            loop {
+                if Self::slot_free(&st) && !chunks_short(&st) {
+                    break;
+                }
+                let Some(m) = Self::reclaim_idle(&mut st) else {
+                    break;
+                };
+                drop(st);
+                self.source.give_back(m);
+                st = self.state.lock();
+            }
+            // The chunk needs a slot descriptor too; check now so a full
             // slot table fails before any memory is taken.
-            if class.is_some() && st.free[OVERSIZE] == NONE && st.slots_made == st.slot_cap {
+            if !Self::slot_free(&st) {
                 return Err(PoolError::TooManyBuffers { slots: st.slot_cap }.into());
             }
             let i = Self::chunk_descriptor(&mut st).ok_or(PoolError::TooManyChunks {
@@ -958,8 +981,19 @@ impl<S: ChunkSource, T: PoolTables> Pool for SlabPool<S, T> {
         loop {
             if let Some(c) = class {
                 let mut st = self.state.lock();
-                if let Some(index) = self.try_fast(&mut st, c)? {
-                    return Ok(self.finish_take(&mut st, index, class, 0));
+                match self.try_fast(&mut st, c) {
+                    Ok(Some(index)) => return Ok(self.finish_take(&mut st, index, class, 0)),
+                    Ok(None) => {}
+                    // Room in the class's chunk but no descriptor for it:
+                    // idle chunks of other classes give up theirs.
+                    Err(e) => {
+                        let Some(m) = Self::reclaim_idle(&mut st) else {
+                            return Err(e.into());
+                        };
+                        drop(st);
+                        self.source.give_back(m);
+                        continue;
+                    }
                 }
             }
             match self.grow(class, len)? {
@@ -1499,6 +1533,71 @@ pub(crate) mod tests {
         drop(twos);
         let st = p.stats();
         assert_eq!((st.grows, st.leases), (2, 0));
+    }
+
+    /// A burst of small leases carved every slot descriptor into one class;
+    /// once they came back, a larger class was refused ("too many buffers")
+    /// for good, although every buffer was free and the budget had room:
+    /// descriptors stayed with the class that carved them.
+    #[test]
+    fn slot_descriptors_held_by_idle_chunks_of_another_class_serve_a_new_class() {
+        let source = Scripted::default();
+        // Four slot descriptors, four chunk descriptors, room for 256 chunks.
+        let p = scripted::<4, 4>(&source, 1 << 20);
+        let ones: [_; 4] = core::array::from_fn(|_| p.lease(1000).unwrap());
+        assert_eq!(
+            p.lease(1000).unwrap_err(),
+            Error::Pool(PoolError::TooManyBuffers { slots: 4 }),
+            "every descriptor in use: typed"
+        );
+        drop(ones);
+        // The 2 KiB class takes the 1 KiB chunk's descriptors (and its chunk goes back).
+        let two = p.lease(2000).unwrap();
+        let st = p.stats();
+        assert_eq!((st.reclaimed, st.given_back, st.grows), (1, 1, 2));
+        assert_eq!(st.reserved_bytes, 4096);
+        assert_eq!(source.given_back.get(), 1);
+        let more: [_; 3] = core::array::from_fn(|_| p.lease(2000).unwrap());
+        // A descriptor held by a live lease is never taken.
+        assert_eq!(
+            p.lease(2000).unwrap_err(),
+            Error::Pool(PoolError::TooManyBuffers { slots: 4 })
+        );
+        assert_eq!(p.stats().reclaimed, 1);
+        drop((two, more));
+        // And back: the 1 KiB class takes both idle 2 KiB chunks' (two
+        // descriptors each), the second when its own chunk still has room.
+        let ones: [_; 3] = core::array::from_fn(|_| p.lease(1000).unwrap());
+        let st = p.stats();
+        assert_eq!((st.reclaimed, st.leases, st.reserved_bytes), (3, 3, 4096));
+        drop(ones);
+    }
+
+    /// The same with chunk descriptors: chunks of one class, all idle, fill
+    /// the chunk table; another class takes one of them.
+    #[test]
+    fn chunk_descriptors_held_by_idle_chunks_of_another_class_serve_a_new_class() {
+        let source = Scripted::default();
+        // Two chunk descriptors, plenty of slot descriptors and budget.
+        let p = scripted::<2, 64>(&source, 1 << 20);
+        let ones: [_; 8] = core::array::from_fn(|_| p.lease(1000).unwrap());
+        assert_eq!(
+            p.lease(1000).unwrap_err(),
+            Error::Pool(PoolError::TooManyChunks { chunks: 2 })
+        );
+        drop(ones);
+        let two = p.lease(2000).unwrap();
+        assert_eq!(p.stats().reclaimed, 1);
+        // Oversize, too: the other idle 1 KiB chunk makes way.
+        let big = p.lease(10_000).unwrap();
+        assert_eq!(p.stats().reclaimed, 2);
+        assert_eq!(big.capacity(), 12 << 10);
+        // Both chunks hold a lease now: nothing to reclaim, typed.
+        assert_eq!(
+            p.lease(1000).unwrap_err(),
+            Error::Pool(PoolError::TooManyChunks { chunks: 2 })
+        );
+        drop((two, big));
     }
 
     #[test]

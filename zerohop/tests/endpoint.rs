@@ -367,6 +367,41 @@ fn a_zero_copy_sender_that_outruns_its_pool_waits_for_buffers_and_nothing_is_los
     assert!(t0.elapsed() < WAIT / 2, "said at once, not at the deadline");
 }
 
+/// A gossip node's day: a burst of small messages held at once (every
+/// buffer descriptor of the pool), then a block. The small buffers came
+/// back, but their descriptors stayed with the small size class: the block's
+/// lease failed ("too many buffers") for the life of the endpoint.
+#[test]
+fn a_burst_of_small_buffers_held_at_once_does_not_starve_a_large_one_later() {
+    let mut config = tcp();
+    config.progress_thread = false;
+    let e = Endpoint::open(config).unwrap();
+    let mut small = Vec::new();
+    let refused = loop {
+        match e.lease(64) {
+            Ok(b) => small.push(b),
+            Err(err) => break err,
+        }
+        assert!(small.len() <= 1 << 20, "the pool bounds its buffers");
+    };
+    assert!(
+        refused.to_string().contains("buffer descriptors"),
+        "the pool's own limit, typed: {refused}"
+    );
+    // Every descriptor held by a live lease: the large class is refused too.
+    assert!(e.lease(64 << 10).is_err());
+    let held = small.len();
+    small.clear();
+    let large = e
+        .lease(64 << 10)
+        .unwrap_or_else(|err| panic!("after {held} small buffers came back: {err}"));
+    assert_eq!(large.len(), 64 << 10);
+    // And small ones again, as many as before but the block's share.
+    drop(large);
+    let again: Vec<_> = (0..held / 2).map(|_| e.lease(64).unwrap()).collect();
+    assert_eq!(again.len(), held / 2);
+}
+
 #[test]
 fn a_recv_with_nothing_to_read_times_out_and_the_endpoint_goes_on() {
     let (s, addr) = server();
