@@ -118,6 +118,8 @@ pub const LANE_BIT: u32 = 1 << 31;
 const MAX_PENDING: usize = 64;
 /// How long a setup or its answer may keep the other waiting.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(5);
+/// After a failed accept on the lane socket, the next try (as TCP's listener).
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// How often a spinning receiver looks at the lanes' links (a dead peer
 /// is seen at once by a sleeper; a spinner sees it within this).
 const LINK_CHECK: Duration = Duration::from_millis(5);
@@ -179,6 +181,9 @@ pub struct LocalWire {
     session: SessionConfig,
     offer: HostOffer,
     listener: LaneListener,
+    /// The lane socket has connections to take (epoll said so, or the
+    /// last accept failed and is retried then).
+    accept_due: Option<StdInstant>,
     pool: Arc<StdPool>,
     lanes: Vec<Slot>,
     /// Unix connections taken, waiting for their setup message.
@@ -262,7 +267,9 @@ impl LocalWire {
         let listener = LaneListener::bind(&offer)?;
         tcp.same_host = Some(offer);
         tcp.takes_offers = true;
-        let t = TcpTransport::new(Arc::clone(&pool), tcp, tcp_kind);
+        let mut t = TcpTransport::new(Arc::clone(&pool), tcp, tcp_kind);
+        // Its readiness comes with the TCP side's: `accept` only then.
+        t.watch(listener.fd())?;
         let max = u32::try_from(t.max_message()).unwrap_or(u32::MAX);
         let session = SessionConfig {
             window: u32::try_from(tcp.window).unwrap_or(u32::MAX),
@@ -278,6 +285,7 @@ impl LocalWire {
             session,
             offer,
             listener,
+            accept_due: None,
             pool,
             lanes: Vec::new(),
             links: Vec::new(),
@@ -471,15 +479,31 @@ impl LocalWire {
             }
         }
         // Offering side: connections on the lane socket, and their setups.
-        while let Ok(Some(s)) = self.listener.accept() {
-            if self.links.len() >= MAX_PENDING {
-                // Full: the oldest goes (a flood of strangers that say
-                // nothing costs them their connections, not a peer its lane).
-                self.links.remove(0);
-            }
-            self.links.push((s, StdInstant::now()));
-        }
+        // Only when epoll says there are some: an accept that finds none
+        // still makes and frees a socket in the kernel, on every pass.
         let now = StdInstant::now();
+        if self.tcp.take_watched() {
+            self.accept_due = Some(now);
+        }
+        while self.accept_due.is_some_and(|t| now >= t) {
+            match self.listener.accept() {
+                Ok(Some(s)) => {
+                    if self.links.len() >= MAX_PENDING {
+                        // Full: the oldest goes (a flood of strangers that say
+                        // nothing costs them their connections, not a peer its lane).
+                        self.links.remove(0);
+                    }
+                    self.links.push((s, now));
+                }
+                Ok(None) => self.accept_due = None,
+                // Out of descriptors (EMFILE): the connection waits in the
+                // backlog, and no new edge comes for it; retry after a pause.
+                Err(e) => {
+                    log::warn!("shm: accepting a lane connection failed: {e}; retrying in {ACCEPT_BACKOFF:?}");
+                    self.accept_due = Some(now + ACCEPT_BACKOFF);
+                }
+            }
+        }
         let mut i = 0;
         while i < self.links.len() {
             match handshake::recv_setup(&self.links[i].0) {

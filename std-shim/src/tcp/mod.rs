@@ -81,6 +81,8 @@ const MAIN: u64 = 0;
 const LANE: u64 = 1;
 const PENDING: u64 = 2;
 const LISTENER: u64 = u64::MAX;
+/// The descriptor an owner watches through this poller (see [`TcpTransport::watch`]).
+const WATCHED: u64 = u64::MAX - 1;
 
 /// TCP wire settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -232,6 +234,8 @@ pub struct TcpTransport {
     ready: Vec<Ready>,
     listener: Option<TcpListener>,
     accept_after: Option<StdInstant>,
+    /// The watched descriptor became readable (see [`TcpTransport::watch`]).
+    watched: bool,
     pending: Vec<Option<Pending>>,
     peers: Vec<(u8, Option<Box<Peer>>)>,
     /// Slots with reading, and with writing, to do without a new event.
@@ -291,6 +295,7 @@ impl TcpTransport {
             ready: Vec::new(),
             listener: None,
             accept_after: None,
+            watched: false,
             pending: Vec::new(),
             peers: Vec::new(),
             hot_read: VecDeque::new(),
@@ -429,6 +434,18 @@ impl TcpTransport {
     /// A live peer's address.
     pub fn peer_addr(&self, peer: PeerId) -> Option<SocketAddr> {
         self.peer(peer).map(|p| p.addr)
+    }
+
+    /// Watches `fd` for readability in this transport's poller, for its
+    /// owner: the shm wire's lane socket. [`take_watched`](Self::take_watched)
+    /// says when it became readable (edge-triggered: drain it then).
+    pub fn watch(&mut self, fd: impl std::os::fd::AsFd) -> io::Result<()> {
+        self.poller.add(fd, Set::Ctl, WATCHED, true, false)
+    }
+
+    /// Whether the watched descriptor became readable since the last call.
+    pub fn take_watched(&mut self) -> bool {
+        std::mem::take(&mut self.watched)
     }
 
     /// The next same-host offer from a peer that connected here (with

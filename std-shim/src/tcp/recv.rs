@@ -14,7 +14,8 @@ use zerohop_core::{Error, Lease, Received};
 
 use super::lane::stripe_split;
 use super::{
-    Peer, TcpTransport, DIRECT_MIN, LANE, LISTENER, PENDING, QUICK_ACK_MIN, READ_AHEAD, STAGE_BYTES,
+    Peer, TcpTransport, DIRECT_MIN, LANE, LISTENER, PENDING, QUICK_ACK_MIN, READ_AHEAD,
+    STAGE_BYTES, WATCHED,
 };
 use crate::poller::Set;
 
@@ -108,6 +109,10 @@ impl TcpTransport {
         for r in &ready {
             if r.key == LISTENER {
                 self.accept_all();
+                continue;
+            }
+            if r.key == WATCHED {
+                self.watched = true;
                 continue;
             }
             let (slot, what) = ((r.key >> 2) as usize, r.key & 3);
