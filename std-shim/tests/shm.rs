@@ -408,17 +408,11 @@ fn a_wire_with_lanes_is_of_kind_shm_or_uma_and_says_so() {
     }
 }
 
-/// A caller-driven receiver (no progress thread) away for longer than the
-/// idle timeout, which then finds a frame half written, waits for the rest
-/// as it would any time: the quiet before the frame is not the frame's
-/// stall. (Its lanes are read with the time of the last side pass, which
-/// after the quiet is old.)
+/// A lane from `a` (with a progress thread) to a caller-driven receiver
+/// `b` (none), `idle` their idle timeout, one message already across; and
+/// the id `a` has for `b`.
 #[cfg(feature = "testing")]
-#[test]
-fn a_frame_half_written_after_a_long_quiet_is_not_a_stall() {
-    use zerohop_core::wire::{Data, DataFlags, Frame};
-    let _g = serial();
-    let idle = Duration::from_millis(800);
+fn caller_driven_lane(idle: Duration) -> (Endpoint<LocalWire>, Endpoint<LocalWire>, PeerId) {
     let tcp = TcpConfig {
         idle_timeout: idle,
         ..TcpConfig::default()
@@ -462,9 +456,13 @@ fn a_frame_half_written_after_a_long_quiet_is_not_a_stall() {
     let r = b.recv(Deadline::after(WAIT), None).unwrap();
     assert_eq!(host_bytes(&r.lease), b"m0");
     drop(r);
-    // Away, past the idle timeout.
-    std::thread::sleep(idle + Duration::from_millis(400));
-    let payload: Vec<u8> = (0..4000u32).map(|i| (i % 251) as u8).collect();
+    (a, b, to_b)
+}
+
+/// The second data frame of a lane (its payload too), to write by hand.
+#[cfg(feature = "testing")]
+fn second_frame(payload: &[u8]) -> Vec<u8> {
+    use zerohop_core::wire::{Data, DataFlags, Frame};
     let header = Frame::Data(Data {
         flags: DataFlags::NONE,
         seq: 1,
@@ -473,9 +471,27 @@ fn a_frame_half_written_after_a_long_quiet_is_not_a_stall() {
         offset: 0,
         credits: 0,
     })
-    .encode(&payload);
+    .encode(payload);
     let mut frame = header.to_vec();
-    frame.extend_from_slice(&payload);
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// A caller-driven receiver (no progress thread) away for longer than the
+/// idle timeout, which then finds a frame half written, waits for the rest
+/// as it would any time: the quiet before the frame is not the frame's
+/// stall. (Its lanes are read with the time of the last side pass, which
+/// after the quiet is old.)
+#[cfg(feature = "testing")]
+#[test]
+fn a_frame_half_written_after_a_long_quiet_is_not_a_stall() {
+    let _g = serial();
+    let idle = Duration::from_millis(800);
+    let (a, b, to_b) = caller_driven_lane(idle);
+    // Away, past the idle timeout.
+    std::thread::sleep(idle + Duration::from_millis(400));
+    let payload: Vec<u8> = (0..4000u32).map(|i| (i % 251) as u8).collect();
+    let frame = second_frame(&payload);
     let half = frame.len() / 2;
     a.with(|t| t.send_raw_frame(to_b, &frame[..half])).unwrap();
     // Back: the half is found (with the old time) and the side passes of
@@ -487,6 +503,44 @@ fn a_frame_half_written_after_a_long_quiet_is_not_a_stall() {
     a.with(|t| t.send_raw_frame(to_b, &frame[half..])).unwrap();
     let r = b.recv(Deadline::after(WAIT), None).unwrap();
     assert_eq!(host_bytes(&r.lease), &payload[..]);
+}
+
+/// A peer that writes half a frame into the ring and stops is dropped
+/// once the idle timeout passes (as on every wire): polling its lane is
+/// not hearing from it. (Every poll of the lane counted as hearing from
+/// the peer, so the stall was never seen.)
+#[cfg(feature = "testing")]
+#[test]
+fn a_frame_left_half_written_is_a_stall_past_the_idle_timeout() {
+    let _g = serial();
+    let idle = Duration::from_millis(800);
+    for cut in [10, 1000] {
+        // Part of the header, then part of the payload.
+        let (a, b, to_b) = caller_driven_lane(idle);
+        let frame = second_frame(&[7; 4000]);
+        a.with(|t| t.send_raw_frame(to_b, &frame[..cut])).unwrap();
+        let t0 = std::time::Instant::now();
+        let e = loop {
+            match b.recv(Deadline::after(idle / 4), None) {
+                Err(Error::Timeout) => {
+                    assert!(t0.elapsed() < 4 * idle, "cut at {cut}: never dropped")
+                }
+                Err(e) => break e,
+                Ok(r) => panic!("half a frame delivered: {} bytes", r.lease.len()),
+            }
+        };
+        assert!(
+            matches!(
+                e,
+                Error::Protocol {
+                    error: zerohop_core::session::ProtocolError::Stalled { .. },
+                    ..
+                }
+            ),
+            "cut at {cut}: {e:?}"
+        );
+        assert!(t0.elapsed() >= idle, "not before the timeout");
+    }
 }
 
 /// A connect that times out (a listener that takes the connection and

@@ -895,7 +895,6 @@ impl Lane {
                         Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
                     }
                     if *have < DESC_BYTES {
-                        self.session.handle_activity(now, true);
                         return Outcome::Drained;
                     }
                 }
@@ -946,7 +945,6 @@ impl Lane {
                         Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
                     }
                     if *have < cma::DESC_BYTES {
-                        self.session.handle_activity(now, true);
                         return Outcome::Drained;
                     }
                     let (addr, ticket) = cma::parse(buf);
@@ -1011,7 +1009,6 @@ impl Lane {
                         Ok(n) => {
                             inc.have += n;
                             if inc.have < want {
-                                self.session.handle_activity(now, true);
                                 return Outcome::Drained;
                             }
                         }
@@ -1036,12 +1033,17 @@ impl Lane {
             }
             // 2. A header.
             if self.have < HEADER_LEN {
-                match self.rx.read(&mut self.header[self.have..]) {
-                    Ok(n) => self.have += n,
+                let n = match self.rx.read(&mut self.header[self.have..]) {
+                    Ok(n) => n,
                     Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
-                }
+                };
+                self.have += n;
                 if self.have < HEADER_LEN {
-                    self.session.handle_activity(now, self.have > 0);
+                    if n > 0 {
+                        // Part of a header: a frame has begun (its timer
+                        // runs). Only bytes are news of the peer, not a look.
+                        self.session.handle_activity(now, true);
+                    }
                     return Outcome::Drained;
                 }
             }
