@@ -6,7 +6,10 @@
 //! callgrind at two lengths and prints the user-space instructions per
 //! one-way message (the difference, so start-up drops out).
 //!
-//! `cargo bench -p zerohop --bench one_thread -- [shm|tcp] [ROUND_TRIPS]`
+//! With IDLE_PEERS, that many more endpoints connect to the server first
+//! and then say nothing: what each connected peer adds to a message's cost.
+//!
+//! `cargo bench -p zerohop --bench one_thread -- [shm|tcp] [ROUND_TRIPS] [IDLE_PEERS]`
 
 use std::time::{Duration, Instant};
 
@@ -34,8 +37,24 @@ fn main() {
         Some(other) => panic!("one_thread: a transport, shm or tcp, not {other}"),
     };
     let round_trips: usize = args.get(1).map_or(200_000, |n| n.parse().expect("a count"));
+    let idle: usize = args.get(2).map_or(0, |n| n.parse().expect("a count"));
     let server = open(kind);
     let addr = server.listen("127.0.0.1:0").expect("listen");
+    let idle_peers: Vec<Endpoint> = (0..idle)
+        .map(|_| {
+            let e = open(kind);
+            std::thread::scope(|s| {
+                let accepting = s.spawn(|| loop {
+                    if let Event::Connected { .. } = server.next_event(WAIT).expect("accept") {
+                        return;
+                    }
+                });
+                e.connect(addr, WAIT).expect("connect an idle peer");
+                accepting.join().expect("the accepting thread");
+            });
+            e
+        })
+        .collect();
     let client = open(kind);
     // The listener must be polled while the client connects.
     let (peer, from) = std::thread::scope(|s| {
@@ -64,7 +83,8 @@ fn main() {
     }
     let per_message = t0.elapsed().as_secs_f64() * 1e6 / (2 * round_trips) as f64;
     println!(
-        "{}: 64 B, {round_trips} round trips in one thread: {per_message:.3} us per one-way message (send and receive)",
-        kind.name()
+        "{}: 64 B, {round_trips} round trips in one thread, {} idle peers: {per_message:.3} us per one-way message (send and receive)",
+        kind.name(),
+        idle_peers.len()
     );
 }
