@@ -1,9 +1,11 @@
 //! The same-host lane against a peer that writes its frames by hand
 //! (`LaneRig`): a frame naming device memory, to a lane that carries none,
 //! is a typed protocol error that ends that lane, and nothing is held after;
-//! a buffer handed over by a single copy stays out until the peer has it.
+//! a buffer handed over by a single copy stays out until the peer has it;
+//! a peer silent mid-handshake or mid-frame is dropped at the idle timeout,
+//! however often its lane is looked at.
 
-use zerohop_core::session::ProtocolError;
+use zerohop_core::session::{ProtocolError, SessionConfig, Stall};
 use zerohop_core::wire::{Data, DataFlags, Frame, Hello, Takes};
 use zerohop_core::Error;
 use zerohop_std::shm::testing::LaneRig;
@@ -114,4 +116,68 @@ fn a_blocked_caller_finishes_only_its_own_frame() {
     out.extend(rig.peer_take());
     assert_eq!(out.len(), 32 + b.len(), "b's frame, whole and alone");
     assert!(out[32..].iter().all(|&x| x == 0xBB), "b's bytes only");
+}
+
+/// The lane's idle timeout, in microseconds of its clock.
+fn idle_micros() -> u64 {
+    SessionConfig::stream(64 << 10).idle_timeout.as_micros() as u64
+}
+
+/// Reads the lane every millisecond, with a side pass after each, from
+/// `from` until the clock passes `until`; the first error.
+fn poll_until(rig: &mut LaneRig, from: u64, until: u64) -> Result<(), Error> {
+    let mut t = from;
+    while t <= until {
+        rig.read_at(t)?;
+        rig.tend_at(t)?;
+        t += 1000;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_peer_that_never_says_hello_is_dropped_at_the_idle_timeout() {
+    let idle = idle_micros();
+    let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+    // Looked at all the while: looks are not news of the peer.
+    assert_eq!(poll_until(&mut rig, 1, idle - 1000), Ok(()));
+    match poll_until(&mut rig, idle, idle + 1000) {
+        Err(Error::Protocol { error, .. }) => assert_eq!(
+            error,
+            ProtocolError::Stalled {
+                during: Stall::Handshake
+            }
+        ),
+        other => panic!("expected a handshake stall, got {other:?}"),
+    }
+    assert_eq!(rig.read(), Err(Error::Closed), "the lane is gone");
+}
+
+#[test]
+fn a_peer_that_stops_mid_frame_is_dropped_an_idle_timeout_after_its_last_byte() {
+    let idle = idle_micros();
+    for cut in [10usize, 32 + 2] {
+        let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+        rig.peer_write(&hello());
+        rig.read_at(1).unwrap();
+        let mut frame = data(DataFlags::NONE, 0, 5).to_vec();
+        frame.extend_from_slice(b"hello");
+        // Part of the frame at 5 ms; then nothing, while the lane is read.
+        rig.peer_write(&frame[..cut]);
+        let last = 5000;
+        poll_until(&mut rig, last, last + idle - 1000)
+            .unwrap_or_else(|e| panic!("cut at {cut}: dropped early: {e:?}"));
+        match poll_until(&mut rig, last + idle, last + idle + 1000) {
+            Err(Error::Protocol { error, .. }) => assert_eq!(
+                error,
+                ProtocolError::Stalled {
+                    during: Stall::Frame
+                },
+                "cut at {cut}"
+            ),
+            other => panic!("cut at {cut}: expected a frame stall, got {other:?}"),
+        }
+        assert!(rig.take_delivered().is_empty(), "nothing of it delivered");
+        assert_eq!(rig.pool_used(), 0, "no receive buffer held");
+    }
 }

@@ -104,12 +104,33 @@ impl LaneRig {
     /// The lane reads what is there. `Err`: the lane broke (typed); it
     /// takes nothing more.
     pub fn read(&mut self) -> Result<(), Error> {
+        self.read_at(1)
+    }
+
+    /// The side pass of the wire at `micros` on the lane's clock (which
+    /// starts at 0): what the peer was heard to send since the last one,
+    /// then the idle timers. `Err`: the peer stalled (typed); the lane is gone.
+    pub fn tend_at(&mut self, micros: u64) -> Result<(), Error> {
+        let Some(lane) = self.lane.as_mut() else {
+            return Err(Error::Closed);
+        };
+        let now = Instant::from_micros(micros);
+        lane.heard(now);
+        lane.session.handle_timeout(now).map_err(|error| {
+            self.lane = None;
+            Error::Protocol { peer: PEER, error }
+        })
+    }
+
+    /// [`read`](Self::read), told the time is `micros` (reads between side
+    /// passes are told the time of the last one).
+    pub fn read_at(&mut self, micros: u64) -> Result<(), Error> {
         let Some(lane) = self.lane.as_mut() else {
             return Err(Error::Closed);
         };
         match lane.read(
             PEER,
-            Instant::from_micros(1),
+            Instant::from_micros(micros),
             &self.pool,
             &mut self.arrivals,
             64,
