@@ -181,3 +181,36 @@ fn a_peer_that_stops_mid_frame_is_dropped_an_idle_timeout_after_its_last_byte() 
         assert_eq!(rig.pool_used(), 0, "no receive buffer held");
     }
 }
+
+/// A reader of many lanes skips the quiet ones: a lane is quiet only when
+/// a read would find nothing to do, so a skipped lane never holds back a
+/// byte, a frame of its own, or its end.
+#[test]
+fn a_lane_is_quiet_only_when_a_read_has_nothing_to_do() {
+    let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+    rig.peer_write(&hello());
+    assert!(!rig.quiet(), "bytes in the ring");
+    rig.read().unwrap();
+    // The lane's own Hello went out with that read's flush.
+    assert!(rig.quiet(), "all read and written");
+    rig.peer_write(&data(DataFlags::NONE, 0, 5)[..10]);
+    assert!(!rig.quiet(), "a new byte");
+    rig.read().unwrap();
+    assert!(!rig.quiet(), "part of a header held");
+    let rest = [&data(DataFlags::NONE, 0, 5)[10..], &b"hello"[..]].concat();
+    rig.peer_write(&rest[..24]); // the header and two bytes of the payload
+    rig.read().unwrap();
+    assert!(!rig.quiet(), "a payload begun");
+    rig.peer_write(&rest[24..]);
+    rig.read().unwrap();
+    assert_eq!(rig.take_delivered(), [Ok(5)]);
+    assert!(rig.quiet());
+    // A message of its own, in the ring at once: quiet again; one held
+    // by a handover until the peer copies it: not.
+    rig.send(100).unwrap();
+    assert!(rig.quiet(), "sent whole");
+    // (With a credit frame for the message read before it.)
+    assert!(rig.peer_take().len() >= 32 + 100);
+    rig.send_lease(200 << 10).unwrap();
+    assert!(!rig.quiet(), "a buffer out with the peer");
+}

@@ -329,6 +329,14 @@ impl<M: RingMem> Consumer<M> {
         }
     }
 
+    /// Nothing to read and nothing read to give back: every byte the
+    /// producer published has been read (one look at its counter) and its
+    /// room published. A corrupt counter is not "drained": the read says why.
+    pub(crate) fn is_drained(&self) -> bool {
+        // Acquire: as in `available` (a reader that goes on reads after it).
+        self.tail == self.published && self.mem.ctl().head.load(Ordering::Acquire) == self.tail
+    }
+
     /// Bytes read, ever.
     pub(crate) fn position(&self) -> u64 {
         self.tail

@@ -101,6 +101,11 @@ impl LaneRig {
         self.peer_tx.mem()
     }
 
+    /// Whether a reader of many lanes would skip this one now (see `Lane::quiet`).
+    pub fn quiet(&self) -> bool {
+        self.lane.as_ref().is_some_and(|l| l.quiet())
+    }
+
     /// The lane reads what is there. `Err`: the lane broke (typed); it
     /// takes nothing more.
     pub fn read(&mut self) -> Result<(), Error> {
