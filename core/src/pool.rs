@@ -657,7 +657,9 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
     /// chunk's free slots are unlinked (their descriptors become spares) and
     /// its memory is returned for the caller to give back outside the lock.
     /// O(chunks + free slots of that class): a cold path, run only at the
-    /// budget or when descriptors run out.
+    /// budget or when descriptors run out, kept out of line (the lease
+    /// path it would sit in is the firmware's largest function).
+    #[inline(never)]
     fn reclaim_idle(st: &mut State<T>) -> Option<Registered> {
         // A kept oversize buffer first: nothing points into it.
         if let Some(k) = st.spare_oversize.iter().position(|&c| c != NONE) {
@@ -807,17 +809,24 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
             }
             // At the budget, idle chunks of other classes go back to the source
             // first (in batches, given back outside the lock): a class must not
-            // starve while another hoards free memory.
+            // starve while another hoards free memory. So with descriptors,
+            // which run out first when a burst of one class carves them all
+            // (and they stay with its chunks).
             let over = |st: &State<T>| {
                 st.stats
                     .reserved_bytes
                     .checked_add(grow_len)
                     .is_none_or(|total| total > self.config.budget)
             };
-            while over(&st) {
+            let short = |st: &State<T>| {
+                over(st)
+                    || !Self::slot_free(st)
+                    || (st.free_chunks == NONE && st.chunks_made == st.chunk_cap)
+            };
+            while short(&st) {
                 let mut batch: [Option<Registered>; 4] = [None; 4];
                 for slot in batch.iter_mut() {
-                    if !over(&st) {
+                    if !short(&st) {
                         break;
                     }
                     *slot = Self::reclaim_idle(&mut st);
@@ -831,14 +840,15 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
                 }
                 st = self.state.lock();
             }
-            if over(&st) {
-                // A growth that completed since our fast path looked may have
-                // left a free buffer: look again under this same lock.
-                if let Some(c) = class {
-                    if let Some(index) = self.try_fast(&mut st, c)? {
-                        return Ok(Some(self.finish_take(&mut st, index, class, 0)));
-                    }
+            // A growth that completed since our fast path looked may have
+            // left a free buffer, and descriptors freed above may serve the
+            // room left in the class's chunk: look again under this lock.
+            if let Some(c) = class {
+                if let Some(index) = self.try_fast(&mut st, c)? {
+                    return Ok(Some(self.finish_take(&mut st, index, class, 0)));
                 }
+            }
+            if over(&st) {
                 // Another thread's chunk is on its way: its buffers may serve
                 // us, so wait for it rather than report a false exhaustion.
                 if Self::growth_in_flight(&st) {
@@ -849,23 +859,6 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
                     cap: self.config.budget,
                 }
                 .into());
-            }
-            // Descriptors can run out before memory: a burst of one class
-            // carves them all, and they stay with its chunks. Idle chunks
-            // of other classes make way for them, as they do for memory at
-            // the budget: a class must not starve while another hoards.
-            let chunks_short =
-                |st: &State<T>| st.free_chunks == NONE && st.chunks_made == st.chunk_cap;
-            loop {
-                if Self::slot_free(&st) && !chunks_short(&st) {
-                    break;
-                }
-                let Some(m) = Self::reclaim_idle(&mut st) else {
-                    break;
-                };
-                drop(st);
-                self.source.give_back(m);
-                st = self.state.lock();
             }
             // The chunk needs a slot descriptor too; check now so a full
             // slot table fails before any memory is taken.
@@ -981,19 +974,10 @@ impl<S: ChunkSource, T: PoolTables> Pool for SlabPool<S, T> {
         loop {
             if let Some(c) = class {
                 let mut st = self.state.lock();
-                match self.try_fast(&mut st, c) {
-                    Ok(Some(index)) => return Ok(self.finish_take(&mut st, index, class, 0)),
-                    Ok(None) => {}
-                    // Room in the class's chunk but no descriptor for it:
-                    // idle chunks of other classes give up theirs.
-                    Err(e) => {
-                        let Some(m) = Self::reclaim_idle(&mut st) else {
-                            return Err(e.into());
-                        };
-                        drop(st);
-                        self.source.give_back(m);
-                        continue;
-                    }
+                // `Err`: room in the class's chunk but no descriptor for
+                // it; growing takes idle chunks' descriptors (or says so).
+                if let Ok(Some(index)) = self.try_fast(&mut st, c) {
+                    return Ok(self.finish_take(&mut st, index, class, 0));
                 }
             }
             match self.grow(class, len)? {
