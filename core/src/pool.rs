@@ -11,7 +11,11 @@
 //! chunk. A released one is kept (the last [`SPARE_OVERSIZE`]) for the next
 //! oversize request it fits, so a stream of large messages does not fault in
 //! and register fresh memory for each one; kept buffers go back to the source
-//! when the budget needs their room, or with the pool.
+//! when the budget or the chunk table needs their room, or with the pool.
+//! Idle chunks of one class go back too when another class needs their
+//! memory or their descriptors (a burst of one class must not starve the
+//! others for good); free buffers of a chunk that still holds a lease keep
+//! their descriptors.
 //!
 //! Capacity is fixed when the pool is made: its descriptor tables come from
 //! a [`PoolTables`] — [`InlineTables`] (arrays in the pool itself, for
@@ -656,26 +660,29 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
     /// Takes one chunk with no outstanding lease out of the pool: a class
     /// chunk's free slots are unlinked (their descriptors become spares) and
     /// its memory is returned for the caller to give back outside the lock.
-    /// O(chunks + free slots of that class): a cold path, run only at the
-    /// budget or when descriptors run out, kept out of line (the lease
-    /// path it would sit in is the firmware's largest function).
+    /// With `for_slots`, a class chunk: a kept oversize buffer holds no
+    /// slot descriptor. O(chunks + free slots of that class): a cold path,
+    /// run only at the budget or when descriptors run out, kept out of line
+    /// (the lease path it would sit in is the firmware's largest function).
     #[inline(never)]
-    fn reclaim_idle(st: &mut State<T>) -> Option<Registered> {
+    fn reclaim_idle(st: &mut State<T>, for_slots: bool) -> Option<Registered> {
         // A kept oversize buffer first: nothing points into it.
         if let Some(k) = st.spare_oversize.iter().position(|&c| c != NONE) {
-            let c = core::mem::replace(&mut st.spare_oversize[k], NONE);
-            let mem = Self::free_chunk(st, c);
-            st.stats.reclaimed += u64::from(mem.is_some());
-            return mem;
+            if !for_slots {
+                let c = core::mem::replace(&mut st.spare_oversize[k], NONE);
+                let mem = Self::free_chunk(st, c);
+                st.stats.reclaimed += u64::from(mem.is_some());
+                return mem;
+            }
         }
         let made = st.chunks_made;
-        // Idle oversize chunks are all kept spares (handled above): what is
-        // found here is a class chunk.
+        // Idle oversize chunks are all kept spares (passed over above, or
+        // left for slots): a class chunk.
         let victim = st.tables.chunks()[..made]
             .iter()
-            .position(|c| c.mem.is_some() && c.in_use == 0)? as u32;
+            .position(|c| c.mem.is_some() && c.in_use == 0 && usize::from(c.class) < OVERSIZE)?
+            as u32;
         let class = st.tables.chunks()[victim as usize].class as usize;
-        debug_assert!(class < OVERSIZE);
         // Unlink the victim's slots from the class free list, keeping the rest in order.
         let mut prev = NONE;
         let mut at = st.free[class];
@@ -818,18 +825,19 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
                     .checked_add(grow_len)
                     .is_none_or(|total| total > self.config.budget)
             };
-            let short = |st: &State<T>| {
-                over(st)
-                    || !Self::slot_free(st)
-                    || (st.free_chunks == NONE && st.chunks_made == st.chunk_cap)
+            let room_short = |st: &State<T>| {
+                over(st) || (st.free_chunks == NONE && st.chunks_made == st.chunk_cap)
             };
+            let short = |st: &State<T>| room_short(st) || !Self::slot_free(st);
             while short(&st) {
                 let mut batch: [Option<Registered>; 4] = [None; 4];
+                // Only descriptors short: a kept oversize buffer has none to give.
+                let for_slots = !room_short(&st);
                 for slot in batch.iter_mut() {
                     if !short(&st) {
                         break;
                     }
-                    *slot = Self::reclaim_idle(&mut st);
+                    *slot = Self::reclaim_idle(&mut st, for_slots);
                 }
                 if batch[0].is_none() {
                     break;
@@ -1554,6 +1562,29 @@ pub(crate) mod tests {
         let ones: [_; 3] = core::array::from_fn(|_| p.lease(1000).unwrap());
         let st = p.stats();
         assert_eq!((st.reclaimed, st.leases, st.reserved_bytes), (3, 3, 4096));
+        drop(ones);
+    }
+
+    /// A lease refused for want of slot descriptors, every one held by a
+    /// live lease, leaves the pool's kept oversize buffers alone: they hold
+    /// no descriptor (giving them back only unmapped and deregistered them).
+    #[test]
+    fn kept_oversize_buffers_stay_when_only_slot_descriptors_are_short() {
+        let source = Scripted::default();
+        let p = scripted::<8, 4>(&source, 1 << 20);
+        drop(p.lease(10_000).unwrap()); // kept
+        let ones: [_; 4] = core::array::from_fn(|_| p.lease(1000).unwrap());
+        assert_eq!(
+            p.lease(2000).unwrap_err(),
+            Error::Pool(PoolError::TooManyBuffers { slots: 4 })
+        );
+        let st = p.stats();
+        assert_eq!((st.given_back, st.reclaimed), (0, 0));
+        assert_eq!(
+            st.reserved_bytes,
+            (12 << 10) + 4096,
+            "the kept one and the chunk"
+        );
         drop(ones);
     }
 

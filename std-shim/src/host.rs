@@ -15,8 +15,7 @@ pub type StdLease = Lease<Arc<StdPool>>;
 /// Messages a peer's send queue holds at most, whatever their bytes: each
 /// queued zero-copy send holds one of its pool's buffer descriptors, and a
 /// sender of small leases that outruns its wire would otherwise hold them
-/// all (every other lease then fails, and a pool does not move descriptors
-/// between size classes).
+/// all (every other lease then fails until they go out).
 pub(crate) const QUEUED_MESSAGES: usize = 4096;
 
 /// A heap-backed pool of `budget` bytes with the default size classes
