@@ -214,3 +214,31 @@ fn a_lane_is_quiet_only_when_a_read_has_nothing_to_do() {
     rig.send_lease(200 << 10).unwrap();
     assert!(!rig.quiet(), "a buffer out with the peer");
 }
+
+/// The wire's inbox is shared by its lanes: once others fill it, a lane
+/// stops with a frame begun, its rest waiting in the ring. That wait is
+/// this side's doing (the application has not taken its messages), not the
+/// peer's stall, however long it lasts.
+#[test]
+fn a_frame_held_back_by_a_full_inbox_is_not_the_peers_stall() {
+    let idle = idle_micros();
+    let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+    rig.peer_write(&hello());
+    rig.read_at(1).unwrap();
+    // One message whole, the next begun.
+    rig.peer_write(&data(DataFlags::NONE, 0, 5));
+    rig.peer_write(b"first");
+    rig.peer_write(&data(DataFlags::NONE, 1, 6));
+    rig.peer_write(b"se");
+    rig.set_inbox(2);
+    rig.read_at(1000).unwrap();
+    // Its rest comes, but the inbox is full now (other lanes' messages).
+    rig.peer_write(b"cond");
+    rig.set_inbox(1);
+    poll_until(&mut rig, 2000, 2000 + 2 * idle)
+        .unwrap_or_else(|e| panic!("dropped while held back: {e:?}"));
+    assert_eq!(rig.take_delivered(), [Ok(5)]);
+    // The application takes its messages: the rest is read.
+    rig.read_at(2 * idle + 3000).unwrap();
+    assert_eq!(rig.take_delivered(), [Ok(6)]);
+}

@@ -9,7 +9,9 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
 use zerohop_backends::{host_bytes, host_bytes_mut};
-use zerohop_core::session::{DataIn, Inbound, Instant, SendError, Session, SessionConfig};
+use zerohop_core::session::{
+    DataIn, Inbound, Instant, ProtocolError, SendError, Session, SessionConfig,
+};
 use zerohop_core::wire::{DataFlags, HEADER_LEN};
 use zerohop_core::{Error, Lease, PeerId, Received};
 
@@ -166,6 +168,9 @@ pub(crate) struct Lane {
     broken: bool,
     /// The pool had no buffer for the last message begun.
     pub(crate) dry: bool,
+    /// The last read stopped at a full inbox (the inbox is shared by every
+    /// lane: a frame of this one may have been begun).
+    held: bool,
     /// The peer's process (for single-copy reads), if known.
     peer_pid: Option<i32>,
     /// Messages at least this long go by a single copy (the segment says).
@@ -225,6 +230,7 @@ impl Lane {
             waiting_room: false,
             broken: false,
             dry: false,
+            held: false,
             peer_pid,
             cma_tx: true,
             cma_rx: true,
@@ -358,13 +364,24 @@ impl Lane {
         self.rx.position()
     }
 
+    /// The side pass's timers at `now`: a peer this side holds back (its
+    /// pool dry, the inbox full) is not stalled; bytes taken since the last
+    /// pass are news of it (see `heard`); then its idle timeout.
+    pub(crate) fn tend(&mut self, now: Instant) -> Result<(), ProtocolError> {
+        if self.dry || self.held {
+            self.session.handle_held(now);
+        }
+        self.heard(now);
+        self.session.handle_timeout(now)
+    }
+
     /// The clock as of a side pass: bytes taken since the last one mean the
     /// peer was heard since, whatever time the reads that took them were
     /// told. Reads between side passes use the time of the last one (a
     /// clock read a poll would cost a spinning receiver a quarter of its
     /// time); after a long quiet that time is old, and a frame found half
     /// written then must not look stalled since it.
-    pub(crate) fn heard(&mut self, now: Instant) {
+    fn heard(&mut self, now: Instant) {
         let taken = self.taken();
         if taken != self.taken_when_heard {
             self.taken_when_heard = taken;
@@ -876,8 +893,10 @@ impl Lane {
         if let Err(e) = self.deliver_device(peer, arrivals) {
             return Outcome::Bad(e);
         }
+        self.held = false;
         loop {
             if arrivals.len() >= inbox {
+                self.held = true;
                 return Outcome::Stopped;
             }
             // 1. The payload of the frame whose header the engine took.

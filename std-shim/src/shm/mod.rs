@@ -482,7 +482,8 @@ impl LocalWire {
         // Only when epoll says there are some: an accept that finds none
         // still makes and frees a socket in the kernel, on every pass.
         let now = StdInstant::now();
-        if self.tcp.take_watched() {
+        // A new edge during a pause after a failed accept leaves the pause.
+        if self.tcp.take_watched() && self.accept_due.is_none() {
             self.accept_due = Some(now);
         }
         while self.accept_due.is_some_and(|t| now >= t) {
@@ -687,11 +688,7 @@ impl LocalWire {
                     continue;
                 }
             }
-            if l.dry {
-                l.session.handle_held(now); // our pool, not the peer's stall
-            }
-            l.heard(now);
-            if let Err(error) = l.session.handle_timeout(now) {
+            if let Err(error) = l.tend(now) {
                 self.drop_lane(slot, Some(Error::Protocol { peer: id, error }));
                 continue;
             }
@@ -875,12 +872,10 @@ impl Wire for LocalWire {
     }
 
     fn poll_fds(&self, out: &mut Vec<libc::pollfd>, waiter: Waiter) {
+        // (The lane socket wakes a sleeper through the TCP side's epoll
+        // set, edge-triggered: a connection left in its backlog while
+        // accepts pause does not keep waking it.)
         self.tcp.poll_fds(out, waiter);
-        out.push(libc::pollfd {
-            fd: self.listener.fd().as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        });
         for (link, _) in &self.links {
             out.push(libc::pollfd {
                 fd: link.as_raw_fd(),

@@ -30,6 +30,8 @@ pub struct LaneRig {
     peer_in: Consumer<SegRing>,
     pool: Arc<StdPool>,
     arrivals: VecDeque<Result<Received<ShmLease>, Error>>,
+    /// Messages `arrivals` holds at most (the wire's inbox, shared by its lanes).
+    inbox: usize,
     _peer_link: UnixStream,
 }
 
@@ -65,6 +67,7 @@ impl LaneRig {
             peer_in: Consumer::new(seg.ring(1)),
             pool,
             arrivals: VecDeque::new(),
+            inbox: 64,
             _peer_link: peer_link,
         })
     }
@@ -101,6 +104,12 @@ impl LaneRig {
         self.peer_tx.mem()
     }
 
+    /// Reads stop once `n` messages wait to be taken (64 unless set): the
+    /// wire's inbox, which other lanes may have filled.
+    pub fn set_inbox(&mut self, n: usize) {
+        self.inbox = n;
+    }
+
     /// Whether a reader of many lanes would skip this one now (see `Lane::quiet`).
     pub fn quiet(&self) -> bool {
         self.lane.as_ref().is_some_and(|l| l.quiet())
@@ -119,9 +128,7 @@ impl LaneRig {
         let Some(lane) = self.lane.as_mut() else {
             return Err(Error::Closed);
         };
-        let now = Instant::from_micros(micros);
-        lane.heard(now);
-        lane.session.handle_timeout(now).map_err(|error| {
+        lane.tend(Instant::from_micros(micros)).map_err(|error| {
             self.lane = None;
             Error::Protocol { peer: PEER, error }
         })
@@ -138,7 +145,7 @@ impl LaneRig {
             Instant::from_micros(micros),
             &self.pool,
             &mut self.arrivals,
-            64,
+            self.inbox,
         ) {
             Outcome::Bad(e) => {
                 self.lane = None; // as the transport drops it
