@@ -524,6 +524,47 @@ fn an_idle_half_frame_and_a_silent_handshake_are_dropped_after_the_timeout() {
     assert_eq!(server.with(|t| (t.peer_count(), t.handshaking())), (0, 0));
 }
 
+/// The same stall from a peer that has delivered a message: a spinning
+/// receiver then reads that peer straight away on each poll (no epoll),
+/// and a look that finds nothing is not news of the peer.
+#[test]
+fn a_half_frame_from_the_peer_that_delivered_last_is_dropped_after_the_timeout() {
+    let config = TcpConfig {
+        idle_timeout: Duration::from_millis(300),
+        ..TcpConfig::default()
+    };
+    let (server, addr, _pool) = listener(64 << 20, config);
+    let mut raw = Raw::connect(addr);
+    raw.send(&Raw::data(0, 5, DataFlags::NONE));
+    raw.send(b"hello");
+    let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), b"hello");
+    drop(r);
+    // Half of the next header, then nothing, while the receiver spins.
+    raw.send(&Raw::data(1, 10, DataFlags::NONE)[..10]);
+    let t0 = Instant::now();
+    let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Protocol {
+                error: ProtocolError::Stalled {
+                    during: Stall::Frame
+                },
+                ..
+            }
+        ),
+        "{e:?} after {:?}",
+        t0.elapsed()
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_millis(250),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert!(raw.closed_by_peer());
+}
+
 #[test]
 fn hundreds_of_connections_that_never_say_hello_make_room_oldest_first() {
     let config = TcpConfig {

@@ -204,6 +204,8 @@ struct Peer {
     /// Readiness seen and not yet used up (edge-triggered: a read that
     /// comes back short, or empty, uses it up; the next arrival raises it).
     readable: bool,
+    /// Bytes came into the stage that the session has not been told of.
+    heard: bool,
     lane_readable: bool,
     /// epoll reported the other side's end (or an error) on the socket: it
     /// stays readable until a read says so, however short the reads before.
@@ -597,6 +599,7 @@ impl TcpTransport {
             token,
             striped_sent: 0,
             readable: true,
+            heard: false,
             lane_readable: true,
             hup: false,
             lane_hup: false,

@@ -66,6 +66,7 @@ pub(super) fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
                 // edge, except an end already reported (then read on to it).
                 p.readable = p.stage_end + n == end || p.hup;
                 p.stage_end += n;
+                p.heard = true;
                 return Ok(true);
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -423,7 +424,12 @@ impl TcpTransport {
                 }
                 continue;
             }
-            p.session.handle_activity(now, staged > 0);
+            // Only bytes are news of the peer: a spinning receiver looks at
+            // the peer that delivered last on every poll, and a look that
+            // finds nothing must not keep one stalled mid-header alive.
+            if std::mem::take(&mut p.heard) {
+                p.session.handle_activity(now, staged > 0);
+            }
             // 3. More bytes into the stage.
             let room = if p.direct_stream {
                 HEADER_LEN + READ_AHEAD
