@@ -101,10 +101,34 @@ pub(crate) fn send_setup(
     Ok(s)
 }
 
-/// Reads a setup from a taken connection. `Ok(None)`: not here yet.
+/// Reads a setup from a taken connection. `Ok(None)`: not here yet, or
+/// this process has no room for its three descriptors yet.
 /// Anything but a whole setup with its three descriptors is refused.
 pub(crate) fn recv_setup(s: &UnixStream) -> io::Result<Option<Setup>> {
     let mut msg = [0u8; SETUP_BYTES];
+    // Descriptors that do not fit the process (EMFILE) are dropped by the
+    // kernel as it hands the message over, and the setup is lost for good.
+    // So look first (a peek hands no descriptors over), and take it only
+    // once three descriptors are free: a process out of them for a while
+    // still gets its lane when they come back.
+    match rustix::net::recvmsg(
+        s,
+        &mut [IoSliceMut::new(&mut msg)],
+        &mut RecvAncillaryBuffer::default(),
+        RecvFlags::DONTWAIT | RecvFlags::PEEK,
+    ) {
+        Ok(_) => {}
+        Err(rustix::io::Errno::AGAIN) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let room: Result<Vec<OwnedFd>, _> = (0..3)
+        .map(|_| rustix::io::fcntl_dupfd_cloexec(s, 0))
+        .collect();
+    match room {
+        Ok(room) => drop(room), // freed for the message's three
+        Err(rustix::io::Errno::MFILE | rustix::io::Errno::NFILE) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let got = match rustix::net::recvmsg(

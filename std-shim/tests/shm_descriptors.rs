@@ -1,0 +1,199 @@
+//! The same-host lane when the offering process is out of file descriptors.
+//! Its lane socket's accept fails (EMFILE), and the connection waits in the
+//! backlog with no new readiness edge to come for it: the offering side must
+//! retry after a pause, neither spinning on the failing accept nor waiting
+//! for an edge that never comes. Then, with one descriptor free, the accept
+//! succeeds but the setup's three descriptors (segment, two doorbells) have
+//! no room: taking the message then would lose them (the kernel drops what
+//! does not fit), so it waits. The lane is set up once descriptors are back.
+//!
+//! Its own test binary: the descriptor limit is the whole process's.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use zerohop_core::Kind;
+use zerohop_std::shm::{LocalWire, ShmConfig, LANE_BIT};
+use zerohop_std::tcp::{TcpConfig, TcpTransport};
+use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, StdPool};
+
+const WAIT: Duration = Duration::from_secs(10);
+/// How long the offering side has no descriptor free, then one: enough to
+/// accept the lane connection, not to take the setup's three.
+const NONE_FREE: Duration = Duration::from_millis(350);
+const ONE_FREE: Duration = Duration::from_millis(300);
+
+fn wire(pool: &Arc<StdPool>) -> LocalWire {
+    let shm = ShmConfig {
+        ring_bytes: 1 << 20,
+        required: true,
+        ..ShmConfig::default()
+    };
+    LocalWire::new(Arc::clone(pool), TcpConfig::default(), shm, Kind::Shm).unwrap()
+}
+
+/// Counts the offering side's reports of a failed lane accept.
+struct FailedAccepts(AtomicUsize);
+
+impl log::Log for FailedAccepts {
+    fn enabled(&self, m: &log::Metadata) -> bool {
+        m.level() <= log::Level::Warn
+    }
+    fn log(&self, r: &log::Record) {
+        if r.args()
+            .to_string()
+            .contains("accepting a lane connection failed")
+        {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    fn flush(&self) {}
+}
+
+static FAILED_ACCEPTS: FailedAccepts = FailedAccepts(AtomicUsize::new(0));
+
+/// The listening side, in a child process: prints its address, then echoes.
+#[test]
+#[ignore = "a helper process for the test below"]
+fn child_listener() {
+    if std::env::var("ZEROHOP_TEST_CHILD").is_err() {
+        return;
+    }
+    let pool = heap_pool(16 << 20).unwrap();
+    let mut t = wire(&pool);
+    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let e = Endpoint::new(t, EndpointConfig::default()).unwrap();
+    println!("listening on {addr}");
+    loop {
+        match e.recv(Deadline::after(Duration::from_secs(30)), None) {
+            Ok(m) => {
+                let bytes = zerohop_backends::host_bytes(m.lease.host().unwrap()).to_vec();
+                e.send(m.peer, &bytes, Deadline::after(WAIT), None).unwrap();
+            }
+            // The dialer went (or never came): done.
+            Err(_) => return,
+        }
+    }
+}
+
+/// The soft limit on descriptors, read and set.
+fn nofile() -> libc::rlimit {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a valid out-pointer to an rlimit.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+    lim
+}
+
+fn set_nofile(lim: libc::rlimit) {
+    // SAFETY: a valid pointer to an rlimit; lowering the soft limit, or
+    // putting it back, is always allowed.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+}
+
+/// Opens descriptors until the process has none left; they are freed with the result.
+fn every_free_descriptor() -> Vec<std::fs::File> {
+    let mut held = Vec::new();
+    loop {
+        match std::fs::File::open("/dev/null") {
+            Ok(f) => held.push(f),
+            Err(e) if e.raw_os_error() == Some(libc::EMFILE) => return held,
+            Err(e) => panic!("opening /dev/null: {e}"),
+        }
+    }
+}
+
+#[test]
+fn an_offering_side_out_of_descriptors_sets_its_lane_up_once_they_are_back() {
+    log::set_logger(&FAILED_ACCEPTS).unwrap();
+    log::set_max_level(log::LevelFilter::Warn);
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "child_listener",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("ZEROHOP_TEST_CHILD", "1")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The test harness prints first; the child's line names its address.
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr: SocketAddr = out
+        .by_ref()
+        .map_while(Result::ok)
+        .find_map(|l| Some(l.split_once("listening on ")?.1.to_owned()))
+        .expect("the child's address")
+        .parse()
+        .unwrap();
+    // Read the rest as it comes, so the child never writes to a closed pipe.
+    let drain = std::thread::spawn(move || out.for_each(drop));
+
+    // The dialing side offers the lane: the listener creates the segment and
+    // connects to this process's lane socket, which must accept it.
+    let pool = heap_pool(16 << 20).unwrap();
+    let e = Endpoint::new(wire(&pool), EndpointConfig::default()).unwrap();
+    let d = TcpTransport::dial(addr, WAIT, true).unwrap();
+    let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
+    let before = nofile();
+    set_nofile(libc::rlimit {
+        rlim_cur: open + 16,
+        ..before
+    });
+    let freer = std::thread::spawn(move || {
+        let start = Instant::now();
+        let mut held = Vec::new();
+        // None free, whatever the process closes meanwhile (its TCP
+        // connection to the peer, once the lane is agreed).
+        while start.elapsed() < NONE_FREE {
+            held.extend(every_free_descriptor());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        held.pop();
+        std::thread::sleep(ONE_FREE);
+        drop(held);
+        set_nofile(before);
+    });
+    let started = Instant::now();
+    let p = e.with(|t| t.attach(d)).unwrap();
+    let peer = e.wait_open(p, Deadline::after(WAIT));
+    let took = started.elapsed();
+    freer.join().unwrap();
+    let failed = FAILED_ACCEPTS.0.load(Ordering::Relaxed);
+    let peer = peer.expect("the lane is set up once descriptors are free");
+    assert!(peer.0 & LANE_BIT != 0, "the peer moved to shared memory");
+    // The accept failed and was retried, a pause (100 ms) apart: a few
+    // tries while none was free, not one per pass of a spin.
+    assert!(
+        failed >= 2,
+        "{failed} failed lane accepts: the test starved nothing"
+    );
+    assert!(
+        failed <= 2 * (NONE_FREE.as_millis() as usize / 100) + 2,
+        "{failed} failed accepts in {took:?}: retried without a pause"
+    );
+    assert!(
+        took >= NONE_FREE + ONE_FREE / 2,
+        "open in {took:?}, before descriptors were freed"
+    );
+
+    e.send(peer, b"hello", Deadline::after(WAIT), None).unwrap();
+    let r = e.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(
+        zerohop_backends::host_bytes(r.lease.host().unwrap()),
+        b"hello"
+    );
+    drop(r);
+    drop(e);
+    let status = child.wait().unwrap();
+    drain.join().unwrap();
+    assert!(status.success(), "the listener: {status}");
+}
