@@ -32,7 +32,7 @@ fn rig() -> &'static Mutex<Rig> {
             max_message: MAX,
             ..TcpConfig::default()
         };
-        let mut transport = TcpTransport::new(Arc::clone(&pool), config, Kind::Tcp);
+        let mut transport = TcpTransport::new(Arc::clone(&pool), config, Kind::Tcp).unwrap();
         let addr = transport.listen("127.0.0.1:0").unwrap();
         Mutex::new(Rig {
             transport,

@@ -19,7 +19,7 @@ use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool}
 const SECOND: Duration = Duration::from_secs(1);
 
 fn transport(budget: usize, config: TcpConfig) -> TcpTransport {
-    TcpTransport::new(heap_pool(budget).unwrap(), config, Kind::Tcp)
+    TcpTransport::new(heap_pool(budget).unwrap(), config, Kind::Tcp).unwrap()
 }
 
 fn listener(

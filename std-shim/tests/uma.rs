@@ -33,14 +33,15 @@ fn messages_land_in_managed_memory_and_the_gpu_checksums_them_in_place() {
     };
     let kernel = Checksum::load(&gpu).unwrap();
     let pool = managed_pool(1 << 30).unwrap();
-    let mut rx = TcpTransport::new(pool.clone(), TcpConfig::default(), Kind::Uma);
+    let mut rx = TcpTransport::new(pool.clone(), TcpConfig::default(), Kind::Uma).unwrap();
     let addr = rx.listen("127.0.0.1:0").unwrap();
     let rx = Endpoint::new(rx, EndpointConfig::default()).unwrap();
     let mut tx = TcpTransport::new(
         heap_pool(256 << 20).unwrap(),
         TcpConfig::default(),
         Kind::Tcp,
-    );
+    )
+    .unwrap();
     let peer = tx.connect(addr, Duration::from_secs(5)).unwrap();
     let tx = Endpoint::new(tx, EndpointConfig::default()).unwrap();
     let mut x = 0x2545_F491_4F6C_DD1Du64;

@@ -116,9 +116,9 @@ pub fn tcp_pair(
     };
     let b_pool = pool()?;
     let a_pool = pool()?;
-    let mut b = TcpTransport::new(Arc::clone(&b_pool), config, kind);
+    let mut b = TcpTransport::new(Arc::clone(&b_pool), config, kind).unwrap();
     let addr = b.listen("127.0.0.1:0").map_err(|e| e.to_string())?;
-    let mut a = TcpTransport::new(Arc::clone(&a_pool), config, kind);
+    let mut a = TcpTransport::new(Arc::clone(&a_pool), config, kind).unwrap();
     let to_b = a
         .connect(addr, Duration::from_secs(5))
         .map_err(|e| e.to_string())?;

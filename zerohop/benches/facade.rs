@@ -37,7 +37,8 @@ fn direct_round() -> Figures {
         heap_pool(256 << 20).unwrap(),
         TcpConfig::default(),
         Kind::Tcp,
-    );
+    )
+    .unwrap();
     let addr: SocketAddr = st.listen("127.0.0.1:0").unwrap();
     let server = Driven::new(
         st,
@@ -51,7 +52,8 @@ fn direct_round() -> Figures {
         heap_pool(256 << 20).unwrap(),
         TcpConfig::default(),
         Kind::Tcp,
-    );
+    )
+    .unwrap();
     let peer: PeerId = ct.connect(addr, WAIT).unwrap();
     let client = Driven::new(ct, driven).unwrap();
     client.wait_open(peer, Deadline::after(WAIT)).unwrap();

@@ -220,7 +220,8 @@ impl Endpoint {
             Kind::Tcp => {
                 let pool = zerohop_std::heap_pool(config.pool_bytes)
                     .map_err(|e| setup(format!("the receive pool: {e}")))?;
-                let t = TcpTransport::new(pool, tcp_config(&config, max_message), kind);
+                let t = TcpTransport::new(pool, tcp_config(&config, max_message), kind)
+                    .map_err(|e| setup(format!("the tcp wire: {e}")))?;
                 Wire::Tcp(Driven::new(t, driven).map_err(|e| setup(e.to_string()))?)
             }
             // `uma` is `shm`'s wire over managed memory: peers on this host
@@ -264,7 +265,8 @@ impl Endpoint {
                     // `uma` without lanes is still `uma`: TCP into managed memory.
                     Err(e) if kind == Kind::Uma => {
                         log::info!("zerohop: uma without same-host lanes: {e}");
-                        let t = TcpTransport::new(pool, tcp, kind);
+                        let t = TcpTransport::new(pool, tcp, kind)
+                            .map_err(|e| setup(format!("the tcp wire: {e}")))?;
                         Wire::Tcp(Driven::new(t, driven).map_err(|e| setup(e.to_string()))?)
                     }
                     Err(e) => return Err(setup(e.to_string())),

@@ -12,7 +12,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 
 use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
     SendAncillaryMessage, SendFlags,
 };
 use zerohop_core::session::HostOffer;
@@ -79,8 +79,18 @@ pub(crate) fn send_setup(
     bell_offerer: BorrowedFd<'_>,
     bell_taker: BorrowedFd<'_>,
 ) -> io::Result<UnixStream> {
-    let addr = UnixAddr::from_abstract_name(socket_name(offer))?;
-    let s = UnixStream::connect_addr(&addr)?;
+    // Non-blocking: an offering side whose backlog is full (out of
+    // descriptors a while, or flooded) is refused at once (EAGAIN), and
+    // this side declines the offer, instead of waiting with its lock held.
+    let s = rustix::net::socket_with(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::STREAM,
+        rustix::net::SocketFlags::NONBLOCK | rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )?;
+    let addr = rustix::net::SocketAddrUnix::new_abstract_name(socket_name(offer).as_bytes())?;
+    rustix::net::connect(&s, &addr)?;
+    let s = UnixStream::from(s);
     let mut msg = [0u8; SETUP_BYTES];
     msg[..4].copy_from_slice(&MAGIC);
     msg[4..8].copy_from_slice(&VERSION.to_le_bytes());
@@ -97,48 +107,43 @@ pub(crate) fn send_setup(
     if n != SETUP_BYTES {
         return Err(io::Error::other("the lane setup went in part"));
     }
-    s.set_nonblocking(true)?;
     Ok(s)
 }
 
-/// Reads a setup from a taken connection. `Ok(None)`: not here yet, or
-/// this process has no room for its three descriptors yet.
-/// Anything but a whole setup with its three descriptors is refused.
-pub(crate) fn recv_setup(s: &UnixStream) -> io::Result<Option<Setup>> {
+/// What a look at a taken connection found.
+#[derive(Debug)]
+pub(crate) enum SetupRead {
+    /// A whole setup with its three descriptors, now this process's.
+    Ready(Setup),
+    /// Nothing yet.
+    NotYet,
+    /// A setup whose descriptors this process has no room for (EMFILE):
+    /// it stays queued for a later look.
+    NoRoom,
+}
+
+fn refused(why: &'static str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, why)
+}
+
+/// Reads a setup from a taken connection. Anything but a whole setup with
+/// its three descriptors is refused.
+pub(crate) fn recv_setup(s: &UnixStream) -> io::Result<SetupRead> {
+    // Descriptors that do not fit the process are dropped by the kernel as
+    // it hands a message over, and a setup taken so would be lost for good.
+    // So peek: the descriptors come as copies, and the message stays queued
+    // until they all came.
     let mut msg = [0u8; SETUP_BYTES];
-    // Descriptors that do not fit the process (EMFILE) are dropped by the
-    // kernel as it hands the message over, and the setup is lost for good.
-    // So look first (a peek hands no descriptors over), and take it only
-    // once three descriptors are free: a process out of them for a while
-    // still gets its lane when they come back.
-    match rustix::net::recvmsg(
-        s,
-        &mut [IoSliceMut::new(&mut msg)],
-        &mut RecvAncillaryBuffer::default(),
-        RecvFlags::DONTWAIT | RecvFlags::PEEK,
-    ) {
-        Ok(_) => {}
-        Err(rustix::io::Errno::AGAIN) => return Ok(None),
-        Err(e) => return Err(e.into()),
-    }
-    let room: Result<Vec<OwnedFd>, _> = (0..3)
-        .map(|_| rustix::io::fcntl_dupfd_cloexec(s, 0))
-        .collect();
-    match room {
-        Ok(room) => drop(room), // freed for the message's three
-        Err(rustix::io::Errno::MFILE | rustix::io::Errno::NFILE) => return Ok(None),
-        Err(e) => return Err(e.into()),
-    }
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
-    let got = match rustix::net::recvmsg(
+    let peeked = match rustix::net::recvmsg(
         s,
         &mut [IoSliceMut::new(&mut msg)],
         &mut control,
-        RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC,
+        RecvFlags::DONTWAIT | RecvFlags::PEEK | RecvFlags::CMSG_CLOEXEC,
     ) {
-        Ok(r) => r.bytes,
-        Err(rustix::io::Errno::AGAIN) => return Ok(None),
+        Ok(r) => r,
+        Err(rustix::io::Errno::AGAIN) => return Ok(SetupRead::NotYet),
         Err(e) => return Err(e.into()),
     };
     let mut fds: Vec<OwnedFd> = Vec::new();
@@ -147,27 +152,41 @@ pub(crate) fn recv_setup(s: &UnixStream) -> io::Result<Option<Setup>> {
             fds.extend(rights);
         }
     }
-    if got != SETUP_BYTES || msg[..4] != MAGIC {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "not a lane setup",
-        ));
+    if peeked.flags.contains(ReturnFlags::CTRUNC) {
+        // Fewer than the room for three: the process is out of
+        // descriptors. Three and cut short: more were sent than a setup has.
+        return match fds.len() {
+            0..3 => Ok(SetupRead::NoRoom),
+            _ => Err(refused("a lane setup with more than three descriptors")),
+        };
+    }
+    if peeked.bytes == 0 {
+        return Err(refused("the peer hung up before its lane setup"));
+    }
+    // One message of SETUP_BYTES, sent at once: a shorter one is no setup.
+    if peeked.bytes != SETUP_BYTES || msg[..4] != MAGIC {
+        return Err(refused("not a lane setup"));
     }
     if u32::from_le_bytes([msg[4], msg[5], msg[6], msg[7]]) != VERSION {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "a lane setup of another version",
-        ));
+        return Err(refused("a lane setup of another version"));
     }
     let token = u32::from_le_bytes([msg[8], msg[9], msg[10], msg[11]]);
-    // Exactly three; more are closed as they drop, and refused.
-    let [segment, bell_offerer, bell_taker]: [OwnedFd; 3] = fds.try_into().map_err(|_| {
-        io::Error::new(
-            io::ErrorKind::InvalidData,
-            "a lane setup without its three descriptors",
-        )
-    })?;
-    Ok(Some(Setup {
+    let [segment, bell_offerer, bell_taker]: [OwnedFd; 3] = fds
+        .try_into()
+        .map_err(|_| refused("a lane setup without exactly three descriptors"))?;
+    // Take it off the queue; its descriptors are ours already (the kernel
+    // drops the queued ones, asked for no room).
+    let mut taken = [0u8; SETUP_BYTES];
+    let r = rustix::net::recvmsg(
+        s,
+        &mut [IoSliceMut::new(&mut taken)],
+        &mut RecvAncillaryBuffer::default(),
+        RecvFlags::DONTWAIT,
+    )?;
+    if r.bytes != SETUP_BYTES || taken != msg {
+        return Err(refused("the lane setup changed between two reads"));
+    }
+    Ok(SetupRead::Ready(Setup {
         token,
         segment,
         bell_offerer,
@@ -216,8 +235,12 @@ mod tests {
         let (b1, b2) = (bell().unwrap(), bell().unwrap());
         let link = send_setup(&o, 0x77, seg.as_fd(), b1.as_fd(), b2.as_fd()).unwrap();
         let taken = l.accept().unwrap().expect("a connection");
-        let setup = recv_setup(&taken).unwrap().expect("the setup");
+        let SetupRead::Ready(setup) = recv_setup(&taken).unwrap() else {
+            panic!("the setup")
+        };
         assert_eq!(setup.token, 0x77);
+        // Taken off the queue: nothing more comes.
+        assert!(matches!(recv_setup(&taken).unwrap(), SetupRead::NotYet));
         // The doorbells are the same eventfds: a ring on one end is seen on the other.
         ring(b1.as_fd());
         let mut v = [0u8; 8];
@@ -237,6 +260,38 @@ mod tests {
         let _s2 = UnixStream::connect_addr(&UnixAddr::from_abstract_name(socket_name(&o)).unwrap())
             .unwrap();
         let taken = l.accept().unwrap().unwrap();
-        assert!(recv_setup(&taken).unwrap().is_none());
+        assert!(matches!(recv_setup(&taken).unwrap(), SetupRead::NotYet));
+        // One that hangs up before its setup is refused.
+        drop(_s2);
+        assert_eq!(
+            recv_setup(&taken).unwrap_err().to_string(),
+            "the peer hung up before its lane setup"
+        );
+    }
+
+    /// Setup messages with four and five descriptors are refused (the room
+    /// for three holds four, so five are cut short by the kernel).
+    #[test]
+    fn a_setup_with_more_than_three_descriptors_is_refused() {
+        let o = offer(0x5E71);
+        let l = LaneListener::bind(&o).unwrap();
+        for n in [4, 5] {
+            let s =
+                UnixStream::connect_addr(&UnixAddr::from_abstract_name(socket_name(&o)).unwrap())
+                    .unwrap();
+            let mut msg = [0u8; SETUP_BYTES];
+            msg[..4].copy_from_slice(&MAGIC);
+            msg[4..8].copy_from_slice(&VERSION.to_le_bytes());
+            let b: Vec<OwnedFd> = (0..n).map(|_| bell().unwrap()).collect();
+            let fds: Vec<BorrowedFd<'_>> = b.iter().map(|f| f.as_fd()).collect();
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(5))];
+            let mut control = SendAncillaryBuffer::new(&mut space);
+            assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+            rustix::net::sendmsg(&s, &[IoSlice::new(&msg)], &mut control, SendFlags::NOSIGNAL)
+                .unwrap();
+            let taken = l.accept().unwrap().unwrap();
+            let e = recv_setup(&taken).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{n} descriptors: {e}");
+        }
     }
 }

@@ -49,7 +49,7 @@ use crate::endpoint::{pool_leaser, Leaser, Waiter, Wire};
 use crate::host::{StdLease, StdPool};
 use crate::tcp::{Dialed, TcpConfig, TcpTransport};
 
-use self::handshake::{LaneListener, Setup};
+use self::handshake::{LaneListener, Setup, SetupRead};
 use self::lane::{Lane, Outcome, Source};
 use self::segment::Segment;
 
@@ -120,6 +120,15 @@ const MAX_PENDING: usize = 64;
 const SETUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// After a failed accept on the lane socket, the next try (as TCP's listener).
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// A connection on the lane socket, waiting for its setup message.
+#[derive(Debug)]
+struct Link {
+    stream: UnixStream,
+    since: StdInstant,
+    /// Its setup came, and this process had no room for its descriptors.
+    no_room: bool,
+}
+
 /// How often a spinning receiver looks at the lanes' links (a dead peer
 /// is seen at once by a sleeper; a spinner sees it within this).
 const LINK_CHECK: Duration = Duration::from_millis(5);
@@ -187,7 +196,7 @@ pub struct LocalWire {
     pool: Arc<StdPool>,
     lanes: Vec<Slot>,
     /// Unix connections taken, waiting for their setup message.
-    links: Vec<(UnixStream, StdInstant)>,
+    links: Vec<Link>,
     /// Setups received, by the TCP token they name, waiting for the answer.
     setups: HashMap<u32, (Setup, UnixStream, StdInstant)>,
     /// Peers this side connected to over TCP: token and address.
@@ -267,7 +276,7 @@ impl LocalWire {
         let listener = LaneListener::bind(&offer)?;
         tcp.same_host = Some(offer);
         tcp.takes_offers = true;
-        let mut t = TcpTransport::new(Arc::clone(&pool), tcp, tcp_kind);
+        let mut t = TcpTransport::new(Arc::clone(&pool), tcp, tcp_kind)?;
         // Its readiness comes with the TCP side's: `accept` only then.
         t.watch(listener.fd())?;
         let max = u32::try_from(t.max_message()).unwrap_or(u32::MAX);
@@ -486,7 +495,10 @@ impl LocalWire {
         if self.tcp.take_watched() && self.accept_due.is_none() {
             self.accept_due = Some(now);
         }
-        while self.accept_due.is_some_and(|t| now >= t) {
+        // A setup waiting for room for its descriptors goes first: another
+        // accept would take one of them.
+        let no_room = |links: &[Link]| links.iter().any(|l| l.no_room);
+        while self.accept_due.is_some_and(|t| now >= t) && !no_room(&self.links) {
             match self.listener.accept() {
                 Ok(Some(s)) => {
                     if self.links.len() >= MAX_PENDING {
@@ -494,7 +506,11 @@ impl LocalWire {
                         // nothing costs them their connections, not a peer its lane).
                         self.links.remove(0);
                     }
-                    self.links.push((s, now));
+                    self.links.push(Link {
+                        stream: s,
+                        since: now,
+                        no_room: false,
+                    });
                 }
                 Ok(None) => self.accept_due = None,
                 // Out of descriptors (EMFILE): the connection waits in the
@@ -507,13 +523,17 @@ impl LocalWire {
         }
         let mut i = 0;
         while i < self.links.len() {
-            match handshake::recv_setup(&self.links[i].0) {
-                Ok(Some(setup)) => {
-                    let (link, _) = self.links.swap_remove(i);
-                    self.setups.insert(setup.token, (setup, link, now));
+            let link = &mut self.links[i];
+            match handshake::recv_setup(&link.stream) {
+                Ok(SetupRead::Ready(setup)) => {
+                    let link = self.links.swap_remove(i);
+                    self.setups.insert(setup.token, (setup, link.stream, now));
                 }
-                Ok(None) if now.duration_since(self.links[i].1) < SETUP_TIMEOUT => i += 1,
-                Ok(None) | Err(_) => {
+                Ok(wait) if now.duration_since(link.since) < SETUP_TIMEOUT => {
+                    link.no_room = matches!(wait, SetupRead::NoRoom);
+                    i += 1;
+                }
+                Ok(_) | Err(_) => {
                     self.links.swap_remove(i);
                 }
             }
@@ -876,9 +896,11 @@ impl Wire for LocalWire {
         // set, edge-triggered: a connection left in its backlog while
         // accepts pause does not keep waking it.)
         self.tcp.poll_fds(out, waiter);
-        for (link, _) in &self.links {
+        // (A link whose setup waits for room stays readable: the next pass
+        // on the poll interval looks again.)
+        for link in self.links.iter().filter(|l| !l.no_room) {
             out.push(libc::pollfd {
-                fd: link.as_raw_fd(),
+                fd: link.stream.as_raw_fd(),
                 events: libc::POLLIN,
                 revents: 0,
             });

@@ -131,16 +131,18 @@ impl TcpTransport {
     /// Acks `lane` (accepting side) and gives it to `id`.
     pub(super) fn attach_lane(&mut self, id: PeerId, mut lane: Lane) {
         let slot = id.0 as usize & 0xFF_FFFF;
+        // Watched first, acked last: once acked, the peer stripes over it.
+        // (A lane dropped after its adds leaves epoll as its socket closes.)
         // The first bytes this way on a fresh connection: the socket takes them whole.
-        let ok = lane.stream.write_all(&lane_hello(lane.token)).is_ok()
-            && self
-                .poller
-                .add(&lane.stream, Set::Data, key(slot, LANE), true, false)
-                .is_ok()
+        let ok = self
+            .poller
+            .add(&lane.stream, Set::Data, key(slot, LANE), true, false)
+            .is_ok()
             && self
                 .poller
                 .add(&lane.stream, Set::Ctl, key(slot, LANE), false, true)
-                .is_ok();
+                .is_ok()
+            && lane.stream.write_all(&lane_hello(lane.token)).is_ok();
         if let (true, Ok(p)) = (ok, self.peer_mut(id)) {
             p.lane = Some(lane);
             self.mark_read(slot);

@@ -280,20 +280,19 @@ impl std::fmt::Debug for TcpTransport {
 impl TcpTransport {
     /// A transport receiving into `pool`, with no listener and no peers.
     /// `kind` is `Tcp`, or `Uma` when the pool is CUDA managed memory.
-    ///
-    /// # Panics
-    /// If the process cannot create an epoll instance (out of descriptors).
+    /// Fails if the process cannot create an epoll instance (out of
+    /// descriptors).
     /// Its longest message is at most what the pool can hold
     /// ([`PoolConfig::largest_lease`](zerohop_core::PoolConfig::largest_lease)):
     /// a peer is never told it may send what could never be received.
-    pub fn new(pool: Arc<StdPool>, mut config: TcpConfig, kind: Kind) -> Self {
+    pub fn new(pool: Arc<StdPool>, mut config: TcpConfig, kind: Kind) -> io::Result<Self> {
         let now = StdInstant::now();
         config.max_message = config.max_message.min(pool.config().largest_lease());
-        TcpTransport {
+        Ok(TcpTransport {
             config,
             pool,
             kind,
-            poller: Poller::new().expect("epoll_create1: out of file descriptors"),
+            poller: Poller::new()?,
             ready: Vec::new(),
             listener: None,
             accept_after: None,
@@ -315,7 +314,7 @@ impl TcpTransport {
             pool_dry: false,
             queued_total: 0,
             closed: false,
-        }
+        })
     }
 
     /// The receive pool.
