@@ -1,0 +1,13 @@
+#!/bin/bash
+# H200 host at 7238105: scripts/bench-shm 3 and scripts/bench-tcp 3, UCX carried.
+cd "$(dirname "$0")/../../../.gpu"
+here=$PWD
+repo=$(cd .. && pwd)
+export LD_LIBRARY_PATH=$here/lib UCX_MODULE_DIR=$here/ucx
+{ nproc; uname -r; uptime; } > $OUT/hw-bench.log 2>&1
+t0=$SECONDS
+BENCH_BIN_DIR=$here/bin UCX_PERFTEST=$here/bin/ucx_perftest BENCH_OUT=/tmp/bench-shm timeout 280 bash $repo/scripts/bench-shm 3 > $OUT/bench-shm.log 2>&1
+echo "== bench-shm rc=$? in $((SECONDS - t0)) s"; tail -9 $OUT/bench-shm.log
+t0=$SECONDS
+BENCH_BIN_DIR=$here/bin UCX_PERFTEST=$here/bin/ucx_perftest BENCH_OUT=/tmp/bench-tcp timeout 290 bash $repo/scripts/bench-tcp 3 > $OUT/bench-tcp.log 2>&1
+echo "== bench-tcp rc=$? in $((SECONDS - t0)) s"; tail -12 $OUT/bench-tcp.log
