@@ -13,7 +13,7 @@ put() { install -m 755 "$1" ".gpu/$2"; strip ".gpu/$2"; }
 mkdir -p .gpu/bin
 put "$(exe test --no-run -p zerohop-tests --features cuda-uma --test suite)" tests-suite
 put "$(exe test --no-run -p zerohop-tests --features cuda-uma --test lane)" tests-lane
-put "$(exe test --no-run -p zerohop-std --features cuda-uma --test shm)" std-shim-shm
+put "$(exe test --no-run -p zerohop-std --features cuda-uma,testing --test shm)" std-shim-shm
 put "$(exe test --no-run -p zerohop-std --features cuda-uma --test shm_descriptors)" std-shim-shm-descriptors
 put "$(exe test --no-run -p zerohop --features cuda-uma --test shm)" zerohop-shm
 put "$(exe test --no-run -p zerohop --features cuda-uma --test endpoint)" zerohop-endpoint

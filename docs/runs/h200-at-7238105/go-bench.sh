@@ -5,6 +5,10 @@ here=$PWD
 repo=$(cd .. && pwd)
 export LD_LIBRARY_PATH=$here/lib UCX_MODULE_DIR=$here/ucx
 { nproc; uname -r; uptime; } > $OUT/hw-bench.log 2>&1
+# std-shim's shm tests again, built with the testing feature (the first call's
+# build lacked it, and with it two tests of half-written frames).
+timeout 60 ./std-shim-shm --test-threads=1 > $OUT/std-shim-shm-testing.log 2>&1
+echo "std-shim-shm (testing) rc=$? $(grep 'test result' $OUT/std-shim-shm-testing.log)"
 t0=$SECONDS
 BENCH_BIN_DIR=$here/bin UCX_PERFTEST=$here/bin/ucx_perftest BENCH_OUT=/tmp/bench-shm timeout 280 bash $repo/scripts/bench-shm 3 > $OUT/bench-shm.log 2>&1
 echo "== bench-shm rc=$? in $((SECONDS - t0)) s"; tail -9 $OUT/bench-shm.log
