@@ -12,6 +12,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -108,16 +109,13 @@ fn cpu_time() -> Duration {
     t(u.ru_utime) + t(u.ru_stime)
 }
 
-/// Opens descriptors until the process has none left; they are freed with the result.
-fn every_free_descriptor() -> Vec<std::fs::File> {
-    let mut held = Vec::new();
-    loop {
-        match std::fs::File::open("/dev/null") {
-            Ok(f) => held.push(f),
-            Err(e) if e.raw_os_error() == Some(libc::EMFILE) => return held,
-            Err(e) => panic!("opening /dev/null: {e}"),
-        }
-    }
+/// The highest descriptor number open in this process.
+fn highest_descriptor() -> u64 {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .max()
+        .unwrap()
 }
 
 #[test]
@@ -152,22 +150,27 @@ fn an_offering_side_out_of_descriptors_sets_its_lane_up_once_they_are_back() {
     // connects to this process's lane socket, which must accept it.
     let pool = heap_pool(16 << 20).unwrap();
     let e = Endpoint::new(wire(&pool), EndpointConfig::default()).unwrap();
+    // Every descriptor number below a limit is taken, then the limit set
+    // there: the connections dialed next get numbers above it, so the
+    // descriptors this process frees on its own (its TCP connection to the
+    // peer, closed once the lane is agreed) make no room below it.
+    let limit = highest_descriptor() + 16;
+    let mut held = Vec::new();
+    loop {
+        let f = std::fs::File::open("/dev/null").unwrap();
+        if f.as_raw_fd() as u64 >= limit {
+            break;
+        }
+        held.push(f);
+    }
     let d = TcpTransport::dial(addr, WAIT, true).unwrap();
-    let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
     let before = nofile();
     set_nofile(libc::rlimit {
-        rlim_cur: open + 16,
+        rlim_cur: limit,
         ..before
     });
     let freer = std::thread::spawn(move || {
-        let start = Instant::now();
-        let mut held = Vec::new();
-        // None free, whatever the process closes meanwhile (its TCP
-        // connection to the peer, once the lane is agreed).
-        while start.elapsed() < NONE_FREE {
-            held.extend(every_free_descriptor());
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        std::thread::sleep(NONE_FREE);
         held.pop();
         std::thread::sleep(ONE_FREE);
         drop(held);

@@ -1292,6 +1292,38 @@ fn a_lane_that_dies_mid_message_loses_its_peer_and_leaks_nothing() {
     expect_still_served(&server, &good, peer);
 }
 
+/// A striped message whose main part is in and whose lane part trickles in
+/// for longer than the idle timeout is received: bytes on the lane are news
+/// of the peer as well.
+#[test]
+fn a_striped_message_whose_lane_part_trickles_past_the_idle_timeout_is_received() {
+    let config = TcpConfig {
+        idle_timeout: Duration::from_millis(300),
+        ..TcpConfig::default()
+    };
+    let (server, addr, pool) = listener(64 << 20, config);
+    let token = 0x7121;
+    let main = Raw::connect_with(addr, token, 0);
+    let lane = raw_lane(addr, token);
+    let mut raw = RawStriped { main, lane };
+    raw.await_ack(token);
+    let payload = sized(4, 1 << 20);
+    let (first, rest) = RawStriped::halves(&payload);
+    raw.main.send(&RawStriped::header(0, &payload));
+    raw.main.send(first);
+    // The lane's half in ten pieces, 100 ms apart: a second in all.
+    for piece in rest.chunks(rest.len().div_ceil(10)) {
+        std::thread::sleep(Duration::from_millis(100));
+        raw.lane.send(piece);
+    }
+    let r = server
+        .recv(Deadline::after(5 * SECOND), None)
+        .expect("the message, not a stall");
+    assert_eq!(host_bytes(&r.lease), &payload[..]);
+    drop(r);
+    assert_eq!(pool.used_bytes(), 0);
+}
+
 /// Reads one data frame, skipping control frames: (seq, payload).
 fn read_message(raw: &mut Raw) -> (u64, Vec<u8>) {
     loop {

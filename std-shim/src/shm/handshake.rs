@@ -152,14 +152,6 @@ pub(crate) fn recv_setup(s: &UnixStream) -> io::Result<SetupRead> {
             fds.extend(rights);
         }
     }
-    if peeked.flags.contains(ReturnFlags::CTRUNC) {
-        // Fewer than the room for three: the process is out of
-        // descriptors. Three and cut short: more were sent than a setup has.
-        return match fds.len() {
-            0..3 => Ok(SetupRead::NoRoom),
-            _ => Err(refused("a lane setup with more than three descriptors")),
-        };
-    }
     if peeked.bytes == 0 {
         return Err(refused("the peer hung up before its lane setup"));
     }
@@ -169,6 +161,15 @@ pub(crate) fn recv_setup(s: &UnixStream) -> io::Result<SetupRead> {
     }
     if u32::from_le_bytes([msg[4], msg[5], msg[6], msg[7]]) != VERSION {
         return Err(refused("a lane setup of another version"));
+    }
+    if peeked.flags.contains(ReturnFlags::CTRUNC) {
+        // Cut short with fewer than three: the process is out of
+        // descriptors. With three or more (the buffer, rounded up to its
+        // alignment, has room for a few more): more were sent than a setup has.
+        return match fds.len() {
+            0..3 => Ok(SetupRead::NoRoom),
+            _ => Err(refused("a lane setup with more than three descriptors")),
+        };
     }
     let token = u32::from_le_bytes([msg[8], msg[9], msg[10], msg[11]]);
     let [segment, bell_offerer, bell_taker]: [OwnedFd; 3] = fds
@@ -269,13 +270,16 @@ mod tests {
         );
     }
 
-    /// Setup messages with four and five descriptors are refused (the room
-    /// for three holds four, so five are cut short by the kernel).
+    /// Setup messages with four descriptors (they fit the buffer's room,
+    /// rounded up) and eight (cut short by the kernel) are refused.
     #[test]
     fn a_setup_with_more_than_three_descriptors_is_refused() {
         let o = offer(0x5E71);
         let l = LaneListener::bind(&o).unwrap();
-        for n in [4, 5] {
+        for (n, why) in [
+            (4, "a lane setup without exactly three descriptors"),
+            (8, "a lane setup with more than three descriptors"),
+        ] {
             let s =
                 UnixStream::connect_addr(&UnixAddr::from_abstract_name(socket_name(&o)).unwrap())
                     .unwrap();
@@ -284,7 +288,7 @@ mod tests {
             msg[4..8].copy_from_slice(&VERSION.to_le_bytes());
             let b: Vec<OwnedFd> = (0..n).map(|_| bell().unwrap()).collect();
             let fds: Vec<BorrowedFd<'_>> = b.iter().map(|f| f.as_fd()).collect();
-            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(5))];
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(8))];
             let mut control = SendAncillaryBuffer::new(&mut space);
             assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
             rustix::net::sendmsg(&s, &[IoSlice::new(&msg)], &mut control, SendFlags::NOSIGNAL)
@@ -292,6 +296,7 @@ mod tests {
             let taken = l.accept().unwrap().unwrap();
             let e = recv_setup(&taken).unwrap_err();
             assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{n} descriptors: {e}");
+            assert_eq!(e.to_string(), why, "{n} descriptors");
         }
     }
 }

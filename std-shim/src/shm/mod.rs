@@ -549,7 +549,7 @@ impl LocalWire {
                 self.moved.insert(
                     peer,
                     Err(Error::Backend(
-                        "shm: the peer is not on this host (or takes no shared memory), and shm was asked for",
+                        "shm: the peer declined the lane (not on this host, takes no shared memory, or could not set it up), and shm was asked for",
                     )),
                 );
             }

@@ -275,6 +275,8 @@ impl TcpTransport {
                         Ok(n) => {
                             inc.lane_have += n;
                             lane_idle = false;
+                            // Bytes on either connection are news of the peer.
+                            p.session.handle_activity(now, false);
                             p.lane_readable &= n == asked || p.lane_hup || !lane.early.is_empty();
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => p.lane_readable = false,
