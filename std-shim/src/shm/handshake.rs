@@ -91,10 +91,7 @@ pub(crate) fn send_setup(
     let addr = rustix::net::SocketAddrUnix::new_abstract_name(socket_name(offer).as_bytes())?;
     rustix::net::connect(&s, &addr)?;
     let s = UnixStream::from(s);
-    let mut msg = [0u8; SETUP_BYTES];
-    msg[..4].copy_from_slice(&MAGIC);
-    msg[4..8].copy_from_slice(&VERSION.to_le_bytes());
-    msg[8..12].copy_from_slice(&token.to_le_bytes());
+    let msg = setup_message(token);
     let fds = [segment, bell_offerer, bell_taker];
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
     let mut control = SendAncillaryBuffer::new(&mut space);
@@ -108,6 +105,15 @@ pub(crate) fn send_setup(
         return Err(io::Error::other("the lane setup went in part"));
     }
     Ok(s)
+}
+
+/// A setup's bytes, for the peer `token` names.
+fn setup_message(token: u32) -> [u8; SETUP_BYTES] {
+    let mut msg = [0u8; SETUP_BYTES];
+    msg[..4].copy_from_slice(&MAGIC);
+    msg[4..8].copy_from_slice(&VERSION.to_le_bytes());
+    msg[8..12].copy_from_slice(&token.to_le_bytes());
+    msg
 }
 
 /// What a look at a taken connection found.
@@ -283,9 +289,7 @@ mod tests {
             let s =
                 UnixStream::connect_addr(&UnixAddr::from_abstract_name(socket_name(&o)).unwrap())
                     .unwrap();
-            let mut msg = [0u8; SETUP_BYTES];
-            msg[..4].copy_from_slice(&MAGIC);
-            msg[4..8].copy_from_slice(&VERSION.to_le_bytes());
+            let msg = setup_message(0);
             let b: Vec<OwnedFd> = (0..n).map(|_| bell().unwrap()).collect();
             let fds: Vec<BorrowedFd<'_>> = b.iter().map(|f| f.as_fd()).collect();
             let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(8))];

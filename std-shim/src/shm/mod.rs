@@ -120,15 +120,6 @@ const MAX_PENDING: usize = 64;
 const SETUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// After a failed accept on the lane socket, the next try (as TCP's listener).
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
-/// A connection on the lane socket, waiting for its setup message.
-#[derive(Debug)]
-struct Link {
-    stream: UnixStream,
-    since: StdInstant,
-    /// Its setup came, and this process had no room for its descriptors.
-    no_room: bool,
-}
-
 /// How often a spinning receiver looks at the lanes' links (a dead peer
 /// is seen at once by a sleeper; a spinner sees it within this).
 const LINK_CHECK: Duration = Duration::from_millis(5);
@@ -137,6 +128,15 @@ const LINK_CHECK: Duration = Duration::from_millis(5);
 /// receiver then pays no system call per poll).
 const CLOCK_EVERY: u32 = 64;
 const SIDE_PERIOD: Duration = Duration::from_millis(1);
+
+/// A connection on the lane socket, waiting for its setup message.
+#[derive(Debug)]
+struct Link {
+    stream: UnixStream,
+    since: StdInstant,
+    /// Its setup came, and this process had no room for its descriptors.
+    no_room: bool,
+}
 
 /// Settings of the same-host lane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
