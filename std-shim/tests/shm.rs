@@ -564,3 +564,68 @@ fn a_connect_given_up_leaves_no_peer_behind() {
     assert_eq!(e.with(|t| t.peers_left()), 0);
     assert!(!e.with(|t| t.disconnect(p)), "once");
 }
+
+/// The offering side's lane socket full when the other side takes its
+/// offer (its backlog flooded by strangers while it takes no connection:
+/// abstract sockets have no permissions): the taker dials again until
+/// there is room, and the peer still moves to shared memory.
+#[cfg(feature = "testing")]
+#[test]
+fn a_lane_socket_full_for_a_while_is_dialled_again() {
+    let _one = serial();
+    let (server, addr, _pool) = listener();
+    let theirs = lane_sockets();
+    let pool = heap_pool(64 << 20).unwrap();
+    let mut w = wire(&pool);
+    let pause = Duration::from_millis(300);
+    let t0 = Instant::now();
+    w.pause_lane_accepts(pause);
+    let c = Endpoint::new(w, EndpointConfig::default()).unwrap();
+    let mine: Vec<String> = lane_sockets()
+        .into_iter()
+        .filter(|n| !theirs.contains(n))
+        .collect();
+    assert_eq!(mine.len(), 1, "the connector's lane socket: {mine:?}");
+    // Strangers fill its backlog: a connect is refused at once.
+    let name = rustix::net::SocketAddrUnix::new_abstract_name(mine[0].as_bytes()).unwrap();
+    let mut strangers = Vec::new();
+    loop {
+        let s = rustix::net::socket_with(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::STREAM,
+            rustix::net::SocketFlags::NONBLOCK,
+            None,
+        )
+        .unwrap();
+        match rustix::net::connect(&s, &name) {
+            Ok(()) => strangers.push(s),
+            Err(e) => {
+                assert_eq!(e, rustix::io::Errno::AGAIN, "a full backlog");
+                break;
+            }
+        }
+        assert!(strangers.len() < 100_000, "the backlog never filled");
+    }
+    let d = TcpTransport::dial(addr, WAIT, true).unwrap();
+    let p = c.with(|t| t.attach(d)).unwrap();
+    let peer = c.wait_open(p, Deadline::after(WAIT)).unwrap();
+    assert!(peer.0 & LANE_BIT != 0, "moved once there was room");
+    assert!(
+        t0.elapsed() >= pause,
+        "not before the socket took connections: {:?}",
+        t0.elapsed()
+    );
+    let from = accepted(&server);
+    c.send(peer, b"hello", Deadline::after(WAIT), None).unwrap();
+    let r = server.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), b"hello");
+    drop(r);
+    server
+        .send(from, b"back", Deadline::after(WAIT), None)
+        .unwrap();
+    assert_eq!(
+        host_bytes(&c.recv(Deadline::after(WAIT), None).unwrap().lease),
+        b"back"
+    );
+    drop(strangers);
+}

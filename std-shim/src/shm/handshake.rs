@@ -70,18 +70,14 @@ pub(crate) struct Setup {
     pub(crate) bell_taker: OwnedFd,
 }
 
-/// Connects to the offering side's socket and sends it the segment and the
-/// doorbells, for the peer `token` names. The connection is the lane's link.
-pub(crate) fn send_setup(
-    offer: &HostOffer,
-    token: u32,
-    segment: BorrowedFd<'_>,
-    bell_offerer: BorrowedFd<'_>,
-    bell_taker: BorrowedFd<'_>,
-) -> io::Result<UnixStream> {
-    // Non-blocking: an offering side whose backlog is full (out of
-    // descriptors a while, or flooded) is refused at once (EAGAIN), and
-    // this side declines the offer, instead of waiting with its lock held.
+/// Connects to the offering side's socket: the lane's link, once
+/// [`send_setup`] has sent the setup on it.
+///
+/// Non-blocking: an offering side whose backlog is full (out of descriptors
+/// a while, or flooded: any local process can connect to an abstract
+/// socket) refuses it at once with `WouldBlock` (EAGAIN), which the caller
+/// retries a while, instead of waiting with its lock held.
+pub(crate) fn dial(offer: &HostOffer) -> io::Result<UnixStream> {
     let s = rustix::net::socket_with(
         rustix::net::AddressFamily::UNIX,
         rustix::net::SocketType::STREAM,
@@ -90,7 +86,18 @@ pub(crate) fn send_setup(
     )?;
     let addr = rustix::net::SocketAddrUnix::new_abstract_name(socket_name(offer).as_bytes())?;
     rustix::net::connect(&s, &addr)?;
-    let s = UnixStream::from(s);
+    Ok(UnixStream::from(s))
+}
+
+/// Sends the offering side, on the link [`dial`] made, the segment and the
+/// doorbells, for the peer `token` names.
+pub(crate) fn send_setup(
+    link: &UnixStream,
+    token: u32,
+    segment: BorrowedFd<'_>,
+    bell_offerer: BorrowedFd<'_>,
+    bell_taker: BorrowedFd<'_>,
+) -> io::Result<()> {
     let msg = setup_message(token);
     let fds = [segment, bell_offerer, bell_taker];
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
@@ -100,11 +107,16 @@ pub(crate) fn send_setup(
             "descriptors do not fit the control buffer",
         ));
     }
-    let n = rustix::net::sendmsg(&s, &[IoSlice::new(&msg)], &mut control, SendFlags::NOSIGNAL)?;
+    let n = rustix::net::sendmsg(
+        link,
+        &[IoSlice::new(&msg)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?;
     if n != SETUP_BYTES {
         return Err(io::Error::other("the lane setup went in part"));
     }
-    Ok(s)
+    Ok(())
 }
 
 /// A setup's bytes, for the peer `token` names.
@@ -240,7 +252,8 @@ mod tests {
         assert!(l.accept().unwrap().is_none());
         let seg = rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
         let (b1, b2) = (bell().unwrap(), bell().unwrap());
-        let link = send_setup(&o, 0x77, seg.as_fd(), b1.as_fd(), b2.as_fd()).unwrap();
+        let link = dial(&o).unwrap();
+        send_setup(&link, 0x77, seg.as_fd(), b1.as_fd(), b2.as_fd()).unwrap();
         let taken = l.accept().unwrap().expect("a connection");
         let SetupRead::Ready(setup) = recv_setup(&taken).unwrap() else {
             panic!("the setup")
@@ -274,6 +287,28 @@ mod tests {
             recv_setup(&taken).unwrap_err().to_string(),
             "the peer hung up before its lane setup"
         );
+    }
+
+    /// An offering side whose backlog is full refuses a dial at once,
+    /// typed as "would block" (what the taking side retries), and takes
+    /// one again once a connection is accepted.
+    #[test]
+    fn a_full_backlog_refuses_a_dial_until_a_connection_is_taken() {
+        let o = offer(0x5E72);
+        let l = LaneListener::bind(&o).unwrap();
+        let mut queued = Vec::new();
+        let refused = loop {
+            match dial(&o) {
+                Ok(s) => queued.push(s),
+                Err(e) => break e,
+            }
+            assert!(queued.len() < 100_000, "the backlog never filled");
+        };
+        assert_eq!(refused.kind(), io::ErrorKind::WouldBlock, "{refused}");
+        assert!(!queued.is_empty());
+        assert!(dial(&o).is_err(), "still full");
+        let _taken = l.accept().unwrap().expect("a queued connection");
+        dial(&o).expect("room for one again");
     }
 
     /// Setup messages with four descriptors (they fit the buffer's room,

@@ -120,6 +120,12 @@ const MAX_PENDING: usize = 64;
 const SETUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// After a failed accept on the lane socket, the next try (as TCP's listener).
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// An offer whose lane socket is full (its backlog flooded, or its owner
+/// out of descriptors a while) is tried again this often, for this long
+/// (at most half the idle timeout: the offering side hears nothing from
+/// this one meanwhile), before this side declines it and the peer stays on TCP.
+const DIAL_RETRY_EVERY: Duration = Duration::from_millis(10);
+const DIAL_RETRY_FOR: Duration = Duration::from_secs(1);
 /// How often a spinning receiver looks at the lanes' links (a dead peer
 /// is seen at once by a sleeper; a spinner sees it within this).
 const LINK_CHECK: Duration = Duration::from_millis(5);
@@ -136,6 +142,16 @@ struct Link {
     since: StdInstant,
     /// Its setup came, and this process had no room for its descriptors.
     no_room: bool,
+}
+
+/// A same-host offer this side takes, whose lane socket was full: tried
+/// again at `next`, declined once [`DIAL_RETRY_FOR`] has passed since `first`.
+#[derive(Debug)]
+struct Redial {
+    peer: PeerId,
+    offer: HostOffer,
+    first: StdInstant,
+    next: StdInstant,
 }
 
 /// Settings of the same-host lane.
@@ -197,6 +213,8 @@ pub struct LocalWire {
     lanes: Vec<Slot>,
     /// Unix connections taken, waiting for their setup message.
     links: Vec<Link>,
+    /// Offers taken whose lane socket was full, to dial again.
+    redials: Vec<Redial>,
     /// Setups received, by the TCP token they name, waiting for the answer.
     setups: HashMap<u32, (Setup, UnixStream, StdInstant)>,
     /// Peers this side connected to over TCP: token and address.
@@ -298,6 +316,7 @@ impl LocalWire {
             pool,
             lanes: Vec::new(),
             links: Vec::new(),
+            redials: Vec::new(),
             setups: HashMap::new(),
             dialed: HashMap::new(),
             awaiting: HashMap::new(),
@@ -389,6 +408,14 @@ impl LocalWire {
         self.tcp.disconnect(peer) || known
     }
 
+    /// Takes no connection on the lane socket for `pause`, as after a
+    /// failed accept: tests play an offering side whose socket's backlog
+    /// fills (a flood, or a process out of descriptors a while).
+    #[cfg(feature = "testing")]
+    pub fn pause_lane_accepts(&mut self, pause: Duration) {
+        self.accept_due = Some(StdInstant::now() + pause);
+    }
+
     /// Writes `frame` (a header and its payload) into a lane's ring as it
     /// is, bypassing its session: what a broken peer sends, for tests.
     #[cfg(feature = "testing")]
@@ -475,22 +502,26 @@ impl LocalWire {
 
     /// The upgrades: offers to take, setups to receive, answers to match.
     fn upgrade(&mut self) {
-        // Accepting side: take the offers of peers on this host.
-        while let Some((peer, offer)) = self.tcp.take_offer() {
-            let take = !self.closed && offer.host == self.offer.host;
-            match take.then(|| self.take_offer(peer, offer)) {
-                Some(Ok(())) => self.tcp.answer_offer(peer, true),
-                Some(Err(e)) => {
-                    log::info!("shm: could not share memory with a peer on this host ({e}); it stays on tcp");
-                    self.tcp.answer_offer(peer, false);
-                }
-                None => self.tcp.answer_offer(peer, false),
+        let now = StdInstant::now();
+        // Accepting side: take the offers of peers on this host, and those
+        // whose lane socket was full, when they are due again.
+        let mut due = Vec::new();
+        self.redials.retain(|r| {
+            let wait = r.next > now;
+            if !wait {
+                due.push((r.peer, r.offer, r.first));
             }
+            wait
+        });
+        while let Some((peer, offer)) = self.tcp.take_offer() {
+            due.push((peer, offer, now));
+        }
+        for (peer, offer, first) in due {
+            self.answer_offer(peer, offer, first, now);
         }
         // Offering side: connections on the lane socket, and their setups.
         // Only when epoll says there are some: an accept that finds none
         // still makes and frees a socket in the kernel, on every pass.
-        let now = StdInstant::now();
         // A new edge during a pause after a failed accept leaves the pause.
         if self.tcp.take_watched() && self.accept_due.is_none() {
             self.accept_due = Some(now);
@@ -570,8 +601,40 @@ impl LocalWire {
             .retain(|_, (_, _, at)| at.elapsed() < SETUP_TIMEOUT);
     }
 
-    /// Accepting side: creates the segment and doorbells, sends them to the
-    /// offering side, and starts the lane (announced to the application).
+    /// Accepting side: answers a same-host offer first made at `first` —
+    /// taken, declined (the peer stays on TCP), or, while the offering
+    /// side's lane socket is full, tried again later.
+    fn answer_offer(&mut self, peer: PeerId, offer: HostOffer, first: StdInstant, now: StdInstant) {
+        if self.closed || offer.host != self.offer.host {
+            self.tcp.answer_offer(peer, false);
+            return;
+        }
+        match self.take_offer(peer, offer) {
+            Ok(()) => self.tcp.answer_offer(peer, true),
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    && now.duration_since(first)
+                        < DIAL_RETRY_FOR.min(self.session.idle_timeout / 2) =>
+            {
+                self.redials.push(Redial {
+                    peer,
+                    offer,
+                    first,
+                    next: now + DIAL_RETRY_EVERY,
+                });
+            }
+            Err(e) => {
+                log::info!(
+                    "shm: could not share memory with a peer on this host ({e}); it stays on tcp"
+                );
+                self.tcp.answer_offer(peer, false);
+            }
+        }
+    }
+
+    /// Accepting side: connects to the offering side's lane socket, creates
+    /// the segment and doorbells, sends them over, and starts the lane
+    /// (announced to the application).
     fn take_offer(&mut self, peer: PeerId, offer: HostOffer) -> io::Result<()> {
         let token = self
             .tcp
@@ -581,14 +644,17 @@ impl LocalWire {
             .tcp
             .peer_addr(peer)
             .ok_or(io::ErrorKind::NotConnected)?;
+        // The connection first: a full socket is retried, and a retry
+        // should not make a segment each time.
+        let link = handshake::dial(&offer)?;
         let seg = Arc::new(Segment::create(
             self.config.ring_bytes,
             self.config.single_copy_from,
         )?);
         let (bell_offerer, bell_taker) = (handshake::bell()?, handshake::bell()?);
         use std::os::fd::AsFd;
-        let link = handshake::send_setup(
-            &offer,
+        handshake::send_setup(
+            &link,
             token,
             seg.fd(),
             bell_offerer.as_fd(),
