@@ -183,6 +183,23 @@ fn a_receiver_killed_mid_stream_is_lost_at_once_and_leaves_nothing() {
 }
 
 /// The abstract Unix sockets this process's lanes take segments on.
+/// A message each way between a connector's new peer and the server,
+/// which announces it.
+fn exchange(c: &Endpoint<LocalWire>, peer: PeerId, server: &Endpoint<LocalWire>) {
+    let from = accepted(server);
+    c.send(peer, b"hello", Deadline::after(WAIT), None).unwrap();
+    let r = server.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), b"hello");
+    drop(r);
+    server
+        .send(from, b"back", Deadline::after(WAIT), None)
+        .unwrap();
+    assert_eq!(
+        host_bytes(&c.recv(Deadline::after(WAIT), None).unwrap().lease),
+        b"back"
+    );
+}
+
 fn lane_sockets() -> Vec<String> {
     let me = format!(".{}.", std::process::id());
     std::fs::read_to_string("/proc/net/unix")
@@ -226,18 +243,7 @@ fn strangers_on_the_lane_sockets_cost_them_their_connection_and_peers_still_move
     let p = c.with(|t| t.attach(d)).unwrap();
     let peer = c.wait_open(p, Deadline::after(WAIT)).unwrap();
     assert!(peer.0 & LANE_BIT != 0, "moved despite the strangers");
-    let from = accepted(&server);
-    c.send(peer, b"hello", Deadline::after(WAIT), None).unwrap();
-    let r = server.recv(Deadline::after(WAIT), None).unwrap();
-    assert_eq!(host_bytes(&r.lease), b"hello");
-    drop(r);
-    server
-        .send(from, b"back", Deadline::after(WAIT), None)
-        .unwrap();
-    assert_eq!(
-        host_bytes(&c.recv(Deadline::after(WAIT), None).unwrap().lease),
-        b"back"
-    );
+    exchange(&c, peer, &server);
     drop(strangers);
 }
 
@@ -615,17 +621,6 @@ fn a_lane_socket_full_for_a_while_is_dialled_again() {
         "not before the socket took connections: {:?}",
         t0.elapsed()
     );
-    let from = accepted(&server);
-    c.send(peer, b"hello", Deadline::after(WAIT), None).unwrap();
-    let r = server.recv(Deadline::after(WAIT), None).unwrap();
-    assert_eq!(host_bytes(&r.lease), b"hello");
-    drop(r);
-    server
-        .send(from, b"back", Deadline::after(WAIT), None)
-        .unwrap();
-    assert_eq!(
-        host_bytes(&c.recv(Deadline::after(WAIT), None).unwrap().lease),
-        b"back"
-    );
+    exchange(&c, peer, &server);
     drop(strangers);
 }
