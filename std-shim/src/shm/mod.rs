@@ -121,11 +121,13 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// After a failed accept on the lane socket, the next try (as TCP's listener).
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// An offer whose lane socket is full (its backlog flooded, or its owner
-/// out of descriptors a while) is tried again this often, for this long
-/// (at most half the idle timeout: the offering side hears nothing from
-/// this one meanwhile), before this side declines it and the peer stays on TCP.
+/// out of descriptors a while) is dialled again this often, for this long,
+/// before this side declines it and the peer stays on TCP. Short: the
+/// offering side's application waits for the answer within its connect
+/// timeout, and a decline still connects it (over TCP) where a late answer
+/// would not.
 const DIAL_RETRY_EVERY: Duration = Duration::from_millis(10);
-const DIAL_RETRY_FOR: Duration = Duration::from_secs(1);
+const DIAL_RETRY_FOR: Duration = Duration::from_millis(250);
 /// How often a spinning receiver looks at the lanes' links (a dead peer
 /// is seen at once by a sleeper; a spinner sees it within this).
 const LINK_CHECK: Duration = Duration::from_millis(5);
@@ -215,6 +217,8 @@ pub struct LocalWire {
     links: Vec<Link>,
     /// Offers taken whose lane socket was full, to dial again.
     redials: Vec<Redial>,
+    /// Dials refused by a full lane socket, ever.
+    redialled: u64,
     /// Setups received, by the TCP token they name, waiting for the answer.
     setups: HashMap<u32, (Setup, UnixStream, StdInstant)>,
     /// Peers this side connected to over TCP: token and address.
@@ -317,6 +321,7 @@ impl LocalWire {
             lanes: Vec::new(),
             links: Vec::new(),
             redials: Vec::new(),
+            redialled: 0,
             setups: HashMap::new(),
             dialed: HashMap::new(),
             awaiting: HashMap::new(),
@@ -414,6 +419,12 @@ impl LocalWire {
     #[cfg(feature = "testing")]
     pub fn pause_lane_accepts(&mut self, pause: Duration) {
         self.accept_due = Some(StdInstant::now() + pause);
+    }
+
+    /// Dials to a peer's lane socket that found it full, ever.
+    #[cfg(feature = "testing")]
+    pub fn redialled(&self) -> u64 {
+        self.redialled
     }
 
     /// Writes `frame` (a header and its payload) into a lane's ring as it
@@ -613,9 +624,9 @@ impl LocalWire {
             Ok(()) => self.tcp.answer_offer(peer, true),
             Err(e)
                 if e.kind() == io::ErrorKind::WouldBlock
-                    && now.duration_since(first)
-                        < DIAL_RETRY_FOR.min(self.session.idle_timeout / 2) =>
+                    && now.duration_since(first) < DIAL_RETRY_FOR =>
             {
+                self.redialled += 1;
                 self.redials.push(Redial {
                     peer,
                     offer,
@@ -644,14 +655,22 @@ impl LocalWire {
             .tcp
             .peer_addr(peer)
             .ok_or(io::ErrorKind::NotConnected)?;
-        // The connection first: a full socket is retried, and a retry
-        // should not make a segment each time.
+        // The connection first: a full socket (`WouldBlock`) is dialled
+        // again, and a retry should not make a segment each time. Nothing
+        // after it is retried (an `mmap` over the locked-memory limit says
+        // EAGAIN too).
         let link = handshake::dial(&offer)?;
-        let seg = Arc::new(Segment::create(
-            self.config.ring_bytes,
-            self.config.single_copy_from,
-        )?);
-        let (bell_offerer, bell_taker) = (handshake::bell()?, handshake::bell()?);
+        let once = |e: io::Error| match e.kind() {
+            io::ErrorKind::WouldBlock => io::Error::other(e),
+            _ => e,
+        };
+        let seg = Arc::new(
+            Segment::create(self.config.ring_bytes, self.config.single_copy_from).map_err(once)?,
+        );
+        let (bell_offerer, bell_taker) = (
+            handshake::bell().map_err(once)?,
+            handshake::bell().map_err(once)?,
+        );
         use std::os::fd::AsFd;
         handshake::send_setup(
             &link,
@@ -659,7 +678,8 @@ impl LocalWire {
             seg.fd(),
             bell_offerer.as_fd(),
             bell_taker.as_fd(),
-        )?;
+        )
+        .map_err(once)?;
         let now = self.now();
         let lane = Lane::new(
             addr,
@@ -888,7 +908,9 @@ impl Transport for LocalWire {
         self.awake();
         if self.arrivals.is_empty() {
             self.polls = self.polls.wrapping_add(1);
-            let side = self.polls % CLOCK_EVERY == 0 && StdInstant::now() >= self.next_side;
+            // (A redial is due within milliseconds: every poll looks then.)
+            let side = (self.polls % CLOCK_EVERY == 0 || !self.redials.is_empty())
+                && StdInstant::now() >= self.next_side;
             if side {
                 self.next_side = StdInstant::now() + SIDE_PERIOD;
                 self.pass();
@@ -1000,7 +1022,10 @@ impl Wire for LocalWire {
     }
 
     fn needs_progress(&self) -> bool {
-        self.pending_sends() > 0 || !self.awaiting.is_empty() || !self.links.is_empty()
+        self.pending_sends() > 0
+            || !self.awaiting.is_empty()
+            || !self.links.is_empty()
+            || !self.redials.is_empty()
     }
 
     fn start_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
