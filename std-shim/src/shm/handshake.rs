@@ -37,13 +37,7 @@ impl LaneListener {
     /// Listens on the abstract socket `offer` names (nothing in the file
     /// system: it goes with the process).
     pub(crate) fn bind(offer: &HostOffer) -> io::Result<LaneListener> {
-        let s = rustix::net::socket_with(
-            rustix::net::AddressFamily::UNIX,
-            rustix::net::SocketType::STREAM,
-            rustix::net::SocketFlags::NONBLOCK | rustix::net::SocketFlags::CLOEXEC,
-            None,
-        )?;
-        let addr = rustix::net::SocketAddrUnix::new_abstract_name(socket_name(offer).as_bytes())?;
+        let (s, addr) = lane_socket(offer)?;
         rustix::net::bind(&s, &addr)?;
         rustix::net::listen(&s, BACKLOG)?;
         Ok(LaneListener {
@@ -90,6 +84,14 @@ pub(crate) struct Setup {
 /// socket) refuses it at once with `WouldBlock` (EAGAIN), which the caller
 /// retries a while, instead of waiting with its lock held.
 pub(crate) fn dial(offer: &HostOffer) -> io::Result<UnixStream> {
+    let (s, addr) = lane_socket(offer)?;
+    rustix::net::connect(&s, &addr)?;
+    Ok(UnixStream::from(s))
+}
+
+/// A fresh non-blocking Unix stream socket, and the abstract address of the
+/// lane socket `offer` names (to bind, or to dial).
+fn lane_socket(offer: &HostOffer) -> io::Result<(OwnedFd, rustix::net::SocketAddrUnix)> {
     let s = rustix::net::socket_with(
         rustix::net::AddressFamily::UNIX,
         rustix::net::SocketType::STREAM,
@@ -97,8 +99,7 @@ pub(crate) fn dial(offer: &HostOffer) -> io::Result<UnixStream> {
         None,
     )?;
     let addr = rustix::net::SocketAddrUnix::new_abstract_name(socket_name(offer).as_bytes())?;
-    rustix::net::connect(&s, &addr)?;
-    Ok(UnixStream::from(s))
+    Ok((s, addr))
 }
 
 /// Sends the offering side, on the link [`dial`] made, the segment and the

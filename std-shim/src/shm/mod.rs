@@ -621,11 +621,8 @@ impl LocalWire {
             return;
         }
         match self.take_offer(peer, offer) {
-            Ok(()) => self.tcp.answer_offer(peer, true),
-            Err(e)
-                if e.kind() == io::ErrorKind::WouldBlock
-                    && now.duration_since(first) < DIAL_RETRY_FOR =>
-            {
+            Ok(true) => self.tcp.answer_offer(peer, true),
+            Ok(false) if now.duration_since(first) < DIAL_RETRY_FOR => {
                 self.redialled += 1;
                 self.redials.push(Redial {
                     peer,
@@ -633,6 +630,12 @@ impl LocalWire {
                     first,
                     next: now + DIAL_RETRY_EVERY,
                 });
+            }
+            Ok(false) => {
+                log::info!(
+                    "shm: the lane socket of a peer on this host stayed full; it stays on tcp"
+                );
+                self.tcp.answer_offer(peer, false);
             }
             Err(e) => {
                 log::info!(
@@ -645,8 +648,9 @@ impl LocalWire {
 
     /// Accepting side: connects to the offering side's lane socket, creates
     /// the segment and doorbells, sends them over, and starts the lane
-    /// (announced to the application).
-    fn take_offer(&mut self, peer: PeerId, offer: HostOffer) -> io::Result<()> {
+    /// (announced to the application). `Ok(false)`: the socket is full
+    /// (`WouldBlock` on the dial), nothing made; any later error is an error.
+    fn take_offer(&mut self, peer: PeerId, offer: HostOffer) -> io::Result<bool> {
         let token = self
             .tcp
             .peer_token(peer)
@@ -655,22 +659,19 @@ impl LocalWire {
             .tcp
             .peer_addr(peer)
             .ok_or(io::ErrorKind::NotConnected)?;
-        // The connection first: a full socket (`WouldBlock`) is dialled
-        // again, and a retry should not make a segment each time. Nothing
-        // after it is retried (an `mmap` over the locked-memory limit says
-        // EAGAIN too).
-        let link = handshake::dial(&offer)?;
-        let once = |e: io::Error| match e.kind() {
-            io::ErrorKind::WouldBlock => io::Error::other(e),
-            _ => e,
+        // The connection first: a full socket is dialled again, and a retry
+        // should not make a segment each time. Only the dial is retried (an
+        // `mmap` over the locked-memory limit says EAGAIN too).
+        let link = match handshake::dial(&offer) {
+            Ok(link) => link,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) => return Err(e),
         };
-        let seg = Arc::new(
-            Segment::create(self.config.ring_bytes, self.config.single_copy_from).map_err(once)?,
-        );
-        let (bell_offerer, bell_taker) = (
-            handshake::bell().map_err(once)?,
-            handshake::bell().map_err(once)?,
-        );
+        let seg = Arc::new(Segment::create(
+            self.config.ring_bytes,
+            self.config.single_copy_from,
+        )?);
+        let (bell_offerer, bell_taker) = (handshake::bell()?, handshake::bell()?);
         use std::os::fd::AsFd;
         handshake::send_setup(
             &link,
@@ -678,8 +679,7 @@ impl LocalWire {
             seg.fd(),
             bell_offerer.as_fd(),
             bell_taker.as_fd(),
-        )
-        .map_err(once)?;
+        )?;
         let now = self.now();
         let lane = Lane::new(
             addr,
@@ -695,7 +695,7 @@ impl LocalWire {
         let lane = self.equip(lane);
         let id = self.add_lane(lane);
         self.accepted.push_back((id, addr));
-        Ok(())
+        Ok(true)
     }
 
     /// Offering side: maps the segment the peer sent and starts the lane.
