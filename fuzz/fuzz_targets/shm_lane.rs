@@ -14,7 +14,7 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use zerohop_core::wire::{Data, DataFlags, Frame, Hello, Takes};
 use zerohop_core::Error;
-use zerohop_std::shm::testing::LaneRig;
+use zerohop_std::shm::testing::{short_record, LaneRig};
 
 #[derive(Arbitrary, Debug)]
 enum Op {
@@ -27,6 +27,12 @@ enum Op {
         seq: u8,
         len: u16,
         device: bool,
+    },
+    /// A whole message as a short record (`seq` its sequence number's low
+    /// bits), its payload after it.
+    Short {
+        seq: u8,
+        len: u16,
     },
     /// Raw bytes, written as a producer would.
     Write(Vec<u8>),
@@ -80,6 +86,12 @@ fuzz_target!(|ops: Vec<Op>| {
                 })
                 .encode(&payload);
                 head = head.wrapping_add(rig.peer_write(&f) as u64);
+                head = head.wrapping_add(rig.peer_write(&payload) as u64);
+            }
+            Op::Short { seq, len } => {
+                let payload = vec![*seq; usize::from(*len) % 3000];
+                let r = short_record(u16::from(*seq), payload.len() as u32);
+                head = head.wrapping_add(rig.peer_write(&r) as u64);
                 head = head.wrapping_add(rig.peer_write(&payload) as u64);
             }
             Op::Write(b) => head = head.wrapping_add(rig.peer_write(b) as u64),

@@ -3,21 +3,27 @@
 //! is a typed protocol error that ends that lane, and nothing is held after;
 //! a buffer handed over by a single copy stays out until the peer has it;
 //! a peer silent mid-handshake or mid-frame is dropped at the idle timeout,
-//! however often its lane is looked at.
+//! however often its lane is looked at; a whole message goes as a short
+//! record to a peer that takes them, and a short record is checked as
+//! strictly as a frame's header.
 
 use zerohop_core::session::{ProtocolError, SessionConfig, Stall};
-use zerohop_core::wire::{Data, DataFlags, Frame, Hello, Takes};
+use zerohop_core::wire::{Data, DataFlags, DecodeError, Frame, Hello, Takes, MAGIC};
 use zerohop_core::Error;
-use zerohop_std::shm::testing::LaneRig;
+use zerohop_std::shm::testing::{short_record, LaneRig};
 
 fn hello() -> [u8; 32] {
+    hello_taking(Takes::NONE)
+}
+
+fn hello_taking(takes: Takes) -> [u8; 32] {
     Frame::Hello(Hello {
         window: 1 << 20,
         max_message: 1 << 20,
         frame_max: 1 << 20,
         ring: 0,
         lane: 0,
-        takes: Takes::NONE,
+        takes,
         token: 9,
     })
     .encode(&[])
@@ -156,12 +162,14 @@ fn a_peer_that_never_says_hello_is_dropped_at_the_idle_timeout() {
 #[test]
 fn a_peer_that_stops_mid_frame_is_dropped_an_idle_timeout_after_its_last_byte() {
     let idle = idle_micros();
-    for cut in [10usize, 32 + 2] {
+    for (cut, head) in [10usize, 32 + 2]
+        .into_iter()
+        .flat_map(|c| [(c, data(DataFlags::NONE, 0, 5)), (c, short_record(0, 5))])
+    {
         let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
         rig.peer_write(&hello());
         rig.read_at(1).unwrap();
-        let mut frame = data(DataFlags::NONE, 0, 5).to_vec();
-        frame.extend_from_slice(b"hello");
+        let frame = [&head[..], b"hello"].concat();
         // Part of the frame at 5 ms; then nothing, while the lane is read.
         rig.peer_write(&frame[..cut]);
         let last = 5000;
@@ -241,4 +249,90 @@ fn a_frame_held_back_by_a_full_inbox_is_not_the_peers_stall() {
     // The application takes its messages: the rest is read.
     rig.read_at(2 * idle + 3000).unwrap();
     assert_eq!(rig.take_delivered(), [Ok(6)]);
+}
+
+#[test]
+fn a_whole_message_goes_as_a_short_record_only_to_a_peer_that_takes_them() {
+    for takes in [Takes::NONE, Takes::HEADERLESS] {
+        let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+        rig.peer_write(&hello_taking(takes));
+        rig.read().unwrap();
+        while rig.flush().unwrap() {}
+        rig.peer_take(); // the lane's Hello
+        rig.send(100).unwrap();
+        rig.send(7).unwrap();
+        let out = rig.peer_take();
+        assert_eq!(out.len(), 2 * 32 + 107, "two records and their payloads");
+        let (first, second) = (&out[..32], &out[132..164]);
+        if takes.contains(Takes::HEADERLESS) {
+            assert_eq!(first, short_record(0, 100), "sequence 0, 100 bytes");
+            assert_eq!(second, short_record(1, 7), "sequence 1, 7 bytes");
+        } else {
+            for (h, seq, len) in [(first, 0, 100), (second, 1, 7)] {
+                match Frame::decode(h, 1 << 20).map(|d| d.frame) {
+                    Ok(Frame::Data(d)) => assert_eq!((d.seq, d.len), (seq, len)),
+                    other => panic!("a data frame's header, got {other:?}"),
+                }
+            }
+            assert_eq!(first[..2], MAGIC.to_le_bytes());
+        }
+    }
+}
+
+#[test]
+fn short_records_deliver_their_messages_in_order() {
+    // A pool that holds every message at once: a dry one stops the read.
+    let mut rig = LaneRig::new(1 << 16, 16 << 20).unwrap();
+    rig.peer_write(&hello());
+    for (seq, payload) in [(0u16, &b"hello"[..]), (1, &[7u8; 3000][..]), (2, &[][..])] {
+        rig.peer_write(&short_record(seq, payload.len() as u32));
+        rig.peer_write(payload);
+    }
+    // A framed message may follow a short one: one sequence for both.
+    rig.peer_write(&data(DataFlags::NONE, 3, 2));
+    rig.peer_write(b"ok");
+    rig.read().unwrap();
+    assert_eq!(rig.take_delivered(), [Ok(5), Ok(3000), Ok(0), Ok(2)]);
+    assert_eq!(rig.pool_used(), 0, "every buffer handed on and back");
+}
+
+#[test]
+fn a_bad_short_record_ends_that_lane_typed_and_holds_nothing() {
+    let gap = short_record(5, 5);
+    let mut reserved = short_record(0, 5);
+    reserved[31] = 1;
+    let mut tag_word = short_record(0, 5);
+    tag_word[2] = 1;
+    let too_long = short_record(0, 2 << 20);
+    let cases: [(&[u8], ProtocolError); 4] = [
+        (
+            &gap,
+            ProtocolError::SequenceGap {
+                expected: 0,
+                got: 5,
+            },
+        ),
+        (&reserved, ProtocolError::Decode(DecodeError::ReservedBits)),
+        (&tag_word, ProtocolError::Decode(DecodeError::ReservedBits)),
+        (
+            &too_long,
+            ProtocolError::Decode(DecodeError::TooLong {
+                len: 2 << 20,
+                max: 64 << 10,
+            }),
+        ),
+    ];
+    for (record, want) in cases {
+        let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+        rig.peer_write(&hello());
+        rig.peer_write(record);
+        rig.peer_write(b"hello");
+        match rig.read() {
+            Err(Error::Protocol { error, .. }) => assert_eq!(error, want),
+            other => panic!("expected {want:?}, got {other:?}"),
+        }
+        assert!(!rig.alive(), "the lane ended");
+        assert!(rig.take_delivered().is_empty(), "nothing delivered");
+        assert_eq!(rig.pool_used(), 0, "no receive buffer held");
+    }
 }

@@ -1,5 +1,6 @@
 //! One same-host peer: a session over the segment's two rings, driven as a
-//! stream wire (TCP's framing, no fragmentation), its doorbells, and the
+//! stream wire (TCP's framing, no fragmentation; a whole message behind a
+//! short record instead of a header, see [`SHORT`]), its doorbells, and the
 //! Unix connection whose hang-up says the peer is gone.
 
 use std::collections::VecDeque;
@@ -10,9 +11,10 @@ use std::sync::Arc;
 
 use zerohop_backends::{host_bytes, host_bytes_mut};
 use zerohop_core::session::{
-    DataIn, Inbound, Instant, ProtocolError, SendError, Session, SessionConfig,
+    DataFrame, DataIn, Delivered, Inbound, Instant, ProtocolError, SendError, Session,
+    SessionConfig,
 };
-use zerohop_core::wire::{DataFlags, HEADER_LEN};
+use zerohop_core::wire::{DataFlags, DecodeError, HEADER_LEN};
 use zerohop_core::{Error, Lease, PeerId, Received};
 
 use super::cma;
@@ -21,6 +23,46 @@ use super::ring::{Consumer, Corrupt, Producer};
 use super::segment::{SegRing, Segment};
 use super::ShmLease;
 use crate::host::{StdLease, StdPool, QUEUED_MESSAGES};
+
+/// The first two bytes of a short record, what a lane writes in place of a
+/// data frame's header where the engine frames a message headerless (the
+/// whole message in one frame, the peer's Hello said it takes them). A
+/// lane is memory, not a wire: its reader bounds-checks every length it
+/// reads, and a checksum would catch nothing a same-host peer could not
+/// forge, while the header's codec and CRC-32C were a third of a small
+/// message's cost. The record: bytes 0..2 this tag, 4..8 the engine's
+/// immediate word (sequence and credits), 8..12 the message's length, the
+/// rest zero. It is a header's length, so a queued or half-written frame
+/// has one shape either way.
+const SHORT: u16 = 0x535A;
+
+/// A short record of a message of `len` bytes with the engine's immediate word.
+pub(crate) fn short_header(imm: u32, len: u32) -> [u8; HEADER_LEN] {
+    let mut h = [0; HEADER_LEN];
+    h[..2].copy_from_slice(&SHORT.to_le_bytes());
+    h[4..8].copy_from_slice(&imm.to_le_bytes());
+    h[8..12].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// What goes in the ring ahead of a data frame's payload.
+fn header_of(f: &DataFrame) -> [u8; HEADER_LEN] {
+    // A lane does not fragment: a frame is a message, its length a u32.
+    f.header
+        .unwrap_or_else(|| short_header(f.imm, u32::try_from(f.len).unwrap_or(u32::MAX)))
+}
+
+/// A short record's immediate word and length; `None` for a frame's header.
+fn short_record(h: &[u8; HEADER_LEN]) -> Option<Result<(u32, usize), DecodeError>> {
+    if h[..2] != SHORT.to_le_bytes() {
+        return None;
+    }
+    if h[2..4] != [0, 0] || h[12..].iter().any(|&b| b != 0) {
+        return Some(Err(DecodeError::ReservedBits));
+    }
+    let word = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+    Some(Ok((word(4), word(8) as usize)))
+}
 
 /// What a frame writes from.
 enum Payload {
@@ -118,6 +160,9 @@ struct Incoming {
     lease: Option<StdLease>,
     have: usize,
     stage: Stage,
+    /// Its header was a frame's, whose payload the engine takes; a short
+    /// record's message is the engine's already.
+    framed: bool,
 }
 
 /// What the handover of a single-copy message has come to.
@@ -310,7 +355,7 @@ impl Lane {
         let Some(f) = self.session.next_frame(&mut out, None, DataFlags::DEVICE) else {
             return Err((Error::Backend("shm: the session framed nothing"), lease));
         };
-        let header = f.header.unwrap_or([0; HEADER_LEN]);
+        let header = header_of(&f);
         match self.tx.write(&[&header, &desc]) {
             Ok(m) if m.n == HEADER_LEN + DESC_BYTES => {
                 if m.wake {
@@ -591,7 +636,7 @@ impl Lane {
         let Some(f) = self.session.next_frame(&mut out, None, DataFlags::NONE) else {
             return Err(payload.refused(Error::Backend("shm: the session framed nothing")));
         };
-        let header = f.header.unwrap_or([0; HEADER_LEN]);
+        let header = header_of(&f);
         if single {
             let ticket = self.tx_ticket + 1;
             let (held, addr) = match payload {
@@ -1034,7 +1079,13 @@ impl Lane {
                         Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
                     }
                 }
-                let verdict = self.session.handle_payload(now, Some(&bytes[..want]));
+                let verdict = match inc.framed {
+                    true => self.session.handle_payload(now, Some(&bytes[..want])),
+                    false => Ok(Some(Delivered {
+                        seq: inc.d.seq,
+                        len: want,
+                    })),
+                };
                 let lease = self.incoming.take().and_then(|i| i.lease).expect("leased");
                 match verdict {
                     Ok(Some(done)) => {
@@ -1067,6 +1118,34 @@ impl Lane {
                 }
             }
             self.have = 0;
+            if let Some(record) = short_record(&self.header) {
+                let done = match record
+                    .map_err(ProtocolError::from)
+                    .and_then(|(imm, len)| self.session.handle_headerless(now, len, imm))
+                {
+                    Ok(done) => done,
+                    Err(e) => return protocol(e),
+                };
+                let d = DataIn {
+                    seq: done.seq,
+                    msg_len: done.len,
+                    offset: 0,
+                    len: done.len,
+                    first: true,
+                    last: true,
+                    striped: false,
+                    device: false,
+                };
+                self.incoming = Some(Incoming {
+                    d,
+                    lease: None,
+                    have: 0,
+                    stage: self.host_stage(done.len),
+                    framed: false,
+                });
+                self.control();
+                continue;
+            }
             let inbound = match self.session.handle_header(now, &self.header, None) {
                 Ok(i) => i,
                 Err(e) => return protocol(e),
@@ -1076,21 +1155,16 @@ impl Lane {
                     if !d.first || !d.last {
                         return Outcome::Bad(Error::Backend("shm: a fragment on a stream lane"));
                     }
-                    let single = self.cma_rx && d.len >= self.single_min;
                     self.incoming = Some(Incoming {
                         d,
                         lease: None,
                         have: 0,
                         stage: if d.device {
                             device_stage()
-                        } else if single {
-                            Stage::Desc {
-                                have: 0,
-                                buf: [0; cma::DESC_BYTES],
-                            }
                         } else {
-                            Stage::Inline
+                            self.host_stage(d.len)
                         },
+                        framed: true,
                     });
                 }
                 Inbound::Closed => self.arrive(arrivals, Err(Error::PeerClosed(peer))),
@@ -1103,6 +1177,19 @@ impl Lane {
                 | Inbound::HostAnswer { .. } => {}
             }
             self.control();
+        }
+    }
+
+    /// Where a host message of `len` bytes comes from: a descriptor for a
+    /// single copy, or the ring.
+    fn host_stage(&self, len: usize) -> Stage {
+        if self.cma_rx && len >= self.single_min {
+            Stage::Desc {
+                have: 0,
+                buf: [0; cma::DESC_BYTES],
+            }
+        } else {
+            Stage::Inline
         }
     }
 

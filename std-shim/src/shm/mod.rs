@@ -306,6 +306,9 @@ impl LocalWire {
             window: u32::try_from(tcp.window).unwrap_or(u32::MAX),
             idle_timeout: tcp.idle_timeout,
             host: HostRole::None,
+            // A whole message goes as a short record (see `lane::SHORT`).
+            takes_headerless: true,
+            sends_headerless: true,
             ..SessionConfig::stream(max)
         };
         let now = StdInstant::now();

@@ -12,7 +12,7 @@ use zerohop_core::session::{HostRole, Instant, SessionConfig};
 use zerohop_core::{Error, PeerId, Received};
 
 use super::handshake::bell;
-use super::lane::{Lane, Outcome, Source};
+use super::lane::{short_header, Lane, Outcome, Source};
 use super::ring::{Consumer, Producer, RingMem};
 use super::segment::{SegRing, Segment};
 use super::ShmLease;
@@ -35,6 +35,13 @@ pub struct LaneRig {
     _peer_link: UnixStream,
 }
 
+/// A short record, as a lane writes it ahead of a whole message that the
+/// engine framed headerless: sequence number `seq` (its low 16 bits) and
+/// `len` bytes of payload following.
+pub fn short_record(seq: u16, len: u32) -> [u8; zerohop_core::wire::HEADER_LEN] {
+    short_header(u32::from(seq) << 16, len)
+}
+
 impl LaneRig {
     /// Rings of `ring_bytes` (a power of two, at least 4 KiB), messages up
     /// to 64 KiB, a receive pool of `pool_bytes`.
@@ -43,6 +50,8 @@ impl LaneRig {
         let (link, peer_link) = UnixStream::pair()?;
         let config = SessionConfig {
             check_payload: true,
+            takes_headerless: true,
+            sends_headerless: true,
             host: HostRole::None,
             ..SessionConfig::stream(64 << 10)
         };
