@@ -20,10 +20,9 @@
 //! and the payload into GPU memory, so the CPU never reads a header out of
 //! device memory (and only a host receiver takes headerless frames).
 //!
-//! The CM private data is one little-endian word, this side's ring depth:
-//! the peer's frame credits before the Hellos cross. A peer whose ring is
-//! shallower than [`MIN_RECV_DEPTH`] (or that sends none) is refused, on
-//! either side.
+//! Connections come and go in [`connect`] (listening, connecting,
+//! accepting, the connection manager's events); this module is the data
+//! path.
 
 use std::collections::VecDeque;
 use std::mem::MaybeUninit;
@@ -47,6 +46,8 @@ use super::cm::{CmEvent, CmId, EventChannel, Qp, QpShape, CM_TIMEOUT_MS};
 use super::payload::{HostPayload, PayloadLease, PayloadMemory};
 use super::{Device, Registry, VerbsError};
 use crate::{host_bytes, host_bytes_mut, HeapTables, HostPool};
+
+mod connect;
 
 /// Frame headers live in host memory whatever the payloads' memory: the CPU parses them.
 type HeaderPool = HostPool<HeapTables>;
@@ -179,14 +180,6 @@ impl<M: PayloadMemory> std::fmt::Debug for RdmaTransport<M> {
             .field("device", &self.device.name())
             .field("peers", &self.peer_count())
             .finish_non_exhaustive()
-    }
-}
-
-/// The credits a peer starts with: the ring it announced, if deep enough.
-fn usable_depth(depth: Option<u32>) -> Result<u16, VerbsError> {
-    match depth {
-        Some(d) if d >= MIN_RECV_DEPTH => Ok(u16::try_from(d).unwrap_or(u16::MAX)),
-        depth => Err(VerbsError::ShallowPeer { depth }),
     }
 }
 
@@ -360,144 +353,6 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             // A queue pair is already past any same-host question.
             host: HostRole::None,
         }
-    }
-
-    /// Listens for RDMA CM connections on `addr` (an address of the RDMA device's netdev).
-    pub fn listen(&mut self, addr: SocketAddr) -> Result<(), VerbsError> {
-        let id = CmId::new(&EventChannel::new()?)?;
-        id.listen(addr, 64)?;
-        self.listener = Some(id);
-        Ok(())
-    }
-
-    /// Where it listens, if it does (with the port the system gave, for port 0).
-    pub fn local_addr(&self) -> Option<SocketAddr> {
-        self.listener.as_ref()?.local_addr()
-    }
-
-    /// Connects to a listening transport: blocks until the connection is
-    /// established and the peer's Hello has come (at most the CM timeout).
-    /// A peer whose ring is too shallow (`ShallowPeer`), of another protocol
-    /// version, or that says no Hello, is refused; nothing is left behind.
-    pub fn connect(&mut self, addr: SocketAddr) -> Result<PeerId, VerbsError> {
-        let at = |e| match e {
-            VerbsError::Connect(why) => VerbsError::Connect(format!("to {addr}: {why}")),
-            e => e,
-        };
-        let id = CmId::new(&EventChannel::new()?)?;
-        id.resolve(addr).map_err(at)?;
-        let mut conn = self.setup(id).map_err(|(e, _)| at(e))?;
-        conn.qp
-            .id()
-            .connect(&self.config.recv_depth.to_le_bytes())?;
-        let ev = conn
-            .qp
-            .id()
-            .channel()
-            .expect(
-                ffi::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
-                "connection",
-            )
-            .map_err(at)?;
-        let ring = usable_depth(ev.peer_depth)?;
-        conn.session = Session::new(self.session_config(), 0, self.now()).with_peer_ring(ring);
-        conn.established = true;
-        conn.addr = Some(addr);
-        let peer = self.add(conn);
-        // The Hellos cross; a refusal (another version, no zerohop peer)
-        // retires the connection with a typed error.
-        let until = StdInstant::now() + Duration::from_millis(CM_TIMEOUT_MS as u64);
-        let i = peer.0 as usize;
-        loop {
-            let before = self.arrivals.len();
-            self.service(i, Self::drain_and_pump);
-            if self.peers[i].as_ref().is_some_and(|c| c.session.is_open()) {
-                return Ok(peer);
-            }
-            if self.peers[i].is_none() {
-                return Err(match self.arrivals.drain(before..).next() {
-                    Some(Err(Error::Protocol { error, .. })) => VerbsError::Protocol(error),
-                    _ => VerbsError::Connect(format!(
-                        "to {addr}: the peer went away before its hello"
-                    )),
-                });
-            }
-            if StdInstant::now() >= until {
-                self.peers[i] = None;
-                return Err(VerbsError::Connect(format!(
-                    "to {addr}: no hello from the peer"
-                )));
-            }
-            std::hint::spin_loop();
-        }
-    }
-
-    fn add(&mut self, conn: Conn<M>) -> PeerId {
-        let i = match self.peers.iter().position(Option::is_none) {
-            Some(i) => i,
-            None => {
-                self.peers.push(None);
-                self.peers.len() - 1
-            }
-        };
-        self.peers[i] = Some(Box::new(conn));
-        PeerId(i as u32)
-    }
-
-    /// Creates the QP (and its CQ) on `id` and posts the receive ring. On
-    /// failure the id comes back, to be rejected or dropped.
-    #[allow(clippy::result_large_err)]
-    fn setup(&mut self, id: CmId) -> Result<Conn<M>, (VerbsError, Option<CmId>)> {
-        if id.verbs() != self.device.ctx() {
-            let why = format!(
-                "the route leaves through another RDMA device than {}",
-                self.device.name()
-            );
-            return Err((VerbsError::Connect(why), Some(id)));
-        }
-        let depth = self.config.recv_depth as usize;
-        let send_depth = depth + 8;
-        let headers = match Lease::take(
-            Arc::clone(&self.header_pool),
-            (depth + send_depth) * HEADER_LEN,
-        ) {
-            Ok(h) => h,
-            Err(e) => return Err((VerbsError::Connect(format!("header ring: {e}")), Some(id))),
-        };
-        let shape = QpShape {
-            send_depth,
-            recv_depth: depth,
-            inline_want: INLINE_WANT,
-        };
-        let qp = Qp::create(id, self.device.pd(), shape).map_err(|(e, id)| (e, Some(id)))?;
-        let mut conn = Conn {
-            qp,
-            session: Session::new(self.session_config(), 0, self.now()),
-            headers,
-            recv: (0..depth).map(|_| None).collect(),
-            unposted: Vec::with_capacity(depth),
-            send: (0..send_depth).map(|_| None).collect(),
-            unsignaled: VecDeque::new(),
-            posted_at: vec![0; send_depth],
-            posts: 0,
-            free_send: (0..send_depth as u32).rev().collect(),
-            queue: VecDeque::new(),
-            assembling: None,
-            established: false,
-            addr: None,
-            accepted: false,
-        };
-        for slot in 0..depth {
-            if let Err(e) = Self::post_recv(&self.recv_pool, self.config.fragment, &mut conn, slot)
-            {
-                // The connection (QP, id, CQ) goes as it drops.
-                return Err((
-                    VerbsError::Connect(format!("posting the receive ring: {e}")),
-                    None,
-                ));
-            }
-        }
-        Ok(conn)
     }
 
     /// A receive buffer's size: a whole frame where the header lands in the
@@ -1043,101 +898,6 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         conn.session.consumed(len);
         self.arrivals.push_back(Ok(Received { peer, lease }));
         Ok(())
-    }
-
-    fn accept_all(&mut self) -> bool {
-        let Some(channel) = self.listener.as_ref().map(|l| Arc::clone(l.channel())) else {
-            return false;
-        };
-        let mut any = false;
-        while let Ok(Some(ev)) = channel.next(Duration::ZERO) {
-            any = true;
-            self.cm_event(&channel, ev);
-        }
-        any
-    }
-
-    fn cm_event(&mut self, channel: &Arc<EventChannel>, ev: CmEvent) {
-        let Some(raw) = NonNull::new(ev.id) else {
-            return;
-        };
-        match ev.kind {
-            ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST => {
-                // SAFETY: a connect request's id is the event's own, owned by
-                // nothing else, and its events come on the listener's channel.
-                let id = unsafe { CmId::adopt(raw, channel) };
-                // A closed listener, or a peer whose ring could never take a
-                // data frame: refused before anything is set up.
-                let ring = match usable_depth(ev.peer_depth) {
-                    Ok(ring) if !self.closed => ring,
-                    _ => return id.reject(),
-                };
-                match self.setup(id) {
-                    Ok(mut conn) => {
-                        conn.session =
-                            Session::new(self.session_config(), 0, self.now()).with_peer_ring(ring);
-                        conn.addr = conn.qp.id().peer_addr();
-                        conn.accepted = true;
-                        if conn
-                            .qp
-                            .id()
-                            .accept(&self.config.recv_depth.to_le_bytes())
-                            .is_ok()
-                        {
-                            self.add(conn);
-                        }
-                    }
-                    Err((_, Some(id))) => id.reject(),
-                    // Setup failed after the QP took the id: the CM rejects
-                    // a request whose id goes away unanswered.
-                    Err((_, None)) => {}
-                }
-            }
-            ffi::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED => {
-                if let Some(c) = self
-                    .peers
-                    .iter_mut()
-                    .flatten()
-                    .find(|c| c.qp.id().as_ptr() == raw.as_ptr())
-                {
-                    c.established = true;
-                    let _ = Self::pump(c); // our Hello
-                }
-            }
-            // The peer went away, or an accepted connection never came up.
-            ffi::rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED
-            | ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED
-            | ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_ERROR
-            | ffi::rdma_cm_event_type::RDMA_CM_EVENT_UNREACHABLE => {
-                let found = self.peers.iter().position(|c| {
-                    c.as_ref()
-                        .is_some_and(|c| c.qp.id().as_ptr() == raw.as_ptr())
-                });
-                if let Some(i) = found {
-                    let mut conn = self.peers[i].take().expect("found");
-                    // What landed before the end is taken first: its Close
-                    // may wait in the CQ behind the CM event (a clean close
-                    // read as a lost peer otherwise). Flushed receives after
-                    // it are the end itself.
-                    if conn.established {
-                        let _ = self.drain_cq(&mut conn, PeerId(i as u32));
-                    }
-                    let lost = !conn.session.peer_closed();
-                    self.retire(conn, lost.then_some(Error::PeerLost(PeerId(i as u32))));
-                }
-            }
-            _ => {}
-        }
-    }
-
-    /// Takes down a connection that failed (`error`) or ended; the error
-    /// reaches `try_recv` only if the application could know the peer (its
-    /// connection came up). Its verbs objects and buffers go as it drops.
-    fn retire(&mut self, conn: Box<Conn<M>>, error: Option<Error>) {
-        if let (Some(e), true) = (error, conn.established) {
-            self.arrivals.push_back(Err(e));
-        }
-        drop(conn);
     }
 
     /// One pass: CM events, completions (arming the channels), timers.
