@@ -5,8 +5,8 @@
 //! - nothing panics, and no access leaves the segment (ASan would say);
 //! - a broken ring or protocol is a typed error, after which the lane takes
 //!   nothing more;
-//! - nothing is delivered that the session did not accept whole, and no
-//!   message is longer than the lane's maximum;
+//! - no message delivered is longer than the lane's maximum (its bytes are
+//!   not checked: raw writes may forge any frame the session accepts);
 //! - every receive buffer goes back to the pool once the lane is gone.
 #![no_main]
 
@@ -29,10 +29,14 @@ enum Op {
         device: bool,
     },
     /// A whole message as a short record (`seq` its sequence number's low
-    /// bits), its payload after it.
+    /// bits, `credits` the frame credits it returns), its payload after it;
+    /// or, `large`, a record of a single-copy length and a descriptor of
+    /// the fuzzer's (an address in this process, a ticket).
     Short {
-        seq: u8,
+        seq: u16,
+        credits: u16,
         len: u16,
+        large: Option<[u8; 16]>,
     },
     /// Raw bytes, written as a producer would.
     Write(Vec<u8>),
@@ -88,9 +92,21 @@ fuzz_target!(|ops: Vec<Op>| {
                 head = head.wrapping_add(rig.peer_write(&f) as u64);
                 head = head.wrapping_add(rig.peer_write(&payload) as u64);
             }
-            Op::Short { seq, len } => {
-                let payload = vec![*seq; usize::from(*len) % 3000];
-                let r = short_record(u16::from(*seq), payload.len() as u32);
+            Op::Short {
+                seq,
+                credits,
+                len,
+                large,
+            } => {
+                let (len, payload) = match large {
+                    Some(desc) => ((32 << 10) + u32::from(*len) % (32 << 10), desc.to_vec()),
+                    None => {
+                        let n = usize::from(*len) % 3000;
+                        (n as u32, vec![*seq as u8; n])
+                    }
+                };
+                let mut r = short_record(*seq, len);
+                r[4..6].copy_from_slice(&credits.to_le_bytes());
                 head = head.wrapping_add(rig.peer_write(&r) as u64);
                 head = head.wrapping_add(rig.peer_write(&payload) as u64);
             }
@@ -118,7 +134,7 @@ fuzz_target!(|ops: Vec<Op>| {
             Op::Take => {
                 for m in rig.take_delivered() {
                     match m {
-                        Ok(len) => assert!(len <= 1 << 20, "a message past the maximum"),
+                        Ok(len) => assert!(len <= 64 << 10, "a message past the lane's maximum"),
                         Err(Error::PeerClosed(_)) => {}
                         Err(e) => panic!("an untyped arrival: {e:?}"),
                     }

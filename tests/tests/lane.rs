@@ -8,9 +8,9 @@
 //! strictly as a frame's header.
 
 use zerohop_core::session::{ProtocolError, SessionConfig, Stall};
-use zerohop_core::wire::{Data, DataFlags, DecodeError, Frame, Hello, Takes, MAGIC};
+use zerohop_core::wire::{Close, Data, DataFlags, DecodeError, Frame, Hello, Takes};
 use zerohop_core::Error;
-use zerohop_std::shm::testing::{short_record, LaneRig};
+use zerohop_std::shm::testing::{short_record, LaneRig, PEER};
 
 fn hello() -> [u8; 32] {
     hello_taking(Takes::NONE)
@@ -274,7 +274,6 @@ fn a_whole_message_goes_as_a_short_record_only_to_a_peer_that_takes_them() {
                     other => panic!("a data frame's header, got {other:?}"),
                 }
             }
-            assert_eq!(first[..2], MAGIC.to_le_bytes());
         }
     }
 }
@@ -284,55 +283,133 @@ fn short_records_deliver_their_messages_in_order() {
     // A pool that holds every message at once: a dry one stops the read.
     let mut rig = LaneRig::new(1 << 16, 16 << 20).unwrap();
     rig.peer_write(&hello());
-    for (seq, payload) in [(0u16, &b"hello"[..]), (1, &[7u8; 3000][..]), (2, &[][..])] {
-        rig.peer_write(&short_record(seq, payload.len() as u32));
+    let sent: [Vec<u8>; 3] = [
+        b"hello".to_vec(),
+        (0..3000).map(|i| i as u8).collect(),
+        vec![],
+    ];
+    for (seq, payload) in sent.iter().enumerate() {
+        rig.peer_write(&short_record(seq as u16, payload.len() as u32));
         rig.peer_write(payload);
     }
     // A framed message may follow a short one: one sequence for both.
     rig.peer_write(&data(DataFlags::NONE, 3, 2));
     rig.peer_write(b"ok");
     rig.read().unwrap();
-    assert_eq!(rig.take_delivered(), [Ok(5), Ok(3000), Ok(0), Ok(2)]);
+    let got = rig.take_messages();
+    let want: Vec<Result<Vec<u8>, Error>> = sent
+        .iter()
+        .cloned()
+        .chain([b"ok".to_vec()])
+        .map(Ok)
+        .collect();
+    assert_eq!(got, want, "every message, whole, in order");
     assert_eq!(rig.pool_used(), 0, "every buffer handed on and back");
 }
 
+/// What the peer writes, what the lane delivers first, the error it ends with.
+type Case = (Vec<Vec<u8>>, Vec<Result<usize, Error>>, ProtocolError);
+
 #[test]
-fn a_bad_short_record_ends_that_lane_typed_and_holds_nothing() {
-    let gap = short_record(5, 5);
+fn a_bad_short_record_ends_that_lane_typed() {
     let mut reserved = short_record(0, 5);
     reserved[31] = 1;
     let mut tag_word = short_record(0, 5);
     tag_word[2] = 1;
-    let too_long = short_record(0, 2 << 20);
-    let cases: [(&[u8], ProtocolError); 4] = [
+    let with_payload = |r: [u8; 32]| [&r[..], b"hello"].concat();
+    let close = Frame::Close(Close { seq: 0 }).encode(&[]);
+    let cases: [Case; 7] = [
         (
-            &gap,
+            vec![hello().to_vec(), with_payload(short_record(5, 5))],
+            vec![],
             ProtocolError::SequenceGap {
                 expected: 0,
                 got: 5,
             },
         ),
-        (&reserved, ProtocolError::Decode(DecodeError::ReservedBits)),
-        (&tag_word, ProtocolError::Decode(DecodeError::ReservedBits)),
         (
-            &too_long,
+            vec![
+                hello().to_vec(),
+                with_payload(short_record(0, 5)),
+                with_payload(short_record(0, 5)),
+            ],
+            vec![Ok(5)],
+            ProtocolError::Duplicate { seq: 0 },
+        ),
+        (
+            vec![hello().to_vec(), with_payload(reserved)],
+            vec![],
+            ProtocolError::Decode(DecodeError::ReservedBits),
+        ),
+        (
+            vec![hello().to_vec(), with_payload(tag_word)],
+            vec![],
+            ProtocolError::Decode(DecodeError::ReservedBits),
+        ),
+        (
+            vec![hello().to_vec(), short_record(0, 2 << 20).to_vec()],
+            vec![],
             ProtocolError::Decode(DecodeError::TooLong {
                 len: 2 << 20,
                 max: 64 << 10,
             }),
         ),
+        // Before the peer's Hello: the lane has not said it takes them.
+        (
+            vec![with_payload(short_record(0, 5))],
+            vec![],
+            ProtocolError::HeaderlessRefused,
+        ),
+        (
+            vec![
+                hello().to_vec(),
+                close.to_vec(),
+                with_payload(short_record(0, 5)),
+            ],
+            vec![Err(Error::PeerClosed(PEER))],
+            ProtocolError::AfterClose,
+        ),
     ];
-    for (record, want) in cases {
+    for (writes, first, want) in cases {
         let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
-        rig.peer_write(&hello());
-        rig.peer_write(record);
-        rig.peer_write(b"hello");
+        for w in &writes {
+            rig.peer_write(w);
+        }
         match rig.read() {
             Err(Error::Protocol { error, .. }) => assert_eq!(error, want),
             other => panic!("expected {want:?}, got {other:?}"),
         }
         assert!(!rig.alive(), "the lane ended");
-        assert!(rig.take_delivered().is_empty(), "nothing delivered");
-        assert_eq!(rig.pool_used(), 0, "no receive buffer held");
+        assert_eq!(
+            rig.take_delivered(),
+            first,
+            "nothing of the bad record delivered"
+        );
     }
+}
+
+/// A large message goes by a single copy behind a short record too: the
+/// sender's record and descriptor, written into a second lane, bring the
+/// sender's bytes (`process_vm_readv` of this same process).
+#[test]
+fn a_single_copy_message_goes_behind_a_short_record_and_arrives_whole() {
+    let mut sender = LaneRig::new(1 << 16, 1 << 20).unwrap();
+    sender.peer_write(&hello_taking(Takes::HEADERLESS));
+    sender.read().unwrap();
+    while sender.flush().unwrap() {}
+    sender.peer_take(); // its Hello
+    let message: Vec<u8> = (0..48 << 10).map(|i| (i % 251) as u8).collect();
+    assert_eq!(sender.send_direct(&message), Ok(false), "its caller waits");
+    let out = sender.peer_take();
+    assert_eq!(out.len(), 32 + 16, "a record and a descriptor");
+    assert_eq!(out[..32], short_record(0, 48 << 10), "a short record");
+    let mut receiver = LaneRig::new(1 << 16, 1 << 20).unwrap();
+    receiver.peer_write(&hello());
+    receiver.peer_write(&out);
+    receiver.read().unwrap();
+    assert_eq!(
+        receiver.take_messages(),
+        [Ok(message)],
+        "the sender's bytes"
+    );
 }

@@ -1119,6 +1119,9 @@ impl Lane {
             }
             self.have = 0;
             if let Some(record) = short_record(&self.header) {
+                // The engine takes the message whole now (its sequence,
+                // credit and stats move here, as for a verbs receive); its
+                // payload is the lane's to finish.
                 let done = match record
                     .map_err(ProtocolError::from)
                     .and_then(|(imm, len)| self.session.handle_headerless(now, len, imm))
@@ -1126,6 +1129,10 @@ impl Lane {
                     Ok(done) => done,
                     Err(e) => return protocol(e),
                 };
+                // The engine has no payload pending to time: a frame is under
+                // way until the payload is in (the next side pass's `heard`
+                // settles it).
+                self.session.handle_activity(now, done.len > 0);
                 let d = DataIn {
                     seq: done.seq,
                     msg_len: done.len,

@@ -18,7 +18,8 @@ use super::segment::{SegRing, Segment};
 use super::ShmLease;
 use crate::host::StdPool;
 
-const PEER: PeerId = PeerId(super::LANE_BIT);
+/// The peer id the rig's lane reports its peer by.
+pub const PEER: PeerId = PeerId(super::LANE_BIT);
 
 /// A lane (the side that opened the segment) and a hand on its peer's side.
 #[derive(Debug)]
@@ -243,6 +244,22 @@ impl LaneRig {
             return Err(Error::Closed);
         };
         lane.flush(PEER)
+    }
+
+    /// Messages delivered, their bytes (taken from the arrivals; their
+    /// leases go back).
+    pub fn take_messages(&mut self) -> Vec<Result<Vec<u8>, Error>> {
+        self.arrivals
+            .drain(..)
+            .map(|r| {
+                r.map(|m| match &m.lease {
+                    super::ShmLease::Host(l) => zerohop_backends::host_bytes(l).to_vec(),
+                    #[cfg(feature = "cuda-uma")]
+                    // A rig has no GPU side: no device message comes.
+                    super::ShmLease::Device(_) => Vec::new(),
+                })
+            })
+            .collect()
     }
 
     /// Messages delivered (taken from the arrivals; their leases go back).
