@@ -53,7 +53,7 @@ fn header_of(f: &DataFrame) -> [u8; HEADER_LEN] {
 }
 
 /// A short record's immediate word and length; `None` for a frame's header.
-fn short_record(h: &[u8; HEADER_LEN]) -> Option<Result<(u32, usize), DecodeError>> {
+fn parse_short(h: &[u8; HEADER_LEN]) -> Option<Result<(u32, usize), DecodeError>> {
     if h[..2] != SHORT.to_le_bytes() {
         return None;
     }
@@ -163,6 +163,19 @@ struct Incoming {
     /// Its header was a frame's, whose payload the engine takes; a short
     /// record's message is the engine's already.
     framed: bool,
+}
+
+impl Incoming {
+    /// A message's payload to come, into a buffer not leased yet.
+    fn new(d: DataIn, stage: Stage, framed: bool) -> Incoming {
+        Incoming {
+            d,
+            lease: None,
+            have: 0,
+            stage,
+            framed,
+        }
+    }
 }
 
 /// What the handover of a single-copy message has come to.
@@ -1118,7 +1131,7 @@ impl Lane {
                 }
             }
             self.have = 0;
-            if let Some(record) = short_record(&self.header) {
+            if let Some(record) = parse_short(&self.header) {
                 // The engine takes the message whole now (its sequence,
                 // credit and stats move here, as for a verbs receive); its
                 // payload is the lane's to finish.
@@ -1143,13 +1156,7 @@ impl Lane {
                     striped: false,
                     device: false,
                 };
-                self.incoming = Some(Incoming {
-                    d,
-                    lease: None,
-                    have: 0,
-                    stage: self.host_stage(done.len),
-                    framed: false,
-                });
+                self.incoming = Some(Incoming::new(d, self.host_stage(done.len), false));
                 self.control();
                 continue;
             }
@@ -1162,17 +1169,12 @@ impl Lane {
                     if !d.first || !d.last {
                         return Outcome::Bad(Error::Backend("shm: a fragment on a stream lane"));
                     }
-                    self.incoming = Some(Incoming {
-                        d,
-                        lease: None,
-                        have: 0,
-                        stage: if d.device {
-                            device_stage()
-                        } else {
-                            self.host_stage(d.len)
-                        },
-                        framed: true,
-                    });
+                    let stage = if d.device {
+                        device_stage()
+                    } else {
+                        self.host_stage(d.len)
+                    };
+                    self.incoming = Some(Incoming::new(d, stage, true));
                 }
                 Inbound::Closed => self.arrive(arrivals, Err(Error::PeerClosed(peer))),
                 Inbound::Want => self.session.grant(),
