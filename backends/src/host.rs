@@ -27,6 +27,9 @@ pub enum HostMemory {
     /// The process heap.
     #[cfg(feature = "std")]
     Heap(HeapMemory),
+    /// One shared-memory file, which a same-host peer may map.
+    #[cfg(all(feature = "std", target_os = "linux"))]
+    Shared(crate::shared::SharedMemory),
     /// CUDA managed or pinned host memory.
     #[cfg(feature = "cuda-uma")]
     Cuda(crate::cuda::HostCudaMemory),
@@ -51,6 +54,8 @@ impl HostMemory {
             HostMemory::Arena(m) => m.pointer(region),
             #[cfg(feature = "std")]
             HostMemory::Heap(m) => m.pointer(region),
+            #[cfg(all(feature = "std", target_os = "linux"))]
+            HostMemory::Shared(m) => m.pointer(region),
             #[cfg(feature = "cuda-uma")]
             HostMemory::Cuda(m) => m.pointer(region),
             #[allow(unreachable_patterns)]
@@ -69,6 +74,8 @@ impl RawMemory for HostMemory {
             HostMemory::Arena(m) => m.alloc(len, align),
             #[cfg(feature = "std")]
             HostMemory::Heap(m) => m.alloc(len, align),
+            #[cfg(all(feature = "std", target_os = "linux"))]
+            HostMemory::Shared(m) => m.alloc(len, align),
             #[cfg(feature = "cuda-uma")]
             HostMemory::Cuda(m) => m.alloc(len, align),
             #[allow(unreachable_patterns)]
@@ -88,6 +95,8 @@ impl RawMemory for HostMemory {
             HostMemory::Arena(m) => m.free(region),
             #[cfg(feature = "std")]
             HostMemory::Heap(m) => m.free(region),
+            #[cfg(all(feature = "std", target_os = "linux"))]
+            HostMemory::Shared(m) => m.free(region),
             #[cfg(feature = "cuda-uma")]
             HostMemory::Cuda(m) => m.free(region),
             #[allow(unreachable_patterns)]
@@ -146,6 +155,22 @@ where
     match memory.pointer(r) {
         Some(p) => (p, r.len),
         None => panic!("zerohop: a lease lies outside its pool's memory (pool invariant broken)"),
+    }
+}
+
+/// Where a lease's bytes lie in a shared-memory file, when its pool's
+/// memory is one ([`HostMemory::Shared`]): what a same-host peer needs to
+/// read them out of its own mapping of the file.
+#[cfg(all(feature = "std", target_os = "linux"))]
+pub fn shared_place<P>(lease: &Lease<P>) -> Option<crate::shared::SharedPlace>
+where
+    P: Deref,
+    P::Target: HostBacked,
+{
+    match lease.pool().host_memory() {
+        HostMemory::Shared(m) => m.place(lease.region().addr, lease.region().len),
+        #[allow(unreachable_patterns)]
+        _ => None,
     }
 }
 

@@ -20,10 +20,16 @@ mod host;
 #[cfg(feature = "mock")]
 pub mod mock;
 mod nic;
+#[cfg(all(feature = "std", target_os = "linux"))]
+mod shared;
 #[cfg(feature = "gpudirect-verbs")]
 pub mod verbs;
 
 #[cfg(feature = "std")]
 pub use heap::{HeapMemory, HeapTables};
+#[cfg(all(feature = "std", target_os = "linux"))]
+pub use host::shared_place;
 pub use host::{host_bytes, host_bytes_mut, HostBacked, HostMemory, HostPool};
 pub use nic::Nic;
+#[cfg(all(feature = "std", target_os = "linux"))]
+pub use shared::{SharedMemory, SharedPlace};

@@ -31,12 +31,13 @@ enum Op {
     /// A whole message as a short record (`seq` its sequence number's low
     /// bits, `credits` the frame credits it returns), its payload after it;
     /// or, `large`, a record of a single-copy length and a descriptor of
-    /// the fuzzer's (an address in this process, a ticket).
+    /// the fuzzer's (an address in this process, a ticket, a pool file
+    /// and a mode).
     Short {
         seq: u16,
         credits: u16,
         len: u16,
-        large: Option<[u8; 16]>,
+        large: Option<[u8; 40]>,
     },
     /// Raw bytes, written as a producer would.
     Write(Vec<u8>),

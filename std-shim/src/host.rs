@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use zerohop_backends::{HeapMemory, HeapTables, HostMemory, HostPool, Nic};
+use zerohop_backends::{HeapMemory, HeapTables, HostMemory, HostPool, Nic, SharedMemory};
 use zerohop_core::pool::Chunks;
 use zerohop_core::{Error, Lease, PoolConfig, Probe};
 
@@ -23,6 +23,32 @@ pub(crate) const QUEUED_MESSAGES: usize = 4096;
 pub fn heap_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
     let source = Chunks::<HostMemory, Nic> {
         memory: HostMemory::Heap(HeapMemory::new()),
+        registrar: None,
+    };
+    Ok(Arc::new(StdPool::new(
+        source,
+        PoolConfig::with_budget(budget).fitted(),
+        HeapTables::for_budget(budget),
+    )?))
+}
+
+/// A pool of `budget` bytes in one shared-memory file, for the shm wire: a
+/// same-host peer reads a large message out of its own mapping of the file
+/// instead of by the kernel's cross-memory copy (`zerohop_backends::SharedMemory`).
+/// Where no such file can be made, a heap pool.
+pub fn shared_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
+    // The file is only address space until written: room for twice the
+    // budget leaves ranges to spare however the pool's buffers fall.
+    let room = budget.saturating_mul(2).max(4 << 20);
+    let memory = match SharedMemory::new(room) {
+        Ok(m) => m,
+        Err(e) => {
+            log::info!("zerohop: no shared-memory pool ({e}); a heap pool instead");
+            return heap_pool(budget);
+        }
+    };
+    let source = Chunks::<HostMemory, Nic> {
+        memory: HostMemory::Shared(memory),
         registrar: None,
     };
     Ok(Arc::new(StdPool::new(

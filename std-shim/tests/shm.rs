@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use zerohop_core::{Error, Kind, PeerId};
 use zerohop_std::shm::{LocalWire, ShmConfig, ShmLease, LANE_BIT};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
-use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool, Wire};
+use zerohop_std::{
+    heap_pool, shared_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool, Wire,
+};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -22,6 +24,18 @@ fn host_bytes(l: &ShmLease) -> &[u8] {
 /// Messages this long go by a single copy (`process_vm_readv`; the default
 /// threshold is 32 KiB).
 const SINGLE: usize = 64 << 10;
+/// Messages this long go placed in the sender's pool file, where it is one
+/// and the receiver maps it (from 512 KiB, slices are copied there).
+const PLACED: usize = 1 << 20;
+
+/// The pool of this test or its child: a shared-memory file (single-copy
+/// messages go placed) or the heap (they go by the claim word).
+fn pool(shared: bool) -> Arc<StdPool> {
+    match shared {
+        true => shared_pool(64 << 20).unwrap(),
+        false => heap_pool(64 << 20).unwrap(),
+    }
+}
 
 fn wire(pool: &Arc<StdPool>) -> LocalWire {
     let shm = ShmConfig {
@@ -33,7 +47,10 @@ fn wire(pool: &Arc<StdPool>) -> LocalWire {
 }
 
 fn listener() -> (Endpoint<LocalWire>, SocketAddr, Arc<StdPool>) {
-    let pool = heap_pool(64 << 20).unwrap();
+    listener_in(pool(false))
+}
+
+fn listener_in(pool: Arc<StdPool>) -> (Endpoint<LocalWire>, SocketAddr, Arc<StdPool>) {
     let mut t = wire(&pool);
     let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     (
@@ -44,7 +61,10 @@ fn listener() -> (Endpoint<LocalWire>, SocketAddr, Arc<StdPool>) {
 }
 
 fn connect(addr: SocketAddr) -> (Endpoint<LocalWire>, PeerId) {
-    let pool = heap_pool(64 << 20).unwrap();
+    connect_in(addr, pool(false))
+}
+
+fn connect_in(addr: SocketAddr, pool: Arc<StdPool>) -> (Endpoint<LocalWire>, PeerId) {
     let e = Endpoint::new(wire(&pool), EndpointConfig::default()).unwrap();
     let d = TcpTransport::dial(addr, WAIT, true).unwrap();
     let p = e.with(|t| t.attach(d)).unwrap();
@@ -60,12 +80,13 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The lane's traces in this process: mapped segments, and descriptors.
+/// The lane's traces in this process: mapped segments and pool files
+/// (this process's own among them), and descriptors.
 fn traces() -> (usize, usize) {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
     let segments = maps
         .lines()
-        .filter(|l| l.contains("memfd:zerohop-lane"))
+        .filter(|l| l.contains("memfd:zerohop-lane") || l.contains("memfd:zerohop-pool"))
         .count();
     let fds = std::fs::read_dir("/proc/self/fd").unwrap().count();
     (segments, fds)
@@ -78,8 +99,9 @@ fn child_peer() {
     let Ok(addr) = std::env::var("ZEROHOP_TEST_CONNECT") else {
         return;
     };
-    let (e, peer) = connect(addr.parse().unwrap());
-    let m = vec![0x5Au8; SINGLE];
+    let shared = std::env::var("ZEROHOP_TEST_POOL").as_deref() == Ok("shared");
+    let (e, peer) = connect_in(addr.parse().unwrap(), pool(shared));
+    let m = vec![0x5Au8; if shared { PLACED } else { SINGLE }];
     match std::env::var("ZEROHOP_TEST_ROLE").as_deref() {
         Ok("send") => loop {
             e.send(peer, &m, Deadline::after(WAIT), None).unwrap();
@@ -90,7 +112,7 @@ fn child_peer() {
     }
 }
 
-fn spawn(addr: SocketAddr, role: &str) -> Child {
+fn spawn_in(addr: SocketAddr, role: &str, shared: bool) -> Child {
     Command::new(std::env::current_exe().unwrap())
         .args([
             "--ignored",
@@ -101,6 +123,7 @@ fn spawn(addr: SocketAddr, role: &str) -> Child {
         ])
         .env("ZEROHOP_TEST_CONNECT", addr.to_string())
         .env("ZEROHOP_TEST_ROLE", role)
+        .env("ZEROHOP_TEST_POOL", if shared { "shared" } else { "heap" })
         .stdout(Stdio::null())
         .spawn()
         .unwrap()
@@ -115,21 +138,37 @@ fn accepted(server: &Endpoint<LocalWire>) -> PeerId {
 
 #[test]
 fn a_sender_killed_mid_stream_is_lost_at_once_and_leaves_nothing() {
+    sender_killed(false);
+}
+
+/// The same with placed messages: the receiver maps the sender's pool file,
+/// and unmaps it when the sender is gone.
+#[test]
+fn a_sender_of_placed_messages_killed_mid_stream_is_lost_at_once_and_leaves_nothing() {
+    sender_killed(true);
+}
+
+fn sender_killed(shared: bool) {
     let _one = serial();
-    let (server, addr, pool) = listener();
+    let (server, addr, pool) = listener_in(pool(shared));
     let before = traces();
-    let mut child = spawn(addr, "send");
+    let mut child = spawn_in(addr, "send", shared);
     let peer = accepted(&server);
     assert!(peer.0 & LANE_BIT != 0);
     // Mid-stream: messages are arriving.
     for _ in 0..50 {
         let r = server.recv(Deadline::after(WAIT), None).unwrap();
-        assert_eq!(host_bytes(&r.lease).len(), SINGLE);
+        assert_eq!(
+            host_bytes(&r.lease).len(),
+            if shared { PLACED } else { SINGLE }
+        );
     }
+    let copies = server.with(|t| t.single_copies(peer)).unwrap();
+    assert_eq!(copies.mapped > 0, shared, "{copies:?}");
     assert_eq!(
         traces().0,
-        before.0 + 1,
-        "one segment mapped while the lane lives"
+        before.0 + 1 + usize::from(shared),
+        "one segment mapped while the lane lives, and the peer's pool file"
     );
     child.kill().unwrap(); // SIGKILL
     let killed = Instant::now();
@@ -150,12 +189,23 @@ fn a_sender_killed_mid_stream_is_lost_at_once_and_leaves_nothing() {
 
 #[test]
 fn a_receiver_killed_mid_stream_is_lost_at_once_and_leaves_nothing() {
+    receiver_killed(false);
+}
+
+/// The same with placed messages: those the receiver never copied go back
+/// to the sender's pool.
+#[test]
+fn a_receiver_of_placed_messages_killed_mid_stream_is_lost_at_once_and_leaves_nothing() {
+    receiver_killed(true);
+}
+
+fn receiver_killed(shared: bool) {
     let _one = serial();
-    let (server, addr, _pool) = listener();
+    let (server, addr, pool) = listener_in(pool(shared));
     let before = traces();
-    let mut child = spawn(addr, "recv");
+    let mut child = spawn_in(addr, "recv", shared);
     let peer = accepted(&server);
-    let m = vec![7u8; SINGLE];
+    let m = vec![7u8; if shared { PLACED } else { SINGLE }];
     for _ in 0..50 {
         server.send(peer, &m, Deadline::after(WAIT), None).unwrap();
     }
@@ -180,6 +230,7 @@ fn a_receiver_killed_mid_stream_is_lost_at_once_and_leaves_nothing() {
     eprintln!("a killed receiver was reported lost {took:?} after SIGKILL");
     assert!(took < Duration::from_millis(100), "lost after {took:?}");
     assert_eq!(traces(), before, "no segment mapped, no descriptor left");
+    assert_eq!(pool.used_bytes(), 0, "every buffer back, placed ones too");
 }
 
 /// A message each way between a connector's new peer and the server's
@@ -244,6 +295,45 @@ fn strangers_on_the_lane_sockets_cost_them_their_connection_and_peers_still_move
     assert!(peer.0 & LANE_BIT != 0, "moved despite the strangers");
     exchange(&c, peer, &server, accepted(&server));
     drop(strangers);
+}
+
+/// Between two pools of shared-memory files, a stream of large messages
+/// goes placed after the first (claimed) one, each arriving whole and in
+/// order, copied out of the receiver's mapping of the sender's file; the
+/// sender's buffers all come back.
+#[test]
+fn placed_messages_stream_back_to_back_and_arrive_intact_and_in_order() {
+    let _one = serial();
+    let (server, addr, server_pool) = listener_in(pool(true));
+    let client_pool = pool(true);
+    let (client, peer) = connect_in(addr, Arc::clone(&client_pool));
+    let from = accepted(&server);
+    let message = |i: usize| -> Vec<u8> { (0..PLACED).map(|b| (b * 7 + i) as u8).collect() };
+    const N: usize = 16;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for i in 0..N {
+                client
+                    .send(peer, &message(i), Deadline::after(WAIT), None)
+                    .unwrap();
+            }
+        });
+        for i in 0..N {
+            let r = server.recv(Deadline::after(WAIT), None).unwrap();
+            assert!(host_bytes(&r.lease) == message(i), "message {i} intact");
+        }
+    });
+    client.flush(Deadline::after(WAIT)).unwrap();
+    let sent = client.with(|t| t.single_copies(peer)).unwrap();
+    assert_eq!(
+        (sent.claimed, sent.placed),
+        (1, N as u64 - 1),
+        "the first claimed, the rest placed"
+    );
+    let got = server.with(|t| t.single_copies(from)).unwrap();
+    assert_eq!(got.mapped, N as u64, "every one out of the mapped file");
+    assert_eq!(client_pool.used_bytes(), 0, "the sender's buffers all back");
+    assert_eq!(server_pool.used_bytes(), 0);
 }
 
 /// A caller that cannot wait (a zero deadline) leaves each single-copy

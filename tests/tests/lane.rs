@@ -7,10 +7,13 @@
 //! record to a peer that takes them, and a short record is checked as
 //! strictly as a frame's header.
 
+use zerohop_backends::SharedPlace;
 use zerohop_core::session::{ProtocolError, SessionConfig, Stall};
 use zerohop_core::wire::{Close, Data, DataFlags, DecodeError, Frame, Hello, Takes};
 use zerohop_core::Error;
-use zerohop_std::shm::testing::{short_record, LaneRig, PEER};
+use zerohop_std::shm::testing::{
+    short_record, LaneRig, SingleCopyDesc, PEER, SINGLE_COPY_DESC_BYTES,
+};
 
 fn hello() -> [u8; 32] {
     hello_taking(Takes::NONE)
@@ -106,7 +109,7 @@ fn a_blocked_caller_finishes_only_its_own_frame() {
         Ok(false),
         "a single copy: its caller waits"
     );
-    assert_eq!(rig.peer_take().len(), 32 + 16, "its header and descriptor");
+    assert_eq!(rig.peer_take().len(), 32 + 40, "its header and descriptor");
     rig.peer_copied(1);
     // Another caller's send sees the handover over and writes its frame,
     // which the ring does not hold whole.
@@ -401,7 +404,7 @@ fn a_single_copy_message_goes_behind_a_short_record_and_arrives_whole() {
     let message: Vec<u8> = (0..48 << 10).map(|i| (i % 251) as u8).collect();
     assert_eq!(sender.send_direct(&message), Ok(false), "its caller waits");
     let out = sender.peer_take();
-    assert_eq!(out.len(), 32 + 16, "a record and a descriptor");
+    assert_eq!(out.len(), 32 + 40, "a record and a descriptor");
     assert_eq!(out[..32], short_record(0, 48 << 10), "a short record");
     let mut receiver = LaneRig::new(1 << 16, 1 << 20).unwrap();
     receiver.peer_write(&hello());
@@ -412,4 +415,163 @@ fn a_single_copy_message_goes_behind_a_short_record_and_arrives_whole() {
         [Ok(message)],
         "the sender's bytes"
     );
+}
+
+/// The single-copy descriptors in what a lane wrote: each message's 72
+/// bytes (its 32-byte record or header, then the descriptor).
+fn descriptors(out: &[u8]) -> Vec<SingleCopyDesc> {
+    assert_eq!(
+        out.len() % (32 + SINGLE_COPY_DESC_BYTES),
+        0,
+        "{}",
+        out.len()
+    );
+    out.chunks(32 + SINGLE_COPY_DESC_BYTES)
+        .map(|m| SingleCopyDesc::parse(m[32..].try_into().unwrap()).expect("a descriptor"))
+        .collect()
+}
+
+/// A lane whose pool is one shared-memory file names where a large message
+/// lies in it; once the peer says it maps that file, the messages after go
+/// *placed*: no claim, nothing waited for, each buffer held until the
+/// peer's `placed_done` passes its ticket, and a done past what was sent
+/// ends the lane.
+#[test]
+fn placed_messages_go_without_waiting_once_the_peer_maps_the_pool_file() {
+    let mut rig = LaneRig::new_shared(1 << 16, 4 << 20).unwrap();
+    rig.peer_write(&hello_taking(Takes::HEADERLESS));
+    rig.read().unwrap();
+    while rig.flush().unwrap() {}
+    rig.peer_take();
+    let ino = rig.pool_file().expect("a shared pool");
+    let base = rig.pool_used();
+    rig.send_lease(48 << 10).unwrap();
+    let one = rig.pool_used() - base; // a buffer of its class
+    assert!(one >= 48 << 10);
+    let first = descriptors(&rig.peer_take());
+    assert_eq!(first.len(), 1);
+    assert!(!first[0].placed, "claimed: the peer maps nothing yet");
+    assert_eq!(first[0].place.map(|p| p.ino), Some(ino), "its place named");
+    assert_eq!(
+        rig.send_lease(48 << 10),
+        Err(Error::WouldBlock),
+        "nothing passes a claimed message"
+    );
+    rig.peer_copied(1);
+    rig.peer_maps(ino);
+    assert!(rig.flush().unwrap());
+    assert_eq!(rig.pool_used(), base, "the claimed lease went back");
+    for _ in 0..3 {
+        rig.send_lease(48 << 10).unwrap();
+    }
+    let placed = descriptors(&rig.peer_take());
+    assert_eq!(
+        placed
+            .iter()
+            .map(|d| (d.placed, d.ticket))
+            .collect::<Vec<_>>(),
+        [(true, 1), (true, 2), (true, 3)],
+        "three placed at once, tickets of their own"
+    );
+    assert!(placed.iter().all(|d| d.place.is_some_and(|p| p.ino == ino)));
+    assert_eq!(rig.pool_used(), base + 3 * one, "each held");
+    rig.peer_placed_done(2);
+    assert!(rig.flush().unwrap(), "buffers going back is progress");
+    assert_eq!(rig.pool_used(), base + one, "two back, in order");
+    let c = rig.single_copies();
+    assert_eq!((c.claimed, c.placed), (1, 3));
+    rig.peer_placed_done(9);
+    assert!(
+        matches!(rig.flush(), Err(Error::WireRule { .. })),
+        "a done past the last placed message ends the lane"
+    );
+}
+
+/// The receiving side: a placed message is copied out of the sender's
+/// pool file (here this process's own, as a same-host peer's would be),
+/// its done stored; the first, claimed, one tells the sender the file is
+/// mapped.
+#[test]
+fn a_placed_message_arrives_whole_out_of_the_senders_pool_file() {
+    let mut sender = LaneRig::new_shared(1 << 16, 4 << 20).unwrap();
+    sender.peer_write(&hello_taking(Takes::HEADERLESS));
+    sender.read().unwrap();
+    while sender.flush().unwrap() {}
+    sender.peer_take();
+    let mut receiver = LaneRig::new(1 << 16, 4 << 20).unwrap();
+    receiver.peer_write(&hello());
+    let a: Vec<u8> = (0..48 << 10).map(|i| (i % 251) as u8).collect();
+    let b: Vec<u8> = (0..40 << 10).map(|i| (i % 241) as u8).collect();
+    sender.send_lease_of(&a).unwrap();
+    receiver.peer_write(&sender.peer_take());
+    receiver.read().unwrap();
+    let ino = sender.pool_file().unwrap();
+    assert_eq!(receiver.told_peer(), (ino, 0), "it says it maps the file");
+    sender.peer_copied(1);
+    sender.peer_maps(ino);
+    sender.send_lease_of(&b).unwrap();
+    let out = sender.peer_take();
+    assert!(descriptors(&out)[0].placed);
+    receiver.peer_write(&out);
+    receiver.read().unwrap();
+    assert_eq!(receiver.take_messages(), [Ok(a), Ok(b)], "in order, whole");
+    assert_eq!(receiver.told_peer(), (ino, 1), "the placed one done");
+    assert_eq!(receiver.single_copies().mapped, 2, "both out of the file");
+}
+
+/// A placed descriptor is checked as a claimed one is: a ticket out of its
+/// sequence, a mode past 1, a placed one naming no file, or bytes that
+/// neither the named file nor the sender's memory give, each end the lane
+/// typed, nothing of it delivered and no buffer held.
+#[test]
+fn a_bad_placed_descriptor_ends_that_lane_typed() {
+    let readable: Vec<u8> = vec![7; 40 << 10];
+    let good = SingleCopyDesc {
+        addr: readable.as_ptr() as u64,
+        ticket: 1,
+        place: Some(SharedPlace {
+            fd: u32::MAX - 1, // no such descriptor here
+            ino: 1,
+            offset: 0,
+        }),
+        placed: true,
+    };
+    let mut mode = good.encode();
+    mode[20] = 2;
+    let mut no_file = good.encode();
+    no_file[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+    let cases: Vec<(&str, [u8; SINGLE_COPY_DESC_BYTES])> = vec![
+        (
+            "a ticket out of its sequence",
+            SingleCopyDesc { ticket: 2, ..good }.encode(),
+        ),
+        ("a mode past 1", mode),
+        ("placed, naming no file", no_file),
+        (
+            "bytes nowhere to be read",
+            SingleCopyDesc { addr: 8, ..good }.encode(),
+        ),
+    ];
+    for (what, desc) in cases {
+        let mut rig = LaneRig::new(1 << 16, 4 << 20).unwrap();
+        rig.peer_write(&hello());
+        rig.peer_write(&data(DataFlags::NONE, 0, 40 << 10));
+        rig.peer_write(&desc);
+        assert!(
+            matches!(rig.read(), Err(Error::WireRule { .. })),
+            "{what}: a typed end"
+        );
+        assert!(!rig.alive(), "{what}");
+        assert!(rig.take_delivered().is_empty(), "{what}: nothing delivered");
+        assert_eq!(rig.pool_used(), 0, "{what}: no buffer held");
+    }
+    // The good one, for contrast: the named file fails, the sender's
+    // memory (this process's) gives the bytes.
+    let mut rig = LaneRig::new(1 << 16, 4 << 20).unwrap();
+    rig.peer_write(&hello());
+    rig.peer_write(&data(DataFlags::NONE, 0, 40 << 10));
+    rig.peer_write(&good.encode());
+    rig.read().unwrap();
+    assert_eq!(rig.take_messages(), [Ok(readable.clone())]);
+    assert_eq!(rig.told_peer().1, 1, "its done stored");
 }

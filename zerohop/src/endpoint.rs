@@ -230,7 +230,7 @@ impl Endpoint {
                 let pool = match kind {
                     #[cfg(feature = "cuda-uma")]
                     Kind::Uma => zerohop_std::managed_pool(config.pool_bytes),
-                    _ => zerohop_std::heap_pool(config.pool_bytes),
+                    _ => zerohop_std::shared_pool(config.pool_bytes),
                 }
                 .map_err(|e| setup(format!("the receive pool: {e}")))?;
                 // An explicit `shm` wants shared memory or nothing.

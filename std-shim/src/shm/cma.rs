@@ -22,6 +22,8 @@
 
 use std::ffi::c_void;
 
+use zerohop_backends::SharedPlace;
+
 /// Messages at least this long go by a single copy by default
 /// ([`ShmConfig::single_copy_from`](super::ShmConfig::single_copy_from); the
 /// side that makes the segment writes its value there, and both sides go by
@@ -31,8 +33,12 @@ pub(crate) const DEFAULT_MIN: usize = 32 << 10;
 /// peer's segment is read as this, on both sides).
 pub(crate) const FLOOR: usize = 4 << 10;
 /// The descriptor that follows such a frame's header in the ring: the
-/// bytes' address in the sender, and the ticket.
-pub(crate) const DESC_BYTES: usize = 16;
+/// bytes' address in the sender, the ticket, and where they lie in the
+/// sender's pool file when they do ([`mapped`](super::mapped)): its
+/// descriptor number (`NO_FILE` when not), the mode (0: handed over by the
+/// claim word; 1: placed, see `lane`), its inode, the offset.
+pub const DESC_BYTES: usize = 40;
+const NO_FILE: u32 = u32::MAX;
 
 pub(crate) const OPEN: u64 = 0;
 pub(crate) const READING: u64 = 1;
@@ -54,20 +60,63 @@ pub(crate) const fn state_of(word: u64) -> u64 {
     word & 3
 }
 
-pub(crate) fn desc(addr: u64, ticket: u64) -> [u8; DESC_BYTES] {
-    let mut d = [0u8; DESC_BYTES];
-    d[..8].copy_from_slice(&addr.to_le_bytes());
-    d[8..].copy_from_slice(&ticket.to_le_bytes());
-    d
+/// A single-copy message's descriptor, as sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Desc {
+    /// The bytes' address in the sender.
+    pub addr: u64,
+    /// Its ticket (claimed and placed messages count apart).
+    pub ticket: u64,
+    /// Where they lie in the sender's pool file, if they do.
+    pub place: Option<SharedPlace>,
+    /// Placed: no claim; the sender keeps the bytes until the receiver's
+    /// `placed_done` passes the ticket.
+    pub placed: bool,
 }
 
-pub(crate) fn parse(d: &[u8; DESC_BYTES]) -> (u64, u64) {
-    let w = |i: usize| {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&d[i..i + 8]);
-        u64::from_le_bytes(b)
-    };
-    (w(0), w(8))
+impl Desc {
+    /// Its bytes in the ring.
+    pub fn encode(&self) -> [u8; DESC_BYTES] {
+        let mut d = [0u8; DESC_BYTES];
+        d[..8].copy_from_slice(&self.addr.to_le_bytes());
+        d[8..16].copy_from_slice(&self.ticket.to_le_bytes());
+        let p = self.place.unwrap_or(SharedPlace {
+            fd: NO_FILE,
+            ino: 0,
+            offset: 0,
+        });
+        d[16..20].copy_from_slice(&p.fd.to_le_bytes());
+        d[20..24].copy_from_slice(&u32::from(self.placed).to_le_bytes());
+        d[24..32].copy_from_slice(&p.ino.to_le_bytes());
+        d[32..].copy_from_slice(&p.offset.to_le_bytes());
+        d
+    }
+
+    /// The descriptor in `d`, or `None` where it cannot be one: a mode
+    /// other than 0 and 1, or a placed one that names no file.
+    pub fn parse(d: &[u8; DESC_BYTES]) -> Option<Desc> {
+        let w = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&d[i..i + 8]);
+            u64::from_le_bytes(b)
+        };
+        let fd = u32::from_le_bytes([d[16], d[17], d[18], d[19]]);
+        let placed = match u32::from_le_bytes([d[20], d[21], d[22], d[23]]) {
+            0 => false,
+            1 if fd != NO_FILE => true,
+            _ => return None,
+        };
+        Some(Desc {
+            addr: w(0),
+            ticket: w(8),
+            place: (fd != NO_FILE).then(|| SharedPlace {
+                fd,
+                ino: w(24),
+                offset: w(32),
+            }),
+            placed,
+        })
+    }
 }
 
 /// Copies `dst.len()` bytes at `addr` in process `pid` into `dst`.
@@ -114,8 +163,33 @@ mod tests {
             !read(std::process::id() as i32, 8, &mut dst[..16]),
             "address 8 is mapped nowhere"
         );
-        let (a, t) = parse(&desc(0xDEAD_BEEF, 42));
-        assert_eq!((a, t), (0xDEAD_BEEF, 42));
+        let file = SharedPlace {
+            fd: 7,
+            ino: 0x1234_5678_9ABC,
+            offset: 1 << 40,
+        };
+        for (place, placed) in [(None, false), (Some(file), false), (Some(file), true)] {
+            let d = Desc {
+                addr: 0xDEAD_BEEF,
+                ticket: 42,
+                place,
+                placed,
+            };
+            assert_eq!(Desc::parse(&d.encode()), Some(d));
+        }
+        let claimed = Desc {
+            addr: 1,
+            ticket: 1,
+            place: None,
+            placed: false,
+        }
+        .encode();
+        let mut bad = claimed;
+        bad[22] = 1;
+        assert_eq!(Desc::parse(&bad), None, "a mode past 1");
+        let mut bad = claimed;
+        bad[20] = 1;
+        assert_eq!(Desc::parse(&bad), None, "placed, and no file named");
         assert_eq!(ticket_of(word(5, READING)), 5);
         assert_eq!(state_of(word(5, REFUSED)), REFUSED);
     }

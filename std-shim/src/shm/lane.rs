@@ -9,7 +9,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
-use zerohop_backends::{host_bytes, host_bytes_mut};
+use zerohop_backends::{host_bytes, host_bytes_mut, shared_place, HostMemory};
 use zerohop_core::session::{
     DataFrame, DataIn, Delivered, Inbound, Instant, ProtocolError, SendError, Session,
     SessionConfig,
@@ -19,6 +19,7 @@ use zerohop_core::{Error, Lease, PeerId, Received};
 
 use super::cma;
 use super::handshake;
+use super::mapped::PeerFiles;
 use super::ring::{Consumer, Corrupt, Producer};
 use super::segment::{SegRing, Segment};
 use super::ShmLease;
@@ -178,6 +179,14 @@ impl Incoming {
     }
 }
 
+/// Single-copy messages from a slice at least this long are copied into
+/// the shared pool and placed; shorter ones go by the claim word, read out
+/// of the caller's slice. The copy costs the sender a pass over the bytes
+/// and the cores a transfer of them that the kernel's cross-memory read of
+/// a slice the sender only reads does not; the pipelining it buys wins
+/// from here (BENCHMARKS.md).
+const STAGE_MIN: usize = 512 << 10;
+
 /// What the handover of a single-copy message has come to.
 #[derive(PartialEq, Eq)]
 enum Handed {
@@ -187,6 +196,134 @@ enum Handed {
     Waiting,
     /// The bytes go in the ring after all (refused, or withdrawn).
     Inline,
+}
+
+/// Counts of a lane's single-copy messages (see [`LocalWire::single_copies`](super::LocalWire::single_copies)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SingleCopies {
+    /// Sent by the claim word (the receiver reads them while the sender
+    /// waits for its done).
+    pub claimed: u64,
+    /// Sent placed in this side's pool file (the sender goes on at once).
+    pub placed: u64,
+    /// The peer's, copied out of this side's mapping of its pool file.
+    pub mapped: u64,
+}
+
+/// This side's part of the peer's single-copy messages.
+struct SingleIn {
+    /// The peer's pool files mapped here (reads by `memcpy`).
+    files: PeerFiles,
+    /// The peer's process (reads by `process_vm_readv`), if known.
+    peer_pid: Option<i32>,
+    /// Large messages come by a single copy (until this side refuses one).
+    cma: bool,
+    /// The last claimed ticket this side took, and the last placed one.
+    ticket: u64,
+    placed: u64,
+    /// The inode of the peer's pool file this side has told it it maps.
+    told_maps: u64,
+}
+
+impl SingleIn {
+    /// Copies a single-copy message's bytes into `dst`: out of the peer's
+    /// pool file where the descriptor names one this side maps, else by
+    /// the kernel. The first read out of a file tells the peer (the
+    /// consumer's `maps_file` word of `ring`): it may place messages then.
+    fn copy(&mut self, desc: &cma::Desc, dst: &mut [u8], ring: &Consumer<SegRing>) -> bool {
+        if let Some(p) = desc.place.filter(|&p| self.files.read(p, dst)) {
+            if self.told_maps != p.ino {
+                self.told_maps = p.ino;
+                // Release: nothing to publish with it; the peer acts on it alone.
+                ring.mem_ctl()
+                    .maps_file()
+                    .store(p.ino, std::sync::atomic::Ordering::Release);
+            }
+            return true;
+        }
+        self.peer_pid
+            .is_some_and(|pid| cma::read(pid, desc.addr, dst))
+    }
+
+    /// Takes a placed message (no claim: the peer holds its bytes until
+    /// the `placed_done` word of `ring` passes its ticket). Its bytes come
+    /// whole or the lane ends: the peer places only into a file this side
+    /// said it maps.
+    fn take_placed(
+        &mut self,
+        peer: PeerId,
+        desc: &cma::Desc,
+        dst: &mut [u8],
+        ring: &Consumer<SegRing>,
+    ) -> Result<bool, Error> {
+        if desc.ticket != self.placed + 1 {
+            return Err(Lane::bad_claim(peer));
+        }
+        self.placed = desc.ticket;
+        if !self.copy(desc, dst, ring) {
+            return Err(Error::WireRule {
+                peer,
+                rule: "a placed message whose bytes this side cannot read",
+            });
+        }
+        // Release: our copy out of the peer's file is over.
+        ring.mem_ctl()
+            .placed_done()
+            .store(desc.ticket, std::sync::atomic::Ordering::Release);
+        Ok(true)
+    }
+
+    /// Takes a message handed over by the claim word of `ring` (see
+    /// [`cma`]): whether its bytes came (else they follow in the ring:
+    /// refused here, or withdrawn by the sender).
+    fn take_claimed(
+        &mut self,
+        peer: PeerId,
+        desc: &cma::Desc,
+        dst: &mut [u8],
+        ring: &Consumer<SegRing>,
+    ) -> Result<bool, Error> {
+        use std::sync::atomic::Ordering;
+        let ticket = desc.ticket;
+        if ticket != self.ticket + 1 {
+            return Err(Lane::bad_claim(peer));
+        }
+        self.ticket = ticket;
+        let claim = ring.mem_ctl().claim();
+        // AcqRel: against the sender's withdrawal; whoever swaps first decides.
+        match claim.compare_exchange(
+            cma::word(ticket - 1, cma::OPEN),
+            cma::word(ticket, cma::READING),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => {
+                let got = self.copy(desc, dst, ring);
+                // Not permitted here (or the peer lied): the bytes come in the ring.
+                self.cma &= got;
+                let state = if got { cma::OPEN } else { cma::REFUSED };
+                // Release: our copy out of the peer's memory is over.
+                claim.store(cma::word(ticket, state), Ordering::Release);
+                Ok(got)
+            }
+            Err(v) if cma::state_of(v) == cma::WITHDRAWN && cma::ticket_of(v) >= ticket => {
+                // Withdrawn (with the ones after it, up to the word's
+                // ticket): its bytes follow in the ring. The word's own
+                // message readies it for the next ticket (Release: as a
+                // done) — unless the sender withdraws that one meanwhile.
+                if cma::ticket_of(v) == ticket {
+                    let _ = claim.compare_exchange(
+                        v,
+                        cma::word(ticket, cma::OPEN),
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
+                }
+                Ok(false)
+            }
+            Err(_) => Err(Lane::bad_claim(peer)),
+        }
+    }
 }
 
 /// How reading a lane ended.
@@ -229,20 +366,27 @@ pub(crate) struct Lane {
     /// The last read stopped at a full inbox (the inbox is shared by every
     /// lane: a frame of this one may have been begun).
     held: bool,
-    /// The peer's process (for single-copy reads), if known.
-    peer_pid: Option<i32>,
+    /// What this side takes of the peer's single-copy messages.
+    single_in: SingleIn,
+    /// Placed messages the peer has not copied yet, oldest first: their
+    /// tickets and buffers, and their bytes in all.
+    placed: VecDeque<(u64, StdLease)>,
+    placed_bytes: usize,
+    /// The last placed ticket this side issued.
+    tx_placed: u64,
+    /// This side's pool, when it is a shared-memory file: a single-copy
+    /// message from a slice is copied into it, for the peer to read out of
+    /// its mapping.
+    stage_pool: Option<Arc<StdPool>>,
     /// Messages at least this long go by a single copy (the segment says).
     single_min: usize,
     /// Large messages go by a single copy (until the peer refuses one).
     cma_tx: bool,
-    /// Large messages come by a single copy (until this side refuses one).
-    cma_rx: bool,
     /// The outstanding single-copy message, if any: nothing goes after it
     /// until it is handed over.
     handover: Option<Handover>,
-    /// The last ticket this side issued, and the last it took.
+    /// The last ticket this side issued.
     tx_ticket: u64,
-    rx_ticket: u64,
     /// Device messages each way (a lane whose wire has a device pool).
     #[cfg(feature = "cuda-uma")]
     gpu: Option<Box<super::device::LaneGpu>>,
@@ -289,12 +433,21 @@ impl Lane {
             broken: false,
             dry: false,
             held: false,
-            peer_pid,
+            single_in: SingleIn {
+                files: PeerFiles::new(peer_pid),
+                peer_pid,
+                cma: true,
+                ticket: 0,
+                placed: 0,
+                told_maps: 0,
+            },
+            placed: VecDeque::new(),
+            placed_bytes: 0,
+            tx_placed: 0,
+            stage_pool: None,
             cma_tx: true,
-            cma_rx: true,
             handover: None,
             tx_ticket: 0,
-            rx_ticket: 0,
             #[cfg(feature = "cuda-uma")]
             gpu: None,
         }
@@ -307,6 +460,43 @@ impl Lane {
         self.session.take_device_frames();
         self.gpu = Some(Box::new(gpu));
         self
+    }
+
+    /// Single-copy messages from a slice are copied into `pool` first when
+    /// it is a shared-memory file (the peer then reads them out of its
+    /// mapping of it, where the kernel's cross-memory copy is slower).
+    pub(crate) fn stage_in(mut self, pool: &Arc<StdPool>) -> Lane {
+        use zerohop_backends::HostBacked;
+        if matches!(pool.host_memory(), HostMemory::Shared(_)) {
+            self.stage_pool = Some(Arc::clone(pool));
+        }
+        self
+    }
+
+    /// A slice's bytes copied into a lease of the stage pool, if there is
+    /// one with a buffer free and the slice is long enough (else the slice
+    /// goes as it did).
+    fn staged(&self, payload: &Source<'_>) -> Option<StdLease> {
+        let (Source::Slice(b), Some(pool)) = (payload, &self.stage_pool) else {
+            return None;
+        };
+        if b.len() < STAGE_MIN {
+            return None;
+        }
+        let mut l = Lease::take(Arc::clone(pool), b.len()).ok()?;
+        l.set_len(b.len()).ok()?;
+        host_bytes_mut(&mut l).copy_from_slice(b);
+        Some(l)
+    }
+
+    /// How this side's single-copy messages have gone, and how many of
+    /// the peer's it copied out of the peer's pool file.
+    pub(crate) fn single_copies(&self) -> SingleCopies {
+        SingleCopies {
+            claimed: self.tx_ticket,
+            placed: self.tx_placed,
+            mapped: self.single_in.files.reads,
+        }
     }
 
     /// Queues the lane's Hello: it goes with the first flush.
@@ -384,6 +574,38 @@ impl Lane {
         }
         self.control();
         Ok(())
+    }
+
+    /// The buffers of placed messages the peer has copied go back to the
+    /// pool. Whether any did; a done past the last ticket sent is the
+    /// peer breaking the lane.
+    fn release_placed(&mut self, peer: PeerId) -> Result<bool, Error> {
+        if self.placed.is_empty() {
+            return Ok(false);
+        }
+        // Acquire: the peer's copy out of those buffers is over.
+        let done = self
+            .tx
+            .mem_ctl()
+            .placed_done()
+            .load(std::sync::atomic::Ordering::Acquire);
+        if done > self.tx_placed {
+            return Err(Error::WireRule {
+                peer,
+                rule: "a placed message done that was never sent",
+            });
+        }
+        let before = self.placed.len();
+        while let Some((_, l)) = self.placed.front().filter(|(t, _)| *t <= done) {
+            self.placed_bytes -= l.len();
+            self.placed.pop_front(); // the buffer goes back to its pool
+        }
+        Ok(self.placed.len() != before)
+    }
+
+    /// Bytes of placed messages the peer has not copied yet.
+    pub(crate) fn placed_in_flight(&self) -> usize {
+        self.placed_bytes
     }
 
     /// The sender's device buffers the peer has copied go back to the
@@ -619,6 +841,9 @@ impl Lane {
         if self.handover.is_some() {
             let _ = self.poll_handover(peer, None);
         }
+        if let Err(e) = self.release_placed(peer) {
+            return Err(payload.refused(e));
+        }
         let behind = !self.queue.is_empty() || self.direct.is_some() || self.handover.is_some();
         if behind
             && (self.queued_bytes + HEADER_LEN + len > queue_limit
@@ -651,20 +876,46 @@ impl Lane {
         };
         let header = header_of(&f);
         if single {
-            let ticket = self.tx_ticket + 1;
-            let (held, addr) = match payload {
-                Source::Slice(b) if direct => (Held::Caller(Caller::of(b)), b.as_ptr() as u64),
-                Source::Slice(b) => {
+            let staged = self.staged(&payload);
+            let (held, addr) = match (payload, staged) {
+                (_, Some(l)) | (Source::Lease(l), None) => {
+                    let a = host_bytes(&l).as_ptr() as u64;
+                    (Held::Leased(l), a)
+                }
+                (Source::Slice(b), None) if direct => {
+                    (Held::Caller(Caller::of(b)), b.as_ptr() as u64)
+                }
+                (Source::Slice(b), None) => {
                     let v = b.to_vec();
                     let a = v.as_ptr() as u64;
                     (Held::Owned(v), a)
                 }
-                Source::Lease(l) => {
-                    let a = host_bytes(&l).as_ptr() as u64;
-                    (Held::Leased(l), a)
-                }
             };
-            let d = cma::desc(addr, ticket);
+            let place = match &held {
+                Held::Leased(l) => shared_place(l),
+                _ => None,
+            };
+            // Placed, where the peer has shown it maps the file (Acquire:
+            // nothing to order; the word is the peer's claim, checked at
+            // each placed read there).
+            let maps = self
+                .tx
+                .mem_ctl()
+                .maps_file()
+                .load(std::sync::atomic::Ordering::Acquire);
+            let placed = place.is_some_and(|p| p.ino == maps);
+            let ticket = 1 + if placed {
+                self.tx_placed
+            } else {
+                self.tx_ticket
+            };
+            let d = cma::Desc {
+                addr,
+                ticket,
+                place,
+                placed,
+            }
+            .encode();
             match self.tx.write(&[&header, &d]) {
                 Ok(m) if m.n == HEADER_LEN + cma::DESC_BYTES => {
                     if m.wake {
@@ -680,6 +931,17 @@ impl Lane {
                         },
                     })
                 }
+            }
+            if let (true, Held::Leased(l)) = (placed, &held) {
+                // Nothing to wait for: the next message may follow at once.
+                self.tx_placed = ticket;
+                self.placed_bytes += l.len();
+                let Held::Leased(l) = held else {
+                    unreachable!()
+                };
+                self.placed.push_back((ticket, l));
+                self.control();
+                return Ok(true);
             }
             self.tx_ticket = ticket;
             let waits = matches!(held, Held::Caller(..));
@@ -879,7 +1141,7 @@ impl Lane {
         if self.broken {
             return Err(Self::bad_claim(peer));
         }
-        let mut any = self.release_device(peer)?;
+        let mut any = self.release_device(peer)? | self.release_placed(peer)?;
         if self.handover.is_some() {
             // A handover that ended is progress: the sender's next message may go.
             match self.poll_handover(peer, None)? {
@@ -1024,62 +1286,25 @@ impl Lane {
                     if *have < cma::DESC_BYTES {
                         return Outcome::Drained;
                     }
-                    let (addr, ticket) = cma::parse(buf);
-                    if ticket != self.rx_ticket + 1 {
+                    let Some(desc) = cma::Desc::parse(buf) else {
                         return Outcome::Bad(Self::bad_claim(peer));
+                    };
+                    let (ring, bell) = (&self.rx, &self.their_bell);
+                    let dst = &mut bytes[..want];
+                    let got = if desc.placed {
+                        self.single_in.take_placed(peer, &desc, dst, ring)
+                    } else {
+                        self.single_in.take_claimed(peer, &desc, dst, ring)
+                    };
+                    if ring.writer_waits() {
+                        handshake::ring(bell.as_fd());
                     }
-                    self.rx_ticket = ticket;
-                    use std::sync::atomic::Ordering;
-                    let claim = self.rx.mem_ctl().claim();
-                    // AcqRel: against the sender's withdrawal; whoever swaps first decides.
-                    match claim.compare_exchange(
-                        cma::word(ticket - 1, cma::OPEN),
-                        cma::word(ticket, cma::READING),
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    ) {
-                        Ok(_) => {
-                            let dst = &mut bytes[..want];
-                            let got = self.peer_pid.is_some_and(|pid| cma::read(pid, addr, dst));
-                            let state = if got {
-                                inc.have = want;
-                                cma::OPEN
-                            } else {
-                                // Not permitted here (or the peer lied): the bytes come in the ring.
-                                self.cma_rx = false;
-                                inc.stage = Stage::Inline;
-                                cma::REFUSED
-                            };
-                            // Release: our copy out of the peer's memory is over.
-                            claim.store(cma::word(ticket, state), Ordering::Release);
-                            if self.rx.writer_waits() {
-                                handshake::ring(self.their_bell.as_fd());
-                            }
-                            if got {
-                                inc.stage = Stage::Inline;
-                            }
-                        }
-                        Err(v)
-                            if cma::state_of(v) == cma::WITHDRAWN
-                                && cma::ticket_of(v) >= ticket =>
-                        {
-                            // Withdrawn (with the ones after it, up to the
-                            // word's ticket): its bytes follow in the ring.
-                            // The word's own message readies it for the
-                            // next ticket (Release: as a done) — unless the
-                            // sender withdraws that one meanwhile.
-                            if cma::ticket_of(v) == ticket {
-                                let _ = claim.compare_exchange(
-                                    v,
-                                    cma::word(ticket, cma::OPEN),
-                                    Ordering::AcqRel,
-                                    Ordering::Acquire,
-                                );
-                            }
-                            inc.stage = Stage::Inline;
-                        }
-                        Err(_) => return Outcome::Bad(Self::bad_claim(peer)),
+                    match got {
+                        Ok(true) => inc.have = want,
+                        Ok(false) => {} // its bytes follow in the ring
+                        Err(e) => return Outcome::Bad(e),
                     }
+                    inc.stage = Stage::Inline;
                 }
                 if inc.have < want {
                     match self.rx.read(&mut bytes[inc.have..want]) {
@@ -1192,7 +1417,7 @@ impl Lane {
     /// Where a host message of `len` bytes comes from: a descriptor for a
     /// single copy, or the ring.
     fn host_stage(&self, len: usize) -> Stage {
-        if self.cma_rx && len >= self.single_min {
+        if self.single_in.cma && len >= self.single_min {
             Stage::Desc {
                 have: 0,
                 buf: [0; cma::DESC_BYTES],
@@ -1238,16 +1463,29 @@ impl Lane {
         self.give_back_room();
         let bytes = self.rx.prepare_sleep().unwrap_or(true);
         let for_room = !self.queue.is_empty() || self.direct.is_some() || self.handover.is_some();
-        let for_done = self.device_in_flight() > 0;
+        let for_done = self.device_in_flight() > 0 || !self.placed.is_empty();
         self.waiting_room = for_room || for_done;
         // The flag first (its fence), then the second look at what it waits for.
         let room = self.waiting_room && self.tx.prepare_wait().unwrap_or(true);
-        bytes || (for_room && room) || (for_done && self.device_done_moved()) || self.copying()
+        bytes || (for_room && room) || (for_done && self.done_moved()) || self.copying()
     }
 
-    /// Whether the peer has copied a device message this side still holds
-    /// (its buffer can go back), or is about to: no need to sleep.
-    fn device_done_moved(&self) -> bool {
+    /// Whether the peer has copied a placed or device message this side
+    /// still holds (its buffer can go back), or is about to: no need to sleep.
+    fn done_moved(&self) -> bool {
+        let placed_done = || {
+            self.tx
+                .mem_ctl()
+                .placed_done()
+                .load(std::sync::atomic::Ordering::Acquire)
+        };
+        if self
+            .placed
+            .front()
+            .is_some_and(|&(t, _)| t <= placed_done())
+        {
+            return true;
+        }
         #[cfg(feature = "cuda-uma")]
         if let Some(gpu) = &self.gpu {
             return gpu.would_release(self.peer_device_done()) || gpu.done_due();

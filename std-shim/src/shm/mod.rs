@@ -27,6 +27,7 @@ pub(crate) mod device;
 pub(crate) mod handshake;
 pub(crate) mod host;
 pub(crate) mod lane;
+pub(crate) mod mapped;
 #[cfg_attr(loom, allow(dead_code))]
 pub(crate) mod ring;
 pub(crate) mod segment;
@@ -53,6 +54,7 @@ use self::handshake::{LaneListener, Setup, SetupRead};
 use self::lane::{Lane, Outcome, Source};
 use self::segment::Segment;
 
+pub use self::lane::SingleCopies;
 pub use self::ring::Corrupt;
 pub use self::segment::SegmentError;
 
@@ -353,6 +355,7 @@ impl LocalWire {
 
     /// A new lane with the GPU side this wire gives them, its Hello queued.
     fn equip(&self, lane: Lane) -> Lane {
+        let lane = lane.stage_in(&self.pool);
         #[cfg(feature = "cuda-uma")]
         if let Some(pool) = &self.device_pool {
             match device::LaneGpu::new(Arc::clone(pool)) {
@@ -448,6 +451,12 @@ impl LocalWire {
     /// Same-host peers, in shared memory now.
     pub fn lane_count(&self) -> usize {
         self.lanes.iter().filter(|(_, l)| l.is_some()).count()
+    }
+
+    /// How the single-copy messages of same-host peer `peer` have gone
+    /// (`None`: no such lane).
+    pub fn single_copies(&self, peer: PeerId) -> Option<SingleCopies> {
+        self.lane(peer).map(Lane::single_copies)
     }
 
     fn now(&self) -> Instant {
@@ -1019,7 +1028,7 @@ impl Wire for LocalWire {
             .lanes
             .iter()
             .filter_map(|(_, l)| l.as_ref())
-            .map(|l| l.queued_bytes + l.device_in_flight())
+            .map(|l| l.queued_bytes + l.device_in_flight() + l.placed_in_flight())
             .sum();
         self.tcp.pending_sends() + lanes
     }

@@ -42,6 +42,14 @@ pub(crate) struct RingCtl {
     /// consumer has copied out of the producer's GPU memory: its ticket,
     /// which only the consumer stores.
     device_done: Line<AtomicU64>,
+    /// The inode of the producer's pool file that the consumer has mapped
+    /// (0: none): the producer may then send large messages *placed* (see
+    /// `lane`), which only the consumer stores.
+    maps_file: Line<AtomicU64>,
+    /// The last placed message of this ring whose bytes the consumer has
+    /// copied out of the producer's pool file: its ticket, which only the
+    /// consumer stores.
+    placed_done: Line<AtomicU64>,
 }
 
 impl RingCtl {
@@ -54,6 +62,16 @@ impl RingCtl {
     #[cfg(feature = "cuda-uma")]
     pub(crate) fn device_done(&self) -> &AtomicU64 {
         &self.device_done
+    }
+
+    /// The inode of the producer's pool file the consumer has mapped.
+    pub(crate) fn maps_file(&self) -> &AtomicU64 {
+        &self.maps_file
+    }
+
+    /// The ticket of the last placed message copied out of the producer.
+    pub(crate) fn placed_done(&self) -> &AtomicU64 {
+        &self.placed_done
     }
 }
 

@@ -36,6 +36,8 @@ pub struct LaneRig {
     _peer_link: UnixStream,
 }
 
+pub use super::cma::{Desc as SingleCopyDesc, DESC_BYTES as SINGLE_COPY_DESC_BYTES};
+
 /// A short record, as a lane writes it ahead of a whole message that the
 /// engine framed headerless: sequence number `seq` (its low 16 bits) and
 /// `len` bytes of payload following.
@@ -47,6 +49,20 @@ impl LaneRig {
     /// Rings of `ring_bytes` (a power of two, at least 4 KiB), messages up
     /// to 64 KiB, a receive pool of `pool_bytes`.
     pub fn new(ring_bytes: usize, pool_bytes: usize) -> std::io::Result<LaneRig> {
+        let pool =
+            crate::heap_pool(pool_bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
+        Self::with_pool(ring_bytes, pool)
+    }
+
+    /// As [`new`](Self::new), the pool one shared-memory file (a peer that
+    /// maps it is sent large messages placed).
+    pub fn new_shared(ring_bytes: usize, pool_bytes: usize) -> std::io::Result<LaneRig> {
+        let pool =
+            crate::shared_pool(pool_bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
+        Self::with_pool(ring_bytes, pool)
+    }
+
+    fn with_pool(ring_bytes: usize, pool: Arc<StdPool>) -> std::io::Result<LaneRig> {
         let seg = Arc::new(Segment::create(ring_bytes, super::cma::DEFAULT_MIN)?);
         let (link, peer_link) = UnixStream::pair()?;
         let config = SessionConfig {
@@ -56,8 +72,6 @@ impl LaneRig {
             host: HostRole::None,
             ..SessionConfig::stream(64 << 10)
         };
-        let pool =
-            crate::heap_pool(pool_bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
         let lane = Lane::new(
             "127.0.0.1:1".parse().expect("an address"),
             Arc::clone(&seg),
@@ -69,6 +83,7 @@ impl LaneRig {
             7,
             Instant::from_micros(0),
         )
+        .stage_in(&pool)
         .start();
         Ok(LaneRig {
             lane: Some(lane),
@@ -198,6 +213,58 @@ impl LaneRig {
         lane.send(PEER, Source::Lease(lease), false, 1 << 20)
             .map(|_| ())
             .map_err(|r| r.error)
+    }
+
+    /// The lane sends `bytes` in a buffer leased from the pool (as
+    /// [`send_lease`](Self::send_lease)).
+    pub fn send_lease_of(&mut self, bytes: &[u8]) -> Result<(), Error> {
+        let Some(lane) = self.lane.as_mut() else {
+            return Err(Error::Closed);
+        };
+        let mut lease = zerohop_core::Lease::take(Arc::clone(&self.pool), bytes.len())?;
+        zerohop_backends::host_bytes_mut(&mut lease).copy_from_slice(bytes);
+        lane.send(PEER, Source::Lease(lease), false, 1 << 20)
+            .map(|_| ())
+            .map_err(|r| r.error)
+    }
+
+    /// The inode of the pool's shared-memory file (`None`: a heap pool).
+    pub fn pool_file(&self) -> Option<u64> {
+        let l = zerohop_core::Lease::take(Arc::clone(&self.pool), 1).ok()?;
+        zerohop_backends::shared_place(&l).map(|p| p.ino)
+    }
+
+    /// The peer says it maps the lane's pool file `ino` (then large
+    /// messages from it go placed).
+    pub fn peer_maps(&self, ino: u64) {
+        self.peer_rx.ctl().maps_file().store(ino, Ordering::Release);
+    }
+
+    /// The peer says it has copied the lane's placed messages up to `ticket`.
+    pub fn peer_placed_done(&self, ticket: u64) {
+        self.peer_rx
+            .ctl()
+            .placed_done()
+            .store(ticket, Ordering::Release);
+    }
+
+    /// What the lane itself told its peer (its own ring's words, as the
+    /// consumer of the peer's ring): the pool file it maps, and the last
+    /// placed message it copied.
+    pub fn told_peer(&self) -> (u64, u64) {
+        let ctl = self.peer_tx_ring().ctl();
+        (
+            ctl.maps_file().load(Ordering::Acquire),
+            ctl.placed_done().load(Ordering::Acquire),
+        )
+    }
+
+    /// The lane's single-copy counts.
+    pub fn single_copies(&self) -> super::SingleCopies {
+        self.lane
+            .as_ref()
+            .map(Lane::single_copies)
+            .unwrap_or_default()
     }
 
     /// The peer says it has copied the lane's single-copy message `ticket`

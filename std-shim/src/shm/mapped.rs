@@ -1,0 +1,150 @@
+//! Large messages out of the peer's pool file: the sender's pool is one
+//! shared-memory file (`zerohop_backends::SharedMemory`), its descriptor
+//! names where a message lies in it, and this side copies the bytes out of
+//! its own read-only mapping of the file with `memcpy` — several times the
+//! kernel's cross-memory copy (`process_vm_readv`, [`cma`](super::cma)),
+//! which stays the way when this one cannot serve.
+//!
+//! The file is fetched from the peer's process by `pidfd_getfd`, which asks
+//! the same right as `process_vm_readv`, and mapped once. Nothing the peer
+//! says is taken on trust: the file must be the one the descriptor names
+//! (its inode), sealed against shrinking (a mapping never faults past its
+//! end) and regular; the range must lie inside it. Any of that failing
+//! sends the message the cross-memory way.
+
+use std::ffi::c_void;
+use std::os::fd::OwnedFd;
+use std::ptr::NonNull;
+
+use rustix::fs::SealFlags;
+use rustix::mm::{MapFlags, ProtFlags};
+use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags};
+use zerohop_backends::SharedPlace;
+
+/// Files of one peer mapped at most (a pool is one file; a few more allow
+/// for a peer's pools coming and going).
+const MAX_FILES: usize = 4;
+
+struct Mapped {
+    fd: u32,
+    ino: u64,
+    base: NonNull<u8>,
+    len: usize,
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: the mapping this value made, unmapped once; copies out of
+        // it borrow the `PeerFiles` that owns it.
+        if unsafe { rustix::mm::munmap(self.base.as_ptr().cast::<c_void>(), self.len) }.is_err() {
+            log::warn!("shm: unmapping a peer's pool file failed");
+        }
+    }
+}
+
+/// The peer's pool files this side has mapped.
+pub(crate) struct PeerFiles {
+    pidfd: Option<OwnedFd>,
+    /// Newest last; the oldest goes when a new one would pass `MAX_FILES`.
+    maps: Vec<Mapped>,
+    /// Messages copied out of a mapping (a statistic the tests read).
+    pub(crate) reads: u64,
+}
+
+// SAFETY: the mappings are this value's own, read only through `&mut self`.
+unsafe impl Send for PeerFiles {}
+
+impl PeerFiles {
+    /// The files of process `pid` (`None`, or a process this side may not
+    /// open: no file is ever mapped, every read says no).
+    pub(crate) fn new(pid: Option<i32>) -> Self {
+        let pidfd = pid
+            .and_then(Pid::from_raw)
+            .and_then(|p| rustix::process::pidfd_open(p, PidfdFlags::empty()).ok());
+        PeerFiles {
+            pidfd,
+            maps: Vec::new(),
+            reads: 0,
+        }
+    }
+
+    /// Copies `dst.len()` bytes at `place` in the peer's file into `dst`.
+    /// Whether it could (if not, `dst` may hold part of them).
+    pub(crate) fn read(&mut self, place: SharedPlace, dst: &mut [u8]) -> bool {
+        let Some(i) = self.find(place) else {
+            return false;
+        };
+        let m = &self.maps[i];
+        let inside = usize::try_from(place.offset)
+            .ok()
+            .and_then(|o| o.checked_add(dst.len()).map(|end| (o, end)))
+            .filter(|&(_, end)| end <= m.len);
+        let Some((offset, _)) = inside else {
+            return false;
+        };
+        // SAFETY: `offset..offset + dst.len()` lies inside the mapping
+        // (checked above), which is whole and cannot fault: the file's size
+        // is sealed and it was mapped at that size. The peer may write the
+        // bytes meanwhile; what lands in `dst` is then the peer's own
+        // garbage, as any byte of its message could be.
+        unsafe {
+            std::ptr::copy_nonoverlapping(m.base.as_ptr().add(offset), dst.as_mut_ptr(), dst.len())
+        };
+        self.reads += 1;
+        true
+    }
+
+    /// The mapping of the file `place` names, mapped now if it is new.
+    fn find(&mut self, place: SharedPlace) -> Option<usize> {
+        if let Some(i) = self
+            .maps
+            .iter()
+            .position(|m| m.fd == place.fd && m.ino == place.ino)
+        {
+            return Some(i);
+        }
+        let pidfd = self.pidfd.as_ref()?;
+        // A failure (not permitted, no such descriptor) is not the peer
+        // breaking anything: the message goes the other way.
+        let file = rustix::process::pidfd_getfd(
+            pidfd,
+            i32::try_from(place.fd).ok()?,
+            PidfdGetfdFlags::empty(),
+        )
+        .ok()?;
+        let st = rustix::fs::fstat(&file).ok()?;
+        let regular = rustix::fs::FileType::from_raw_mode(st.st_mode).is_file();
+        let sealed = rustix::fs::fcntl_get_seals(&file)
+            .is_ok_and(|s| s.contains(SealFlags::SHRINK | SealFlags::GROW));
+        let len = usize::try_from(st.st_size).ok().filter(|&n| n > 0)?;
+        if !regular || !sealed || st.st_ino != place.ino {
+            log::info!("shm: a peer named a pool file that is not one; it is read the other way");
+            return None;
+        }
+        // SAFETY: a fresh read-only shared mapping of the whole file, whose
+        // size the seals fix: no memory of ours is aliased, and no read
+        // through it can fault.
+        let p = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ,
+                MapFlags::SHARED | MapFlags::NORESERVE,
+                &file,
+                0,
+            )
+        }
+        .ok()?;
+        let base = NonNull::new(p.cast::<u8>())?;
+        if self.maps.len() >= MAX_FILES {
+            self.maps.remove(0);
+        }
+        self.maps.push(Mapped {
+            fd: place.fd,
+            ino: place.ino,
+            base,
+            len,
+        });
+        Some(self.maps.len() - 1)
+    }
+}
