@@ -575,3 +575,46 @@ fn a_bad_placed_descriptor_ends_that_lane_typed() {
     assert_eq!(rig.take_messages(), [Ok(readable.clone())]);
     assert_eq!(rig.told_peer().1, 1, "its done stored");
 }
+
+/// A slice of 512 KiB and up is copied into a shared pool file and handed
+/// over from there (its caller goes on at once) — until a peer has read
+/// such a message without saying it maps the file: then slices go as they
+/// are (their callers wait), the copy gaining nothing.
+#[test]
+fn slices_stop_going_through_the_pool_file_once_the_peer_reads_the_other_way() {
+    let mut rig = LaneRig::new_shared(1 << 16, 8 << 20).unwrap();
+    // A window for both messages (the rig's peer grants no more).
+    rig.peer_write(
+        &Frame::Hello(Hello {
+            window: 4 << 20,
+            max_message: 1 << 20,
+            frame_max: 1 << 20,
+            ring: 0,
+            lane: 0,
+            takes: Takes::HEADERLESS,
+            token: 9,
+        })
+        .encode(&[]),
+    );
+    rig.read().unwrap();
+    while rig.flush().unwrap() {}
+    rig.peer_take();
+    let big = vec![3u8; 600 << 10];
+    assert_eq!(
+        rig.send_direct(&big),
+        Ok(true),
+        "copied: the caller goes on"
+    );
+    let first = descriptors(&rig.peer_take());
+    assert!(!first[0].placed && first[0].place.is_some(), "{first:?}");
+    rig.peer_copied(1); // by process_vm_readv: the file left unmapped
+    assert!(rig.flush().unwrap());
+    assert_eq!(
+        rig.send_direct(&big),
+        Ok(false),
+        "not copied: the caller waits"
+    );
+    let second = descriptors(&rig.peer_take());
+    assert_eq!(second[0].place, None, "read out of the caller's slice");
+    assert_eq!(second[0].ticket, 2);
+}

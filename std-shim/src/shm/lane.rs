@@ -764,6 +764,18 @@ impl Lane {
         };
         match state {
             Handed::Done => {
+                // A peer that read a message naming our pool file without
+                // saying it maps it reads the other way: copying slices into
+                // the file would gain nothing. (Acquire on the claim word
+                // above: its word is stored before the done.)
+                let place = match &h.held {
+                    Held::Leased(l) => shared_place(l),
+                    _ => None,
+                };
+                let maps = self.tx.mem_ctl().maps_file();
+                if place.is_some_and(|p| p.ino != maps.load(std::sync::atomic::Ordering::Relaxed)) {
+                    self.stage_pool = None;
+                }
                 self.handover = None; // a held lease goes back
             }
             Handed::Inline => {
@@ -932,17 +944,17 @@ impl Lane {
                     })
                 }
             }
-            if let (true, Held::Leased(l)) = (placed, &held) {
-                // Nothing to wait for: the next message may follow at once.
-                self.tx_placed = ticket;
-                self.placed_bytes += l.len();
-                let Held::Leased(l) = held else {
-                    unreachable!()
-                };
-                self.placed.push_back((ticket, l));
-                self.control();
-                return Ok(true);
-            }
+            let held = match (placed, held) {
+                (true, Held::Leased(l)) => {
+                    // Nothing to wait for: the next message may follow at once.
+                    self.tx_placed = ticket;
+                    self.placed_bytes += l.len();
+                    self.placed.push_back((ticket, l));
+                    self.control();
+                    return Ok(true);
+                }
+                (_, held) => held,
+            };
             self.tx_ticket = ticket;
             let waits = matches!(held, Held::Caller(..));
             self.handover = Some(Handover {
