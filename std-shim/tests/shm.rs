@@ -24,9 +24,17 @@ fn host_bytes(l: &ShmLease) -> &[u8] {
 /// Messages this long go by a single copy (`process_vm_readv`; the default
 /// threshold is 32 KiB).
 const SINGLE: usize = 64 << 10;
-/// Messages this long go placed in the sender's pool file, where it is one
-/// and the receiver maps it (from 512 KiB, slices are copied there).
+/// Messages sent from a pool that is a shared-memory file go placed there
+/// (once the receiver maps it); this long, here.
 const PLACED: usize = 1 << 20;
+
+/// Sends `bytes` from a buffer of the endpoint's pool, as a zero-copy
+/// sender does (from a shared pool: placed).
+fn send_leased(e: &Endpoint<LocalWire>, peer: PeerId, bytes: &[u8]) -> Result<(), Error> {
+    let mut l = e.lease(bytes.len())?;
+    zerohop_backends::host_bytes_mut(l.host_mut().expect("a host buffer")).copy_from_slice(bytes);
+    e.send_lease(peer, l, Deadline::after(WAIT), None)
+}
 
 /// The pool of this test or its child: a shared-memory file (single-copy
 /// messages go placed) or the heap (they go by the claim word).
@@ -103,6 +111,9 @@ fn child_peer() {
     let (e, peer) = connect_in(addr.parse().unwrap(), pool(shared));
     let m = vec![0x5Au8; if shared { PLACED } else { SINGLE }];
     match std::env::var("ZEROHOP_TEST_ROLE").as_deref() {
+        Ok("send") if shared => loop {
+            send_leased(&e, peer, &m).unwrap();
+        },
         Ok("send") => loop {
             e.send(peer, &m, Deadline::after(WAIT), None).unwrap();
         },
@@ -207,7 +218,10 @@ fn receiver_killed(shared: bool) {
     let peer = accepted(&server);
     let m = vec![7u8; if shared { PLACED } else { SINGLE }];
     for _ in 0..50 {
-        server.send(peer, &m, Deadline::after(WAIT), None).unwrap();
+        match shared {
+            true => send_leased(&server, peer, &m).unwrap(),
+            false => server.send(peer, &m, Deadline::after(WAIT), None).unwrap(),
+        }
     }
     child.kill().unwrap();
     let killed = Instant::now();
@@ -298,9 +312,9 @@ fn strangers_on_the_lane_sockets_cost_them_their_connection_and_peers_still_move
 }
 
 /// Between two pools of shared-memory files, a stream of large messages
-/// goes placed after the first (claimed) one, each arriving whole and in
-/// order, copied out of the receiver's mapping of the sender's file; the
-/// sender's buffers all come back.
+/// sent from pool buffers goes placed after the first (claimed) one, each
+/// arriving whole and in order, copied out of the receiver's mapping of the
+/// sender's file; the sender's buffers all come back.
 #[test]
 fn placed_messages_stream_back_to_back_and_arrive_intact_and_in_order() {
     let _one = serial();
@@ -313,9 +327,7 @@ fn placed_messages_stream_back_to_back_and_arrive_intact_and_in_order() {
     std::thread::scope(|s| {
         s.spawn(|| {
             for i in 0..N {
-                client
-                    .send(peer, &message(i), Deadline::after(WAIT), None)
-                    .unwrap();
+                send_leased(&client, peer, &message(i)).unwrap();
             }
         });
         for i in 0..N {

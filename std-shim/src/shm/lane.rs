@@ -9,7 +9,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
-use zerohop_backends::{host_bytes, host_bytes_mut, shared_place, HostMemory};
+use zerohop_backends::{host_bytes, host_bytes_mut, shared_place};
 use zerohop_core::session::{
     DataFrame, DataIn, Delivered, Inbound, Instant, ProtocolError, SendError, Session,
     SessionConfig,
@@ -179,13 +179,11 @@ impl Incoming {
     }
 }
 
-/// Single-copy messages from a slice at least this long are copied into
-/// the shared pool and placed; shorter ones go by the claim word, read out
-/// of the caller's slice. The copy costs the sender a pass over the bytes
-/// and the cores a transfer of them that the kernel's cross-memory read of
-/// a slice the sender only reads does not; the pipelining it buys wins
-/// from here (BENCHMARKS.md).
-const STAGE_MIN: usize = 512 << 10;
+/// Placed messages in flight at most. One: a second would go while the
+/// peer copies the first, but each in flight is another buffer the copies
+/// cycle through, out of the caches; one at a time ran 1 MiB at 37–39 GB/s
+/// on the build VM, two at 15–16, any number at 9–11 (BENCHMARKS.md).
+const PLACED_MAX: usize = 1;
 
 /// What the handover of a single-copy message has come to.
 #[derive(PartialEq, Eq)]
@@ -374,10 +372,6 @@ pub(crate) struct Lane {
     placed_bytes: usize,
     /// The last placed ticket this side issued.
     tx_placed: u64,
-    /// This side's pool, when it is a shared-memory file: a single-copy
-    /// message from a slice is copied into it, for the peer to read out of
-    /// its mapping.
-    stage_pool: Option<Arc<StdPool>>,
     /// Messages at least this long go by a single copy (the segment says).
     single_min: usize,
     /// Large messages go by a single copy (until the peer refuses one).
@@ -444,7 +438,6 @@ impl Lane {
             placed: VecDeque::new(),
             placed_bytes: 0,
             tx_placed: 0,
-            stage_pool: None,
             cma_tx: true,
             handover: None,
             tx_ticket: 0,
@@ -460,33 +453,6 @@ impl Lane {
         self.session.take_device_frames();
         self.gpu = Some(Box::new(gpu));
         self
-    }
-
-    /// Single-copy messages from a slice are copied into `pool` first when
-    /// it is a shared-memory file (the peer then reads them out of its
-    /// mapping of it, where the kernel's cross-memory copy is slower).
-    pub(crate) fn stage_in(mut self, pool: &Arc<StdPool>) -> Lane {
-        use zerohop_backends::HostBacked;
-        if matches!(pool.host_memory(), HostMemory::Shared(_)) {
-            self.stage_pool = Some(Arc::clone(pool));
-        }
-        self
-    }
-
-    /// A slice's bytes copied into a lease of the stage pool, if there is
-    /// one with a buffer free and the slice is long enough (else the slice
-    /// goes as it did).
-    fn staged(&self, payload: &Source<'_>) -> Option<StdLease> {
-        let (Source::Slice(b), Some(pool)) = (payload, &self.stage_pool) else {
-            return None;
-        };
-        if b.len() < STAGE_MIN {
-            return None;
-        }
-        let mut l = Lease::take(Arc::clone(pool), b.len()).ok()?;
-        l.set_len(b.len()).ok()?;
-        host_bytes_mut(&mut l).copy_from_slice(b);
-        Some(l)
     }
 
     /// How this side's single-copy messages have gone, and how many of
@@ -764,18 +730,6 @@ impl Lane {
         };
         match state {
             Handed::Done => {
-                // A peer that read a message naming our pool file without
-                // saying it maps it reads the other way: copying slices into
-                // the file would gain nothing. (Acquire on the claim word
-                // above: its word is stored before the done.)
-                let place = match &h.held {
-                    Held::Leased(l) => shared_place(l),
-                    _ => None,
-                };
-                let maps = self.tx.mem_ctl().maps_file();
-                if place.is_some_and(|p| p.ino != maps.load(std::sync::atomic::Ordering::Relaxed)) {
-                    self.stage_pool = None;
-                }
                 self.handover = None; // a held lease goes back
             }
             Handed::Inline => {
@@ -869,6 +823,9 @@ impl Lane {
         if single {
             match self.tx.room() {
                 _ if behind => return Err(payload.refused(Error::WouldBlock)),
+                _ if self.placed.len() >= PLACED_MAX => {
+                    return Err(payload.refused(Error::WouldBlock))
+                }
                 Ok(room) if room < HEADER_LEN + cma::DESC_BYTES => {
                     return Err(payload.refused(Error::WouldBlock))
                 }
@@ -888,19 +845,16 @@ impl Lane {
         };
         let header = header_of(&f);
         if single {
-            let staged = self.staged(&payload);
-            let (held, addr) = match (payload, staged) {
-                (_, Some(l)) | (Source::Lease(l), None) => {
-                    let a = host_bytes(&l).as_ptr() as u64;
-                    (Held::Leased(l), a)
-                }
-                (Source::Slice(b), None) if direct => {
-                    (Held::Caller(Caller::of(b)), b.as_ptr() as u64)
-                }
-                (Source::Slice(b), None) => {
+            let (held, addr) = match payload {
+                Source::Slice(b) if direct => (Held::Caller(Caller::of(b)), b.as_ptr() as u64),
+                Source::Slice(b) => {
                     let v = b.to_vec();
                     let a = v.as_ptr() as u64;
                     (Held::Owned(v), a)
+                }
+                Source::Lease(l) => {
+                    let a = host_bytes(&l).as_ptr() as u64;
+                    (Held::Leased(l), a)
                 }
             };
             let place = match &held {

@@ -355,7 +355,6 @@ impl LocalWire {
 
     /// A new lane with the GPU side this wire gives them, its Hello queued.
     fn equip(&self, lane: Lane) -> Lane {
-        let lane = lane.stage_in(&self.pool);
         #[cfg(feature = "cuda-uma")]
         if let Some(pool) = &self.device_pool {
             match device::LaneGpu::new(Arc::clone(pool)) {

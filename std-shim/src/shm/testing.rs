@@ -51,22 +51,18 @@ impl LaneRig {
     pub fn new(ring_bytes: usize, pool_bytes: usize) -> std::io::Result<LaneRig> {
         let pool =
             crate::heap_pool(pool_bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
-        Self::with_pool(ring_bytes, pool, 64 << 10)
+        Self::with_pool(ring_bytes, pool)
     }
 
     /// As [`new`](Self::new), the pool one shared-memory file (a peer that
-    /// maps it is sent large messages placed), messages up to 1 MiB.
+    /// maps it is sent large messages placed).
     pub fn new_shared(ring_bytes: usize, pool_bytes: usize) -> std::io::Result<LaneRig> {
         let pool =
             crate::shared_pool(pool_bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
-        Self::with_pool(ring_bytes, pool, 1 << 20)
+        Self::with_pool(ring_bytes, pool)
     }
 
-    fn with_pool(
-        ring_bytes: usize,
-        pool: Arc<StdPool>,
-        max_message: u32,
-    ) -> std::io::Result<LaneRig> {
+    fn with_pool(ring_bytes: usize, pool: Arc<StdPool>) -> std::io::Result<LaneRig> {
         let seg = Arc::new(Segment::create(ring_bytes, super::cma::DEFAULT_MIN)?);
         let (link, peer_link) = UnixStream::pair()?;
         let config = SessionConfig {
@@ -74,7 +70,7 @@ impl LaneRig {
             takes_headerless: true,
             sends_headerless: true,
             host: HostRole::None,
-            ..SessionConfig::stream(max_message)
+            ..SessionConfig::stream(64 << 10)
         };
         let lane = Lane::new(
             "127.0.0.1:1".parse().expect("an address"),
@@ -87,7 +83,6 @@ impl LaneRig {
             7,
             Instant::from_micros(0),
         )
-        .stage_in(&pool)
         .start();
         Ok(LaneRig {
             lane: Some(lane),
