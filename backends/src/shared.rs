@@ -55,8 +55,9 @@ pub struct SharedMemory {
 struct Ranges {
     free: Vec<(usize, usize)>,
     live: Vec<(usize, usize)>,
-    /// Freed bytes still committed, about (allocations are taken to use
-    /// them first): past `WARM_MAX`, every free range is punched.
+    /// Bytes freed since every free range was last punched: at least the
+    /// free bytes still committed. Past `WARM_MAX`, every free range is
+    /// punched again.
     warm: usize,
 }
 
@@ -162,12 +163,18 @@ impl SharedMemory {
         (end <= self.cap as u64).then_some(off as usize)
     }
 
-    /// A pointer to `region`'s first byte, if it lies inside the mapping.
-    /// (The mapping stays whole while this value lives, so any range inside
-    /// it is memory; the pool hands out only live ranges.)
+    /// A pointer to `region`'s first byte, if it lies inside one live range.
     pub fn pointer(&self, region: Region) -> Option<NonNull<u8>> {
         let off = self.inside(region.addr, region.len)?;
-        // SAFETY: `off + region.len` is inside the mapping (checked above).
+        let r = self.lock();
+        // The last live range starting at or before the region.
+        let i = r.live.partition_point(|&(o, _)| o <= off);
+        let &(start, n) = r.live.get(i.checked_sub(1)?)?;
+        if off + region.len > start + n {
+            return None;
+        }
+        // SAFETY: `off + region.len` is inside a live range of the mapping
+        // (checked above).
         Some(unsafe { self.base.add(off) })
     }
 
@@ -209,7 +216,6 @@ impl RawMemory for SharedMemory {
         }
         let at = r.live.partition_point(|&(o, _)| o < start);
         r.live.insert(at, (start, want));
-        r.warm = r.warm.saturating_sub(want);
         Ok(Region {
             addr: (base + start) as u64,
             len,
@@ -304,13 +310,6 @@ mod tests {
     #[test]
     fn freed_pages_go_back_to_the_kernel_past_the_warm_bound() {
         let m = SharedMemory::new(4 * WARM_MAX).unwrap();
-        let committed = |m: &SharedMemory| {
-            // SAFETY: `st` is written by fstat before it is read.
-            let mut st: libc::stat = unsafe { std::mem::zeroed() };
-            // SAFETY: a live descriptor and a stat buffer of the right size.
-            assert_eq!(unsafe { libc::fstat(m.fd.as_raw_fd(), &mut st) }, 0);
-            st.st_blocks as usize * 512
-        };
         let r = m.alloc(WARM_MAX, PAGE).unwrap();
         let r2 = m.alloc(2 * PAGE, PAGE).unwrap();
         // SAFETY: a live range, viewed only here.
@@ -324,6 +323,35 @@ mod tests {
         // SAFETY: a live range of a page, viewed only here.
         let bytes = unsafe { std::slice::from_raw_parts(m.pointer(again).unwrap().as_ptr(), PAGE) };
         assert!(bytes.iter().all(|&x| x == 0), "a punched hole reads zero");
+    }
+
+    /// Ranges freed, each followed by a larger one that fresh pages serve:
+    /// what stays committed of the freed ones is bounded all the same.
+    #[test]
+    fn freed_ranges_stay_committed_up_to_the_warm_bound_however_they_alternate() {
+        let m = SharedMemory::new(8 * WARM_MAX).unwrap();
+        let mut blockers = Vec::new();
+        for n in [60usize, 61, 62, 63, 64] {
+            let r = m.alloc(n << 20, PAGE).unwrap();
+            // SAFETY: a live range, viewed only here.
+            unsafe { std::slice::from_raw_parts_mut(m.pointer(r).unwrap().as_ptr(), r.len) }
+                .fill(1);
+            blockers.push(m.alloc(PAGE, PAGE).unwrap()); // the next one cannot reuse it
+            m.free(r).unwrap();
+            assert!(
+                committed(&m) <= m.allocated() + WARM_MAX,
+                "after {n} MiB: {} MiB committed",
+                committed(&m) >> 20
+            );
+        }
+    }
+
+    fn committed(m: &SharedMemory) -> usize {
+        // SAFETY: `st` is written by fstat before it is read.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: a live descriptor and a stat buffer of the right size.
+        assert_eq!(unsafe { libc::fstat(m.fd.as_raw_fd(), &mut st) }, 0);
+        st.st_blocks as usize * 512
     }
 
     #[test]

@@ -7,6 +7,8 @@
 //! record to a peer that takes them, and a short record is checked as
 //! strictly as a frame's header.
 
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
 use zerohop_backends::SharedPlace;
 use zerohop_core::session::{ProtocolError, SessionConfig, Stall};
 use zerohop_core::wire::{Close, Data, DataFlags, DecodeError, Frame, Hello, Takes};
@@ -580,4 +582,95 @@ fn a_bad_placed_descriptor_ends_that_lane_typed() {
     rig.read().unwrap();
     assert_eq!(rig.take_messages(), [Ok(readable.clone())]);
     assert_eq!(rig.told_peer().1, 1, "its done stored");
+}
+
+/// A file of the peer's, sealed (or not) as the test says, `len` bytes.
+fn peer_file(len: u64, flags: libc::c_uint, seals: libc::c_int) -> Option<OwnedFd> {
+    // SAFETY: a NUL-terminated name and valid flags.
+    let fd = unsafe { libc::memfd_create(c"peer".as_ptr(), libc::MFD_ALLOW_SEALING | flags) };
+    if fd < 0 {
+        return None; // hugetlbfs memfds are not everywhere
+    }
+    // SAFETY: a descriptor just opened and owned by no one else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: live descriptors, plain integer arguments.
+    unsafe {
+        assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t), 0);
+        assert_eq!(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals), 0);
+    }
+    Some(fd)
+}
+
+fn inode(fd: &OwnedFd) -> u64 {
+    // SAFETY: `st` is written by fstat before it is read.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: a live descriptor and a stat buffer of its size.
+    assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0);
+    st.st_ino
+}
+
+/// A descriptor may name any file of the peer's: one that is not a sealed
+/// tmpfs file within what this side maps (twice its pool's budget), or not
+/// the file the descriptor's inode says, is never mapped — its bytes come
+/// the other way (`process_vm_readv` of the address). Before the checks, a
+/// hugetlbfs memfd without huge pages behind it killed the receiver with
+/// SIGBUS, and a sparse file of any size took its address space.
+#[test]
+fn a_peer_file_that_is_not_a_sealed_tmpfs_file_within_the_limit_is_read_the_other_way() {
+    let sealed = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+    let bytes: Vec<u8> = (0..40 << 10).map(|i| (i % 239) as u8).collect();
+    // The rig's pool is 4 MiB: it maps at most 8 MiB of the peer's files.
+    let files = [
+        (
+            "hugetlbfs",
+            peer_file(2 << 20, libc::MFD_HUGETLB, sealed),
+            None,
+        ),
+        ("not sealed", peer_file(1 << 20, 0, libc::F_SEAL_SEAL), None),
+        ("past the limit", peer_file(1 << 30, 0, sealed), None),
+        ("another inode", peer_file(1 << 20, 0, sealed), Some(1)),
+    ];
+    for (what, file, ino) in files {
+        let Some(file) = file else {
+            eprintln!("{what}: SKIPPED (this kernel makes no such memfd)");
+            continue;
+        };
+        let mut rig = LaneRig::new(1 << 16, 4 << 20).unwrap();
+        rig.peer_write(&hello());
+        rig.peer_write(&data(DataFlags::NONE, 0, 40 << 10));
+        let desc = SingleCopyDesc {
+            addr: bytes.as_ptr() as u64,
+            ticket: 1,
+            place: Some(SharedPlace {
+                fd: file.as_raw_fd() as u32,
+                ino: ino.unwrap_or_else(|| inode(&file)),
+                offset: 0,
+            }),
+            placed: false,
+        };
+        rig.peer_write(&desc.encode());
+        rig.read().unwrap();
+        assert_eq!(rig.take_messages(), [Ok(bytes.clone())], "{what}");
+        assert_eq!(rig.told_peer().0, 0, "{what}: not mapped");
+        assert_eq!(rig.single_copies().mapped, 0, "{what}");
+    }
+    // A good file, for contrast: mapped, and said so.
+    let file = peer_file(1 << 20, 0, sealed).unwrap();
+    let mut rig = LaneRig::new(1 << 16, 4 << 20).unwrap();
+    rig.peer_write(&hello());
+    rig.peer_write(&data(DataFlags::NONE, 0, 40 << 10));
+    let desc = SingleCopyDesc {
+        addr: 8,
+        ticket: 1,
+        place: Some(SharedPlace {
+            fd: file.as_raw_fd() as u32,
+            ino: inode(&file),
+            offset: 4096,
+        }),
+        placed: false,
+    };
+    rig.peer_write(&desc.encode());
+    rig.read().unwrap();
+    assert_eq!(rig.take_messages(), [Ok(vec![0; 40 << 10])], "its zeros");
+    assert_eq!(rig.told_peer().0, inode(&file));
 }

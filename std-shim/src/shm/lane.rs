@@ -455,6 +455,13 @@ impl Lane {
         self
     }
 
+    /// This side maps at most `bytes` of the peer's pool files, in all
+    /// (none until told): see [`mapped`](super::mapped).
+    pub(crate) fn map_within(mut self, bytes: usize) -> Lane {
+        self.single_in.files.allow(bytes);
+        self
+    }
+
     /// How this side's single-copy messages have gone, and how many of
     /// the peer's it copied out of the peer's pool file.
     pub(crate) fn single_copies(&self) -> SingleCopies {
@@ -1505,6 +1512,7 @@ impl Lane {
             && self.queue.is_empty()
             && self.direct.is_none()
             && self.handover.is_none()
+            && self.placed.is_empty()
             && self.device_in_flight() == 0
             && !self.copying()
     }

@@ -8,9 +8,16 @@
 //! The file is fetched from the peer's process by `pidfd_getfd`, which asks
 //! the same right as `process_vm_readv`, and mapped once. Nothing the peer
 //! says is taken on trust: the file must be the one the descriptor names
-//! (its inode), sealed against shrinking (a mapping never faults past its
-//! end) and regular; the range must lie inside it. Any of that failing
-//! sends the message the cross-memory way.
+//! (its inode), a regular file of tmpfs (a hugetlbfs file passes every other
+//! check and faults where huge pages run out), sealed against shrinking
+//! and growing (looked at before its size: a mapping never reaches past
+//! its end), and no larger than what this side allows a peer's files in
+//! all (its own pool's budget, twice); the range must lie inside it. Any of
+//! that failing sends the message the cross-memory way.
+//!
+//! What stays: a read of a hole in the peer's file commits the page there,
+//! charged to this side's memory, until the peer's file is gone (the lane
+//! ends). A hostile peer can make this side hold at most that limit so.
 
 use std::ffi::c_void;
 use std::os::fd::OwnedFd;
@@ -21,9 +28,12 @@ use rustix::mm::{MapFlags, ProtFlags};
 use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags};
 use zerohop_backends::SharedPlace;
 
-/// Files of one peer mapped at most (a pool is one file; a few more allow
-/// for a peer's pools coming and going).
-const MAX_FILES: usize = 4;
+/// Files of one peer mapped at most (a pool is one file; one more allows
+/// for a peer's pool coming and going).
+const MAX_FILES: usize = 2;
+
+/// `statfs`' word for tmpfs, where memfds live.
+const TMPFS_MAGIC: u64 = 0x0102_1994;
 
 struct Mapped {
     fd: u32,
@@ -49,6 +59,8 @@ pub(crate) struct PeerFiles {
     maps: Vec<Mapped>,
     /// Messages copied out of a mapping (a statistic the tests read).
     pub(crate) reads: u64,
+    /// Bytes of the peer's files this side maps at most, in all (0: none).
+    limit: usize,
 }
 
 // SAFETY: the mappings are this value's own, read only through `&mut self`.
@@ -56,7 +68,8 @@ unsafe impl Send for PeerFiles {}
 
 impl PeerFiles {
     /// The files of process `pid` (`None`, or a process this side may not
-    /// open: no file is ever mapped, every read says no).
+    /// open: no file is ever mapped, every read says no), none mapped until
+    /// [`allow`](Self::allow) says how much.
     pub(crate) fn new(pid: Option<i32>) -> Self {
         let pidfd = pid
             .and_then(Pid::from_raw)
@@ -65,7 +78,13 @@ impl PeerFiles {
             pidfd,
             maps: Vec::new(),
             reads: 0,
+            limit: 0,
         }
+    }
+
+    /// Maps at most `bytes` of the peer's files, in all.
+    pub(crate) fn allow(&mut self, bytes: usize) {
+        self.limit = bytes;
     }
 
     /// Copies `dst.len()` bytes at `place` in the peer's file into `dst`.
@@ -112,33 +131,38 @@ impl PeerFiles {
             PidfdGetfdFlags::empty(),
         )
         .ok()?;
-        let st = rustix::fs::fstat(&file).ok()?;
-        let regular = rustix::fs::FileType::from_raw_mode(st.st_mode).is_file();
+        // The seals first: the size read after them is the size for good.
         let sealed = rustix::fs::fcntl_get_seals(&file)
             .is_ok_and(|s| s.contains(SealFlags::SHRINK | SealFlags::GROW));
+        let st = rustix::fs::fstat(&file).ok()?;
+        let regular = rustix::fs::FileType::from_raw_mode(st.st_mode).is_file();
+        let tmpfs = rustix::fs::fstatfs(&file).is_ok_and(|f| f.f_type as u64 == TMPFS_MAGIC);
         let len = usize::try_from(st.st_size).ok().filter(|&n| n > 0)?;
-        if !regular || !sealed || st.st_ino != place.ino {
-            log::info!("shm: a peer named a pool file that is not one; it is read the other way");
-            return None;
+        if !sealed || !regular || !tmpfs || st.st_ino != place.ino || len > self.limit {
+            return None; // the other way
+        }
+        // Room for it within the limit: the oldest mappings go.
+        while !self.maps.is_empty()
+            && (self.maps.len() >= MAX_FILES
+                || self.maps.iter().map(|m| m.len).sum::<usize>() + len > self.limit)
+        {
+            self.maps.remove(0);
         }
         // SAFETY: a fresh read-only shared mapping of the whole file, whose
-        // size the seals fix: no memory of ours is aliased, and no read
-        // through it can fault.
+        // size the seals fix (read after them): no memory of ours is
+        // aliased, and no read through it can reach past the file's end.
         let p = unsafe {
             rustix::mm::mmap(
                 std::ptr::null_mut(),
                 len,
                 ProtFlags::READ,
-                MapFlags::SHARED | MapFlags::NORESERVE,
+                MapFlags::SHARED,
                 &file,
                 0,
             )
         }
         .ok()?;
         let base = NonNull::new(p.cast::<u8>())?;
-        if self.maps.len() >= MAX_FILES {
-            self.maps.remove(0);
-        }
         self.maps.push(Mapped {
             fd: place.fd,
             ino: place.ino,

@@ -355,6 +355,10 @@ impl LocalWire {
 
     /// A new lane with the GPU side this wire gives them, its Hello queued.
     fn equip(&self, lane: Lane) -> Lane {
+        // A peer's pool files are as large as its budget allows; what this
+        // side maps of them (and may be made to hold, see `mapped`) is
+        // bounded by its own.
+        let lane = lane.map_within(self.pool.config().budget.saturating_mul(2));
         #[cfg(feature = "cuda-uma")]
         if let Some(pool) = &self.device_pool {
             match device::LaneGpu::new(Arc::clone(pool)) {

@@ -83,6 +83,7 @@ impl LaneRig {
             7,
             Instant::from_micros(0),
         )
+        .map_within(pool.config().budget.saturating_mul(2))
         .start();
         Ok(LaneRig {
             lane: Some(lane),
