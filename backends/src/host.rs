@@ -185,9 +185,13 @@ where
     P::Target: HostBacked,
 {
     let (p, len) = view(lease);
-    // SAFETY: `p..p+len` lies inside a live allocation of `HostMemory` (checked
-    // by `pointer`): real, host-visible memory of this process (device memory
-    // is refused at allocation). It stays allocated while the lease lives: the
+    // SAFETY: `p..p+len` lies inside a live allocation of `HostMemory`, or
+    // inside the one mapping of a shared file, which stays whole while it
+    // lives (checked by `pointer`): real, host-visible memory of this
+    // process (device memory is refused at allocation). A process that may
+    // fetch a shared file may as well write any memory of this one
+    // (`process_vm_writev`): it is outside what this can promise. The
+    // memory stays allocated while the lease lives: the
     // lease holds `P`, which keeps the pool alive (a `LocalPool` borrows its
     // shared pool, so that one lives too), and the pool gives memory
     // back only when it drops or, for an oversize buffer, when that buffer's

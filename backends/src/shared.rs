@@ -163,18 +163,14 @@ impl SharedMemory {
         (end <= self.cap as u64).then_some(off as usize)
     }
 
-    /// A pointer to `region`'s first byte, if it lies inside one live range.
+    /// A pointer to `region`'s first byte, if it lies inside the mapping.
+    /// The mapping stays whole while this value lives, so any range inside
+    /// it is memory; which ranges are whose is the pool's to keep (a lookup
+    /// of the live ranges here, under their lock, would cost every view of
+    /// a lease what `HeapMemory`'s does, for nothing `host_bytes` needs).
     pub fn pointer(&self, region: Region) -> Option<NonNull<u8>> {
         let off = self.inside(region.addr, region.len)?;
-        let r = self.lock();
-        // The last live range starting at or before the region.
-        let i = r.live.partition_point(|&(o, _)| o <= off);
-        let &(start, n) = r.live.get(i.checked_sub(1)?)?;
-        if off + region.len > start + n {
-            return None;
-        }
-        // SAFETY: `off + region.len` is inside a live range of the mapping
-        // (checked above).
+        // SAFETY: `off + region.len` is inside the mapping (checked above).
         Some(unsafe { self.base.add(off) })
     }
 
