@@ -2,8 +2,15 @@
 //! the sender's memory (`process_vm_readv`, "cross-memory attach"), as
 //! UCX's `cma` transport does, instead of the two copies a ring costs (in,
 //! then out). The ring carries the frame's header and a descriptor (the
-//! bytes' address in the sender, and a ticket); the bytes stay where they
-//! are until the receiver says it has them.
+//! bytes' address in the sender, a ticket, and where they lie in the
+//! sender's pool file when they do: then the receiver copies them out of
+//! its own mapping of that file instead, [`mapped`](super::mapped)); the
+//! bytes stay where they are until the receiver says it has them.
+//!
+//! A message from a pool buffer, once the receiver has said it maps the
+//! sender's pool file, goes *placed* (see `lane`): no claim, its own
+//! tickets, its done in the ring's `placed_done` word. Every other one is
+//! handed over as follows.
 //!
 //! The handover is one word per direction in the segment, the *claim*:
 //! `ticket << 2 | state`. After ticket `t - 1` is done it reads
