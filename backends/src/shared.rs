@@ -275,6 +275,10 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "memfd_create, mmap and fallocate are system calls miri does not run"
+    )]
     fn ranges_are_aligned_disjoint_zeroed_and_join_again_when_freed() {
         let m = SharedMemory::new(1 << 20).unwrap();
         let a = m.alloc(5000, 64).unwrap();
@@ -304,6 +308,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "memfd_create, mmap and fallocate are system calls miri does not run"
+    )]
     fn freed_pages_go_back_to_the_kernel_past_the_warm_bound() {
         let m = SharedMemory::new(4 * WARM_MAX).unwrap();
         let r = m.alloc(WARM_MAX, PAGE).unwrap();
@@ -324,6 +332,10 @@ mod tests {
     /// Ranges freed, each followed by a larger one that fresh pages serve:
     /// what stays committed of the freed ones is bounded all the same.
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "memfd_create, mmap and fallocate are system calls miri does not run"
+    )]
     fn freed_ranges_stay_committed_up_to_the_warm_bound_however_they_alternate() {
         let m = SharedMemory::new(8 * WARM_MAX).unwrap();
         let mut blockers = Vec::new();
@@ -351,6 +363,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "memfd_create, mmap and fallocate are system calls miri does not run"
+    )]
     fn a_full_file_is_out_of_memory_and_a_foreign_range_is_not_freed() {
         let m = SharedMemory::new(64 << 10).unwrap();
         let a = m.alloc(60 << 10, 1).unwrap();
