@@ -21,8 +21,14 @@ pub(crate) const QUEUED_MESSAGES: usize = 4096;
 /// A heap-backed pool of `budget` bytes with the default size classes
 /// (fitted to a budget under one chunk: see [`PoolConfig::fitted`]).
 pub fn heap_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
+    pool_in(HostMemory::Heap(HeapMemory::new()), budget)
+}
+
+/// A pool of `budget` bytes carved from `memory`, the default size classes
+/// fitted to the budget, its tables on the heap.
+fn pool_in(memory: HostMemory, budget: usize) -> Result<Arc<StdPool>, Error> {
     let source = Chunks::<HostMemory, Nic> {
-        memory: HostMemory::Heap(HeapMemory::new()),
+        memory,
         registrar: None,
     };
     Ok(Arc::new(StdPool::new(
@@ -47,15 +53,7 @@ pub fn shared_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
             return heap_pool(budget);
         }
     };
-    let source = Chunks::<HostMemory, Nic> {
-        memory: HostMemory::Shared(memory),
-        registrar: None,
-    };
-    Ok(Arc::new(StdPool::new(
-        source,
-        PoolConfig::with_budget(budget).fitted(),
-        HeapTables::for_budget(budget),
-    )?))
+    pool_in(HostMemory::Shared(memory), budget)
 }
 
 /// A pool of `budget` bytes of CUDA memory on GPU 0, for the `uma` transport:
@@ -69,15 +67,7 @@ pub fn cuda_pool(budget: usize, managed: bool) -> Result<Arc<StdPool>, Error> {
     } else {
         HostCudaMemory::pinned(&gpu)
     };
-    let source = Chunks::<HostMemory, Nic> {
-        memory: HostMemory::Cuda(memory),
-        registrar: None,
-    };
-    Ok(Arc::new(StdPool::new(
-        source,
-        PoolConfig::with_budget(budget).fitted(),
-        HeapTables::for_budget(budget),
-    )?))
+    pool_in(HostMemory::Cuda(memory), budget)
 }
 
 /// A managed-memory pool on GPU 0 (see [`cuda_pool`]).

@@ -367,9 +367,8 @@ pub(crate) struct Lane {
     /// What this side takes of the peer's single-copy messages.
     single_in: SingleIn,
     /// Placed messages the peer has not copied yet, oldest first: their
-    /// tickets and buffers, and their bytes in all.
+    /// tickets and buffers.
     placed: VecDeque<(u64, StdLease)>,
-    placed_bytes: usize,
     /// The last placed ticket this side issued.
     tx_placed: u64,
     /// Messages at least this long go by a single copy (the segment says).
@@ -436,7 +435,6 @@ impl Lane {
                 told_maps: 0,
             },
             placed: VecDeque::new(),
-            placed_bytes: 0,
             tx_placed: 0,
             cma_tx: true,
             handover: None,
@@ -569,8 +567,7 @@ impl Lane {
             });
         }
         let before = self.placed.len();
-        while let Some((_, l)) = self.placed.front().filter(|(t, _)| *t <= done) {
-            self.placed_bytes -= l.len();
+        while self.placed.front().is_some_and(|(t, _)| *t <= done) {
             self.placed.pop_front(); // the buffer goes back to its pool
         }
         Ok(self.placed.len() != before)
@@ -578,7 +575,7 @@ impl Lane {
 
     /// Bytes of placed messages the peer has not copied yet.
     pub(crate) fn placed_in_flight(&self) -> usize {
-        self.placed_bytes
+        self.placed.iter().map(|(_, l)| l.len()).sum()
     }
 
     /// The sender's device buffers the peer has copied go back to the
@@ -909,7 +906,6 @@ impl Lane {
                 (true, Held::Leased(l)) => {
                     // Nothing to wait for: the next message may follow at once.
                     self.tx_placed = ticket;
-                    self.placed_bytes += l.len();
                     self.placed.push_back((ticket, l));
                     self.control();
                     return Ok(true);
