@@ -7,7 +7,8 @@
 //!   nothing more;
 //! - no message delivered is longer than the lane's maximum (its bytes are
 //!   not checked: raw writes may forge any frame the session accepts);
-//! - every receive buffer goes back to the pool once the lane is gone.
+//! - every receive buffer goes back to the pool once the lane is gone;
+//! - a lane is lost (`PeerLost`) only after its peer said it ended uncleanly.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -56,6 +57,9 @@ enum Op {
     Read,
     Send(u16),
     Take,
+    /// The peer says it dropped the lane uncleanly: a single-copy message
+    /// read after it is lost with the lane.
+    Ended,
 }
 
 fuzz_target!(|ops: Vec<Op>| {
@@ -64,6 +68,7 @@ fuzz_target!(|ops: Vec<Op>| {
     };
     let mut head = 0u64;
     let mut broke = false;
+    let mut ended = false;
     for op in ops.iter().take(500) {
         match op {
             Op::Hello => {
@@ -124,6 +129,7 @@ fuzz_target!(|ops: Vec<Op>| {
                 Err(Error::WireRule { .. } | Error::Protocol { .. } | Error::Backend(_)) => {
                     broke = true
                 }
+                Err(Error::PeerLost(_)) if ended => broke = true,
                 Err(e) => panic!("an untyped failure: {e:?}"),
             },
             Op::Send(len) => match rig.send(usize::from(*len) % 5000) {
@@ -132,6 +138,10 @@ fuzz_target!(|ops: Vec<Op>| {
                 Err(Error::WireRule { .. }) => broke = true,
                 Err(e) => panic!("an untyped send failure: {e:?}"),
             },
+            Op::Ended => {
+                ended = true;
+                rig.peer_ended();
+            }
             Op::Take => {
                 for m in rig.take_delivered() {
                     match m {

@@ -527,6 +527,62 @@ fn a_placed_message_arrives_whole_out_of_the_senders_pool_file() {
     assert_eq!(receiver.single_copies().mapped, 2, "both out of the file");
 }
 
+/// A lane dropped before its session finished gives a claimed or placed
+/// message's buffer back to its pool at once, and the application's next
+/// lease writes it; the lane says so first, in its ring's `ended` word, and
+/// a receiver whose copy ends after that word is set loses the lane instead
+/// of delivering the new bytes as the old message.
+#[test]
+fn a_message_copied_after_its_sender_dropped_the_lane_is_lost_not_delivered_with_reused_bytes() {
+    for placed in [false, true] {
+        let mut sender = LaneRig::new_shared(1 << 16, 4 << 20).unwrap();
+        sender.peer_write(&hello_taking(Takes::HEADERLESS));
+        sender.read().unwrap();
+        while sender.flush().unwrap() {}
+        sender.peer_take();
+        let mut receiver = LaneRig::new(1 << 16, 4 << 20).unwrap();
+        receiver.peer_write(&hello());
+        let a: Vec<u8> = (0..48 << 10).map(|i| (i % 251) as u8).collect();
+        let b: Vec<u8> = (0..48 << 10).map(|i| (i % 241) as u8).collect();
+        sender.send_lease_of(&a).unwrap();
+        let mut out = sender.peer_take();
+        let mut expect = vec![];
+        if placed {
+            receiver.peer_write(&out);
+            receiver.read().unwrap();
+            let ino = sender.pool_file().unwrap();
+            assert_eq!(receiver.told_peer(), (ino, 0), "it maps the file");
+            sender.peer_copied(1);
+            sender.peer_maps(ino);
+            sender.send_lease_of(&b).unwrap();
+            out = sender.peer_take();
+            expect.push(Ok(a.clone()));
+        }
+        let desc = descriptors(&out)[0];
+        assert_eq!(desc.placed, placed);
+        assert!(!sender.lane_ended(), "a lane that stands has not ended");
+        sender.drop_lane();
+        assert!(
+            sender.lane_ended(),
+            "{placed}: dropped unfinished, it says so"
+        );
+        assert_eq!(
+            sender.scribble(48 << 10, 0xEE).unwrap(),
+            desc.addr,
+            "{placed}: the message's buffer, written again"
+        );
+        receiver.peer_write(&out);
+        receiver.peer_ended();
+        assert!(
+            matches!(receiver.read(), Err(Error::PeerLost(PEER))),
+            "{placed}: the lane is lost"
+        );
+        assert!(!receiver.alive());
+        assert_eq!(receiver.take_messages(), expect, "{placed}: not delivered");
+        assert_eq!(receiver.pool_used(), 0, "{placed}: no buffer held");
+    }
+}
+
 /// A placed descriptor is checked as a claimed one is: a ticket out of its
 /// sequence, a mode past 1, a placed one naming no file, or bytes that
 /// neither the named file nor the sender's memory give, each end the lane

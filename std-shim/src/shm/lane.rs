@@ -243,6 +243,17 @@ impl SingleIn {
             .is_some_and(|pid| cma::read(pid, desc.addr, dst))
     }
 
+    /// Whether bytes just copied out of the peer's memory are its message's:
+    /// not once the peer has ended the lane uncleanly (its `ended` word in
+    /// `ring`), when its buffers may have been reused under the copy.
+    fn kept(ring: &Consumer<SegRing>) -> bool {
+        use std::sync::atomic::{fence, Ordering};
+        // Acquire: the copy's reads come before the look at the word (the
+        // peer's side of the order is the fence in `Lane`'s drop).
+        fence(Ordering::Acquire);
+        ring.mem_ctl().ended().load(Ordering::Relaxed) == 0
+    }
+
     /// Takes a placed message (no claim: the peer holds its bytes until
     /// the `placed_done` word of `ring` passes its ticket). Its bytes come
     /// whole or the lane ends: the peer places only into a file this side
@@ -263,6 +274,9 @@ impl SingleIn {
                 peer,
                 rule: "a placed message whose bytes this side cannot read",
             });
+        }
+        if !Self::kept(ring) {
+            return Err(Error::PeerLost(peer));
         }
         // Release: our copy out of the peer's file is over.
         ring.mem_ctl()
@@ -297,6 +311,9 @@ impl SingleIn {
         ) {
             Ok(_) => {
                 let got = self.copy(desc, dst, ring);
+                if got && !Self::kept(ring) {
+                    return Err(Error::PeerLost(peer));
+                }
                 // Not permitted here (or the peer lied): the bytes come in the ring.
                 self.cma &= got;
                 let state = if got { cma::OPEN } else { cma::REFUSED };
@@ -649,7 +666,15 @@ impl Lane {
     ) -> Result<(), Error> {
         #[cfg(feature = "cuda-uma")]
         if let Some(gpu) = self.gpu.as_mut() {
-            if let Some(done) = gpu.deliver(peer, arrivals)? {
+            let before = arrivals.len();
+            let done = gpu.deliver(peer, arrivals)?;
+            // Copies that ended after the peer dropped the lane may hold
+            // reused bytes: they go, with what waited behind them.
+            if done.is_some() && !SingleIn::kept(&self.rx) {
+                arrivals.truncate(before);
+                return Err(Error::PeerLost(peer));
+            }
+            if let Some(done) = done {
                 // Release: our copy out of the peer's memory is over.
                 self.rx
                     .mem_ctl()
@@ -1566,6 +1591,26 @@ impl Source<'_> {
                 Source::Slice(_) => None,
                 Source::Lease(l) => Some(l),
             },
+        }
+    }
+}
+
+/// A lane dropped before its session finished (a lost or refused peer, an
+/// idle timeout, `disconnect`) gives the buffers the peer may still be
+/// copying — a claimed, placed or device message's — back to their pools at
+/// once, where the next lease writes them. It says so first, in its ring's
+/// `ended` word: the peer drops a message whose copy ends after it (see
+/// [`SingleIn::kept`]) instead of delivering another message's bytes.
+impl Drop for Lane {
+    fn drop(&mut self) {
+        if !self.finished() {
+            self.tx
+                .mem_ctl()
+                .ended()
+                .store(1, std::sync::atomic::Ordering::Relaxed);
+            // Release: the buffers' next writes, after this, are ordered
+            // after the word for a reader that sees them (a seqlock's order).
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
         }
     }
 }

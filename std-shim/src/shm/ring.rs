@@ -50,6 +50,11 @@ pub(crate) struct RingCtl {
     /// copied out of the producer's pool file: its ticket, which only the
     /// consumer stores.
     placed_done: Line<AtomicU64>,
+    /// Not 0 once the producer has dropped the lane without a clean close,
+    /// which only the producer stores: its buffers went back to its pools
+    /// then, so what the consumer copies out of the producer's memory
+    /// afterwards may be a later message's bytes (see `lane`).
+    ended: Line<AtomicU64>,
 }
 
 impl RingCtl {
@@ -72,6 +77,11 @@ impl RingCtl {
     /// The ticket of the last placed message copied out of the producer.
     pub(crate) fn placed_done(&self) -> &AtomicU64 {
         &self.placed_done
+    }
+
+    /// Whether the producer has ended the lane uncleanly.
+    pub(crate) fn ended(&self) -> &AtomicU64 {
+        &self.ended
     }
 }
 

@@ -28,8 +28,9 @@ use super::ring::{RingCtl, RingMem, CTL_BYTES};
 
 const MAGIC: [u8; 8] = *b"ZHLANE\0\x01";
 /// The layout and its rules: 4 since the header says where single copies
-/// start (bytes 16..20; a peer of 3 assumed 32 KiB).
-const VERSION: u32 = 5;
+/// start (bytes 16..20; a peer of 3 assumed 32 KiB); 6 since a ring's
+/// control words say when its producer ended the lane uncleanly.
+const VERSION: u32 = 6;
 const HEADER_BYTES: usize = 64;
 /// Where the data of ring 0 starts.
 const DATA_AT: usize = 4096;

@@ -228,6 +228,16 @@ impl LaneRig {
             .map_err(|r| r.error)
     }
 
+    /// Leases `len` bytes from the lane's pool, fills them with `byte` and
+    /// gives them back, as the application's next message does: the
+    /// buffer's address (a buffer just given back comes first).
+    pub fn scribble(&self, len: usize, byte: u8) -> Result<u64, Error> {
+        let mut lease = zerohop_core::Lease::take(Arc::clone(&self.pool), len)?;
+        let bytes = zerohop_backends::host_bytes_mut(&mut lease);
+        bytes.fill(byte);
+        Ok(bytes.as_ptr() as u64)
+    }
+
     /// The inode of the pool's shared-memory file (`None`: a heap pool).
     pub fn pool_file(&self) -> Option<u64> {
         let l = zerohop_core::Lease::take(Arc::clone(&self.pool), 1).ok()?;
@@ -257,6 +267,20 @@ impl LaneRig {
             ctl.maps_file().load(Ordering::Acquire),
             ctl.placed_done().load(Ordering::Acquire),
         )
+    }
+
+    /// The peer says it dropped the lane uncleanly (its buffers went back
+    /// to its pools).
+    pub fn peer_ended(&self) {
+        self.peer_tx_ring()
+            .ctl()
+            .ended()
+            .store(1, Ordering::Release);
+    }
+
+    /// Whether the lane has said it ended uncleanly (in its own ring's words).
+    pub fn lane_ended(&self) -> bool {
+        self.peer_rx.ctl().ended().load(Ordering::Acquire) != 0
     }
 
     /// The lane's single-copy counts.
