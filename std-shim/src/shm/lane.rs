@@ -247,11 +247,7 @@ impl SingleIn {
     /// not once the peer has ended the lane uncleanly (its `ended` word in
     /// `ring`), when its buffers may have been reused under the copy.
     fn kept(ring: &Consumer<SegRing>) -> bool {
-        use std::sync::atomic::{fence, Ordering};
-        // Acquire: the copy's reads come before the look at the word (the
-        // peer's side of the order is the fence in `Lane`'s drop).
-        fence(Ordering::Acquire);
-        ring.mem_ctl().ended().load(Ordering::Relaxed) == 0
+        ring.mem_ctl().copied_intact()
     }
 
     /// Takes a placed message (no claim: the peer holds its bytes until
@@ -1604,13 +1600,7 @@ impl Source<'_> {
 impl Drop for Lane {
     fn drop(&mut self) {
         if !self.finished() {
-            self.tx
-                .mem_ctl()
-                .ended()
-                .store(1, std::sync::atomic::Ordering::Relaxed);
-            // Release: the buffers' next writes, after this, are ordered
-            // after the word for a reader that sees them (a seqlock's order).
-            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+            self.tx.mem_ctl().end();
         }
     }
 }

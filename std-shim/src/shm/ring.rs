@@ -79,9 +79,21 @@ impl RingCtl {
         &self.placed_done
     }
 
-    /// Whether the producer has ended the lane uncleanly.
-    pub(crate) fn ended(&self) -> &AtomicU64 {
-        &self.ended
+    /// The producer ends the lane uncleanly: the word, then a release
+    /// fence, before its buffers go back to be written again.
+    pub(crate) fn end(&self) {
+        // Relaxed: the fence after it orders it before the buffers' next writes.
+        self.ended.store(1, Ordering::Relaxed);
+        fence(Ordering::Release);
+    }
+
+    /// The consumer, after a copy out of the producer's memory: whether the
+    /// bytes are the message's. A copy that saw a byte written after
+    /// [`end`](Self::end) sees the word (a seqlock reader's order; the
+    /// `model` module below checks it).
+    pub(crate) fn copied_intact(&self) -> bool {
+        fence(Ordering::Acquire);
+        self.ended.load(Ordering::Relaxed) == 0
     }
 }
 
@@ -806,6 +818,29 @@ mod model {
             }
             writer.join().unwrap();
             assert_eq!(got, [1, 2, 3]);
+        });
+    }
+
+    /// A lane dropped unfinished ends its ring, then its buffer is written
+    /// again (the next lease); a consumer that copied a byte of that buffer
+    /// and finds the ring not ended copied the message's byte, never the
+    /// new one. The byte is an atomic here: loom checks the order, and a
+    /// real copy is the same loads without the name.
+    #[test]
+    fn a_copy_that_saw_a_reused_byte_sees_the_ring_ended() {
+        loom::model(|| {
+            let ctl = Arc::new(RingCtl::default());
+            let byte = Arc::new(AtomicU32::new(1)); // the message's byte
+            let (c, b) = (Arc::clone(&ctl), Arc::clone(&byte));
+            let producer = thread::spawn(move || {
+                c.end();
+                b.store(2, Ordering::Relaxed); // the buffer's next lease
+            });
+            let copied = byte.load(Ordering::Relaxed);
+            if ctl.copied_intact() {
+                assert_eq!(copied, 1, "a reused byte delivered as the message's");
+            }
+            producer.join().unwrap();
         });
     }
 }

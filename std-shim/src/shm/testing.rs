@@ -272,15 +272,12 @@ impl LaneRig {
     /// The peer says it dropped the lane uncleanly (its buffers went back
     /// to its pools).
     pub fn peer_ended(&self) {
-        self.peer_tx_ring()
-            .ctl()
-            .ended()
-            .store(1, Ordering::Release);
+        self.peer_tx_ring().ctl().end();
     }
 
     /// Whether the lane has said it ended uncleanly (in its own ring's words).
     pub fn lane_ended(&self) -> bool {
-        self.peer_rx.ctl().ended().load(Ordering::Acquire) != 0
+        !self.peer_rx.ctl().copied_intact()
     }
 
     /// The lane's single-copy counts.
