@@ -48,6 +48,9 @@ use super::{Device, Registry, VerbsError};
 use crate::{host_bytes, host_bytes_mut, HeapTables, HostPool};
 
 mod connect;
+mod slots;
+
+use slots::SendSlots;
 
 /// Frame headers live in host memory whatever the payloads' memory: the CPU parses them.
 type HeaderPool = HostPool<HeapTables>;
@@ -100,10 +103,6 @@ const SEND_TAG: u64 = 1 << 63;
 const HEADER_POOL_BYTES: usize = 16 << 20;
 /// Inline room asked of a QP: a header and a small message.
 const INLINE_WANT: usize = 256;
-/// Inline frames ask for a completion one in this many (as perftest's
-/// latency test does); the last free send slot is signaled as well, so
-/// slots come back on a send ring shallower than this too.
-const SIGNAL_EVERY: usize = 16;
 /// Work completions taken per `ibv_poll_cq`.
 const POLL_BATCH: usize = 16;
 /// How often the engines' idle timers are looked at.
@@ -133,15 +132,7 @@ struct Conn<M: PayloadMemory> {
     recv: Vec<Option<PayloadLease<M>>>,
     /// Receive slots with no buffer posted (see `refill`).
     unposted: Vec<u32>,
-    /// Signaled send slots, with what must live until their completion.
-    send: Vec<Option<Option<PayloadLease<M>>>>,
-    /// Slots posted without a completion (inline frames), oldest first:
-    /// free once a later send completes (an RC queue completes in order).
-    unsignaled: VecDeque<u32>,
-    /// When each send slot was last posted (a count of posts).
-    posted_at: Vec<u64>,
-    posts: u64,
-    free_send: Vec<u32>,
+    send: SendSlots<PayloadLease<M>>,
     queue: VecDeque<OutMsg<M>>,
     /// A message being reassembled from its fragments.
     assembling: Option<PayloadLease<M>>,
@@ -427,7 +418,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             return Ok(false);
         }
         let mut any = false;
-        while !conn.free_send.is_empty() {
+        while conn.send.has_free() {
             let Some(front) = conn.queue.front_mut() else {
                 break;
             };
@@ -454,7 +445,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             Self::post_frame(conn, &f, data, hold, M::HOST_VISIBLE)?;
             any = true;
         }
-        while !conn.free_send.is_empty() {
+        while conn.send.has_free() {
             let Some(c) = conn.session.poll_control() else {
                 break;
             };
@@ -497,10 +488,12 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         hold: Option<PayloadLease<M>>,
         may_inline: bool,
     ) -> Result<(), Error> {
-        let Some(slot) = conn.free_send.pop() else {
+        let wire_len = len + if header.is_some() { HEADER_LEN } else { 0 };
+        let inline = may_inline && wire_len <= conn.qp.inline_max();
+        let Some(taken) = conn.send.take(inline) else {
             return Err(Error::Backend("verbs: no free send slot")); // checked by the callers
         };
-        let slot = slot as usize;
+        let slot = taken.slot;
         let data = ffi::ibv_sge {
             addr,
             length: len as u32,
@@ -519,10 +512,6 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 ([header, data], if len > 0 { 2 } else { 1 })
             }
         };
-        let wire_len = len + if header.is_some() { HEADER_LEN } else { 0 };
-        let inline = may_inline && wire_len <= conn.qp.inline_max();
-        let signaled =
-            !inline || conn.unsignaled.len() + 1 >= SIGNAL_EVERY || conn.free_send.is_empty();
         // SAFETY: an all-zero send WR is valid; the fields are set below.
         let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = SEND_TAG | slot as u64;
@@ -534,7 +523,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         } else {
             wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND;
         }
-        if signaled {
+        if taken.signaled {
             wr.send_flags |= ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
         if inline {
@@ -544,32 +533,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         // slot is not reused before); the payload is `hold`, kept in the slot
         // until then, or inline data copied before this call returns.
         if let Err(e) = unsafe { conn.qp.post_send(&mut wr) } {
-            conn.free_send.push(slot as u32);
+            conn.send.not_posted(taken);
             return Err(e.into());
         }
-        conn.posts += 1;
-        conn.posted_at[slot] = conn.posts;
-        match (signaled, inline) {
-            (true, true) => conn.send[slot] = Some(None),
-            (true, false) => conn.send[slot] = Some(hold),
-            (false, _) => conn.unsignaled.push_back(slot as u32),
-        }
+        conn.send.posted(taken, hold);
         Ok(())
-    }
-
-    /// A signaled send completed: its slot is free, and so are those of the
-    /// unsignaled sends posted before it.
-    fn send_completed(conn: &mut Conn<M>, slot: usize) {
-        conn.send[slot] = None; // the payload lease goes back to its pool
-        conn.free_send.push(slot as u32);
-        let upto = conn.posted_at[slot];
-        while let Some(&u) = conn.unsignaled.front() {
-            if conn.posted_at[u as usize] > upto {
-                break;
-            }
-            conn.unsignaled.pop_front();
-            conn.free_send.push(u);
-        }
     }
 
     /// Starts a message for `peer`: its fragments go at once while credits
@@ -598,7 +566,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         let Some(Some(conn)) = self.peers.get_mut(peer.0 as usize) else {
             return Err((Error::UnknownPeer(peer), lease));
         };
-        if !conn.established || conn.queue.len() > conn.send.len() * 2 {
+        if !conn.established || conn.queue.len() > conn.send.depth() * 2 {
             return Err((Error::WouldBlock, lease)); // not up yet, or a ring's worth waits
         }
         // A message the engine starts must go out: everything that can fail
@@ -620,8 +588,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             (None, Some(l)) if own && M::HOST_VISIBLE => Some(l.device_ptr()),
             _ => None,
         };
-        let now =
-            conn.queue.is_empty() && !conn.free_send.is_empty() && conn.session.ready_to_frame();
+        let now = conn.queue.is_empty() && conn.send.has_free() && conn.session.ready_to_frame();
         if let (Some(addr), true) = (
             inline_from,
             now && HEADER_LEN + total <= conn.qp.inline_max(),
@@ -781,7 +748,8 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 return Err(Error::PeerLost(peer));
             }
             if wc.wr_id & SEND_TAG != 0 {
-                Self::send_completed(conn, (wc.wr_id & !SEND_TAG) as usize);
+                // The payload lease goes back to its pool.
+                conn.send.completed((wc.wr_id & !SEND_TAG) as usize);
                 continue;
             }
             if !conn.established {
@@ -969,14 +937,13 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         self.peers.iter().flatten().map(|c| c.queue.len()).sum()
     }
 
-    /// Messages queued, or frames posted and not yet completed (an
-    /// unsignaled inline frame counts as sent once posted: the NIC holds a
-    /// copy, and a failure still surfaces as an error completion).
+    /// Messages queued, or frames posted and not yet completed (see
+    /// [`SendSlots::in_flight`]).
     pub fn pending_frames(&self) -> usize {
         self.peers
             .iter()
             .flatten()
-            .map(|c| c.queue.len() + c.send.iter().filter(|s| s.is_some()).count())
+            .map(|c| c.queue.len() + c.send.in_flight())
             .sum()
     }
 }
@@ -984,7 +951,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
 impl<M: PayloadMemory> Conn<M> {
     /// Nothing queued and nothing in flight.
     fn idle(&self) -> bool {
-        self.queue.is_empty() && self.send.iter().all(Option::is_none)
+        self.queue.is_empty() && self.send.in_flight() == 0
     }
 }
 
@@ -1085,7 +1052,8 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// wait, reap its completions and post what they free, here.
     fn reap(&mut self, peer: PeerId) {
         let i = peer.0 as usize;
-        let busy = matches!(self.peers.get(i), Some(Some(c)) if c.free_send.is_empty() || !c.queue.is_empty());
+        let busy =
+            matches!(self.peers.get(i), Some(Some(c)) if !c.send.has_free() || !c.queue.is_empty());
         if busy {
             self.service(i, Self::drain_and_pump);
         }
