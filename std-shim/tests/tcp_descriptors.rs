@@ -1,0 +1,154 @@
+//! The TCP listener when its process is out of file descriptors: `accept`
+//! fails (EMFILE) and the connection waits in the backlog, with no new
+//! readiness edge to come for it (epoll is edge-triggered). The listener
+//! must try again after a pause: neither once per pass (a spin on a failing
+//! system call) nor only at the next edge (a peer left waiting for good).
+//! Once descriptors are back, the waiting peer is accepted and served.
+//!
+//! Its own test binary: the descriptor limit is the whole process's.
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use zerohop_core::{Kind, Transport};
+use zerohop_std::heap_pool;
+use zerohop_std::tcp::{TcpConfig, TcpTransport};
+
+/// How long no descriptor is free; the listener's pause is 100 ms.
+const NONE_FREE: Duration = Duration::from_millis(400);
+const WAIT: Duration = Duration::from_secs(10);
+
+/// Counts the listener's reports of a failed accept.
+struct FailedAccepts(AtomicUsize);
+
+impl log::Log for FailedAccepts {
+    fn enabled(&self, m: &log::Metadata) -> bool {
+        m.level() <= log::Level::Warn
+    }
+    fn log(&self, r: &log::Record) {
+        if r.args().to_string().contains("tcp: accept failed") {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    fn flush(&self) {}
+}
+
+static FAILED_ACCEPTS: FailedAccepts = FailedAccepts(AtomicUsize::new(0));
+
+fn nofile() -> libc::rlimit {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a valid out-pointer to an rlimit.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+    lim
+}
+
+fn set_nofile(lim: libc::rlimit) {
+    // SAFETY: a valid pointer to an rlimit; lowering the soft limit, or
+    // putting it back, is always allowed.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+}
+
+fn highest_descriptor() -> u64 {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .max()
+        .unwrap()
+}
+
+fn transport() -> TcpTransport {
+    let config = TcpConfig {
+        stripe_min: None, // one connection a peer: one descriptor to find
+        ..TcpConfig::default()
+    };
+    TcpTransport::new(heap_pool(8 << 20).unwrap(), config, Kind::Tcp).unwrap()
+}
+
+#[test]
+fn a_listener_out_of_descriptors_retries_after_a_pause_and_serves_the_peer_once_they_are_back() {
+    log::set_logger(&FAILED_ACCEPTS).unwrap();
+    log::set_max_level(log::LevelFilter::Warn);
+    let mut server = transport();
+    let addr = server.listen("127.0.0.1:0").unwrap();
+    // The peer dials first: the kernel completes its handshake into the
+    // listener's backlog whatever the listener's descriptors. Nothing here
+    // drives the listener yet, so it has accepted nothing.
+    let dialed = TcpTransport::dial(addr, WAIT, false).unwrap();
+    let mut client = transport();
+    // Every descriptor number below the limit taken, then the limit set there.
+    let limit = highest_descriptor() + 1;
+    let mut held = Vec::new();
+    loop {
+        let f = std::fs::File::open("/dev/null").unwrap();
+        if f.as_raw_fd() as u64 >= limit {
+            break;
+        }
+        held.push(f);
+    }
+    let before = nofile();
+    set_nofile(libc::rlimit {
+        rlim_cur: limit,
+        ..before
+    });
+    // The peer says Hello and sends (its socket was opened before the limit).
+    let peer = client.attach(dialed).unwrap();
+    let started = Instant::now();
+    let mut passes = 0u64;
+    while started.elapsed() < NONE_FREE {
+        let _ = server.progress();
+        let _ = client.progress();
+        passes += 1;
+    }
+    let failed = FAILED_ACCEPTS.0.load(Ordering::Relaxed);
+    assert_eq!(
+        server.handshaking(),
+        0,
+        "nothing accepted with no descriptor free"
+    );
+    assert!(
+        failed >= 2,
+        "{failed} failed accepts: the test starved nothing"
+    );
+    assert!(
+        failed <= (NONE_FREE.as_millis() / 100) as usize + 2,
+        "{failed} failed accepts in {passes} passes: retried without a pause"
+    );
+    // Descriptors back: the listener's next try, a pause later, takes the
+    // peer, with no new edge on its socket.
+    drop(held);
+    set_nofile(before);
+    let back = Instant::now();
+    let mut sent = false;
+    let got = loop {
+        assert!(back.elapsed() < WAIT, "the peer was never accepted");
+        let _ = client.progress();
+        if !sent && client.try_send(peer, b"after the drought").is_ok() {
+            sent = true;
+        }
+        let _ = server.progress();
+        match server.try_recv() {
+            Ok(m) => break m,
+            Err(zerohop_core::Error::WouldBlock) => {}
+            Err(e) => panic!("the listener failed: {e}"),
+        }
+    };
+    let took = back.elapsed();
+    assert_eq!(
+        zerohop_backends::host_bytes(&got.lease),
+        b"after the drought"
+    );
+    assert!(
+        took < Duration::from_secs(2),
+        "accepted {took:?} after descriptors came back"
+    );
+    assert_eq!(
+        FAILED_ACCEPTS.0.load(Ordering::Relaxed),
+        failed,
+        "no failure once descriptors are back"
+    );
+    assert_eq!(server.peer_count(), 1);
+}
