@@ -129,6 +129,41 @@ fn a_blocked_caller_finishes_only_its_own_frame() {
     assert!(out[32..].iter().all(|&x| x == 0xBB), "b's bytes only");
 }
 
+/// A blocked caller that gives up while the peer copies its bytes waits
+/// for the copy; a peer that never finishes it is cut off after a while and
+/// the caller's slice goes, to be written again — the ring says it ended
+/// first, so the peer's copy, when it ends, is not delivered.
+#[test]
+fn a_caller_that_gives_up_on_a_peer_that_never_finishes_its_copy_ends_the_ring_first() {
+    let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+    rig.peer_write(&hello());
+    rig.read().unwrap();
+    while rig.flush().unwrap() {}
+    rig.peer_take();
+    let a = vec![0xAA; 48 << 10];
+    assert_eq!(
+        rig.send_direct(&a),
+        Ok(false),
+        "a single copy: its caller waits"
+    );
+    rig.peer_claims(1);
+    assert!(!rig.lane_ended());
+    let started = std::time::Instant::now();
+    rig.abandon_send(&a);
+    assert!(
+        started.elapsed() >= std::time::Duration::from_secs(1),
+        "the copy under way was waited for"
+    );
+    assert!(
+        rig.lane_ended(),
+        "cut off: the ring ended before the slice went"
+    );
+    assert!(
+        matches!(rig.flush(), Err(Error::WireRule { .. })),
+        "and the lane ends, typed"
+    );
+}
+
 /// The lane's idle timeout, in microseconds of its clock.
 fn idle_micros() -> u64 {
     SessionConfig::stream(64 << 10).idle_timeout.as_micros() as u64

@@ -1087,6 +1087,9 @@ impl Lane {
             {
                 // A peer that breaks the word, never finishes, or died
                 // mid-copy: the lane ends (its link hangs up on the peer).
+                // The caller's bytes go now, before the lane: the ring says
+                // so first, so a copy that ends later is not delivered.
+                self.tx.mem_ctl().end();
                 self.broken = true;
                 return;
             }

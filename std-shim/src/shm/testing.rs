@@ -295,6 +295,22 @@ impl LaneRig {
         self.peer_rx.ctl().claim().store(done, Ordering::Release);
     }
 
+    /// The peer takes the lane's single-copy message `ticket` and starts
+    /// copying it (its claim word's READING), as a peer does before its
+    /// `process_vm_readv`.
+    pub fn peer_claims(&self, ticket: u64) {
+        let reading = super::cma::word(ticket, super::cma::READING);
+        self.peer_rx.ctl().claim().store(reading, Ordering::Release);
+    }
+
+    /// The blocked caller of `bytes` gives up (its deadline passed), as the
+    /// endpoint's `send` does: the lane lets go of its slice.
+    pub fn abandon_send(&mut self, bytes: &[u8]) {
+        if let Some(lane) = self.lane.as_mut() {
+            lane.abandon_send(bytes);
+        }
+    }
+
     /// A blocked caller's send of `bytes` (as the endpoint's `send`):
     /// `Ok(false)` while it must go on with [`continue_send`](Self::continue_send).
     pub fn send_direct(&mut self, bytes: &[u8]) -> Result<bool, Error> {
