@@ -164,6 +164,42 @@ fn a_caller_that_gives_up_on_a_peer_that_never_finishes_its_copy_ends_the_ring_f
     );
 }
 
+/// A caller whose send fails while the peer may read its slice (the peer
+/// broke the handover word) leaves with its error, and its slice with it:
+/// the ring says the lane ended first.
+#[test]
+fn a_caller_whose_send_fails_mid_handover_ends_the_ring_first() {
+    let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+    rig.peer_write(&hello());
+    rig.read().unwrap();
+    while rig.flush().unwrap() {}
+    rig.peer_take();
+    let a = vec![0xAA; 48 << 10];
+    assert_eq!(rig.send_direct(&a), Ok(false));
+    rig.peer_copied(7); // a done for a ticket never sent
+    assert!(matches!(rig.continue_send(&a), Err(Error::WireRule { .. })));
+    assert!(rig.lane_ended(), "the ring ended before the caller left");
+}
+
+/// A lane whose session finished cleanly gave back nothing its peer could
+/// still read: its drop leaves the ring's `ended` word alone.
+#[test]
+fn a_lane_that_finished_cleanly_does_not_end_its_ring() {
+    let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+    rig.peer_write(&hello());
+    rig.read().unwrap();
+    while rig.flush().unwrap() {}
+    rig.send(100).unwrap();
+    rig.peer_take();
+    rig.close().unwrap();
+    rig.peer_write(&Frame::Close(Close { seq: 0 }).encode(&[]));
+    rig.read().unwrap();
+    assert_eq!(rig.take_messages(), [Err(Error::PeerClosed(PEER))]);
+    assert!(rig.finished(), "closed both ways, nothing left");
+    rig.drop_lane();
+    assert!(!rig.lane_ended(), "a clean end is not an unclean one");
+}
+
 /// The lane's idle timeout, in microseconds of its clock.
 fn idle_micros() -> u64 {
     SessionConfig::stream(64 << 10).idle_timeout.as_micros() as u64
@@ -607,7 +643,9 @@ fn a_message_copied_after_its_sender_dropped_the_lane_is_lost_not_delivered_with
             "{placed}: the message's buffer, written again"
         );
         receiver.peer_write(&out);
-        receiver.peer_ended();
+        // The drop races the receiver's copy: the word comes after the
+        // bytes and before the receiver's look.
+        receiver.peer_ends_during_next_copy();
         assert!(
             matches!(receiver.read(), Err(Error::PeerLost(PEER))),
             "{placed}: the lane is lost"

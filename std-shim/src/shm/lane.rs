@@ -229,6 +229,16 @@ impl SingleIn {
     /// the kernel. The first read out of a file tells the peer (the
     /// consumer's `maps_file` word of `ring`): it may place messages then.
     fn copy(&mut self, desc: &cma::Desc, dst: &mut [u8], ring: &Consumer<SegRing>) -> bool {
+        let got = self.copy_out(desc, dst, ring);
+        // A test's peer may end its ring here, mid-race (see `testing`).
+        #[cfg(feature = "testing")]
+        if got {
+            super::testing::after_copy();
+        }
+        got
+    }
+
+    fn copy_out(&mut self, desc: &cma::Desc, dst: &mut [u8], ring: &Consumer<SegRing>) -> bool {
         if let Some(p) = desc.place.filter(|&p| self.files.read(p, dst)) {
             if self.told_maps != p.ino {
                 self.told_maps = p.ino;
@@ -990,7 +1000,13 @@ impl Lane {
             .as_ref()
             .is_some_and(|h| h.held.is_callers(bytes))
         {
-            match self.poll_handover(peer, Some(bytes))? {
+            let handed = self.poll_handover(peer, Some(bytes)).inspect_err(|_| {
+                // The caller leaves with its error while the peer may read
+                // its slice: the ring says the lane ended first (see `Drop`).
+                self.tx.mem_ctl().end();
+                self.broken = true;
+            });
+            match handed? {
                 Handed::Done => {
                     self.flush(peer)?;
                     return Ok(true);

@@ -816,13 +816,20 @@ impl LocalWire {
             if check && !l.alive() {
                 // Its end hung up: whatever it sent is in the ring; take it first.
                 let mut tail = VecDeque::new();
-                let _ = l.read(id, now, &self.pool, &mut tail, usize::MAX);
+                let read = l.read(id, now, &self.pool, &mut tail, usize::MAX);
                 // Device copies out of its memory: waited for, delivered
                 // with what came behind them (else they are lost, and the
                 // peer with them).
                 let settled = l.settle_device(id, &mut tail);
                 self.arrivals.extend(tail);
-                self.drop_lane(slot, settled.err());
+                // The read's failure first: one that dropped a Close held
+                // behind device copies (the peer ended its ring) must be
+                // the peer's one event, or it would have none.
+                let error = match read {
+                    lane::Outcome::Bad(e) => Some(e),
+                    _ => settled.err(),
+                };
+                self.drop_lane(slot, error);
                 any = true;
             }
         }

@@ -79,20 +79,24 @@ impl RingCtl {
         &self.placed_done
     }
 
-    /// The producer ends the lane uncleanly: the word, then a release
-    /// fence, before its buffers go back to be written again.
+    /// The producer ends the lane uncleanly: the word, then a fence, before
+    /// its buffers go back to be written again.
     pub(crate) fn end(&self) {
-        // Relaxed: the fence after it orders it before the buffers' next writes.
+        // Relaxed: the fence after it orders it.
         self.ended.store(1, Ordering::Relaxed);
-        fence(Ordering::Release);
+        // SeqCst, not Release: the buffers' next writes may come from
+        // another thread (whichever leases them next, after the pool's own
+        // handoff), which a release fence here would not order for the
+        // consumer; two SeqCst fences do (the `model` module below).
+        fence(Ordering::SeqCst);
     }
 
     /// The consumer, after a copy out of the producer's memory: whether the
     /// bytes are the message's. A copy that saw a byte written after
-    /// [`end`](Self::end) sees the word (a seqlock reader's order; the
-    /// `model` module below checks it).
+    /// [`end`](Self::end), by any thread, sees the word.
     pub(crate) fn copied_intact(&self) -> bool {
-        fence(Ordering::Acquire);
+        // SeqCst: pairs with `end`'s (see there).
+        fence(Ordering::SeqCst);
         self.ended.load(Ordering::Relaxed) == 0
     }
 }
@@ -841,6 +845,37 @@ mod model {
                 assert_eq!(copied, 1, "a reused byte delivered as the message's");
             }
             producer.join().unwrap();
+        });
+    }
+
+    /// The same, the buffer written again by another thread, which leased
+    /// it after the dropping thread gave it back (the pool's handoff, a
+    /// release and an acquire): with release and acquire fences in `end`
+    /// and `copied_intact` loom finds the reused byte delivered; with
+    /// SeqCst fences it does not.
+    #[test]
+    fn a_copy_that_saw_a_byte_reused_by_another_thread_sees_the_ring_ended() {
+        loom::model(|| {
+            let ctl = Arc::new(RingCtl::default());
+            let byte = Arc::new(AtomicU32::new(1));
+            let pool = Arc::new(AtomicU32::new(0)); // 1: the buffer given back
+            let (c, p) = (Arc::clone(&ctl), Arc::clone(&pool));
+            let dropper = thread::spawn(move || {
+                c.end();
+                p.store(1, Ordering::Release);
+            });
+            let (b, p) = (Arc::clone(&byte), Arc::clone(&pool));
+            let next_lease = thread::spawn(move || {
+                if p.load(Ordering::Acquire) == 1 {
+                    b.store(2, Ordering::Relaxed);
+                }
+            });
+            let copied = byte.load(Ordering::Relaxed);
+            if ctl.copied_intact() {
+                assert_eq!(copied, 1, "a reused byte delivered as the message's");
+            }
+            dropper.join().unwrap();
+            next_lease.join().unwrap();
         });
     }
 }

@@ -18,6 +18,21 @@ use super::segment::{SegRing, Segment};
 use super::ShmLease;
 use crate::host::StdPool;
 
+thread_local! {
+    /// What a rig's peer does right after the lane's next copy out of its
+    /// memory (see [`LaneRig::peer_ends_during_next_copy`]).
+    static AFTER_COPY: std::cell::RefCell<Option<Box<dyn FnOnce()>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Called by a lane right after a copy out of its peer's memory, before it
+/// looks at what the peer did meanwhile.
+pub(crate) fn after_copy() {
+    if let Some(f) = AFTER_COPY.with(|h| h.borrow_mut().take()) {
+        f();
+    }
+}
+
 /// The peer id the rig's lane reports its peer by.
 pub const PEER: PeerId = PeerId(super::LANE_BIT);
 
@@ -273,6 +288,31 @@ impl LaneRig {
     /// to its pools).
     pub fn peer_ended(&self) {
         self.peer_tx_ring().ctl().end();
+    }
+
+    /// The peer ends its ring right after the lane's next copy out of its
+    /// memory, before the lane looks at the word: a drop that races the
+    /// copy, in the order that tells a look after the copy from one before.
+    pub fn peer_ends_during_next_copy(&self) {
+        let ring = self.peer_tx_ring().clone();
+        AFTER_COPY.with(|h| *h.borrow_mut() = Some(Box::new(move || ring.ctl().end())));
+    }
+
+    /// The lane and its peer close cleanly: the lane's Close goes (the
+    /// peer's is its to write); `Ok` once the lane has written it.
+    pub fn close(&mut self) -> Result<(), Error> {
+        let Some(lane) = self.lane.as_mut() else {
+            return Err(Error::Closed);
+        };
+        lane.session.close();
+        lane.control();
+        lane.flush(PEER).map(|_| ())
+    }
+
+    /// Whether the lane's session is over on both sides with nothing left
+    /// to write (a transport drops it then, cleanly).
+    pub fn finished(&self) -> bool {
+        self.lane.as_ref().is_some_and(Lane::finished)
     }
 
     /// Whether the lane has said it ended uncleanly (in its own ring's words).
