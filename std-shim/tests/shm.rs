@@ -520,6 +520,15 @@ fn a_wire_with_lanes_is_of_kind_shm_or_uma_and_says_so() {
 /// the id `a` has for `b`.
 #[cfg(feature = "testing")]
 fn caller_driven_lane(idle: Duration) -> (Endpoint<LocalWire>, Endpoint<LocalWire>, PeerId) {
+    caller_driven_lane_from(idle, heap_pool(16 << 20).unwrap())
+}
+
+/// As [`caller_driven_lane`], `a` sending from `a_pool`.
+#[cfg(feature = "testing")]
+fn caller_driven_lane_from(
+    idle: Duration,
+    a_pool: Arc<StdPool>,
+) -> (Endpoint<LocalWire>, Endpoint<LocalWire>, PeerId) {
     let tcp = TcpConfig {
         idle_timeout: idle,
         ..TcpConfig::default()
@@ -529,7 +538,7 @@ fn caller_driven_lane(idle: Duration) -> (Endpoint<LocalWire>, Endpoint<LocalWir
         required: true,
         ..ShmConfig::default()
     };
-    let (a_pool, b_pool) = (heap_pool(16 << 20).unwrap(), heap_pool(16 << 20).unwrap());
+    let b_pool = heap_pool(16 << 20).unwrap();
     let mut b = LocalWire::new(b_pool, tcp, shm, Kind::Shm).unwrap();
     let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let driven = EndpointConfig {
@@ -564,6 +573,40 @@ fn caller_driven_lane(idle: Duration) -> (Endpoint<LocalWire>, Endpoint<LocalWir
     assert_eq!(host_bytes(&r.lease), b"m0");
     drop(r);
     (a, b, to_b)
+}
+
+/// A sender dropped without `close` gives its buffers back to its pool
+/// while a single-copy message of its waits to be copied, and its next
+/// lease writes that buffer again. The receiver loses the peer; it never
+/// delivers those bytes as the message (the ring's `ended` word,
+/// RELIABILITY.md item 17).
+#[cfg(feature = "testing")]
+#[test]
+fn a_sender_dropped_unclosed_with_a_message_out_is_lost_not_read_out_of_its_reused_buffer() {
+    let _one = serial();
+    let a_pool = heap_pool(16 << 20).unwrap();
+    let (a, b, to_b) = caller_driven_lane_from(Duration::from_secs(5), Arc::clone(&a_pool));
+    let mut l = a.lease(SINGLE).unwrap();
+    let buf = l.host_mut().expect("a host buffer");
+    zerohop_backends::host_bytes_mut(buf).fill(0x5A);
+    let at = zerohop_backends::host_bytes(buf).as_ptr();
+    a.send_lease(to_b, l, Deadline::after(WAIT), None).unwrap();
+    drop(a); // no close: its lane goes, its buffers back to the pool
+    let mut again = zerohop_core::Lease::take(Arc::clone(&a_pool), SINGLE).unwrap();
+    let bytes = zerohop_backends::host_bytes_mut(&mut again);
+    assert_eq!(bytes.as_ptr(), at, "the message's buffer, leased again");
+    bytes.fill(0xEE);
+    match b.recv(Deadline::after(WAIT), None) {
+        Err(Error::PeerLost(_)) => {}
+        Ok(r) => panic!(
+            "a message of {} bytes delivered, {:#x} its first byte",
+            r.lease.len(),
+            host_bytes(&r.lease)[0]
+        ),
+        Err(e) => panic!("{e}"),
+    }
+    drop(again);
+    assert_eq!(a_pool.used_bytes(), 0);
 }
 
 /// The second data frame of a lane (its payload too), to write by hand.
