@@ -34,6 +34,15 @@ fn hello_taking(takes: Takes) -> [u8; 32] {
     .encode(&[])
 }
 
+/// The peer says `hello`; the lane reads it and writes its own Hello and
+/// credit, which the peer takes: a lane ready for messages.
+fn greet(rig: &mut LaneRig, hello: [u8; 32]) {
+    rig.peer_write(&hello);
+    rig.read().unwrap();
+    while rig.flush().unwrap() {}
+    rig.peer_take();
+}
+
 fn data(flags: DataFlags, seq: u64, len: u32) -> [u8; 32] {
     Frame::Data(Data {
         flags,
@@ -101,10 +110,7 @@ fn a_blocked_caller_finishes_only_its_own_frame() {
     // A ring smaller than the second message, so that its caller writes
     // the rest from its slice as the ring drains.
     let mut rig = LaneRig::new(16 << 10, 1 << 20).unwrap();
-    rig.peer_write(&hello());
-    rig.read().unwrap();
-    while rig.flush().unwrap() {}
-    rig.peer_take(); // the lane's Hello and credit
+    greet(&mut rig, hello());
     let a = vec![0xAA; 48 << 10];
     assert_eq!(
         rig.send_direct(&a),
@@ -136,10 +142,7 @@ fn a_blocked_caller_finishes_only_its_own_frame() {
 #[test]
 fn a_caller_that_gives_up_on_a_peer_that_never_finishes_its_copy_ends_the_ring_first() {
     let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
-    rig.peer_write(&hello());
-    rig.read().unwrap();
-    while rig.flush().unwrap() {}
-    rig.peer_take();
+    greet(&mut rig, hello());
     let a = vec![0xAA; 48 << 10];
     assert_eq!(
         rig.send_direct(&a),
@@ -170,10 +173,7 @@ fn a_caller_that_gives_up_on_a_peer_that_never_finishes_its_copy_ends_the_ring_f
 #[test]
 fn a_caller_whose_send_fails_mid_handover_ends_the_ring_first() {
     let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
-    rig.peer_write(&hello());
-    rig.read().unwrap();
-    while rig.flush().unwrap() {}
-    rig.peer_take();
+    greet(&mut rig, hello());
     let a = vec![0xAA; 48 << 10];
     assert_eq!(rig.send_direct(&a), Ok(false));
     rig.peer_copied(7); // a done for a ticket never sent
@@ -331,10 +331,7 @@ fn a_frame_held_back_by_a_full_inbox_is_not_the_peers_stall() {
 fn a_whole_message_goes_as_a_short_record_only_to_a_peer_that_takes_them() {
     for takes in [Takes::NONE, Takes::HEADERLESS] {
         let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
-        rig.peer_write(&hello_taking(takes));
-        rig.read().unwrap();
-        while rig.flush().unwrap() {}
-        rig.peer_take(); // the lane's Hello
+        greet(&mut rig, hello_taking(takes));
         rig.send(100).unwrap();
         rig.send(7).unwrap();
         let out = rig.peer_take();
@@ -470,10 +467,7 @@ fn a_bad_short_record_ends_that_lane_typed() {
 #[test]
 fn a_single_copy_message_goes_behind_a_short_record_and_arrives_whole() {
     let mut sender = LaneRig::new(1 << 16, 1 << 20).unwrap();
-    sender.peer_write(&hello_taking(Takes::HEADERLESS));
-    sender.read().unwrap();
-    while sender.flush().unwrap() {}
-    sender.peer_take(); // its Hello
+    greet(&mut sender, hello_taking(Takes::HEADERLESS));
     let message: Vec<u8> = (0..48 << 10).map(|i| (i % 251) as u8).collect();
     assert_eq!(sender.send_direct(&message), Ok(false), "its caller waits");
     let out = sender.peer_take();
@@ -511,10 +505,7 @@ fn descriptors(out: &[u8]) -> Vec<SingleCopyDesc> {
 #[test]
 fn placed_messages_go_once_the_peer_maps_the_pool_file() {
     let mut rig = LaneRig::new_shared(1 << 16, 4 << 20).unwrap();
-    rig.peer_write(&hello_taking(Takes::HEADERLESS));
-    rig.read().unwrap();
-    while rig.flush().unwrap() {}
-    rig.peer_take();
+    greet(&mut rig, hello_taking(Takes::HEADERLESS));
     let ino = rig.pool_file().expect("a shared pool");
     let base = rig.pool_used();
     rig.send_lease(48 << 10).unwrap();
@@ -573,10 +564,7 @@ fn placed_messages_go_once_the_peer_maps_the_pool_file() {
 #[test]
 fn a_placed_message_arrives_whole_out_of_the_senders_pool_file() {
     let mut sender = LaneRig::new_shared(1 << 16, 4 << 20).unwrap();
-    sender.peer_write(&hello_taking(Takes::HEADERLESS));
-    sender.read().unwrap();
-    while sender.flush().unwrap() {}
-    sender.peer_take();
+    greet(&mut sender, hello_taking(Takes::HEADERLESS));
     let mut receiver = LaneRig::new(1 << 16, 4 << 20).unwrap();
     receiver.peer_write(&hello());
     let a: Vec<u8> = (0..48 << 10).map(|i| (i % 251) as u8).collect();
@@ -607,10 +595,7 @@ fn a_placed_message_arrives_whole_out_of_the_senders_pool_file() {
 fn a_message_copied_after_its_sender_dropped_the_lane_is_lost_not_delivered_with_reused_bytes() {
     for placed in [false, true] {
         let mut sender = LaneRig::new_shared(1 << 16, 4 << 20).unwrap();
-        sender.peer_write(&hello_taking(Takes::HEADERLESS));
-        sender.read().unwrap();
-        while sender.flush().unwrap() {}
-        sender.peer_take();
+        greet(&mut sender, hello_taking(Takes::HEADERLESS));
         let mut receiver = LaneRig::new(1 << 16, 4 << 20).unwrap();
         receiver.peer_write(&hello());
         let a: Vec<u8> = (0..48 << 10).map(|i| (i % 251) as u8).collect();
