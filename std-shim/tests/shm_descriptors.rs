@@ -10,6 +10,9 @@
 //!
 //! Its own test binary: the descriptor limit is the whole process's.
 
+mod common;
+
+use common::{highest_descriptor, nofile, set_nofile};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
@@ -82,23 +85,6 @@ fn child_listener() {
     }
 }
 
-/// The soft limit on descriptors, read and set.
-fn nofile() -> libc::rlimit {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: a valid out-pointer to an rlimit.
-    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
-    lim
-}
-
-fn set_nofile(lim: libc::rlimit) {
-    // SAFETY: a valid pointer to an rlimit; lowering the soft limit, or
-    // putting it back, is always allowed.
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
-}
-
 /// CPU time of this process so far, every thread's.
 fn cpu_time() -> Duration {
     // SAFETY: a valid out-pointer to an rusage.
@@ -107,15 +93,6 @@ fn cpu_time() -> Duration {
     assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) }, 0);
     let t = |v: libc::timeval| Duration::new(v.tv_sec as u64, v.tv_usec as u32 * 1000);
     t(u.ru_utime) + t(u.ru_stime)
-}
-
-/// The highest descriptor number open in this process.
-fn highest_descriptor() -> u64 {
-    std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .max()
-        .unwrap()
 }
 
 #[test]

@@ -7,6 +7,9 @@
 //!
 //! Its own test binary: the descriptor limit is the whole process's.
 
+mod common;
+
+use common::{highest_descriptor, nofile, set_nofile};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -35,30 +38,6 @@ impl log::Log for FailedAccepts {
 }
 
 static FAILED_ACCEPTS: FailedAccepts = FailedAccepts(AtomicUsize::new(0));
-
-fn nofile() -> libc::rlimit {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: a valid out-pointer to an rlimit.
-    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
-    lim
-}
-
-fn set_nofile(lim: libc::rlimit) {
-    // SAFETY: a valid pointer to an rlimit; lowering the soft limit, or
-    // putting it back, is always allowed.
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
-}
-
-fn highest_descriptor() -> u64 {
-    std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .max()
-        .unwrap()
-}
 
 fn transport() -> TcpTransport {
     let config = TcpConfig {
