@@ -20,6 +20,8 @@ mod host;
 #[cfg(feature = "mock")]
 pub mod mock;
 mod nic;
+#[cfg(feature = "std")]
+mod peers;
 #[cfg(all(feature = "std", target_os = "linux"))]
 mod shared;
 #[cfg(feature = "gpudirect-verbs")]
@@ -31,5 +33,7 @@ pub use heap::{HeapMemory, HeapTables};
 pub use host::shared_place;
 pub use host::{host_bytes, host_bytes_mut, HostBacked, HostMemory, HostPool};
 pub use nic::Nic;
+#[cfg(feature = "std")]
+pub use peers::{PeerSlots, MAX_PEER_SLOTS, TAG_BIT};
 #[cfg(all(feature = "std", target_os = "linux"))]
 pub use shared::{SharedMemory, SharedPlace};

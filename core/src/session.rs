@@ -212,7 +212,7 @@ pub struct SessionStats {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 pub enum Stall {
-    /// The peer's Hello never came.
+    /// The peer's Hello never came, or its part of the same-host exchange.
     Handshake,
     /// A frame or a message was begun and not finished.
     Frame,
@@ -591,6 +591,13 @@ pub struct Session {
     rx_limit_sent: u64,
     /// The peer's Want, (offset, len), until satisfied.
     rx_want: Option<(u64, u32)>,
+    /// When a Want past the window was last [granted](Self::grant), until
+    /// its message comes: it must start within the idle timeout of it (see
+    /// `poll_timeout`).
+    granted_at: Option<Instant>,
+    /// When the peer's Hello came: the same-host exchange must be over
+    /// within the idle timeout of it.
+    opened_at: Instant,
     /// Frames the peer may still send (ring wires).
     rx_frames_allowed: u32,
     /// Receive slots reposted and not yet reported.
@@ -655,6 +662,8 @@ impl Session {
             rx_limit: u64::from(config.window),
             rx_limit_sent: u64::from(config.window),
             rx_want: None,
+            granted_at: None,
+            opened_at: now,
             rx_frames_allowed: u32::from(config.ring),
             owed_frames: 0,
             peer_waiting: false,
@@ -897,9 +906,13 @@ impl Session {
 
     /// Lets the peer send the message longer than the window it waits to
     /// send ([`pending_grant`](Self::pending_grant)): this side will hold it.
-    pub fn grant(&mut self) {
+    /// `now` starts the time the peer has to start it (see
+    /// [`poll_timeout`](Self::poll_timeout)): a grant counts against what
+    /// this side holds for all its peers, so one never used is a stall.
+    pub fn grant(&mut self, now: Instant) {
         if let Some((offset, len)) = self.rx_want {
             self.rx_limit = self.rx_limit.max(offset.saturating_add(u64::from(len)));
+            self.granted_at = Some(now);
         }
     }
 
@@ -1107,16 +1120,44 @@ impl Session {
     /// When [`handle_timeout`](Self::handle_timeout) must be called: while
     /// the peer's Hello, a frame's payload or a message's next fragment is
     /// awaited (or the driver holds part of a header), the idle timeout after
-    /// the peer was last heard; otherwise never (a quiet open session is fine).
+    /// the peer was last heard; while the peer owes its part of the
+    /// same-host exchange, the idle timeout after its Hello; while a message
+    /// granted past the window has not started, the idle timeout after the
+    /// grant (the last two whatever else the peer sends meanwhile: credit
+    /// frames would keep them open for ever); otherwise never (a quiet open
+    /// session is fine).
     pub fn poll_timeout(&self) -> Option<Instant> {
         if self.failed.is_some() || self.peer_closed {
             return None;
         }
-        let waiting = self.peer.is_none()
+        let since = if self.peer.is_some() && self.peer_owes_host() {
+            self.opened_at
+        } else if let Some(t) = self.granted_at {
+            t
+        } else if self.peer.is_none()
             || self.pending.is_some()
             || self.assembly.is_some()
-            || self.partial;
-        waiting.then(|| self.last_heard.after(self.config.idle_timeout))
+            || self.partial
+        {
+            self.last_heard
+        } else {
+            return None;
+        };
+        Some(since.after(self.config.idle_timeout))
+    }
+
+    /// The peer's Host frame is awaited: its offer (answering side), or its
+    /// answer to this side's offer, once sent.
+    fn peer_owes_host(&self) -> bool {
+        SAME_HOST
+            && !self.host_settled
+            && match self.config.host {
+                HostRole::Answer => {
+                    self.host_offered.is_none() && self.host_answer.is_none() && !self.host_sent
+                }
+                HostRole::Offer(Some(_)) => self.host_sent,
+                _ => false,
+            }
     }
 
     // ----- handling what arrived -----
@@ -1127,7 +1168,7 @@ impl Session {
         self.check_failed()?;
         match self.poll_timeout() {
             Some(deadline) if now >= deadline => {
-                let during = if self.peer.is_none() {
+                let during = if self.peer.is_none() || self.peer_owes_host() {
                     Stall::Handshake
                 } else {
                     Stall::Frame
@@ -1334,6 +1375,9 @@ impl Session {
                 None => self.tx_frames = Some(u32::from(h.ring) - u32::from(self.hello_sent)),
             }
         }
+        if SAME_HOST {
+            self.opened_at = self.last_heard;
+        }
         self.peer = Some(PeerParams {
             window: h.window,
             max_message: h.max_message,
@@ -1482,6 +1526,7 @@ impl Session {
             .is_some_and(|(offset, _)| offset < self.rx_started)
         {
             self.rx_want = None; // its message (or another in its place) came
+            self.granted_at = None;
         }
         Ok(())
     }

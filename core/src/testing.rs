@@ -564,7 +564,7 @@ fn deliver(
     for e in p.receive(now, f)? {
         match &e {
             SimEvent::Message(_, m) => p.consume(m.len()),
-            SimEvent::Wants(_) => p.session.grant(),
+            SimEvent::Wants(_) => p.session.grant(now),
             _ => {}
         }
         seen.push(e);

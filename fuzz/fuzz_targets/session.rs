@@ -286,7 +286,7 @@ fuzz_target!(|setup: Setup| {
             }
             Op::Grant { side } => {
                 let (s, _) = side_mut(&mut a, &mut b, side);
-                s.peer.session.grant();
+                s.peer.session.grant(now);
             }
             Op::Close { side } => {
                 let (s, _) = side_mut(&mut a, &mut b, side);
@@ -336,7 +336,7 @@ fuzz_target!(|setup: Setup| {
             while let Some(len) = s.inbox.pop_front() {
                 s.peer.consume(len);
             }
-            s.peer.session.grant();
+            s.peer.session.grant(now);
         }
     }
     assert!(quiet, "the sessions never fell quiet: a livelock");

@@ -141,3 +141,14 @@ impl Poller {
         }
     }
 }
+
+/// What `fd` is ready for now, of `interest` (and the hang-up and error
+/// flags poll always reports): one look, no wait.
+pub(crate) fn ready_now(
+    fd: impl AsFd,
+    interest: rustix::event::PollFlags,
+) -> rustix::io::Result<rustix::event::PollFlags> {
+    let mut fds = [rustix::event::PollFd::new(&fd, interest)];
+    rustix::event::poll(&mut fds, Some(&Timespec::default()))?;
+    Ok(fds[0].revents())
+}

@@ -275,6 +275,24 @@ fn lane_sockets() -> Vec<String> {
         .collect()
 }
 
+/// A fresh endpoint (with a progress thread), and the address of its lane
+/// socket, as any local process finds it.
+fn endpoint_and_its_lane_socket() -> (Endpoint<LocalWire>, std::os::unix::net::SocketAddr) {
+    use std::os::linux::net::SocketAddrExt;
+    let before = lane_sockets();
+    let c = Endpoint::new(
+        wire(&heap_pool(16 << 20).unwrap()),
+        EndpointConfig::default(),
+    )
+    .unwrap();
+    let name = lane_sockets()
+        .into_iter()
+        .find(|n| !before.contains(n))
+        .expect("the endpoint's lane socket");
+    let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    (c, a)
+}
+
 #[test]
 fn strangers_on_the_lane_sockets_cost_them_their_connection_and_peers_still_move() {
     let _one = serial();
@@ -309,6 +327,114 @@ fn strangers_on_the_lane_sockets_cost_them_their_connection_and_peers_still_move
     assert!(peer.0 & LANE_BIT != 0, "moved despite the strangers");
     exchange(&c, peer, &server, accepted(&server));
     drop(strangers);
+}
+
+/// The wire's inbox is shared by its lanes: a read pass stops once it is
+/// full. Passes start one lane further each time, so two peers with a
+/// backlog each are both read; the first lane's 64 messages all came
+/// before the second's first when every pass began at the first lane.
+#[test]
+fn two_peers_with_a_backlog_share_a_small_inbox() {
+    let _one = serial();
+    let shm = ShmConfig {
+        ring_bytes: 1 << 20,
+        required: true,
+        inbox_messages: 4,
+        ..ShmConfig::default()
+    };
+    let mut t = LocalWire::new(
+        heap_pool(16 << 20).unwrap(),
+        TcpConfig::default(),
+        shm,
+        Kind::Shm,
+    )
+    .unwrap();
+    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let driven = EndpointConfig {
+        progress_thread: false,
+        ..EndpointConfig::default()
+    };
+    let server = Endpoint::new(t, driven).unwrap();
+    // Both connect while the server answers them.
+    let (clients, peers) = std::thread::scope(|s| {
+        let dial = s.spawn(|| [connect(addr), connect(addr)]);
+        let mut peers = Vec::new();
+        while peers.len() < 2 {
+            if let Event::Accepted { peer, .. } =
+                server.next_event(Deadline::after(WAIT), None).unwrap()
+            {
+                peers.push(peer);
+            }
+        }
+        (dial.join().unwrap(), peers)
+    });
+    // A backlog from each, in their rings before the server reads any.
+    for (i, (c, to_server)) in clients.iter().enumerate() {
+        for k in 0..64u8 {
+            c.send(*to_server, &[i as u8, k], Deadline::after(WAIT), None)
+                .unwrap();
+        }
+    }
+    let mut from = Vec::new();
+    for _ in 0..16 {
+        let r = server.recv(Deadline::after(WAIT), None).unwrap();
+        from.push(peers.iter().position(|p| *p == r.peer).unwrap());
+    }
+    assert!(
+        from.contains(&0) && from.contains(&1),
+        "the first 16 messages came from {from:?}"
+    );
+}
+
+/// A lane setup answers an offer this side made; any local process can
+/// connect to the lane socket and send well-formed setups, each with a
+/// memfd, for offers never made. They are not kept: each held its segment
+/// and its connection for the setup timeout, and a few hundred a second
+/// ran the process out of descriptors.
+#[test]
+fn setups_for_offers_never_made_hold_nothing() {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixStream;
+    let _one = serial();
+    let (c, a) = endpoint_and_its_lane_socket();
+    let fds = traces().1;
+    for token in 0..100u32 {
+        let s = UnixStream::connect_addr(&a).unwrap();
+        let segment =
+            rustix::fs::memfd_create("stranger", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        // A setup as the lane's handshake writes it (version 2): magic,
+        // version, token, and the segment's descriptor.
+        let mut msg = [0u8; 12];
+        msg[..4].copy_from_slice(b"ZHSU");
+        msg[4..8].copy_from_slice(&2u32.to_le_bytes());
+        msg[8..].copy_from_slice(&token.to_le_bytes());
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        let rights = [segment.as_fd()];
+        assert!(control.push(SendAncillaryMessage::ScmRights(&rights)));
+        rustix::net::sendmsg(
+            &s,
+            &[std::io::IoSlice::new(&msg)],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        )
+        .unwrap();
+        // Its own ends close here: what stays is what the endpoint keeps.
+    }
+    // Taken (accepted, read) by the endpoint's progress thread meanwhile:
+    // a connection in the backlog is no descriptor of this process yet.
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    while traces().1 > fds && t.elapsed() < Duration::from_secs(1) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        traces().1,
+        fds,
+        "descriptors held for setups of offers never made"
+    );
+    drop(c);
 }
 
 /// Between two pools of shared-memory files, a stream of large messages
@@ -609,6 +735,132 @@ fn a_sender_dropped_unclosed_with_a_message_out_is_lost_not_read_out_of_its_reus
     assert_eq!(a_pool.used_bytes(), 0);
 }
 
+/// A device message's bytes here, and the one written over them once its
+/// sender is gone.
+#[cfg(feature = "cuda-uma")]
+const DEVICE_SENT: u8 = 0x5A;
+#[cfg(feature = "cuda-uma")]
+const DEVICE_REUSED: u8 = 0xEE;
+#[cfg(feature = "cuda-uma")]
+const DEVICE_LEN: usize = 8 << 20;
+
+/// A wire whose lanes carry device messages from and into `device`.
+#[cfg(feature = "cuda-uma")]
+fn device_wire(device: &Arc<zerohop_backends::cuda::DevicePool>) -> LocalWire {
+    let mut t = wire(&heap_pool(16 << 20).unwrap());
+    t.carry_device(Arc::clone(device));
+    t
+}
+
+/// The sender of the device `ended` test: one device message out, then its
+/// endpoint dropped without `close`, and the message's buffer leased again
+/// from its pool (kept alive here, so the peer's mapping still reads it)
+/// and written over. It stays until its stdin closes.
+#[cfg(feature = "cuda-uma")]
+#[test]
+#[ignore = "a helper process for the device ended test"]
+fn child_device_dropper() {
+    use std::io::Read;
+    let Ok(addr) = std::env::var("ZEROHOP_TEST_CONNECT") else {
+        return;
+    };
+    let gpu = zerohop_backends::cuda::Gpu::open(0).unwrap();
+    let device = zerohop_backends::cuda::device_pool(&gpu, 512 << 20).unwrap();
+    let e = Endpoint::new(device_wire(&device), EndpointConfig::default()).unwrap();
+    let d = TcpTransport::dial(addr.parse().unwrap(), WAIT, true).unwrap();
+    let p = e.with(|t| t.attach(d)).unwrap();
+    let peer = e.wait_open(p, Deadline::after(WAIT)).unwrap();
+    assert!(peer.0 & LANE_BIT != 0, "the peer moved to shared memory");
+    // The receiver stops driving its endpoint once it has answered this.
+    e.send(peer, b"ready", Deadline::after(WAIT), None).unwrap();
+    let go = e.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&go.lease), b"go");
+    let l = zerohop_core::Lease::take(Arc::clone(&device), DEVICE_LEN).unwrap();
+    zerohop_backends::cuda::write_lease(&l, &vec![DEVICE_SENT; DEVICE_LEN]).unwrap();
+    let at = l.device_ptr();
+    e.send_lease(peer, ShmLease::Device(l), Deadline::after(WAIT), None)
+        .unwrap();
+    drop(e); // no close: its lane ends, the message's buffer goes back
+    let again = zerohop_core::Lease::take(Arc::clone(&device), DEVICE_LEN).unwrap();
+    assert_eq!(again.device_ptr(), at, "the message's buffer, leased again");
+    zerohop_backends::cuda::write_lease(&again, &vec![DEVICE_REUSED; DEVICE_LEN]).unwrap();
+    eprintln!("dropped");
+    let _ = std::io::stdin().read_to_end(&mut Vec::new());
+}
+
+/// The device path of the ring's `ended` word (RELIABILITY.md item 17): a
+/// sender dropped without `close` while its device message waits to be
+/// copied gives the buffer back to its pool, which leases and writes it
+/// again; the receiver then copies it by CUDA IPC, device to device, and
+/// must lose the peer, not deliver the rewritten bytes as the message.
+/// Two processes: CUDA IPC opens no handle in the process that made it.
+/// Without a GPU it prints SKIPPED.
+#[cfg(feature = "cuda-uma")]
+#[test]
+fn a_device_sender_dropped_unclosed_is_lost_not_read_out_of_its_reused_buffer() {
+    use std::io::BufRead;
+    let _one = serial();
+    let gpu = match zerohop_backends::cuda::Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED a_device_sender_dropped_unclosed_...: {e}");
+            return;
+        }
+    };
+    let device = zerohop_backends::cuda::device_pool(&gpu, 512 << 20).unwrap();
+    let mut t = device_wire(&device);
+    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let driven = EndpointConfig {
+        progress_thread: false,
+        ..EndpointConfig::default()
+    };
+    let server = Endpoint::new(t, driven).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "child_device_dropper",
+            "--nocapture",
+        ])
+        .env("ZEROHOP_TEST_CONNECT", addr.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let peer = accepted(&server);
+    let ready = server.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&ready.lease), b"ready");
+    drop(ready);
+    server
+        .send(peer, b"go", Deadline::after(WAIT), None)
+        .unwrap();
+    // Not driven until the sender has sent, dropped and written over.
+    let dropped = std::io::BufReader::new(child.stderr.take().unwrap())
+        .lines()
+        .any(|l| l.is_ok_and(|l| l == "dropped"));
+    assert!(dropped, "the sender failed");
+    match server.recv(Deadline::after(WAIT), None) {
+        Err(Error::PeerLost(p)) => assert_eq!(p, peer),
+        Ok(r) => {
+            let ShmLease::Device(l) = &r.lease else {
+                panic!("a host message of {} bytes", r.lease.len())
+            };
+            let mut first = [0u8];
+            zerohop_backends::cuda::read_lease(l, &mut first).unwrap();
+            panic!(
+                "a device message of {} bytes delivered, {:#x} its first byte",
+                l.len(),
+                first[0]
+            );
+        }
+        Err(e) => panic!("{e}"),
+    }
+    assert_eq!(device.used_bytes(), 0, "the receive buffer back");
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success(), "the sender failed");
+}
+
 /// The second data frame of a lane (its payload too), to write by hand.
 #[cfg(feature = "testing")]
 fn second_frame(payload: &[u8]) -> Vec<u8> {
@@ -690,6 +942,46 @@ fn a_frame_left_half_written_is_a_stall_past_the_idle_timeout() {
             "cut at {cut}: {e:?}"
         );
         assert!(t0.elapsed() >= idle, "not before the timeout");
+    }
+}
+
+/// A pause of the lane socket's accepts (as after a failed accept, out
+/// of descriptors) holds while new connections come. Each raises an edge,
+/// which cut the pause short: an accept per edge, each failing again while
+/// descriptors are short. Here strangers' connections wait in the backlog
+/// until the pause is over, then are taken (and their garbage costs them
+/// their connection).
+#[cfg(feature = "testing")]
+#[test]
+fn a_pause_of_lane_accepts_holds_while_new_connections_come() {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+    const PAUSE: Duration = Duration::from_millis(600);
+    let _one = serial();
+    let (c, a) = endpoint_and_its_lane_socket();
+    let paused = Instant::now();
+    c.with(|t| t.pause_lane_accepts(PAUSE));
+    let mut strangers = Vec::new();
+    for _ in 0..10 {
+        let mut s = UnixStream::connect_addr(&a).unwrap();
+        s.write_all(&[0xEE; 64]).unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        strangers.push(s);
+        std::thread::sleep(PAUSE / 30);
+    }
+    // Each is taken, and dropped for its garbage, only after the pause.
+    for (i, s) in strangers.iter_mut().enumerate() {
+        let end = s.read(&mut [0u8; 1]);
+        let after = paused.elapsed();
+        assert!(
+            matches!(end, Ok(0))
+                || end.is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+            "stranger {i}: the listener hung up on its garbage"
+        );
+        assert!(
+            after >= PAUSE,
+            "stranger {i} taken {after:?} into a pause of {PAUSE:?}: a new edge cut it short"
+        );
     }
 }
 

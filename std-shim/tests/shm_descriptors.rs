@@ -3,7 +3,7 @@
 //! backlog with no new readiness edge to come for it: the offering side must
 //! retry after a pause, neither spinning on the failing accept nor waiting
 //! for an edge that never comes. Then, with one descriptor free, the accept
-//! succeeds but the setup's three descriptors (segment, two doorbells) have
+//! succeeds but the setup's descriptor (the segment) has
 //! no room: taking the message then would lose them (the kernel drops what
 //! does not fit), so it waits, without spinning on the link that stays
 //! readable. The lane is set up once descriptors are back.
@@ -28,7 +28,7 @@ use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, StdPool};
 
 const WAIT: Duration = Duration::from_secs(10);
 /// How long the offering side has no descriptor free, then one: enough to
-/// accept the lane connection, not to take the setup's three.
+/// accept the lane connection, not to take the setup's segment too.
 const NONE_FREE: Duration = Duration::from_millis(350);
 const ONE_FREE: Duration = Duration::from_millis(300);
 

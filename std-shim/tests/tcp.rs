@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use zerohop_backends::host_bytes;
 use zerohop_core::session::{ProtocolError, Stall};
 use zerohop_core::wire::{
-    Data, DataFlags, DecodeError, Frame, Hello, Host, HostStep, Takes, HEADER_LEN,
+    Credit, Data, DataFlags, DecodeError, Frame, Hello, Host, HostStep, Takes, Want, HEADER_LEN,
 };
 use zerohop_core::{crc32c, Error, Kind, PeerId, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport, STRIPE_MIN};
@@ -104,6 +104,17 @@ impl Raw {
             pid: 0,
             nonce: 0,
             step: HostStep::NoOffer,
+        })
+        .encode(&[])
+    }
+
+    /// A Credit frame that returns nothing new: what a peer may send at
+    /// any time, and what says nothing of a frame it owes.
+    fn credit() -> [u8; HEADER_LEN] {
+        Frame::Credit(Credit {
+            frames: 0,
+            limit: 1 << 30,
+            waiting: false,
         })
         .encode(&[])
     }
@@ -522,6 +533,176 @@ fn an_idle_half_frame_and_a_silent_handshake_are_dropped_after_the_timeout() {
     assert!(raw.closed_by_peer());
     assert!(t0.elapsed() >= Duration::from_millis(250) && t0.elapsed() < 3 * SECOND);
     assert_eq!(server.with(|t| (t.peer_count(), t.handshaking())), (0, 0));
+}
+
+/// Credit frames every 50 ms on a clone of `raw`'s connection until it fails
+/// or `for_` has passed: what a peer that owes a frame may send meanwhile.
+fn keep_sending_credit(raw: &Raw, for_: Duration) -> std::thread::JoinHandle<()> {
+    let mut s = raw.s.try_clone().unwrap();
+    std::thread::spawn(move || {
+        let credit = Raw::credit();
+        let t0 = Instant::now();
+        while t0.elapsed() < for_ && s.write_all(&credit).is_ok() {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    })
+}
+
+/// A peer that says Hello and then never its same-host frame (the
+/// accepting side waits for it before it tells the application of the
+/// peer) is dropped once the idle timeout has passed since its Hello,
+/// whatever credit frames it sends meanwhile. It was kept for ever, a
+/// descriptor and a 64 KiB stage each, out of the application's reach.
+#[test]
+fn a_hello_without_its_host_frame_is_dropped_after_the_timeout_whatever_else_it_sends() {
+    let config = TcpConfig {
+        idle_timeout: Duration::from_millis(300),
+        ..TcpConfig::default()
+    };
+    let (server, addr, _pool) = listener(64 << 20, config);
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(&Raw::hello(0x7E57, 0)).unwrap();
+    let mut raw = Raw { s };
+    let t0 = Instant::now();
+    let credit = keep_sending_credit(&raw, 3 * SECOND);
+    assert!(raw.closed_by_peer(), "kept past 5 s");
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(250) && took < 2 * SECOND,
+        "{took:?}"
+    );
+    credit.join().unwrap();
+    assert_eq!(server.with(|t| (t.peer_count(), t.peers_left())), (0, 0));
+}
+
+/// A Want for a message longer than the window, granted from the budget
+/// all peers share, must be followed by its message within the idle
+/// timeout of the grant, whatever else the peer sends: one that never
+/// sends it is dropped, and the budget serves another peer's long
+/// message. (The grant was held for good, and every other long message
+/// waited on it.)
+#[test]
+fn a_grant_never_used_is_taken_back_with_its_peer_and_serves_another() {
+    let config = TcpConfig {
+        idle_timeout: Duration::from_millis(400),
+        window: 1 << 20,
+        grant_budget: 4 << 20,
+        max_message: 8 << 20,
+        ..TcpConfig::default()
+    };
+    let (server, addr, pool) = listener(64 << 20, config);
+    let mut raw = Raw::connect(addr);
+    raw.send(
+        &Frame::Want(Want {
+            offset: 0,
+            len: 4 << 20,
+        })
+        .encode(&[]),
+    );
+    let credit = keep_sending_credit(&raw, 3 * SECOND);
+    // Granted (3 MiB beyond its window) before the honest peer asks.
+    let t0 = Instant::now();
+    loop {
+        let (f, _) = raw.read_frame();
+        if matches!(f, Frame::Credit(c) if c.limit >= 4 << 20) {
+            break;
+        }
+        assert!(t0.elapsed() < 5 * SECOND, "never granted");
+    }
+    let (good, peer) = client_with(
+        addr,
+        TcpConfig {
+            max_message: 8 << 20,
+            ..TcpConfig::default()
+        },
+    );
+    let long = sized(1, 4 << 20);
+    good.send(peer, &long, Deadline::after(5 * SECOND), None)
+        .expect("the budget came back once the granted peer was dropped");
+    let mut stalled = false;
+    let got = loop {
+        match server.recv(Deadline::after(5 * SECOND), None) {
+            Ok(r) => break r,
+            Err(Error::Protocol {
+                error:
+                    ProtocolError::Stalled {
+                        during: Stall::Frame,
+                    },
+                ..
+            }) => stalled = true,
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert!(stalled, "the granted peer was dropped as stalled");
+    assert_eq!(host_bytes(&got.lease), &long[..]);
+    assert!(
+        t0.elapsed() >= Duration::from_millis(350),
+        "{:?}",
+        t0.elapsed()
+    );
+    drop(got);
+    credit.join().unwrap();
+    assert_eq!(pool.stats().used_bytes, 0);
+}
+
+/// A stripe threshold too small to split a message over two connections
+/// is refused when the transport is made, typed (it made every striped
+/// message wait for bytes that never came).
+#[test]
+fn a_stripe_threshold_below_8_kib_is_refused() {
+    for (min, ok) in [(4096, false), (8191, false), (8192, true)] {
+        let config = TcpConfig {
+            stripe_min: Some(min),
+            ..TcpConfig::default()
+        };
+        let r = TcpTransport::new(heap_pool(1 << 20).unwrap(), config, Kind::Tcp);
+        match r {
+            Ok(_) => assert!(ok, "{min} taken"),
+            Err(e) => {
+                assert!(!ok, "{min} refused: {e}");
+                assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+            }
+        }
+    }
+}
+
+/// A peer streaming frames that deliver nothing (credit) as fast as it
+/// can does not keep the listener's read: an honest peer beside it is
+/// served promptly. (A peer's read went on until its socket was empty or
+/// the inbox full, and credit frames fill no inbox.)
+#[test]
+fn a_peer_streaming_credit_frames_leaves_an_honest_peer_served() {
+    let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());
+    let (good, peer) = client(addr);
+    expect_still_served(&server, &good, peer);
+    let raw = Raw::connect(addr);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = {
+        let mut s = raw.s.try_clone().unwrap();
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let burst: Vec<u8> = Raw::credit()
+                .iter()
+                .copied()
+                .cycle()
+                .take(64 << 10)
+                .collect();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && s.write_all(&burst).is_ok() {}
+        })
+    };
+    std::thread::sleep(Duration::from_millis(100)); // the flood is on
+    let t0 = Instant::now();
+    for _ in 0..20 {
+        expect_still_served(&server, &good, peer);
+    }
+    let took = t0.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    drop(raw);
+    flood.join().unwrap();
+    assert!(
+        took < 3 * SECOND,
+        "20 round trips beside the flood took {took:?}"
+    );
 }
 
 /// The same stall from a peer that has delivered a message: a spinning

@@ -55,6 +55,22 @@ fn data(flags: DataFlags, seq: u64, len: u32) -> [u8; 32] {
     .encode(&[])
 }
 
+/// The link is the doorbell, so bytes wait on it whether the peer lives or
+/// not: a peer that rang and then died is seen dead (the link's hang-up),
+/// not kept alive by its unread rings. (When nothing was ever sent on the
+/// link, a byte there read as a live peer: one byte and a death kept the
+/// lane, its segment and its buffers for good.)
+#[test]
+fn a_peer_that_rang_and_died_is_seen_dead() {
+    let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+    assert!(rig.link_alive());
+    rig.peer_rings_and_hangs_up(3);
+    assert!(
+        !rig.link_alive(),
+        "three rings unread, and the link hung up"
+    );
+}
+
 #[test]
 fn a_device_frame_to_a_lane_without_a_gpu_ends_that_lane_typed() {
     let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();

@@ -652,6 +652,78 @@ fn a_receiver_that_is_not_receiving_yet_still_frees_its_ring() {
     }
 }
 
+/// A peer that went leaves its id naming nobody, even once a new peer has
+/// taken its slot in the listener's table: a send to the old id is
+/// `UnknownPeer`, not a message to the newcomer, and the newcomer's id is
+/// another. (Ids were slot numbers, reused at once.)
+#[test]
+fn a_lost_peers_id_does_not_reach_the_peer_that_takes_its_place() {
+    let Some(dev) = device_or_skip() else {
+        return;
+    };
+    let accept = |b: &mut RdmaTransport| -> PeerId {
+        let until = std::time::Instant::now() + WAIT;
+        loop {
+            b.progress().unwrap();
+            if let Some((p, _)) = b.take_accepted() {
+                return p;
+            }
+            assert!(std::time::Instant::now() < until, "no peer came");
+        }
+    };
+    let (mut b, connecting) = listen_and_connect(&dev, 19_013, small_ring());
+    let first = accept(&mut b);
+    let (mut a1, to_b) = connecting.join().unwrap();
+    a1.try_send(to_b, b"one").unwrap();
+    let r = next(&mut b);
+    assert_eq!((r.peer, host_bytes(&r.lease)), (first, &b"one"[..]));
+    drop(r);
+    drop(a1); // gone without a Close
+    let until = std::time::Instant::now() + WAIT;
+    loop {
+        b.progress().unwrap();
+        match b.try_recv() {
+            Err(Error::WouldBlock) => {}
+            Err(Error::PeerLost(p)) => {
+                assert_eq!(p, first);
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(std::time::Instant::now() < until, "the loss never came");
+    }
+    let addr = rdma_addr(19_013).expect("an RDMA address");
+    let dev2 = Arc::clone(&dev);
+    let connecting = std::thread::spawn(move || {
+        let mut a = RdmaTransport::new(dev2, small_ring()).unwrap();
+        let peer = a.connect(addr).unwrap();
+        (a, peer)
+    });
+    let second = accept(&mut b);
+    let (mut a2, _) = connecting.join().unwrap();
+    assert_ne!(second, first, "the newcomer has an id of its own");
+    assert_eq!(b.peer_count(), 1);
+    assert_eq!(b.try_send(first, b"stale"), Err(Error::UnknownPeer(first)));
+    b.try_send(second, b"fresh").unwrap();
+    let until = std::time::Instant::now() + WAIT;
+    let r = loop {
+        b.progress().unwrap();
+        match a2.try_recv() {
+            Err(Error::WouldBlock) => {}
+            r => break r.unwrap(),
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "nothing reached the newcomer"
+        );
+    };
+    assert_eq!(
+        host_bytes(&r.lease),
+        b"fresh",
+        "the stale send went nowhere"
+    );
+}
+
 #[test]
 fn an_accepted_connection_its_peer_refuses_goes_quietly_and_leaks_nothing() {
     // A peer can go away between the listener's accept and its own RTU

@@ -173,7 +173,7 @@ where
                 self.link.discard();
                 if inbound == Inbound::Want {
                     // One peer, one pool: the pool's budget is the bound.
-                    self.session.grant();
+                    self.session.grant(self.now);
                 }
                 Ok(())
             }
@@ -206,8 +206,7 @@ where
         };
         let at = &mut host_bytes_mut(lease)[d.offset..d.offset + d.len];
         self.link.take(at);
-        let payload = &host_bytes(lease)[d.offset..d.offset + d.len];
-        match self.session.handle_payload(self.now, Some(payload)) {
+        match self.session.handle_payload(self.now, Some(at)) {
             Ok(Some(done)) => {
                 self.session.consumed(done.len);
                 Ok(self.assembling.take())

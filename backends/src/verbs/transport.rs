@@ -21,11 +21,11 @@
 //! device memory (and only a host receiver takes headerless frames).
 //!
 //! Connections come and go in [`connect`] (listening, connecting,
-//! accepting, the connection manager's events); this module is the data
-//! path.
+//! accepting, the connection manager's events); the receive ring and what
+//! arrives in it are [`recv`]'s, the send slots [`slots`]'; this module
+//! is the rest of the data path: queueing, posting, completions, progress.
 
 use std::collections::VecDeque;
-use std::mem::MaybeUninit;
 use std::net::SocketAddr;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -33,8 +33,8 @@ use std::time::{Duration, Instant as StdInstant};
 
 use rdma_sys as ffi;
 use zerohop_core::session::{
-    DataFrame, HostRole, Inbound, Instant, Outgoing, SendError, Session, SessionConfig,
-    SessionStats, MIN_RING,
+    DataFrame, HostRole, Instant, Outgoing, SendError, Session, SessionConfig, SessionStats,
+    MIN_RING,
 };
 use zerohop_core::wire::{DataFlags, HEADER_LEN};
 use zerohop_core::{
@@ -45,11 +45,13 @@ use zerohop_core::{
 use super::cm::{CmEvent, CmId, EventChannel, Qp, QpShape, CM_TIMEOUT_MS};
 use super::payload::{HostPayload, PayloadLease, PayloadMemory};
 use super::{Device, Registry, VerbsError};
-use crate::{host_bytes, host_bytes_mut, HeapTables, HostPool};
+use crate::{host_bytes_mut, HeapTables, HostPool, PeerSlots};
 
 mod connect;
+mod recv;
 mod slots;
 
+use recv::receive_classes;
 use slots::SendSlots;
 
 /// Frame headers live in host memory whatever the payloads' memory: the CPU parses them.
@@ -155,7 +157,7 @@ pub struct RdmaTransport<M: PayloadMemory = HostPayload> {
     send_pool: Arc<M::Pool>,
     listener: Option<CmId>,
     /// Boxed: the fast paths take a connection out of the table and put it back.
-    peers: Vec<Option<Box<Conn<M>>>>,
+    peers: PeerSlots<Box<Conn<M>>>,
     arrivals: VecDeque<Result<Received<PayloadLease<M>>, Error>>,
     /// Peers that connected to the listener and said Hello, not yet taken.
     accepted: VecDeque<(PeerId, SocketAddr)>,
@@ -233,7 +235,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             recv_pool,
             send_pool,
             listener: None,
-            peers: Vec::new(),
+            peers: PeerSlots::new(false),
             arrivals: VecDeque::new(),
             accepted: VecDeque::new(),
             origin: now,
@@ -271,8 +273,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     pub fn peer_count(&self) -> usize {
         self.peers
             .iter()
-            .flatten()
-            .filter(|c| c.established && c.session.is_open())
+            .filter(|(_, c)| c.established && c.session.is_open())
             .count()
     }
 
@@ -280,7 +281,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// send buffer, bypassing its session: what a broken peer sends, for tests.
     #[cfg(feature = "testing")]
     pub fn send_raw_frame(&mut self, peer: PeerId, frame: &[u8]) -> Result<(), Error> {
-        let Some(Some(conn)) = self.peers.get_mut(peer.0 as usize) else {
+        let Some(conn) = self.peers.get_mut(peer) else {
             return Err(Error::UnknownPeer(peer));
         };
         let mut buf = Lease::take(Arc::clone(&self.send_pool), frame.len())?;
@@ -302,27 +303,23 @@ impl<M: PayloadMemory> RdmaTransport<M> {
 
     /// A peer's address, while it is connected.
     pub fn peer_addr(&self, peer: PeerId) -> Option<SocketAddr> {
-        self.peers.get(peer.0 as usize)?.as_ref()?.addr
+        self.peers.get(peer)?.addr
     }
 
     /// What has crossed to and from `peer`, while it is connected.
     pub fn peer_stats(&self, peer: PeerId) -> Option<SessionStats> {
-        Some(self.peers.get(peer.0 as usize)?.as_ref()?.session.stats())
+        Some(self.peers.get(peer)?.session.stats())
     }
 
     /// Connections in the table, up or not yet (a closing transport waits for 0).
     pub fn peers_left(&self) -> usize {
-        self.peers.iter().flatten().count()
+        self.peers.count()
     }
 
     /// Connections up (by the CM's event, or a frame that came first),
     /// whether or not their Hellos have crossed yet.
     pub fn established(&self) -> usize {
-        self.peers
-            .iter()
-            .flatten()
-            .filter(|c| c.established)
-            .count()
+        self.peers.iter().filter(|(_, c)| c.established).count()
     }
 
     fn now(&self) -> Instant {
@@ -343,71 +340,6 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             idle_timeout: c.idle_timeout,
             // A queue pair is already past any same-host question.
             host: HostRole::None,
-        }
-    }
-
-    /// A receive buffer's size: a whole frame where the header lands in the
-    /// buffer too (host payloads, see `post_recv`), else one fragment.
-    fn receive_buffer_len(fragment: usize) -> usize {
-        fragment + if M::HOST_VISIBLE { HEADER_LEN } else { 0 }
-    }
-
-    /// Posts a receive into ring slot `slot`. Host payloads take the whole
-    /// frame into one buffer, header first (one scatter entry: in Soft-RoCE
-    /// each entry is a lookup and a copy in the kernel); device payloads
-    /// take the header into the host header ring and the payload into GPU
-    /// memory, so the CPU never reads a header out of device memory.
-    fn post_recv(
-        pool: &Arc<M::Pool>,
-        fragment: usize,
-        conn: &mut Conn<M>,
-        slot: usize,
-    ) -> Result<(), Error> {
-        let lease = Lease::take(Arc::clone(pool), Self::receive_buffer_len(fragment))?;
-        let payload = ffi::ibv_sge {
-            addr: lease.device_ptr(),
-            length: lease.len() as u32,
-            lkey: lease.mr().map_or(0, |m| m.lkey),
-        };
-        let header = ffi::ibv_sge {
-            addr: conn.headers.device_ptr() + (slot * HEADER_LEN) as u64,
-            length: HEADER_LEN as u32,
-            lkey: conn.headers.mr().map_or(0, |m| m.lkey),
-        };
-        let mut sge = if M::HOST_VISIBLE {
-            [payload, payload]
-        } else {
-            [header, payload]
-        };
-        // SAFETY: an all-zero recv WR is valid; the fields are set below.
-        let mut wr: ffi::ibv_recv_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = slot as u64;
-        wr.sg_list = sge.as_mut_ptr();
-        wr.num_sge = if M::HOST_VISIBLE { 1 } else { 2 };
-        // SAFETY: the SGEs name registered memory that stays leased (in
-        // `conn.recv[slot]`, or the header ring) until this receive completes
-        // or the QP, destroyed before both, is gone.
-        unsafe { conn.qp.post_recv(&mut wr) }?;
-        conn.recv[slot] = Some(lease);
-        Ok(())
-    }
-
-    /// Posts fresh buffers into the receive slots that have none, until the
-    /// pool runs dry (the rest wait for the next call), and tells the engine,
-    /// which returns them to the peer as credit. A delivered message's slot
-    /// is refilled here, at the caller's next call — after the reply it
-    /// sends, for one that answers — so the lease and the post stay off the
-    /// round trip's path.
-    fn refill(pool: &Arc<M::Pool>, fragment: usize, conn: &mut Conn<M>) {
-        if conn.session.peer_closed() {
-            return;
-        }
-        while let Some(&slot) = conn.unposted.last() {
-            if Self::post_recv(pool, fragment, conn, slot as usize).is_err() {
-                break;
-            }
-            conn.unposted.pop();
-            conn.session.reposted(1);
         }
     }
 
@@ -563,7 +495,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             Arc::ptr_eq(l.pool(), &self.send_pool) || Arc::ptr_eq(l.pool(), &self.recv_pool)
         });
         let fragment = self.config.fragment;
-        let Some(Some(conn)) = self.peers.get_mut(peer.0 as usize) else {
+        let Some(conn) = self.peers.get_mut(peer) else {
             return Err((Error::UnknownPeer(peer), lease));
         };
         if !conn.established || conn.queue.len() > conn.send.depth() * 2 {
@@ -667,18 +599,20 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         i: usize,
         work: impl FnOnce(&mut Self, &mut Conn<M>, PeerId) -> Result<bool, Error>,
     ) -> bool {
-        let Some(mut conn) = self.peers.get_mut(i).and_then(Option::take) else {
+        let Some(mut conn) = self.peers.lend(i) else {
             return false;
         };
-        match work(self, &mut conn, PeerId(i as u32)) {
+        match work(self, &mut conn, self.peers.id(i)) {
             Ok(any) => {
-                let done = conn.session.is_finished() && conn.idle();
-                if !done {
-                    self.peers[i] = Some(conn); // else both closed: it goes
+                if conn.session.is_finished() && conn.idle() {
+                    self.peers.retire(i); // both closed: it goes
+                } else {
+                    self.peers.restore(i, conn);
                 }
                 any
             }
             Err(e) => {
+                self.peers.retire(i);
                 self.retire(conn, Some(e));
                 true
             }
@@ -730,144 +664,6 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         !self.arrivals.is_empty()
     }
 
-    fn drain_cq(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<usize, Error> {
-        Self::refill(&self.recv_pool, self.config.fragment, conn);
-        let mut wcs = [const { MaybeUninit::<ffi::ibv_wc>::uninit() }; POLL_BATCH];
-        let n = conn.qp.cq().poll(&mut wcs)?;
-        for wc in &wcs[..n] {
-            // SAFETY: ibv_poll_cq wrote the first `n` completions.
-            let wc = unsafe { wc.assume_init_ref() };
-            if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
-                // A QP in error (retries exceeded, peer gone): flushed work
-                // after the peer's clean close is expected.
-                if conn.session.peer_closed()
-                    && wc.status == ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR
-                {
-                    continue;
-                }
-                return Err(Error::PeerLost(peer));
-            }
-            if wc.wr_id & SEND_TAG != 0 {
-                // The payload lease goes back to its pool.
-                conn.send.completed((wc.wr_id & !SEND_TAG) as usize);
-                continue;
-            }
-            if !conn.established {
-                // A frame proves the connection (the RTU that raises our
-                // ESTABLISHED may still be on its way): replies may go.
-                conn.established = true;
-                conn.qp.id().notify_established();
-            }
-            let imm = (wc.wc_flags & ffi::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0).then(|| {
-                // SAFETY: the flag says the union holds the immediate data.
-                u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data })
-            });
-            self.received(conn, peer, wc.wr_id as usize, wc.byte_len as usize, imm)?;
-        }
-        Ok(n)
-    }
-
-    fn received(
-        &mut self,
-        conn: &mut Conn<M>,
-        peer: PeerId,
-        slot: usize,
-        byte_len: usize,
-        imm: Option<u32>,
-    ) -> Result<(), Error> {
-        let now = self.now();
-        let mut lease = conn.recv[slot].take().ok_or(Error::Backend(
-            "verbs: a completion for an empty receive slot",
-        ))?;
-        conn.unposted.push(slot as u32);
-        let protocol = |error| Error::Protocol { peer, error };
-        if let Some(imm) = imm {
-            let done = conn
-                .session
-                .handle_headerless(now, byte_len, imm)
-                .map_err(protocol)?;
-            lease.set_len(done.len)?;
-            return self.deliver(conn, peer, lease, done.len);
-        }
-        // Host payloads carry their header in front (see `post_recv`).
-        let in_place = self.memory.host_view(&lease).is_some();
-        let header = match self.memory.host_view(&lease) {
-            Some(bytes) => &bytes[..HEADER_LEN.min(bytes.len())],
-            None => &host_bytes(&conn.headers)[slot * HEADER_LEN..(slot + 1) * HEADER_LEN],
-        };
-        // Only what arrived: a frame shorter than a header would otherwise
-        // be read against the stale bytes of the buffer's last frame.
-        let header = &header[..byte_len.min(header.len())];
-        let carried = Some(byte_len.saturating_sub(HEADER_LEN));
-        let d = match conn
-            .session
-            .handle_header(now, header, carried)
-            .map_err(protocol)?
-        {
-            Inbound::Data(d) => d,
-            Inbound::Closed => {
-                self.arrivals.push_back(Err(Error::PeerClosed(peer)));
-                return Ok(());
-            }
-            Inbound::Want => {
-                // The receive pool's budget is what a grant can cost.
-                conn.session.grant();
-                return Ok(());
-            }
-            Inbound::Opened => {
-                if let (true, Some(addr)) = (conn.accepted, conn.addr) {
-                    self.accepted.push_back((peer, addr));
-                }
-                return Ok(());
-            }
-            // Without the same-host exchange (`HostRole::None`) the engine
-            // refuses Host frames itself: these never come.
-            Inbound::Control | Inbound::HostOffer(_) | Inbound::HostAnswer { .. } => return Ok(()),
-        };
-        let skip = if in_place { HEADER_LEN } else { 0 };
-        if d.first && d.last {
-            // The payload follows its header in the buffer: handed on from there.
-            lease.advance(skip)?;
-            lease.set_len(d.len)?;
-            let view = self.memory.host_view(&lease);
-            conn.session.handle_payload(now, view).map_err(protocol)?;
-            return self.deliver(conn, peer, lease, d.len);
-        }
-        if d.first {
-            conn.assembling = Some(Lease::take(Arc::clone(&self.recv_pool), d.msg_len.max(1))?);
-        }
-        let whole = conn
-            .assembling
-            .as_mut()
-            .ok_or(Error::Backend("verbs: a fragment without its message"))?;
-        self.memory.copy(whole, d.offset, &lease, skip, d.len)?;
-        if conn
-            .session
-            .handle_payload(now, None)
-            .map_err(protocol)?
-            .is_some()
-        {
-            let mut whole = conn.assembling.take().expect("assembling");
-            whole.set_len(d.msg_len)?;
-            return self.deliver(conn, peer, whole, d.msg_len);
-        }
-        Ok(())
-    }
-
-    /// Hands a whole message to the application; its bytes come back to the
-    /// peer as credit (the arrival queue is the application's).
-    fn deliver(
-        &mut self,
-        conn: &mut Conn<M>,
-        peer: PeerId,
-        lease: PayloadLease<M>,
-        len: usize,
-    ) -> Result<(), Error> {
-        conn.session.consumed(len);
-        self.arrivals.push_back(Ok(Received { peer, lease }));
-        Ok(())
-    }
-
     /// One pass: CM events, completions (arming the channels), timers.
     fn poll_all(&mut self) -> bool {
         let mut any = self.accept_all();
@@ -879,7 +675,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         let t = self.now();
         for i in 0..self.peers.len() {
             // A connecting side's CM events come on its own channel.
-            let own = self.peers[i].as_ref().and_then(|c| {
+            let own = self.peers.at(i).and_then(|c| {
                 let ch = c.qp.id().channel();
                 let shared = self
                     .listener
@@ -911,7 +707,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         if let (true, Some(l)) = (cm, &self.listener) {
             out.push(l.channel().fd());
         }
-        for c in self.peers.iter().flatten() {
+        for (_, c) in self.peers.iter() {
             if completions {
                 out.push(c.qp.cq().fd());
             }
@@ -928,13 +724,13 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// Whether messages to `peer` that fit one fragment leave without a
     /// header (the peer's Hello said it takes them); `None` for no such peer.
     pub fn sends_headerless(&self, peer: PeerId) -> Option<bool> {
-        let conn = self.peers.get(peer.0 as usize)?.as_ref()?;
+        let conn = self.peers.get(peer)?;
         Some(conn.session.peer().is_some_and(|p| p.takes_headerless))
     }
 
     /// Messages started and waiting for frame credits or send slots.
     pub fn unposted_frames(&self) -> usize {
-        self.peers.iter().flatten().map(|c| c.queue.len()).sum()
+        self.peers.iter().map(|(_, c)| c.queue.len()).sum()
     }
 
     /// Messages queued, or frames posted and not yet completed (see
@@ -942,8 +738,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     pub fn pending_frames(&self) -> usize {
         self.peers
             .iter()
-            .flatten()
-            .map(|c| c.queue.len() + c.send.in_flight())
+            .map(|(_, c)| c.queue.len() + c.send.in_flight())
             .sum()
     }
 }
@@ -962,28 +757,6 @@ fn send_error(e: SendError, peer: PeerId) -> Error {
         SendError::Closed => Error::Closed,
         SendError::Failed(_) | SendError::SequenceExhausted => Error::UnknownPeer(peer),
     }
-}
-
-/// The default buffer sizes with one of exactly `frame` bytes among them: the
-/// receive ring's buffers, filled to the byte by a full frame.
-fn receive_classes(frame: usize) -> Result<SizeClasses, Error> {
-    let mut sizes = [0usize; zerohop_core::pool::MAX_CLASSES];
-    let mut n = 0;
-    for &c in SizeClasses::DEFAULT.as_slice() {
-        if c > frame && (n == 0 || sizes[n - 1] < frame) {
-            sizes[n] = frame;
-            n += 1;
-        }
-        if c != frame {
-            sizes[n] = c;
-            n += 1;
-        }
-    }
-    if sizes[n - 1] < frame {
-        sizes[n] = frame;
-        n += 1;
-    }
-    SizeClasses::new(&sizes[..n]).map_err(Error::Pool)
 }
 
 impl<M: PayloadMemory> Transport for RdmaTransport<M> {
@@ -1025,7 +798,7 @@ impl<M: PayloadMemory> Transport for RdmaTransport<M> {
         }
         match self.arrivals.pop_front() {
             Some(r) => r,
-            None if self.closed && self.peers.iter().all(Option::is_none) => Err(Error::Closed),
+            None if self.closed && self.peers.count() == 0 => Err(Error::Closed),
             None => Err(Error::WouldBlock),
         }
     }
@@ -1039,7 +812,7 @@ impl<M: PayloadMemory> Transport for RdmaTransport<M> {
             return Ok(());
         }
         self.closed = true;
-        for c in self.peers.iter_mut().flatten() {
+        for (_, c) in self.peers.iter_mut() {
             c.session.close();
             let _ = Self::pump(c);
         }
@@ -1051,36 +824,15 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// A sender's own progress: when `peer`'s send ring is full or messages
     /// wait, reap its completions and post what they free, here.
     fn reap(&mut self, peer: PeerId) {
-        let i = peer.0 as usize;
-        let busy =
-            matches!(self.peers.get(i), Some(Some(c)) if !c.send.has_free() || !c.queue.is_empty());
+        let Some(i) = self.peers.slot(peer) else {
+            return;
+        };
+        let busy = self
+            .peers
+            .at(i)
+            .is_some_and(|c| !c.send.has_free() || !c.queue.is_empty());
         if busy {
             self.service(i, Self::drain_and_pump);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::receive_classes;
-
-    #[test]
-    fn receive_classes_hold_a_whole_frame_exactly() {
-        let c = |f| receive_classes(f).unwrap().as_slice().to_vec();
-        let k = 1 << 10;
-        assert_eq!(
-            c(64 * k + 32),
-            [256, k, 4 * k, 16 * k, 64 * k, 64 * k + 32, 1 << 20]
-        );
-        assert_eq!(
-            c(64 * k),
-            [256, k, 4 * k, 16 * k, 64 * k, 1 << 20],
-            "no duplicate"
-        );
-        assert_eq!(c(100), [100, 256, k, 4 * k, 16 * k, 64 * k, 1 << 20]);
-        assert_eq!(
-            c(4 << 20),
-            [256, k, 4 * k, 16 * k, 64 * k, 1 << 20, 4 << 20]
-        );
     }
 }

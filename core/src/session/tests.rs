@@ -630,7 +630,7 @@ fn a_message_longer_than_the_window_waits_for_a_grant_that_the_receiver_counts()
     assert_eq!(b.receive(T0, &want[0]), Ok(vec![SimEvent::Wants(5000)]));
     assert_eq!(b.session.pending_grant(), Some(5000));
     assert!(b.transmit().is_empty(), "nothing until granted");
-    b.session.grant();
+    b.session.grant(T0);
     assert_eq!(b.session.pending_grant(), None);
     assert_eq!(b.session.extra_granted(), 4000);
     let credit = b.transmit();
@@ -1527,7 +1527,7 @@ fn a_want_lasts_until_its_message_comes() {
     // An empty message in its place leaves the Want standing.
     feed(&mut s, &data(0, 0, 0, false)).unwrap().unwrap();
     assert_eq!(s.pending_grant(), Some(200));
-    s.grant();
+    s.grant(T0);
     assert_eq!(
         control_frame(&mut s).map(|f| f.kind()),
         Some(FrameKind::Credit)
@@ -1750,6 +1750,94 @@ fn a_declined_offer_or_none_lets_data_go_and_data_waits_until_then() {
         assert_eq!(messages(&ea), [(0, msg(1, 20))], "{offer:?}");
         assert!(conn.session.host_settled() && acc.session.host_settled());
     }
+}
+
+/// A peer that says Hello and then owes its part of the same-host exchange
+/// (its offer; its answer to ours) stalls the handshake once the idle
+/// timeout has passed since its Hello, however many credit frames it sends
+/// meanwhile: until its part comes, the application is not told of it, and
+/// nothing else would ever drop it.
+#[test]
+fn a_peer_that_owes_its_host_frame_stalls_the_handshake_whatever_else_it_sends() {
+    let hello = Frame::Hello(hello(1 << 20, 0)).encode(&[]);
+    let idle = stream().idle_timeout;
+    let (c, a) = host_roles(Some(OFFER));
+    let answering = Session::new(a, 1, T0);
+    let mut offering = Session::new(c, 1, T0);
+    offering.poll_control(); // the Hello
+    offering.poll_control(); // the offer: now the peer owes its answer
+    for mut s in [answering, offering] {
+        let at = T0.after(Duration::from_millis(3));
+        s.handle_header(at, &hello, None).unwrap();
+        assert_eq!(s.poll_timeout(), Some(at.after(idle)));
+        let mut t = at;
+        while t < at.after(idle) {
+            s.handle_header(t, &credit_frame(0, 1 << 20, false), None)
+                .unwrap();
+            assert_eq!(s.handle_timeout(t), Ok(()));
+            t = t.after(idle / 4);
+        }
+        assert_eq!(
+            s.handle_timeout(at.after(idle)),
+            Err(ProtocolError::Stalled {
+                during: Stall::Handshake
+            })
+        );
+    }
+    // The answering side that has the offer owes the answer itself: the
+    // peer is not timed for it.
+    let mut s = Session::new(a, 1, T0);
+    s.handle_header(T0, &hello, None).unwrap();
+    assert!(matches!(
+        s.handle_header(T0, &host_frame(HostStep::Offer), None),
+        Ok(Inbound::HostOffer(_))
+    ));
+    assert_eq!(s.poll_timeout(), None);
+    s.answer_host(false);
+    s.poll_control(); // the Hello
+    s.poll_control(); // the answer: settled
+    assert!(s.host_settled());
+    assert_eq!(s.poll_timeout(), None);
+}
+
+/// A message longer than the window, granted, must start within the idle
+/// timeout of the grant, whatever credit frames the peer sends meanwhile:
+/// the grant counts against what the receiver holds for all its peers.
+/// Once it comes, the deadline goes.
+#[test]
+fn a_grant_the_peer_never_uses_stalls_it() {
+    let cfg = SessionConfig {
+        window: 100,
+        ..stream()
+    };
+    let idle = cfg.idle_timeout;
+    let want = Frame::Want(Want {
+        offset: 0,
+        len: 200,
+    })
+    .encode(&[]);
+    let mut s = opened(cfg, hello(1 << 20, 0));
+    s.handle_header(T0, &want, None).unwrap();
+    assert_eq!(s.poll_timeout(), None, "not granted yet: this side's wait");
+    let at = T0.after(Duration::from_millis(7));
+    s.grant(at);
+    assert_eq!(s.poll_timeout(), Some(at.after(idle)));
+    s.handle_header(at.after(idle / 2), &credit_frame(0, 1 << 20, false), None)
+        .unwrap();
+    assert_eq!(s.poll_timeout(), Some(at.after(idle)));
+    assert_eq!(
+        s.handle_timeout(at.after(idle)),
+        Err(ProtocolError::Stalled {
+            during: Stall::Frame
+        })
+    );
+    // Used in time: no deadline once the message came.
+    let mut s = opened(cfg, hello(1 << 20, 0));
+    s.handle_header(T0, &want, None).unwrap();
+    s.grant(at);
+    feed(&mut s, &data(0, 200, 200, false)).unwrap().unwrap();
+    assert_eq!(s.poll_timeout(), None);
+    assert_eq!(s.handle_timeout(at.after(idle * 10)), Ok(()));
 }
 
 #[test]

@@ -1,9 +1,16 @@
 //! How a segment reaches the other process: the side that offered listens
 //! on an abstract Unix socket named by its offer; the side that took the
-//! offer connects, and sends a small setup message with three descriptors
-//! (SCM_RIGHTS): the memfd and the two doorbells (eventfds). The connection
-//! then stays open for the lane's life: its hang-up is how each side learns
-//! that the other died (SIGKILL included), at once.
+//! offer connects, and sends a small setup message with one descriptor
+//! (SCM_RIGHTS): the memfd. The connection then stays open for the lane's
+//! life. It is each side's doorbell — a byte on it wakes the other — and
+//! its hang-up is how each side learns that the other died (SIGKILL
+//! included), at once.
+//!
+//! The doorbell is the link, not an eventfd passed to the peer: a passed
+//! eventfd shares its open file, whose O_NONBLOCK the peer can clear, and
+//! whose counter it can fill, so that this side's next read or write of it
+//! blocks for good (with the endpoint's lock held). Each side's end of the
+//! link is its own file, and every call on it says MSG_DONTWAIT.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
@@ -19,7 +26,7 @@ use zerohop_core::session::HostOffer;
 use super::host::socket_name;
 
 const MAGIC: [u8; 4] = *b"ZHSU";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const SETUP_BYTES: usize = 12;
 
 /// Connections the lane socket queues before a dial finds it full (and
@@ -70,10 +77,6 @@ pub(crate) struct Setup {
     pub(crate) token: u32,
     /// The segment's memfd.
     pub(crate) segment: OwnedFd,
-    /// The doorbell that wakes the offering side (it polls this one).
-    pub(crate) bell_offerer: OwnedFd,
-    /// The doorbell that wakes the taking side.
-    pub(crate) bell_taker: OwnedFd,
 }
 
 /// Connects to the offering side's socket: the lane's link, once
@@ -102,18 +105,12 @@ fn lane_socket(offer: &HostOffer) -> io::Result<(OwnedFd, rustix::net::SocketAdd
     Ok((s, addr))
 }
 
-/// Sends the offering side, on the link [`dial`] made, the segment and the
-/// doorbells, for the peer `token` names.
-pub(crate) fn send_setup(
-    link: &UnixStream,
-    token: u32,
-    segment: BorrowedFd<'_>,
-    bell_offerer: BorrowedFd<'_>,
-    bell_taker: BorrowedFd<'_>,
-) -> io::Result<()> {
+/// Sends the offering side, on the link [`dial`] made, the segment, for the
+/// peer `token` names.
+pub(crate) fn send_setup(link: &UnixStream, token: u32, segment: BorrowedFd<'_>) -> io::Result<()> {
     let msg = setup_message(token);
-    let fds = [segment, bell_offerer, bell_taker];
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
+    let fds = [segment];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
         return Err(io::Error::other(
@@ -144,7 +141,7 @@ fn setup_message(token: u32) -> [u8; SETUP_BYTES] {
 /// What a look at a taken connection found.
 #[derive(Debug)]
 pub(crate) enum SetupRead {
-    /// A whole setup with its three descriptors, now this process's.
+    /// A whole setup with its descriptor, now this process's.
     Ready(Setup),
     /// Nothing yet.
     NotYet,
@@ -158,14 +155,14 @@ fn refused(why: &'static str) -> io::Error {
 }
 
 /// Reads a setup from a taken connection. Anything but a whole setup with
-/// its three descriptors is refused.
+/// its one descriptor is refused.
 pub(crate) fn recv_setup(s: &UnixStream) -> io::Result<SetupRead> {
     // Descriptors that do not fit the process are dropped by the kernel as
     // it hands a message over, and a setup taken so would be lost for good.
     // So peek: the descriptors come as copies, and the message stays queued
     // until they all came.
     let mut msg = [0u8; SETUP_BYTES];
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let peeked = match rustix::net::recvmsg(
         s,
@@ -194,18 +191,18 @@ pub(crate) fn recv_setup(s: &UnixStream) -> io::Result<SetupRead> {
         return Err(refused("a lane setup of another version"));
     }
     if peeked.flags.contains(ReturnFlags::CTRUNC) {
-        // Cut short with fewer than three: the process is out of
-        // descriptors. With three or more (the buffer, rounded up to its
-        // alignment, has room for a few more): more were sent than a setup has.
+        // Cut short with none: the process is out of descriptors. With
+        // one or more (the buffer, rounded up to its alignment, has room
+        // for another): more were sent than a setup has.
         return match fds.len() {
-            0..3 => Ok(SetupRead::NoRoom),
-            _ => Err(refused("a lane setup with more than three descriptors")),
+            0 => Ok(SetupRead::NoRoom),
+            _ => Err(refused("a lane setup with more than one descriptor")),
         };
     }
     let token = u32::from_le_bytes([msg[8], msg[9], msg[10], msg[11]]);
-    let [segment, bell_offerer, bell_taker]: [OwnedFd; 3] = fds
+    let [segment]: [OwnedFd; 1] = fds
         .try_into()
-        .map_err(|_| refused("a lane setup without exactly three descriptors"))?;
+        .map_err(|_| refused("a lane setup without exactly one descriptor"))?;
     // Take it off the queue; its descriptors are ours already (the kernel
     // drops the queued ones, asked for no room).
     let mut taken = [0u8; SETUP_BYTES];
@@ -218,31 +215,26 @@ pub(crate) fn recv_setup(s: &UnixStream) -> io::Result<SetupRead> {
     if r.bytes != SETUP_BYTES || taken != msg {
         return Err(refused("the lane setup changed between two reads"));
     }
-    Ok(SetupRead::Ready(Setup {
-        token,
-        segment,
-        bell_offerer,
-        bell_taker,
-    }))
+    Ok(SetupRead::Ready(Setup { token, segment }))
 }
 
-/// A doorbell: an eventfd, non-blocking.
-pub(crate) fn bell() -> io::Result<OwnedFd> {
-    Ok(rustix::event::eventfd(
-        0,
-        rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
-    )?)
+/// Rings the other side's doorbell: a byte on the link. Never waits: a
+/// full socket already holds rings it has not taken.
+pub(crate) fn ring(link: &UnixStream) {
+    let _ = rustix::net::send(link, &[1], SendFlags::DONTWAIT | SendFlags::NOSIGNAL);
 }
 
-/// Rings a doorbell (a full counter already holds a pending ring).
-pub(crate) fn ring(bell: BorrowedFd<'_>) {
-    let _ = rustix::io::write(bell, &1u64.to_ne_bytes());
-}
-
-/// Takes a doorbell's rings, if any.
-pub(crate) fn drain(bell: BorrowedFd<'_>) {
-    let mut b = [0u8; 8];
-    let _ = rustix::io::read(bell, &mut b);
+/// Takes the rings waiting on the link, at most a few reads' worth: a peer
+/// that rings without pause costs wake-ups, not a read that never ends.
+/// (Nothing but rings comes on a link once its setup is taken.)
+pub(crate) fn drain(link: &UnixStream) {
+    let mut b = [0u8; 256];
+    for _ in 0..4 {
+        match rustix::net::recv(link, &mut b, RecvFlags::DONTWAIT) {
+            Ok((n, _)) if n == b.len() => {}
+            _ => return,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -265,22 +257,28 @@ mod tests {
         let o = offer(0x5E70);
         let l = LaneListener::bind(&o).unwrap();
         assert!(l.accept().unwrap().is_none());
-        let seg = rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
-        let (b1, b2) = (bell().unwrap(), bell().unwrap());
+        let seg = some_fd();
         let link = dial(&o).unwrap();
-        send_setup(&link, 0x77, seg.as_fd(), b1.as_fd(), b2.as_fd()).unwrap();
+        send_setup(&link, 0x77, seg.as_fd()).unwrap();
+        // A ring may follow the setup before it is read: it stays a ring.
+        ring(&link);
         let taken = l.accept().unwrap().expect("a connection");
         let SetupRead::Ready(setup) = recv_setup(&taken).unwrap() else {
             panic!("the setup")
         };
         assert_eq!(setup.token, 0x77);
-        // Taken off the queue: nothing more comes.
-        assert!(matches!(recv_setup(&taken).unwrap(), SetupRead::NotYet));
-        // The doorbells are the same eventfds: a ring on one end is seen on the other.
-        ring(b1.as_fd());
-        let mut v = [0u8; 8];
-        assert_eq!(rustix::io::read(&setup.bell_offerer, &mut v).unwrap(), 8);
-        assert_eq!(u64::from_ne_bytes(v), 1);
+        assert_eq!(
+            rustix::fs::fstat(&setup.segment).unwrap().st_ino,
+            rustix::fs::fstat(&seg).unwrap().st_ino,
+            "the memfd itself"
+        );
+        // The link is the doorbell: rings are seen on the other end, and drained.
+        ring(&link);
+        assert!(readable(&taken), "rung");
+        drain(&taken);
+        assert!(!readable(&taken), "drained");
+        ring(&taken);
+        assert!(readable(&link), "both ways");
         drop(link);
         // A stranger writing garbage on the socket is refused, typed.
         let mut s =
@@ -326,21 +324,21 @@ mod tests {
         dial(&o).expect("room for one again");
     }
 
-    /// Setup messages with four descriptors (they fit the buffer's room,
+    /// Setup messages with two descriptors (they fit the buffer's room,
     /// rounded up) and eight (cut short by the kernel) are refused.
     #[test]
-    fn a_setup_with_more_than_three_descriptors_is_refused() {
+    fn a_setup_with_more_than_one_descriptor_is_refused() {
         let o = offer(0x5E71);
         let l = LaneListener::bind(&o).unwrap();
         for (n, why) in [
-            (4, "a lane setup without exactly three descriptors"),
-            (8, "a lane setup with more than three descriptors"),
+            (2, "a lane setup without exactly one descriptor"),
+            (8, "a lane setup with more than one descriptor"),
         ] {
             let s =
                 UnixStream::connect_addr(&UnixAddr::from_abstract_name(socket_name(&o)).unwrap())
                     .unwrap();
             let msg = setup_message(0);
-            let b: Vec<OwnedFd> = (0..n).map(|_| bell().unwrap()).collect();
+            let b: Vec<OwnedFd> = (0..n).map(|_| some_fd()).collect();
             let fds: Vec<BorrowedFd<'_>> = b.iter().map(|f| f.as_fd()).collect();
             let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(8))];
             let mut control = SendAncillaryBuffer::new(&mut space);
@@ -352,5 +350,44 @@ mod tests {
             assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{n} descriptors: {e}");
             assert_eq!(e.to_string(), why, "{n} descriptors");
         }
+    }
+
+    fn some_fd() -> OwnedFd {
+        rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap()
+    }
+
+    /// Whether a byte waits on `s`.
+    fn readable(s: &UnixStream) -> bool {
+        rustix::net::recv(s, &mut [0u8; 1], RecvFlags::PEEK | RecvFlags::DONTWAIT).is_ok()
+    }
+
+    /// Ringing and draining never wait, whatever the link's file flags
+    /// (the peer could clear O_NONBLOCK on a descriptor it shares; the
+    /// eventfd doorbells were shared, and a read of an empty one, or a
+    /// write to a full one, then blocked for good): a link whose other end
+    /// never reads takes rings until it is full, then drops them; an empty
+    /// one drains at once.
+    #[test]
+    fn ringing_and_draining_never_wait_on_a_blocking_or_full_link() {
+        let (a, b) = UnixStream::pair().unwrap();
+        a.set_nonblocking(false).unwrap();
+        b.set_nonblocking(false).unwrap();
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drain(&a); // nothing there
+            for _ in 0..1_000_000 {
+                ring(&a); // `b` never reads: the socket fills
+            }
+            let rung = readable(&b);
+            while readable(&b) {
+                drain(&b);
+            }
+            drain(&b); // nothing there
+            done.send(rung).unwrap();
+        });
+        let rung = finished
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("a ring or a drain waited");
+        assert!(rung, "the rings reached the other end");
     }
 }

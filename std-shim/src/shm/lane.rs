@@ -1,11 +1,12 @@
 //! One same-host peer: a session over the segment's two rings, driven as a
 //! stream wire (TCP's framing, no fragmentation; a whole message behind a
-//! short record instead of a header, see [`SHORT`]), its doorbells, and the
-//! Unix connection whose hang-up says the peer is gone.
+//! short record instead of a header, see [`SHORT`]), and the Unix
+//! connection that is both sides' doorbell and whose hang-up says the peer
+//! is gone.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
@@ -251,6 +252,7 @@ impl SingleIn {
         }
         self.peer_pid
             .is_some_and(|pid| cma::read(pid, desc.addr, dst))
+            && self.files.process_alive()
     }
 
     /// Whether bytes just copied out of the peer's memory are its message's:
@@ -364,10 +366,8 @@ pub(crate) struct Lane {
     pub(crate) session: Session,
     tx: Producer<SegRing>,
     rx: Consumer<SegRing>,
-    /// The eventfd the peer rings to wake this side, and the one this side rings.
-    my_bell: OwnedFd,
-    their_bell: OwnedFd,
-    /// The Unix connection the segment came over: its hang-up is the peer's end.
+    /// The Unix connection the segment came over: each side's doorbell (a
+    /// byte on it wakes the other), and its hang-up is the peer's end.
     link: UnixStream,
     header: [u8; HEADER_LEN],
     have: usize,
@@ -417,8 +417,6 @@ impl Lane {
         addr: SocketAddr,
         segment: Arc<Segment>,
         creator: bool,
-        my_bell: OwnedFd,
-        their_bell: OwnedFd,
         link: UnixStream,
         config: SessionConfig,
         token: u32,
@@ -436,8 +434,6 @@ impl Lane {
             tx: Producer::new(segment.ring(mine)),
             rx: Consumer::new(segment.ring(theirs)),
             taken_when_heard: 0,
-            my_bell,
-            their_bell,
             link,
             header: [0; HEADER_LEN],
             have: 0,
@@ -556,7 +552,7 @@ impl Lane {
         match self.tx.write(&[&header, &desc]) {
             Ok(m) if m.n == HEADER_LEN + DESC_BYTES => {
                 if m.wake {
-                    handshake::ring(self.their_bell.as_fd());
+                    handshake::ring(&self.link);
                 }
             }
             _ => {
@@ -687,7 +683,7 @@ impl Lane {
                     .device_done()
                     .store(done, std::sync::atomic::Ordering::Release);
                 if self.rx.writer_waits() {
-                    handshake::ring(self.their_bell.as_fd());
+                    handshake::ring(&self.link);
                 }
             }
         }
@@ -920,7 +916,7 @@ impl Lane {
             match self.tx.write(&[&header, &d]) {
                 Ok(m) if m.n == HEADER_LEN + cma::DESC_BYTES => {
                     if m.wake {
-                        handshake::ring(self.their_bell.as_fd());
+                        handshake::ring(&self.link);
                     }
                 }
                 _ => {
@@ -959,7 +955,7 @@ impl Lane {
                 Ok(m) => {
                     sent = m.n;
                     if m.wake {
-                        handshake::ring(self.their_bell.as_fd());
+                        handshake::ring(&self.link);
                     }
                 }
                 Err(c) => return Err(payload.refused(Self::corrupt(peer, c))),
@@ -1030,7 +1026,7 @@ impl Lane {
         };
         let m = self.tx.write(&[h, p]).map_err(|c| Self::corrupt(peer, c))?;
         if m.wake {
-            handshake::ring(self.their_bell.as_fd());
+            handshake::ring(&self.link);
         }
         d.sent += m.n;
         if d.sent < HEADER_LEN + bytes.len() {
@@ -1125,7 +1121,7 @@ impl Lane {
             .write(&[frame])
             .map_err(|c| Self::corrupt(peer, c))?;
         if m.wake {
-            handshake::ring(self.their_bell.as_fd());
+            handshake::ring(&self.link);
         }
         match m.n == frame.len() {
             true => Ok(()),
@@ -1170,7 +1166,7 @@ impl Lane {
             };
             let m = self.tx.write(&[h, p]).map_err(|c| Self::corrupt(peer, c))?;
             if m.wake {
-                handshake::ring(self.their_bell.as_fd());
+                handshake::ring(&self.link);
             }
             o.sent += m.n;
             self.queued_bytes -= m.n;
@@ -1204,7 +1200,7 @@ impl Lane {
     /// it waits for room.
     fn give_back_room(&mut self) {
         if self.rx.publish() {
-            handshake::ring(self.their_bell.as_fd());
+            handshake::ring(&self.link);
         }
     }
 
@@ -1298,7 +1294,7 @@ impl Lane {
                     let Some(desc) = cma::Desc::parse(buf) else {
                         return Outcome::Bad(Self::bad_claim(peer));
                     };
-                    let (ring, bell) = (&self.rx, &self.their_bell);
+                    let (ring, link) = (&self.rx, &self.link);
                     let dst = &mut bytes[..want];
                     let got = if desc.placed {
                         self.single_in.take_placed(peer, &desc, dst, ring)
@@ -1306,7 +1302,7 @@ impl Lane {
                         self.single_in.take_claimed(peer, &desc, dst, ring)
                     };
                     if ring.writer_waits() {
-                        handshake::ring(bell.as_fd());
+                        handshake::ring(link);
                     }
                     match got {
                         Ok(true) => inc.have = want,
@@ -1411,7 +1407,7 @@ impl Lane {
                     self.incoming = Some(Incoming::new(d, stage, true));
                 }
                 Inbound::Closed => self.arrive(arrivals, Err(Error::PeerClosed(peer))),
-                Inbound::Want => self.session.grant(),
+                Inbound::Want => self.session.grant(now),
                 // A lane runs no same-host exchange (`HostRole::None`): the
                 // engine refuses Host frames itself.
                 Inbound::Control
@@ -1437,36 +1433,31 @@ impl Lane {
     }
 
     /// Whether the peer's end of the link is still there (a peer killed
-    /// mid-message hangs it up: the kernel closes its descriptors).
+    /// mid-message hangs it up: the kernel closes its descriptors). Asked
+    /// of the socket's state, not of bytes on it: rings wait there unread
+    /// whether the peer lives or not.
     pub(crate) fn alive(&self) -> bool {
-        let mut b = [0u8; 1];
-        match rustix::net::recv(
-            &self.link,
-            &mut b,
-            rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
-        ) {
-            Ok((0, _)) => false,
-            Ok(_) => true, // nothing is ever sent on the link; bytes are not an end
-            Err(rustix::io::Errno::AGAIN) => true,
+        use rustix::event::PollFlags;
+        match crate::poller::ready_now(&self.link, PollFlags::RDHUP) {
+            Ok(ev) => !ev.intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR),
+            Err(rustix::io::Errno::INTR) => true, // asked again at the next look
             Err(_) => false,
         }
     }
 
-    /// Descriptors a sleeper waits on: the doorbell and the link.
+    /// The descriptor a sleeper waits on: the link (rings and the hang-up).
     pub(crate) fn poll_fds(&self, out: &mut Vec<libc::pollfd>) {
-        for fd in [self.my_bell.as_raw_fd(), self.link.as_raw_fd()] {
-            out.push(libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            });
-        }
+        out.push(libc::pollfd {
+            fd: self.link.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
     }
 
     /// About to sleep: tells the peer to ring (for bytes, and for room if
     /// frames wait for it). `true`: something came meanwhile, do not sleep.
     pub(crate) fn prepare_sleep(&mut self) -> bool {
-        handshake::drain(self.my_bell.as_fd());
+        handshake::drain(&self.link);
         // Each read pass gives back the room it took; nothing read may
         // stay held while this side sleeps (the peer may wait for it).
         self.give_back_room();

@@ -82,6 +82,18 @@ impl PeerFiles {
         }
     }
 
+    /// Whether the peer's process has not exited (its pidfd is not yet
+    /// readable). Asked after a read by its pid: a pid is free for another
+    /// process only once its own has exited and been reaped, so a read
+    /// followed by a yes read the peer, not a process that took its pid
+    /// after it died (a peer killed outright ends nothing in the segment).
+    /// No pidfd: no.
+    pub(crate) fn process_alive(&self) -> bool {
+        self.pidfd.as_ref().is_some_and(|fd| {
+            crate::poller::ready_now(fd, rustix::event::PollFlags::IN).is_ok_and(|ev| ev.is_empty())
+        })
+    }
+
     /// Maps at most `bytes` of the peer's files, in all.
     pub(crate) fn allow(&mut self, bytes: usize) {
         self.limit = bytes;
@@ -170,5 +182,29 @@ impl PeerFiles {
             len,
         });
         Some(self.maps.len() - 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PeerFiles;
+
+    /// A process is alive to `process_alive` until it exits; after, and
+    /// with no process to ask, it is not (reads by its pid are refused).
+    #[test]
+    fn a_peer_process_is_alive_until_it_exits() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let files = PeerFiles::new(Some(child.id() as i32));
+        assert!(files.process_alive());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(
+            !files.process_alive(),
+            "exited (and reaped: its pid is free)"
+        );
+        assert!(!PeerFiles::new(None).process_alive());
     }
 }

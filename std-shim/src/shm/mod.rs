@@ -7,8 +7,9 @@
 //! the Hellos, before any data). When the two identities match (boot id,
 //! IPC, mount and network namespaces: [`host`]), the accepting side creates
 //! a sealed memfd segment with a ring per direction ([`segment`], [`ring`]),
-//! passes it and two eventfd doorbells to the offering side over an abstract
-//! Unix socket ([`handshake`]), and answers *accept*; both sides then drop
+//! passes it to the offering side over an abstract Unix socket
+//! ([`handshake`]), whose connection stays as the lane's link, and answers
+//! *accept*; both sides then drop
 //! the TCP connection and run a fresh session over the rings ([`lane`]).
 //! Peers elsewhere stay on TCP, in the same endpoint.
 //!
@@ -18,8 +19,9 @@
 //! application.
 //!
 //! A receiver spins on the rings' counters (no system call); a sleeper
-//! waits on its doorbell after telling the peer to ring it, and on the Unix
-//! link, whose hang-up reports a peer that died (SIGKILL included) at once.
+//! waits on the Unix link after telling the peer to ring it (a byte on the
+//! link), and the link's hang-up reports a peer that died (SIGKILL
+//! included) at once.
 
 pub(crate) mod cma;
 #[cfg(feature = "cuda-uma")]
@@ -42,7 +44,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 
-use zerohop_backends::host_bytes;
+use zerohop_backends::{host_bytes, PeerSlots};
 use zerohop_core::session::{HostOffer, HostRole, Instant, SessionConfig, SessionStats};
 use zerohop_core::{Capabilities, Error, Kind, PeerId, Received, Rejected, Transport};
 
@@ -114,9 +116,12 @@ impl ShmLease {
     }
 }
 
-/// The top bit of a lane's [`PeerId`] (TCP peers never have it).
-pub const LANE_BIT: u32 = 1 << 31;
-/// Setups that came over the Unix socket and wait for their TCP answer, kept at most.
+/// The top bit of a lane's [`PeerId`] (TCP peers never have it): the lane
+/// table's tag.
+pub const LANE_BIT: u32 = zerohop_backends::TAG_BIT;
+/// Connections on the lane socket whose setup has not come, kept at most
+/// (the oldest go). Setups that came wait for their TCP answer only when
+/// they answer an offer of this side's, so those are bounded by its peers.
 const MAX_PENDING: usize = 64;
 /// How long a setup or its answer may keep the other waiting.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(5);
@@ -198,9 +203,6 @@ impl Default for ShmConfig {
     }
 }
 
-/// A slot of the lane table: its generation and the lane.
-type Slot = (u8, Option<Box<Lane>>);
-
 /// TCP, with its same-host peers in shared memory. See the module docs.
 pub struct LocalWire {
     /// `Shm`, or `Uma` over a CUDA managed pool.
@@ -214,7 +216,7 @@ pub struct LocalWire {
     /// last accept failed and is retried then).
     accept_due: Option<StdInstant>,
     pool: Arc<StdPool>,
-    lanes: Vec<Slot>,
+    lanes: PeerSlots<Box<Lane>>,
     /// Unix connections taken, waiting for their setup message.
     links: Vec<Link>,
     /// Offers taken whose lane socket was full, to dial again.
@@ -239,6 +241,9 @@ pub struct LocalWire {
     next_side: StdInstant,
     /// The time of the last side pass, for the lanes' reads.
     clock: Instant,
+    /// The lane a read pass starts at, one further each pass: the inbox is
+    /// shared, and lanes read first could otherwise fill it every pass.
+    first_lane: usize,
     /// A sleeper asked the peers to ring: the next call tells them it is awake.
     slept: bool,
     closed: bool,
@@ -252,16 +257,9 @@ impl std::fmt::Debug for LocalWire {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LocalWire")
             .field("tcp", &self.tcp)
-            .field(
-                "lanes",
-                &self.lanes.iter().filter(|(_, l)| l.is_some()).count(),
-            )
+            .field("lanes", &self.lanes.count())
             .finish_non_exhaustive()
     }
-}
-
-fn lane_id(slot: usize, gen: u8) -> PeerId {
-    PeerId(LANE_BIT | slot as u32 | u32::from(gen & 0x7F) << 24)
 }
 
 impl LocalWire {
@@ -323,7 +321,7 @@ impl LocalWire {
             listener,
             accept_due: None,
             pool,
-            lanes: Vec::new(),
+            lanes: PeerSlots::new(true),
             links: Vec::new(),
             redials: Vec::new(),
             redialled: 0,
@@ -338,6 +336,7 @@ impl LocalWire {
             next_link_check: now,
             next_side: now,
             clock: Instant::from_micros(0),
+            first_lane: 0,
             slept: false,
             closed: false,
             #[cfg(feature = "cuda-uma")]
@@ -415,7 +414,9 @@ impl LocalWire {
             if let Ok(lane) = moved {
                 if self.lane(lane).is_some() {
                     // Silently: the application never had this peer.
-                    drop(self.retire_lane((lane.0 & 0xFF_FFFF) as usize));
+                    if let Some(slot) = self.lanes.slot(lane) {
+                        drop(self.lanes.remove(slot));
+                    }
                 }
             }
         }
@@ -453,7 +454,7 @@ impl LocalWire {
 
     /// Same-host peers, in shared memory now.
     pub fn lane_count(&self) -> usize {
-        self.lanes.iter().filter(|(_, l)| l.is_some()).count()
+        self.lanes.count()
     }
 
     /// How the single-copy messages of same-host peer `peer` have gone
@@ -467,56 +468,24 @@ impl LocalWire {
     }
 
     fn lane_mut(&mut self, id: PeerId) -> Option<&mut Lane> {
-        let slot = (id.0 & 0xFF_FFFF) as usize;
-        match self.lanes.get_mut(slot) {
-            Some((gen, Some(l)))
-                if id.0 & LANE_BIT != 0 && u32::from(*gen) == (id.0 >> 24) & 0x7F =>
-            {
-                Some(l)
-            }
-            _ => None,
-        }
+        self.lanes.get_mut(id).map(|l| &mut **l)
     }
 
     fn lane(&self, id: PeerId) -> Option<&Lane> {
-        let slot = (id.0 & 0xFF_FFFF) as usize;
-        match self.lanes.get(slot) {
-            Some((gen, Some(l)))
-                if id.0 & LANE_BIT != 0 && u32::from(*gen) == (id.0 >> 24) & 0x7F =>
-            {
-                Some(l)
-            }
-            _ => None,
-        }
+        self.lanes.get(id).map(|l| &**l)
     }
 
-    fn add_lane(&mut self, lane: Lane) -> PeerId {
-        let slot = match self.lanes.iter().position(|(_, l)| l.is_none()) {
-            Some(i) => i,
-            None => {
-                self.lanes.push((0, None));
-                self.lanes.len() - 1
-            }
-        };
-        self.lanes[slot].1 = Some(Box::new(lane));
-        lane_id(slot, self.lanes[slot].0)
-    }
-
-    /// Takes the lane out of its slot (the slot's next lane gets a new
-    /// generation, so the old id names nothing): its id and the lane, whose
-    /// drop unmaps the segment and hangs its link up on the peer.
-    fn retire_lane(&mut self, slot: usize) -> Option<(PeerId, Box<Lane>)> {
-        let (gen, l) = self.lanes.get_mut(slot)?;
-        let lane = l.take()?;
-        let id = lane_id(slot, *gen);
-        *gen = gen.wrapping_add(1) & 0x7F;
-        Some((id, lane))
+    /// The new lane's id; `None` when every slot an id can name is taken.
+    fn add_lane(&mut self, lane: Lane) -> Option<PeerId> {
+        self.lanes.insert(Box::new(lane)).ok().map(|(_, id)| id)
     }
 
     /// Removes a lane; an unclean end (the peer had not closed) is reported
     /// once as `PeerLost`. Its segment is unmapped, its descriptors closed.
     fn drop_lane(&mut self, slot: usize, error: Option<Error>) {
-        let Some((id, lane)) = self.retire_lane(slot) else {
+        // Its slot's next lane gets a new generation: the old id names
+        // nothing. The lane's drop unmaps the segment and hangs its link up.
+        let Some((id, lane)) = self.lanes.remove(slot) else {
             return;
         };
         let error = error.or_else(|| (!lane.session.peer_closed()).then_some(Error::PeerLost(id)));
@@ -584,7 +553,14 @@ impl LocalWire {
             match handshake::recv_setup(&link.stream) {
                 Ok(SetupRead::Ready(setup)) => {
                     let link = self.links.swap_remove(i);
-                    self.setups.insert(setup.token, (setup, link.stream, now));
+                    // Only for an offer of ours (its answer may come before
+                    // or after): any local process can connect and send
+                    // setups, each holding a segment and a link here.
+                    let ours = self.awaiting.contains_key(&setup.token)
+                        || self.dialed.values().any(|(t, _)| *t == setup.token);
+                    if ours {
+                        self.setups.insert(setup.token, (setup, link.stream, now));
+                    }
                 }
                 Ok(wait) if now.duration_since(link.since) < SETUP_TIMEOUT => {
                     link.no_room = matches!(wait, SetupRead::NoRoom);
@@ -662,7 +638,7 @@ impl LocalWire {
     }
 
     /// Accepting side: connects to the offering side's lane socket, creates
-    /// the segment and doorbells, sends them over, and starts the lane
+    /// the segment, sends it over, and starts the lane
     /// (announced to the application). `Ok(false)`: the socket is full
     /// (`WouldBlock` on the dial), nothing made; any later error is an error.
     fn take_offer(&mut self, peer: PeerId, offer: HostOffer) -> io::Result<bool> {
@@ -686,29 +662,13 @@ impl LocalWire {
             self.config.ring_bytes,
             self.config.single_copy_from,
         )?);
-        let (bell_offerer, bell_taker) = (handshake::bell()?, handshake::bell()?);
-        use std::os::fd::AsFd;
-        handshake::send_setup(
-            &link,
-            token,
-            seg.fd(),
-            bell_offerer.as_fd(),
-            bell_taker.as_fd(),
-        )?;
+        handshake::send_setup(&link, token, seg.fd())?;
         let now = self.now();
-        let lane = Lane::new(
-            addr,
-            seg,
-            true,
-            bell_taker,
-            bell_offerer,
-            link,
-            self.session,
-            0,
-            now,
-        );
+        let lane = Lane::new(addr, seg, true, link, self.session, 0, now);
         let lane = self.equip(lane);
-        let id = self.add_lane(lane);
+        let id = self
+            .add_lane(lane)
+            .ok_or(io::Error::other("every lane slot is taken"))?;
         self.accepted.push_back((id, addr));
         Ok(true)
     }
@@ -726,19 +686,10 @@ impl LocalWire {
             Error::Backend("shm: the peer's segment was refused")
         })?;
         let now = self.now();
-        let lane = Lane::new(
-            addr,
-            Arc::new(seg),
-            false,
-            setup.bell_offerer,
-            setup.bell_taker,
-            link,
-            self.session,
-            token,
-            now,
-        );
+        let lane = Lane::new(addr, Arc::new(seg), false, link, self.session, token, now);
         let lane = self.equip(lane);
-        Ok(self.add_lane(lane))
+        self.add_lane(lane)
+            .ok_or(Error::Backend("shm: every lane slot is taken"))
     }
 
     /// Reads every lane into the arrivals. Whether anything came: a
@@ -751,15 +702,24 @@ impl LocalWire {
         // timers run in seconds, and a clock read per poll would cost a
         // spinning receiver a quarter of its time.
         let now = self.clock;
-        for slot in 0..self.lanes.len() {
-            let Some((gen, Some(l))) = self.lanes.get_mut(slot) else {
+        let n = self.lanes.len();
+        self.first_lane = if self.first_lane + 1 < n {
+            self.first_lane + 1
+        } else {
+            0
+        };
+        for k in 0..n {
+            let slot = match self.first_lane + k {
+                s if s >= n => s - n,
+                s => s,
+            };
+            let Some((id, l)) = self.lanes.entry(slot) else {
                 continue;
             };
             // Most of many same-host peers say nothing most of the time.
             if l.quiet() {
                 continue;
             }
-            let id = lane_id(slot, *gen);
             let taken = l.taken();
             let outcome = l.read(
                 id,
@@ -797,8 +757,7 @@ impl LocalWire {
         }
         let mut any = false;
         for slot in 0..self.lanes.len() {
-            let id = lane_id(slot, self.lanes[slot].0);
-            let Some((_, Some(l))) = self.lanes.get_mut(slot) else {
+            let Some((id, l)) = self.lanes.entry(slot) else {
                 continue;
             };
             l.control();
@@ -840,9 +799,7 @@ impl LocalWire {
     fn awake(&mut self) {
         if std::mem::take(&mut self.slept) {
             for (_, l) in self.lanes.iter_mut() {
-                if let Some(l) = l {
-                    l.woke();
-                }
+                l.woke();
             }
         }
     }
@@ -974,8 +931,7 @@ impl Transport for LocalWire {
         self.closed = true;
         self.tcp.close()?;
         for slot in 0..self.lanes.len() {
-            let id = lane_id(slot, self.lanes[slot].0);
-            if let Some((_, Some(l))) = self.lanes.get_mut(slot) {
+            if let Some((id, l)) = self.lanes.entry(slot) {
                 l.session.close();
                 l.control();
                 let _ = l.flush(id);
@@ -1015,10 +971,8 @@ impl Wire for LocalWire {
                 revents: 0,
             });
         }
-        for (_, l) in &self.lanes {
-            if let Some(l) = l {
-                l.poll_fds(out);
-            }
+        for (_, l) in self.lanes.iter() {
+            l.poll_fds(out);
         }
     }
 
@@ -1026,9 +980,7 @@ impl Wire for LocalWire {
         self.slept = true;
         let mut any = self.tcp.prepare_sleep(waiter) || !self.arrivals.is_empty();
         for (_, l) in self.lanes.iter_mut() {
-            if let Some(l) = l {
-                any |= l.prepare_sleep();
-            }
+            any |= l.prepare_sleep();
         }
         any
     }
@@ -1037,8 +989,7 @@ impl Wire for LocalWire {
         let lanes: usize = self
             .lanes
             .iter()
-            .filter_map(|(_, l)| l.as_ref())
-            .map(|l| l.queued_bytes + l.device_in_flight() + l.placed_in_flight())
+            .map(|(_, l)| l.queued_bytes + l.device_in_flight() + l.placed_in_flight())
             .sum();
         self.tcp.pending_sends() + lanes
     }

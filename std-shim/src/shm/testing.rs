@@ -11,7 +11,6 @@ use std::sync::Arc;
 use zerohop_core::session::{HostRole, Instant, SessionConfig};
 use zerohop_core::{Error, PeerId, Received};
 
-use super::handshake::bell;
 use super::lane::{short_header, Lane, Outcome, Source};
 use super::ring::{Consumer, Producer, RingMem};
 use super::segment::{SegRing, Segment};
@@ -48,7 +47,8 @@ pub struct LaneRig {
     arrivals: VecDeque<Result<Received<ShmLease>, Error>>,
     /// Messages `arrivals` holds at most (the wire's inbox, shared by its lanes).
     inbox: usize,
-    _peer_link: UnixStream,
+    /// The peer's end of the lane's link (gone once it hangs up).
+    peer_link: Option<UnixStream>,
 }
 
 pub use super::cma::{Desc as SingleCopyDesc, DESC_BYTES as SINGLE_COPY_DESC_BYTES};
@@ -91,8 +91,6 @@ impl LaneRig {
             "127.0.0.1:1".parse().expect("an address"),
             Arc::clone(&seg),
             false,
-            bell()?,
-            bell()?,
             link,
             config,
             7,
@@ -108,7 +106,7 @@ impl LaneRig {
             pool,
             arrivals: VecDeque::new(),
             inbox: 64,
-            _peer_link: peer_link,
+            peer_link: Some(peer_link),
         })
     }
 
@@ -417,6 +415,21 @@ impl LaneRig {
     /// Whether the lane still stands.
     pub fn alive(&self) -> bool {
         self.lane.is_some()
+    }
+
+    /// The peer rings this side `rings` times (bytes on the link), then
+    /// its process goes: the link hangs up.
+    pub fn peer_rings_and_hangs_up(&mut self, rings: usize) {
+        if let Some(link) = self.peer_link.take() {
+            for _ in 0..rings {
+                super::handshake::ring(&link);
+            }
+        }
+    }
+
+    /// Whether the lane sees its peer's end of the link still there.
+    pub fn link_alive(&self) -> bool {
+        self.lane.as_ref().is_some_and(|l| l.alive())
     }
 
     /// Bytes leased from the receive pool now.

@@ -91,7 +91,7 @@ impl TcpTransport {
     /// connection it will be paired with on the other side.
     pub(super) fn add_lane(&mut self, id: PeerId, lane: TcpStream, token: u32) -> io::Result<()> {
         lane.set_nonblocking(true)?;
-        let slot = id.0 as usize & 0xFF_FFFF;
+        let slot = self.peers.slot(id).ok_or(io::ErrorKind::NotConnected)?;
         self.poller
             .add(&lane, Set::Data, key(slot, LANE), true, false)?;
         self.poller
@@ -110,10 +110,11 @@ impl TcpTransport {
 
     /// A lane said Hello: joins its peer (by token) or waits for it.
     pub(super) fn pair(&mut self, lane: Lane) {
-        let found = self.peers.iter().position(|(_, p)| {
-            p.as_ref()
-                .is_some_and(|p| p.token == Some(lane.token) && p.lane.is_none())
-        });
+        let found = self
+            .peers
+            .iter()
+            .find(|(_, p)| p.token == Some(lane.token) && p.lane.is_none())
+            .map(|(slot, _)| slot);
         match found {
             Some(slot) => {
                 let id = self.id(slot);
@@ -130,7 +131,9 @@ impl TcpTransport {
 
     /// Acks `lane` (accepting side) and gives it to `id`.
     pub(super) fn attach_lane(&mut self, id: PeerId, mut lane: Lane) {
-        let slot = id.0 as usize & 0xFF_FFFF;
+        let Some(slot) = self.peers.slot(id) else {
+            return;
+        };
         // Watched first, acked last: once acked, the peer stripes over it.
         // (A lane dropped after its adds leaves epoll as its socket closes.)
         // The first bytes this way on a fresh connection: the socket takes them whole.

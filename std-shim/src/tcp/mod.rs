@@ -34,7 +34,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 
-use zerohop_backends::host_bytes;
+use zerohop_backends::{host_bytes, PeerSlots};
 use zerohop_core::session::{HostOffer, HostRole, Instant, Session, SessionConfig, SessionStats};
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{Capabilities, Error, Kind, PeerId, PoolError, Received, Rejected, Transport};
@@ -58,6 +58,10 @@ const STAGE_BYTES: usize = 64 << 10;
 const DIRECT_MIN: usize = 1 << 10;
 /// How far past a message read straight into its lease the same read goes.
 const READ_AHEAD: usize = 4 << 10;
+/// Frames one peer's read takes before the others' turn (its read goes on
+/// at the next pass): frames that deliver nothing (credit, a Want) fill no
+/// inbox, and a peer streaming them would otherwise keep the read for good.
+const FRAMES_PER_TURN: u32 = 256;
 /// The default [`TcpConfig::stripe_min`]. Measured on the 16-core H200
 /// host (BENCHMARKS.md), striping loses bandwidth from 256 to 768 KiB and
 /// gains from 1 MiB up.
@@ -109,6 +113,7 @@ pub struct TcpConfig {
     pub check_payload: bool,
     /// Messages of at least this many bytes are striped over a second
     /// connection per peer (see the module docs); `None`: one connection.
+    /// At least 8 KiB (`new` refuses less).
     pub stripe_min: Option<usize>,
     /// A peer silent this long before its Hello or mid-frame is dropped (default 5 s).
     pub idle_timeout: Duration,
@@ -174,16 +179,6 @@ impl Dialed {
     }
 }
 
-/// A peer's id: its slot in the low 24 bits, the slot's generation in the
-/// next 7. The top bit is never set: ids with it name same-host lanes
-/// ([`crate::shm`]), which share an endpoint with these.
-fn peer_id(slot: usize, gen: u8) -> PeerId {
-    PeerId(slot as u32 | u32::from(gen & GEN_MASK) << 24)
-}
-
-/// The generations a slot goes through before its ids repeat.
-const GEN_MASK: u8 = 0x7F;
-
 struct Peer {
     stream: TcpStream,
     addr: SocketAddr,
@@ -239,7 +234,7 @@ pub struct TcpTransport {
     /// The watched descriptor became readable (see [`TcpTransport::watch`]).
     watched: bool,
     pending: Vec<Option<Pending>>,
-    peers: Vec<(u8, Option<Box<Peer>>)>,
+    peers: PeerSlots<Box<Peer>>,
     /// Slots with reading, and with writing, to do without a new event.
     hot_read: VecDeque<usize>,
     hot_write: VecDeque<usize>,
@@ -286,6 +281,15 @@ impl TcpTransport {
     /// ([`PoolConfig::largest_lease`](zerohop_core::PoolConfig::largest_lease)):
     /// a peer is never told it may send what could never be received.
     pub fn new(pool: Arc<StdPool>, mut config: TcpConfig, kind: Kind) -> io::Result<Self> {
+        if config
+            .stripe_min
+            .is_some_and(|n| lane::stripe_split(n) == 0)
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "tcp: stripe_min below 8 KiB (a striped message's part on the second connection would be empty)",
+            ));
+        }
         let now = StdInstant::now();
         config.max_message = config.max_message.min(pool.config().largest_lease());
         Ok(TcpTransport {
@@ -298,7 +302,7 @@ impl TcpTransport {
             accept_after: None,
             watched: false,
             pending: Vec::new(),
-            peers: Vec::new(),
+            peers: PeerSlots::new(false),
             hot_read: VecDeque::new(),
             hot_write: VecDeque::new(),
             arrivals: VecDeque::new(),
@@ -418,13 +422,13 @@ impl TcpTransport {
     pub fn peer_count(&self) -> usize {
         self.peers
             .iter()
-            .filter(|(_, p)| p.as_ref().is_some_and(|p| p.session.is_open()))
+            .filter(|(_, p)| p.session.is_open())
             .count()
     }
 
     /// Peers in the table, open or not yet (a closing transport waits for 0).
     pub fn peers_left(&self) -> usize {
-        self.peers.iter().filter(|(_, p)| p.is_some()).count()
+        self.peers.count()
     }
 
     /// Accepted connections that have not said Hello yet.
@@ -459,9 +463,13 @@ impl TcpTransport {
     /// memory (this peer goes, silently, once the answer is out); else it
     /// stays here, and the peer is announced.
     pub fn answer_offer(&mut self, peer: PeerId, accept: bool) {
-        let Ok(p) = self.peer_mut(peer) else { return };
-        p.session.answer_host(accept);
-        self.control(peer.0 as usize & 0xFF_FFFF);
+        let Some(slot) = self.peers.slot(peer) else {
+            return;
+        };
+        if let Some(p) = self.peers.at_mut(slot) {
+            p.session.answer_host(accept);
+        }
+        self.control(slot);
     }
 
     /// The next answer to one of this side's offers: the peer, and whether
@@ -482,10 +490,10 @@ impl TcpTransport {
     /// Drops a peer at once, with no Close and no report: a connect that
     /// gave up waiting for the answer to its Hello. Whether it was there.
     pub fn disconnect(&mut self, peer: PeerId) -> bool {
-        if self.peer(peer).is_none() {
+        let Some(slot) = self.peers.slot(peer) else {
             return false;
-        }
-        self.drop_peer(peer.0 as usize & 0xFF_FFFF, true);
+        };
+        self.drop_peer(slot, true);
         true
     }
 
@@ -549,70 +557,71 @@ impl TcpTransport {
     }
 
     fn peer(&self, id: PeerId) -> Option<&Peer> {
-        match self.peers.get(id.0 as usize & 0xFF_FFFF) {
-            Some((gen, Some(p))) if u32::from(*gen) == id.0 >> 24 => Some(p),
-            _ => None,
-        }
+        self.peers.get(id).map(|p| &**p)
     }
 
     fn peer_mut(&mut self, id: PeerId) -> Result<&mut Peer, Error> {
-        match self.peers.get_mut(id.0 as usize & 0xFF_FFFF) {
-            Some((gen, Some(p))) if u32::from(*gen) == id.0 >> 24 => Ok(p),
-            _ => Err(Error::UnknownPeer(id)),
-        }
+        self.peers
+            .get_mut(id)
+            .map(|p| &mut **p)
+            .ok_or(Error::UnknownPeer(id))
     }
 
     fn id(&self, slot: usize) -> PeerId {
-        peer_id(slot, self.peers[slot].0)
+        self.peers.id(slot)
     }
 
     fn add_peer(&mut self, s: TcpStream, addr: SocketAddr, session: Session) -> io::Result<PeerId> {
         s.set_nodelay(true)?;
         s.set_nonblocking(true)?;
-        let slot = match self.peers.iter().position(|(_, p)| p.is_none()) {
-            Some(i) => i,
-            None if self.peers.len() < 1 << 24 => {
-                self.peers.push((0, None));
-                self.peers.len() - 1
-            }
-            None => return Err(io::ErrorKind::OutOfMemory.into()),
-        };
-        self.poller
-            .add(&s, Set::Data, key(slot, MAIN), true, false)?;
-        self.poller
-            .add(&s, Set::Ctl, key(slot, MAIN), false, true)?;
         let token = session.peer().map(|p| p.token);
-        self.peers[slot].1 = Some(Box::new(Peer {
-            stream: s,
-            addr,
-            session,
-            stage: vec![0u8; STAGE_BYTES].into_boxed_slice(),
-            stage_start: 0,
-            stage_end: 0,
-            incoming: None,
-            lease: None,
-            queue: VecDeque::new(),
-            queued_bytes: 0,
-            direct: None,
-            lane: None,
-            token,
-            striped_sent: 0,
-            readable: true,
-            heard: false,
-            lane_readable: true,
-            hup: false,
-            lane_hup: false,
-            writable: true,
-            in_read: false,
-            in_write: false,
-            dry: false,
-            deferred: false,
-            direct_stream: false,
-            announced: false,
-        }));
+        let (slot, id) = self
+            .peers
+            .insert(Box::new(Peer {
+                stream: s,
+                addr,
+                session,
+                stage: vec![0u8; STAGE_BYTES].into_boxed_slice(),
+                stage_start: 0,
+                stage_end: 0,
+                incoming: None,
+                lease: None,
+                queue: VecDeque::new(),
+                queued_bytes: 0,
+                direct: None,
+                lane: None,
+                token,
+                striped_sent: 0,
+                readable: true,
+                heard: false,
+                lane_readable: true,
+                hup: false,
+                lane_hup: false,
+                writable: true,
+                in_read: false,
+                in_write: false,
+                dry: false,
+                deferred: false,
+                direct_stream: false,
+                announced: false,
+            }))
+            .map_err(|_| io::Error::from(io::ErrorKind::OutOfMemory))?;
+        let stream = &self.peers.at(slot).expect("just inserted").stream;
+        let watched = self
+            .poller
+            .add(stream, Set::Data, key(slot, MAIN), true, false)
+            .and_then(|()| {
+                self.poller
+                    .add(stream, Set::Ctl, key(slot, MAIN), false, true)
+            });
+        if let Err(e) = watched {
+            // Its id was never given out; its socket leaves epoll as it closes.
+            self.peers.remove(slot);
+            return Err(e);
+        }
         self.control(slot);
         self.mark_read(slot);
-        Ok(self.id(slot))
+        Ok(id)
     }
 
     // ----- readiness -----
@@ -624,12 +633,9 @@ impl TcpTransport {
     /// Removes a peer; an unclean end is reported once as `PeerLost`. What
     /// it held (a partial message, queued sends) goes back with it.
     fn drop_peer(&mut self, slot: usize, clean: bool) {
-        let Some((gen, p)) = self.peers.get_mut(slot) else {
+        let Some((id, p)) = self.peers.remove(slot) else {
             return;
         };
-        let Some(p) = p.take() else { return };
-        let id = peer_id(slot, *gen);
-        *gen = gen.wrapping_add(1) & GEN_MASK;
         self.queued_total -= p.queued_bytes;
         if !clean {
             log::info!(
@@ -661,11 +667,10 @@ impl TcpTransport {
         let mut granted: u64 = self
             .peers
             .iter()
-            .filter_map(|(_, p)| p.as_ref())
-            .map(|p| p.session.extra_granted())
+            .map(|(_, p)| p.session.extra_granted())
             .sum();
         for slot in 0..self.peers.len() {
-            let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+            let Some(p) = self.peers.at_mut(slot) else {
                 continue;
             };
             // A payload this side leaves in the socket (the application has
@@ -682,7 +687,7 @@ impl TcpTransport {
             }
             if let Some(len) = p.session.pending_grant() {
                 if granted + len as u64 <= self.config.grant_budget as u64 {
-                    p.session.grant();
+                    p.session.grant(t);
                     granted += p.session.extra_granted();
                     self.control(slot);
                 }
@@ -750,7 +755,7 @@ impl Transport for TcpTransport {
             } else {
                 match self.last.filter(|_| self.polls % EPOLL_EVERY != 0) {
                     Some(slot) => {
-                        if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+                        if let Some(p) = self.peers.at_mut(slot) {
                             p.readable = true; // a guess: costs one read if wrong
                         }
                         self.mark_read(slot);
@@ -792,7 +797,7 @@ impl Transport for TcpTransport {
         self.listener = None;
         self.pending.clear();
         for slot in 0..self.peers.len() {
-            if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+            if let Some(p) = self.peers.at_mut(slot) {
                 p.session.close();
                 self.control(slot);
             }
@@ -841,7 +846,9 @@ impl Wire for TcpTransport {
     }
 
     fn continue_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
-        let slot = peer.0 as usize & 0xFF_FFFF;
+        let Some(slot) = self.peers.slot(peer) else {
+            return Err(Error::PeerLost(peer));
+        };
         let Ok(p) = self.peer_mut(peer) else {
             return Err(Error::PeerLost(peer));
         };

@@ -14,8 +14,8 @@ use zerohop_core::{Error, Lease, Received};
 
 use super::lane::stripe_split;
 use super::{
-    Peer, TcpTransport, DIRECT_MIN, LANE, LISTENER, PENDING, QUICK_ACK_MIN, READ_AHEAD,
-    STAGE_BYTES, WATCHED,
+    Peer, TcpTransport, DIRECT_MIN, FRAMES_PER_TURN, LANE, LISTENER, PENDING, QUICK_ACK_MIN,
+    READ_AHEAD, STAGE_BYTES, WATCHED,
 };
 use crate::poller::Set;
 
@@ -119,7 +119,7 @@ impl TcpTransport {
             let (slot, what) = ((r.key >> 2) as usize, r.key & 3);
             if what == PENDING {
                 self.handshake(slot);
-            } else if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+            } else if let Some(p) = self.peers.at_mut(slot) {
                 match what {
                     LANE => {
                         p.lane_readable |= r.read;
@@ -144,7 +144,7 @@ impl TcpTransport {
     }
 
     pub(super) fn mark_read(&mut self, slot: usize) {
-        if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+        if let Some(p) = self.peers.at_mut(slot) {
             if !p.in_read {
                 p.in_read = true;
                 self.hot_read.push_back(slot);
@@ -167,7 +167,7 @@ impl TcpTransport {
             let Some(slot) = self.hot_read.pop_front() else {
                 break;
             };
-            let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+            let Some(p) = self.peers.at_mut(slot) else {
                 continue;
             };
             p.in_read = false;
@@ -201,12 +201,16 @@ impl TcpTransport {
         let id = self.id(slot);
         let (inbox, inbox_bytes) = (self.config.inbox_messages, self.config.inbox_bytes);
         let takes_offers = self.config.takes_offers;
-        let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+        let Some(p) = self.peers.at_mut(slot) else {
             return Outcome::Drained;
         };
         let protocol = |error| Outcome::Bad(Error::Protocol { peer: id, error });
+        let mut frames = 0;
         loop {
-            if self.arrivals.len() >= inbox || self.arrival_bytes >= inbox_bytes {
+            if self.arrivals.len() >= inbox
+                || self.arrival_bytes >= inbox_bytes
+                || frames == FRAMES_PER_TURN
+            {
                 return Outcome::Stopped;
             }
             // 1. The payload of the frame whose header the engine took.
@@ -424,6 +428,7 @@ impl TcpTransport {
                     p.announced = true;
                     self.accepted.push_back((id, p.addr));
                 }
+                frames += 1;
                 continue;
             }
             // Only bytes are news of the peer: a spinning receiver looks at

@@ -148,7 +148,9 @@ impl TcpTransport {
         if len > max {
             return Err((Error::TooLarge { len, max }, src));
         }
-        let slot = peer.0 as usize & 0xFF_FFFF;
+        let Some(slot) = self.peers.slot(peer) else {
+            return Err((Error::UnknownPeer(peer), src));
+        };
         let p = match self.peer_mut(peer) {
             Ok(p) => p,
             Err(e) => return Err((e, src)),
@@ -217,7 +219,7 @@ impl TcpTransport {
     /// Queues the control frames the peer's session has due (a Close after
     /// the data; credit ahead of data not yet begun), then writes.
     pub(super) fn control(&mut self, slot: usize) {
-        let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+        let Some(p) = self.peers.at_mut(slot) else {
             return;
         };
         while let Some(c) = p.session.poll_control() {
@@ -245,7 +247,7 @@ impl TcpTransport {
             let addr = p.addr;
             self.accepted.push_back((self.id(slot), addr));
         }
-        let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+        let Some(p) = self.peers.at_mut(slot) else {
             return;
         };
         if !p.queue.is_empty() {
@@ -260,7 +262,7 @@ impl TcpTransport {
     }
 
     pub(super) fn flush(&mut self, slot: usize) -> bool {
-        let Some((_, Some(p))) = self.peers.get_mut(slot) else {
+        let Some(p) = self.peers.at_mut(slot) else {
             return false;
         };
         if p.direct.is_some() || !p.writable {
@@ -317,11 +319,11 @@ impl TcpTransport {
             let Some(slot) = self.hot_write.pop_front() else {
                 break;
             };
-            if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+            if let Some(p) = self.peers.at_mut(slot) {
                 p.in_write = false;
             }
             any |= self.flush(slot);
-            if let Some((_, Some(p))) = self.peers.get(slot) {
+            if let Some(p) = self.peers.at(slot) {
                 if p.writable {
                     self.mark_write(slot);
                 }
@@ -331,7 +333,7 @@ impl TcpTransport {
     }
 
     pub(super) fn mark_write(&mut self, slot: usize) {
-        if let Some((_, Some(p))) = self.peers.get_mut(slot) {
+        if let Some(p) = self.peers.at_mut(slot) {
             let work = !p.queue.is_empty() && p.direct.is_none();
             if work && !p.in_write {
                 p.in_write = true;

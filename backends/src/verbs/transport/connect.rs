@@ -51,45 +51,35 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         conn.session = Session::new(self.session_config(), 0, self.now()).with_peer_ring(ring);
         conn.established = true;
         conn.addr = Some(addr);
-        let peer = self.add(conn);
+        let (i, peer) = self
+            .peers
+            .insert(Box::new(conn))
+            .map_err(|_| VerbsError::Connect(format!("to {addr}: every peer slot is taken")))?;
         // The Hellos cross; a refusal (another version, no zerohop peer)
         // retires the connection with a typed error.
         let until = StdInstant::now() + Duration::from_millis(CM_TIMEOUT_MS as u64);
-        let i = peer.0 as usize;
         loop {
             let before = self.arrivals.len();
             self.service(i, Self::drain_and_pump);
-            if self.peers[i].as_ref().is_some_and(|c| c.session.is_open()) {
-                return Ok(peer);
-            }
-            if self.peers[i].is_none() {
+            let Some(c) = self.peers.get(peer) else {
                 return Err(match self.arrivals.drain(before..).next() {
                     Some(Err(Error::Protocol { error, .. })) => VerbsError::Protocol(error),
                     _ => VerbsError::Connect(format!(
                         "to {addr}: the peer went away before its hello"
                     )),
                 });
+            };
+            if c.session.is_open() {
+                return Ok(peer);
             }
             if StdInstant::now() >= until {
-                self.peers[i] = None;
+                self.peers.remove(i);
                 return Err(VerbsError::Connect(format!(
                     "to {addr}: no hello from the peer"
                 )));
             }
             std::hint::spin_loop();
         }
-    }
-
-    fn add(&mut self, conn: Conn<M>) -> PeerId {
-        let i = match self.peers.iter().position(Option::is_none) {
-            Some(i) => i,
-            None => {
-                self.peers.push(None);
-                self.peers.len() - 1
-            }
-        };
-        self.peers[i] = Some(Box::new(conn));
-        PeerId(i as u32)
     }
 
     /// Creates the QP (and its CQ) on `id` and posts the receive ring. On
@@ -165,10 +155,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 // SAFETY: a connect request's id is the event's own, owned by
                 // nothing else, and its events come on the listener's channel.
                 let id = unsafe { CmId::adopt(raw, channel) };
-                // A closed listener, or a peer whose ring could never take a
-                // data frame: refused before anything is set up.
+                // A closed listener, a full peer table, or a peer whose ring
+                // could never take a data frame: refused before anything is
+                // set up.
                 let ring = match usable_depth(ev.peer_depth) {
-                    Ok(ring) if !self.closed => ring,
+                    Ok(ring) if !self.closed && self.peers.vacant().is_some() => ring,
                     _ => return id.reject(),
                 };
                 match self.setup(id) {
@@ -177,13 +168,14 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                             Session::new(self.session_config(), 0, self.now()).with_peer_ring(ring);
                         conn.addr = conn.qp.id().peer_addr();
                         conn.accepted = true;
+                        // The table had room (above): the insert takes it.
                         if conn
                             .qp
                             .id()
                             .accept(&self.config.recv_depth.to_le_bytes())
                             .is_ok()
                         {
-                            self.add(conn);
+                            let _ = self.peers.insert(Box::new(conn));
                         }
                     }
                     Err((_, Some(id))) => id.reject(),
@@ -193,11 +185,10 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 }
             }
             ffi::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED => {
-                if let Some(c) = self
+                if let Some((_, c)) = self
                     .peers
                     .iter_mut()
-                    .flatten()
-                    .find(|c| c.qp.id().as_ptr() == raw.as_ptr())
+                    .find(|(_, c)| c.qp.id().as_ptr() == raw.as_ptr())
                 {
                     c.established = true;
                     let _ = Self::pump(c); // our Hello
@@ -208,21 +199,21 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             | ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED
             | ffi::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_ERROR
             | ffi::rdma_cm_event_type::RDMA_CM_EVENT_UNREACHABLE => {
-                let found = self.peers.iter().position(|c| {
-                    c.as_ref()
-                        .is_some_and(|c| c.qp.id().as_ptr() == raw.as_ptr())
-                });
-                if let Some(i) = found {
-                    let mut conn = self.peers[i].take().expect("found");
+                let found = self
+                    .peers
+                    .iter()
+                    .find(|(_, c)| c.qp.id().as_ptr() == raw.as_ptr())
+                    .map(|(i, _)| i);
+                if let Some((peer, mut conn)) = found.and_then(|i| self.peers.remove(i)) {
                     // What landed before the end is taken first: its Close
                     // may wait in the CQ behind the CM event (a clean close
                     // read as a lost peer otherwise). Flushed receives after
                     // it are the end itself.
                     if conn.established {
-                        let _ = self.drain_cq(&mut conn, PeerId(i as u32));
+                        let _ = self.drain_cq(&mut conn, peer);
                     }
                     let lost = !conn.session.peer_closed();
-                    self.retire(conn, lost.then_some(Error::PeerLost(PeerId(i as u32))));
+                    self.retire(conn, lost.then_some(Error::PeerLost(peer)));
                 }
             }
             _ => {}

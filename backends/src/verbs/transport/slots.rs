@@ -89,10 +89,12 @@ impl<H> SendSlots<H> {
     /// A signaled send completed: its slot is free, what it held goes, and
     /// so are the slots of the unsignaled sends posted before it.
     pub(super) fn completed(&mut self, slot: usize) {
-        let Some(held) = self.held.get_mut(slot) else {
-            return; // not a slot of ours: the work request ids are ours alone
-        };
-        *held = None;
+        // Not a slot of ours, or not one with a signaled send out (a second
+        // completion for it): freeing it again would hand one slot to two
+        // sends, and drop a buffer the NIC may still be reading.
+        if self.held.get_mut(slot).and_then(Option::take).is_none() {
+            return;
+        }
         self.free.push(slot as u32);
         let upto = self.posted_at[slot];
         while let Some(&u) = self.unsignaled.front() {
@@ -193,5 +195,27 @@ mod tests {
         s.completed(99);
         assert_eq!(s.free.len(), 2);
         assert_eq!(s.depth(), 2);
+    }
+
+    #[test]
+    fn a_second_completion_for_a_slot_frees_nothing_twice() {
+        let mut s = SendSlots::<Rc<()>>::new(4);
+        let buf = Rc::new(());
+        let (slot, _) = post(&mut s, false, Some(Rc::clone(&buf)));
+        s.completed(slot);
+        s.completed(slot);
+        assert_eq!(s.free.len(), 4, "the slot once in the free list");
+        // A slot posted again must keep its buffer through a stale completion.
+        let (again, _) = post(&mut s, true, None);
+        let (other, _) = post(&mut s, false, Some(Rc::clone(&buf)));
+        s.completed(again); // unsignaled: no completion of its own
+        assert_eq!(
+            Rc::strong_count(&buf),
+            2,
+            "the signaled send keeps its buffer"
+        );
+        assert_eq!(s.free.len(), 2, "the two out stay out");
+        let taken = [s.take(false).unwrap().slot, s.take(false).unwrap().slot];
+        assert!(taken[0] != taken[1] && !taken.contains(&again) && !taken.contains(&other));
     }
 }

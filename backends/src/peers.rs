@@ -1,0 +1,286 @@
+//! The table of a wire's peers, each in a slot and named by a [`PeerId`]
+//! that carries the slot and the slot's generation: once a peer goes, its
+//! id names nothing, even after another peer takes its slot (a send to a
+//! lost peer's id would otherwise reach the newcomer, and its `PeerLost`
+//! read as the newcomer's). One table for every wire with many peers (TCP,
+//! the same-host lanes, verbs), so ids mean the same on each.
+//!
+//! An id is the slot in its low 24 bits, the generation in the next 7, and
+//! the table's tag bit on top: two tables that share an endpoint (TCP
+//! peers and same-host lanes) tag theirs apart. A slot whose 128
+//! generations are used up is retired, never given out again, so an id
+//! never names two peers in a table's life (a stranger that reconnects
+//! over and over would otherwise bring a lost peer's id back, to be
+//! answered what was meant for that peer); a table holds at most 2^24
+//! slots, retired ones among them: 16 bytes of table per 128 peers gone.
+
+use std::vec::Vec;
+
+use zerohop_core::PeerId;
+
+/// Slots a table holds at most (an id's slot field).
+pub const MAX_PEER_SLOTS: usize = 1 << 24;
+/// The generations a slot goes through before it is retired.
+const GEN_MASK: u32 = 0x7F;
+/// A retired slot's generation (no id carries it).
+const RETIRED: u8 = 0xFF;
+const SLOT_MASK: u32 = (MAX_PEER_SLOTS - 1) as u32;
+/// The bit that tells tagged tables' ids apart.
+pub const TAG_BIT: u32 = 1 << 31;
+
+/// Peers in generation-counted slots.
+pub struct PeerSlots<T> {
+    slots: Vec<(u8, Option<T>)>,
+    tag: u32,
+}
+
+impl<T> std::fmt::Debug for PeerSlots<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerSlots")
+            .field("slots", &self.slots.len())
+            .field("occupied", &self.count())
+            .field("tagged", &(self.tag != 0))
+            .finish()
+    }
+}
+
+impl<T> PeerSlots<T> {
+    /// An empty table; a `tagged` one's ids have [`TAG_BIT`] set, an
+    /// untagged one's never do.
+    pub const fn new(tagged: bool) -> Self {
+        PeerSlots {
+            slots: Vec::new(),
+            tag: if tagged { TAG_BIT } else { 0 },
+        }
+    }
+
+    /// The id of whatever is in `slot` now (or comes next, if it is free).
+    pub fn id(&self, slot: usize) -> PeerId {
+        let gen = self.slots.get(slot).map_or(0, |(g, _)| *g);
+        PeerId(self.tag | slot as u32 | (u32::from(gen) & GEN_MASK) << 24)
+    }
+
+    /// The slot that `id` names, if its peer is still there.
+    pub fn slot(&self, id: PeerId) -> Option<usize> {
+        if id.0 & TAG_BIT != self.tag {
+            return None;
+        }
+        let slot = (id.0 & SLOT_MASK) as usize;
+        match self.slots.get(slot) {
+            Some((gen, Some(_))) if u32::from(*gen) == (id.0 >> 24) & GEN_MASK => Some(slot),
+            _ => None,
+        }
+    }
+
+    /// The peer `id` names.
+    pub fn get(&self, id: PeerId) -> Option<&T> {
+        self.slot(id).and_then(|s| self.at(s))
+    }
+
+    /// The peer `id` names.
+    pub fn get_mut(&mut self, id: PeerId) -> Option<&mut T> {
+        self.slot(id).and_then(|s| self.at_mut(s))
+    }
+
+    /// The peer in `slot`.
+    pub fn at(&self, slot: usize) -> Option<&T> {
+        self.slots.get(slot)?.1.as_ref()
+    }
+
+    /// The peer in `slot`.
+    pub fn at_mut(&mut self, slot: usize) -> Option<&mut T> {
+        self.slots.get_mut(slot)?.1.as_mut()
+    }
+
+    /// The slot the next [`insert`](Self::insert) takes (the first free
+    /// one), or `None` when every slot an id can name is taken.
+    pub fn vacant(&self) -> Option<usize> {
+        match self
+            .slots
+            .iter()
+            .position(|(g, p)| p.is_none() && *g != RETIRED)
+        {
+            Some(i) => Some(i),
+            None if self.slots.len() < MAX_PEER_SLOTS => Some(self.slots.len()),
+            None => None,
+        }
+    }
+
+    /// The peer in `slot` with its id.
+    pub fn entry(&mut self, slot: usize) -> Option<(PeerId, &mut T)> {
+        let id = self.id(slot);
+        Some((id, self.at_mut(slot)?))
+    }
+
+    /// Puts `peer` in the first free slot ([`vacant`](Self::vacant)'s): the
+    /// slot and the peer's id, or the peer back when every slot an id can
+    /// name is taken.
+    pub fn insert(&mut self, peer: T) -> Result<(usize, PeerId), T> {
+        let Some(slot) = self.vacant() else {
+            return Err(peer);
+        };
+        if slot == self.slots.len() {
+            self.slots.push((0, None));
+        }
+        self.slots[slot].1 = Some(peer);
+        Ok((slot, self.id(slot)))
+    }
+
+    /// Removes the peer in `slot` for good: its id, which names nothing
+    /// from now on, and the peer.
+    pub fn remove(&mut self, slot: usize) -> Option<(PeerId, T)> {
+        let id = self.id(slot);
+        let (gen, p) = self.slots.get_mut(slot)?;
+        let peer = p.take()?;
+        *gen = next_generation(*gen);
+        Some((id, peer))
+    }
+
+    /// Takes the peer in `slot` out for a while, to be [`restore`](Self::restore)d
+    /// (its id still names the slot) or [`retire`](Self::retire)d.
+    pub fn lend(&mut self, slot: usize) -> Option<T> {
+        self.slots.get_mut(slot)?.1.take()
+    }
+
+    /// Puts a lent peer back in its slot.
+    pub fn restore(&mut self, slot: usize, peer: T) {
+        if let Some((g, p @ None)) = self.slots.get_mut(slot) {
+            if *g != RETIRED {
+                *p = Some(peer);
+            }
+        }
+    }
+
+    /// Ends a lent peer's slot generation: its id names nothing from now on.
+    pub fn retire(&mut self, slot: usize) {
+        if let Some((gen, None)) = self.slots.get_mut(slot) {
+            *gen = next_generation(*gen);
+        }
+    }
+
+    /// Slots in the table, occupied or not (ids' slots are below it).
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether the table has no slots.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Peers in the table.
+    pub fn count(&self) -> usize {
+        self.slots.iter().filter(|(_, p)| p.is_some()).count()
+    }
+
+    /// The peers, with their slots.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, &T)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (_, p))| Some((i, p.as_ref()?)))
+    }
+
+    /// The peers, with their slots.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (usize, &mut T)> {
+        self.slots
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, (_, p))| Some((i, p.as_mut()?)))
+    }
+}
+
+/// The generation after `gen`, or [`RETIRED`] once they are used up.
+fn next_generation(gen: u8) -> u8 {
+    match u32::from(gen) {
+        g if g < GEN_MASK => gen + 1,
+        _ => RETIRED,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gone_peers_id_names_nothing_once_its_slot_is_taken_again() {
+        let mut t = PeerSlots::new(false);
+        let a = t.insert("a").unwrap().1;
+        let b = t.insert("b").unwrap().1;
+        assert_eq!((t.get(a), t.get(b)), (Some(&"a"), Some(&"b")));
+        assert_eq!(t.remove(t.slot(a).unwrap()), Some((a, "a")));
+        assert_eq!(t.get(a), None);
+        assert_eq!(t.vacant(), Some(0));
+        let c = t.insert("c").unwrap().1;
+        assert_eq!(t.slot(c), Some(0), "the free slot is taken again");
+        assert_ne!(c, a, "with a new id");
+        assert_eq!((t.get(a), t.get(c)), (None, Some(&"c")));
+        assert_eq!(t.count(), 2);
+    }
+
+    #[test]
+    fn a_slot_is_retired_after_128_generations_and_ids_never_repeat() {
+        let mut t = PeerSlots::new(true);
+        let mut ids = std::collections::HashSet::new();
+        for i in 0..1000 {
+            let id = t.insert(i).unwrap().1;
+            assert_eq!(id.0 & TAG_BIT, TAG_BIT);
+            assert!(ids.insert(id), "peer {i}: {id:?} given out again");
+            let slot = t.slot(id).unwrap();
+            assert_eq!(t.remove(slot).map(|(gone, _)| gone), Some(id));
+        }
+        assert_eq!(t.len(), 1000usize.div_ceil(128), "a slot per 128 peers");
+        assert_eq!(t.count(), 0);
+        // Lent and retired the same way.
+        let mut t = PeerSlots::new(false);
+        for i in 0..128 {
+            t.insert(i).unwrap();
+            t.lend(0).unwrap();
+            t.retire(0);
+        }
+        assert_eq!(t.vacant(), Some(1), "slot 0 used up");
+    }
+
+    #[test]
+    fn tagged_and_untagged_tables_never_name_each_others_peers() {
+        let mut plain = PeerSlots::new(false);
+        let mut tagged = PeerSlots::new(true);
+        let p = plain.insert(1).unwrap().1;
+        let q = tagged.insert(2).unwrap().1;
+        assert_eq!(p.0 & TAG_BIT, 0);
+        assert_eq!(q.0 & TAG_BIT, TAG_BIT);
+        assert_eq!((plain.get(q), tagged.get(p)), (None, None));
+        assert_eq!((plain.get(p), tagged.get(q)), (Some(&1), Some(&2)));
+    }
+
+    #[test]
+    fn a_lent_peer_keeps_its_id_and_a_retired_one_loses_it() {
+        let mut t = PeerSlots::new(false);
+        let a = t.insert('a').unwrap().1;
+        assert_eq!(t.entry(0).map(|(id, p)| (id, *p)), Some((a, 'a')));
+        let x = t.lend(0).unwrap();
+        assert_eq!(t.get(a), None, "out meanwhile");
+        t.restore(0, x);
+        assert_eq!(t.get(a), Some(&'a'));
+        t.lend(0).unwrap();
+        t.retire(0);
+        let b = t.insert('b').unwrap().1;
+        assert_ne!(a, b);
+        assert_eq!(t.get(a), None);
+        t.restore(0, 'z'); // an occupied slot is left as it is
+        assert_eq!(t.get(b), Some(&'b'));
+    }
+
+    #[test]
+    fn ids_out_of_range_or_of_free_slots_name_nothing() {
+        let mut t = PeerSlots::<u8>::new(false);
+        assert_eq!(t.slot(PeerId(0)), None);
+        t.insert(1).unwrap();
+        t.remove(0).unwrap();
+        assert_eq!(t.slot(t.id(0)), None, "free");
+        assert_eq!(t.slot(PeerId(5)), None);
+        assert_eq!(t.slot(PeerId(u32::MAX)), None);
+        assert_eq!(t.iter().count(), 0);
+        assert_eq!(t.len(), 1);
+    }
+}

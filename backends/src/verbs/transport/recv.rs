@@ -1,0 +1,267 @@
+//! The receive side of a queue pair: its ring of posted receives, and what
+//! a completion brings — a headerless message, a frame's header for the
+//! engine, a fragment to reassemble — handed on to the application.
+
+use std::mem::MaybeUninit;
+use std::sync::Arc;
+
+use rdma_sys as ffi;
+use zerohop_core::session::Inbound;
+use zerohop_core::wire::HEADER_LEN;
+use zerohop_core::{Error, Lease, PeerId, Received, SizeClasses};
+
+use super::{Conn, RdmaTransport, POLL_BATCH, SEND_TAG};
+use crate::host_bytes;
+use crate::verbs::payload::{PayloadLease, PayloadMemory};
+
+impl<M: PayloadMemory> RdmaTransport<M> {
+    /// A receive buffer's size: a whole frame where the header lands in the
+    /// buffer too (host payloads, see `post_recv`), else one fragment.
+    pub(super) fn receive_buffer_len(fragment: usize) -> usize {
+        fragment + if M::HOST_VISIBLE { HEADER_LEN } else { 0 }
+    }
+
+    /// Posts a receive into ring slot `slot`. Host payloads take the whole
+    /// frame into one buffer, header first (one scatter entry: in Soft-RoCE
+    /// each entry is a lookup and a copy in the kernel); device payloads
+    /// take the header into the host header ring and the payload into GPU
+    /// memory, so the CPU never reads a header out of device memory.
+    pub(super) fn post_recv(
+        pool: &Arc<M::Pool>,
+        fragment: usize,
+        conn: &mut Conn<M>,
+        slot: usize,
+    ) -> Result<(), Error> {
+        let lease = Lease::take(Arc::clone(pool), Self::receive_buffer_len(fragment))?;
+        let payload = ffi::ibv_sge {
+            addr: lease.device_ptr(),
+            length: lease.len() as u32,
+            lkey: lease.mr().map_or(0, |m| m.lkey),
+        };
+        let header = ffi::ibv_sge {
+            addr: conn.headers.device_ptr() + (slot * HEADER_LEN) as u64,
+            length: HEADER_LEN as u32,
+            lkey: conn.headers.mr().map_or(0, |m| m.lkey),
+        };
+        let mut sge = if M::HOST_VISIBLE {
+            [payload, payload]
+        } else {
+            [header, payload]
+        };
+        // SAFETY: an all-zero recv WR is valid; the fields are set below.
+        let mut wr: ffi::ibv_recv_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = slot as u64;
+        wr.sg_list = sge.as_mut_ptr();
+        wr.num_sge = if M::HOST_VISIBLE { 1 } else { 2 };
+        // SAFETY: the SGEs name registered memory that stays leased (in
+        // `conn.recv[slot]`, or the header ring) until this receive completes
+        // or the QP, destroyed before both, is gone.
+        unsafe { conn.qp.post_recv(&mut wr) }?;
+        conn.recv[slot] = Some(lease);
+        Ok(())
+    }
+
+    /// Posts fresh buffers into the receive slots that have none, until the
+    /// pool runs dry (the rest wait for the next call), and tells the engine,
+    /// which returns them to the peer as credit. A delivered message's slot
+    /// is refilled here, at the caller's next call — after the reply it
+    /// sends, for one that answers — so the lease and the post stay off the
+    /// round trip's path.
+    pub(super) fn refill(pool: &Arc<M::Pool>, fragment: usize, conn: &mut Conn<M>) {
+        if conn.session.peer_closed() {
+            return;
+        }
+        while let Some(&slot) = conn.unposted.last() {
+            if Self::post_recv(pool, fragment, conn, slot as usize).is_err() {
+                break;
+            }
+            conn.unposted.pop();
+            conn.session.reposted(1);
+        }
+    }
+
+    pub(super) fn drain_cq(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<usize, Error> {
+        Self::refill(&self.recv_pool, self.config.fragment, conn);
+        let mut wcs = [const { MaybeUninit::<ffi::ibv_wc>::uninit() }; POLL_BATCH];
+        let n = conn.qp.cq().poll(&mut wcs)?;
+        for wc in &wcs[..n] {
+            // SAFETY: ibv_poll_cq wrote the first `n` completions.
+            let wc = unsafe { wc.assume_init_ref() };
+            if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
+                // A QP in error (retries exceeded, peer gone): flushed work
+                // after the peer's clean close is expected.
+                if conn.session.peer_closed()
+                    && wc.status == ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR
+                {
+                    continue;
+                }
+                return Err(Error::PeerLost(peer));
+            }
+            if wc.wr_id & SEND_TAG != 0 {
+                // The payload lease goes back to its pool.
+                conn.send.completed((wc.wr_id & !SEND_TAG) as usize);
+                continue;
+            }
+            if !conn.established {
+                // A frame proves the connection (the RTU that raises our
+                // ESTABLISHED may still be on its way): replies may go.
+                conn.established = true;
+                conn.qp.id().notify_established();
+            }
+            let imm = (wc.wc_flags & ffi::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0).then(|| {
+                // SAFETY: the flag says the union holds the immediate data.
+                u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data })
+            });
+            self.received(conn, peer, wc.wr_id as usize, wc.byte_len as usize, imm)?;
+        }
+        Ok(n)
+    }
+
+    fn received(
+        &mut self,
+        conn: &mut Conn<M>,
+        peer: PeerId,
+        slot: usize,
+        byte_len: usize,
+        imm: Option<u32>,
+    ) -> Result<(), Error> {
+        let now = self.now();
+        let mut lease = conn.recv[slot].take().ok_or(Error::Backend(
+            "verbs: a completion for an empty receive slot",
+        ))?;
+        conn.unposted.push(slot as u32);
+        let protocol = |error| Error::Protocol { peer, error };
+        if let Some(imm) = imm {
+            let done = conn
+                .session
+                .handle_headerless(now, byte_len, imm)
+                .map_err(protocol)?;
+            lease.set_len(done.len)?;
+            return self.deliver(conn, peer, lease, done.len);
+        }
+        // Host payloads carry their header in front (see `post_recv`).
+        let in_place = self.memory.host_view(&lease).is_some();
+        let header = match self.memory.host_view(&lease) {
+            Some(bytes) => &bytes[..HEADER_LEN.min(bytes.len())],
+            None => &host_bytes(&conn.headers)[slot * HEADER_LEN..(slot + 1) * HEADER_LEN],
+        };
+        // Only what arrived: a frame shorter than a header would otherwise
+        // be read against the stale bytes of the buffer's last frame.
+        let header = &header[..byte_len.min(header.len())];
+        let carried = Some(byte_len.saturating_sub(HEADER_LEN));
+        let d = match conn
+            .session
+            .handle_header(now, header, carried)
+            .map_err(protocol)?
+        {
+            Inbound::Data(d) => d,
+            Inbound::Closed => {
+                self.arrivals.push_back(Err(Error::PeerClosed(peer)));
+                return Ok(());
+            }
+            Inbound::Want => {
+                // The receive pool's budget is what a grant can cost.
+                conn.session.grant(now);
+                return Ok(());
+            }
+            Inbound::Opened => {
+                if let (true, Some(addr)) = (conn.accepted, conn.addr) {
+                    self.accepted.push_back((peer, addr));
+                }
+                return Ok(());
+            }
+            // Without the same-host exchange (`HostRole::None`) the engine
+            // refuses Host frames itself: these never come.
+            Inbound::Control | Inbound::HostOffer(_) | Inbound::HostAnswer { .. } => return Ok(()),
+        };
+        let skip = if in_place { HEADER_LEN } else { 0 };
+        if d.first && d.last {
+            // The payload follows its header in the buffer: handed on from there.
+            lease.advance(skip)?;
+            lease.set_len(d.len)?;
+            let view = self.memory.host_view(&lease);
+            conn.session.handle_payload(now, view).map_err(protocol)?;
+            return self.deliver(conn, peer, lease, d.len);
+        }
+        if d.first {
+            conn.assembling = Some(Lease::take(Arc::clone(&self.recv_pool), d.msg_len.max(1))?);
+        }
+        let whole = conn
+            .assembling
+            .as_mut()
+            .ok_or(Error::Backend("verbs: a fragment without its message"))?;
+        self.memory.copy(whole, d.offset, &lease, skip, d.len)?;
+        if conn
+            .session
+            .handle_payload(now, None)
+            .map_err(protocol)?
+            .is_some()
+        {
+            let mut whole = conn.assembling.take().expect("assembling");
+            whole.set_len(d.msg_len)?;
+            return self.deliver(conn, peer, whole, d.msg_len);
+        }
+        Ok(())
+    }
+
+    /// Hands a whole message to the application; its bytes come back to the
+    /// peer as credit (the arrival queue is the application's).
+    fn deliver(
+        &mut self,
+        conn: &mut Conn<M>,
+        peer: PeerId,
+        lease: PayloadLease<M>,
+        len: usize,
+    ) -> Result<(), Error> {
+        conn.session.consumed(len);
+        self.arrivals.push_back(Ok(Received { peer, lease }));
+        Ok(())
+    }
+}
+
+/// The default buffer sizes with one of exactly `frame` bytes among them: the
+/// receive ring's buffers, filled to the byte by a full frame.
+pub(super) fn receive_classes(frame: usize) -> Result<SizeClasses, Error> {
+    let mut sizes = [0usize; zerohop_core::pool::MAX_CLASSES];
+    let mut n = 0;
+    for &c in SizeClasses::DEFAULT.as_slice() {
+        if c > frame && (n == 0 || sizes[n - 1] < frame) {
+            sizes[n] = frame;
+            n += 1;
+        }
+        if c != frame {
+            sizes[n] = c;
+            n += 1;
+        }
+    }
+    if sizes[n - 1] < frame {
+        sizes[n] = frame;
+        n += 1;
+    }
+    SizeClasses::new(&sizes[..n]).map_err(Error::Pool)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::receive_classes;
+
+    #[test]
+    fn receive_classes_hold_a_whole_frame_exactly() {
+        let c = |f| receive_classes(f).unwrap().as_slice().to_vec();
+        let k = 1 << 10;
+        assert_eq!(
+            c(64 * k + 32),
+            [256, k, 4 * k, 16 * k, 64 * k, 64 * k + 32, 1 << 20]
+        );
+        assert_eq!(
+            c(64 * k),
+            [256, k, 4 * k, 16 * k, 64 * k, 1 << 20],
+            "no duplicate"
+        );
+        assert_eq!(c(100), [100, 256, k, 4 * k, 16 * k, 64 * k, 1 << 20]);
+        assert_eq!(
+            c(4 << 20),
+            [256, k, 4 * k, 16 * k, 64 * k, 1 << 20, 4 << 20]
+        );
+    }
+}
