@@ -173,6 +173,21 @@ pub struct Credit {
     pub waiting: bool,
 }
 
+impl Credit {
+    /// One credit frame that says what `self` and then `later` say: the
+    /// slots of both, `later`'s limit (limits only grow) and `later`'s
+    /// waiting flag. A driver that could not write a credit frame yet
+    /// folds the next into it, so a peer that reads nothing cannot grow
+    /// the queue of frames for it.
+    pub fn then(self, later: Credit) -> Credit {
+        Credit {
+            frames: self.frames.saturating_add(later.frames),
+            limit: self.limit.max(later.limit),
+            waiting: later.waiting,
+        }
+    }
+}
+
 /// [`Credit::waiting`]'s flag bit.
 const CREDIT_WAITING: u16 = 1;
 
@@ -622,6 +637,35 @@ mod tests {
             takes: Takes::HEADERLESS,
             token: 0xA1B2_C3D4,
         }
+    }
+
+    /// Two credit frames folded into one return the slots of both, the
+    /// higher limit and the later frame's waiting flag; slots saturate.
+    #[test]
+    fn a_credit_folded_into_another_says_what_both_said() {
+        let a = Credit {
+            frames: 3,
+            limit: 1000,
+            waiting: true,
+        };
+        let b = Credit {
+            frames: 4,
+            limit: 5000,
+            waiting: false,
+        };
+        let both = Credit {
+            frames: 7,
+            limit: 5000,
+            waiting: false,
+        };
+        assert_eq!(a.then(b), both);
+        assert_eq!(b.then(a).limit, 5000, "a limit never goes back");
+        assert!(b.then(a).waiting);
+        let full = Credit {
+            frames: u32::MAX,
+            ..a
+        };
+        assert_eq!(full.then(b).frames, u32::MAX);
     }
 
     /// Every kind's bytes, field by field: the layout in the module docs.

@@ -97,6 +97,50 @@ impl Raw {
         Raw { s }
     }
 
+    /// As [`connect`](Raw::connect), on a socket whose receive buffer is
+    /// `rcvbuf` bytes from before the handshake (so the window it
+    /// advertises stays that small).
+    fn connect_with_rcvbuf(addr: SocketAddr, rcvbuf: libc::c_int) -> Raw {
+        use std::os::fd::FromRawFd;
+        let SocketAddr::V4(v4) = addr else {
+            panic!("an IPv4 listener")
+        };
+        let sin = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: v4.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*v4.ip()).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        // SAFETY: a new socket, owned by the stream from its first line; the
+        // option and the address are locals that outlive the calls.
+        let mut s = unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+            let s = TcpStream::from_raw_fd(fd);
+            let rc = libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                (&rcvbuf as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+            assert_eq!(rc, 0, "SO_RCVBUF: {}", std::io::Error::last_os_error());
+            let rc = libc::connect(
+                fd,
+                (&sin as *const libc::sockaddr_in).cast(),
+                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            );
+            assert_eq!(rc, 0, "connect: {}", std::io::Error::last_os_error());
+            s
+        };
+        s.set_nodelay(true).unwrap();
+        s.write_all(&Raw::hello(0x7E57, 0)).unwrap();
+        s.write_all(&Raw::no_offer()).unwrap();
+        Raw { s }
+    }
+
     /// The Host frame of a connecting side that will not share memory.
     fn no_offer() -> [u8; HEADER_LEN] {
         Frame::Host(Host {
@@ -1099,6 +1143,42 @@ fn a_receiver_that_stops_reading_blocks_then_times_out_the_sender_with_bounded_m
         "it sent until the kernel buffers filled ({sent})"
     );
     drop(server);
+}
+
+/// A peer that sends and never reads: the credit its messages earn waits
+/// for it folded into one frame, so what this side queues for it stays a
+/// few headers however long it goes on. Without the folding each message's
+/// credit frame queued on its own once the kernel's buffers were full:
+/// 32 bytes a message, for as long as the peer kept sending.
+#[test]
+fn a_peer_that_never_reads_holds_one_credit_frame_however_much_it_sends() {
+    // A window of 64 bytes: every 16-byte message taken earns a credit frame.
+    let config = TcpConfig {
+        window: 64,
+        ..TcpConfig::default()
+    };
+    let (server, addr, _pool) = listener(64 << 20, config);
+    // A receive buffer as small as the kernel allows.
+    let mut raw = Raw::connect_with_rcvbuf(addr, 1024);
+    // The kernel's buffers take about 50 000 credit frames (1.6 MB) before
+    // the queue here begins.
+    let mut most = 0;
+    for seq in 0..100_000u64 {
+        raw.send(&Raw::data(seq, 16, DataFlags::NONE));
+        raw.send(&[seq as u8; 16]);
+        let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+        assert_eq!(host_bytes(&r.lease), &[seq as u8; 16][..]);
+        drop(r);
+        most = most.max(server.with(|t| t.queued_bytes()));
+    }
+    assert!(
+        most >= HEADER_LEN,
+        "the kernel's buffers never filled (nothing queued here): send more"
+    );
+    assert!(
+        most <= 4 * HEADER_LEN,
+        "queued for a peer that reads nothing: at most {most} bytes"
+    );
 }
 
 #[test]

@@ -890,6 +890,7 @@ impl Wire for TcpTransport {
             payload: Payload::Owned(bytes.to_vec()),
             split,
             sent,
+            credit: false,
         });
         self.queued_total += queued;
     }

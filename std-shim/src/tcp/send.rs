@@ -6,7 +6,7 @@ use std::net::TcpStream;
 
 use zerohop_backends::host_bytes;
 use zerohop_core::session::SendError;
-use zerohop_core::wire::{DataFlags, FrameKind, HEADER_LEN};
+use zerohop_core::wire::{DataFlags, Decoded, Frame, FrameKind, HEADER_LEN};
 use zerohop_core::{Error, PeerId};
 
 use super::{lane::stripe_split, TcpTransport};
@@ -56,6 +56,8 @@ pub(super) struct Out {
     /// Payload bytes on the main connection (all of them unless striped).
     pub(super) split: usize,
     pub(super) sent: Sent,
+    /// A credit frame (see [`TcpTransport::control`]).
+    pub(super) credit: bool,
 }
 
 /// A frame written straight from a blocked caller's slice (see
@@ -72,6 +74,23 @@ pub(super) fn send_error(e: SendError, peer: PeerId) -> Error {
         SendError::TooLarge { len, max } => Error::TooLarge { len, max },
         SendError::Closed => Error::Closed,
         SendError::Failed(_) | SendError::SequenceExhausted => Error::UnknownPeer(peer),
+    }
+}
+
+/// Two credit headers this side encoded, `earlier` then `later`, as one.
+fn fold_credit(earlier: &[u8; HEADER_LEN], later: &[u8; HEADER_LEN]) -> Option<[u8; HEADER_LEN]> {
+    match (Frame::decode(earlier, 0), Frame::decode(later, 0)) {
+        (
+            Ok(Decoded {
+                frame: Frame::Credit(a),
+                ..
+            }),
+            Ok(Decoded {
+                frame: Frame::Credit(b),
+                ..
+            }),
+        ) => Some(Frame::Credit(a.then(b)).encode(&[])),
+        _ => None,
     }
 }
 
@@ -209,6 +228,7 @@ impl TcpTransport {
                 payload,
                 split,
                 sent,
+                credit: false,
             });
             self.queued_total += queued;
         }
@@ -223,16 +243,29 @@ impl TcpTransport {
             return;
         };
         while let Some(c) = p.session.poll_control() {
-            let out = Out {
+            let credit = c.kind == FrameKind::Credit;
+            let mut out = Out {
                 header: c.header,
                 payload: Payload::None,
                 split: 0,
                 sent: Sent::default(),
+                credit,
             };
             // Credit may pass data not yet begun; a Want or the Close names
             // the data before it, and stays behind it.
             let begun = usize::from(p.queue.front().is_some_and(|o| o.sent.main > 0));
-            if c.kind == FrameKind::Credit && p.queue.len() > begun {
+            // A credit frame still waiting whole takes the new one in: a
+            // peer that reads nothing holds one credit frame here, however
+            // much it sends.
+            let waiting = p.queue.iter().skip(begun).position(|o| o.credit);
+            if let Some(i) = waiting.filter(|_| credit) {
+                if let Some(old) = p.queue.remove(begun + i) {
+                    out.header = fold_credit(&old.header, &out.header).unwrap_or(out.header);
+                    p.queued_bytes -= HEADER_LEN;
+                    self.queued_total -= HEADER_LEN;
+                }
+            }
+            if credit && p.queue.len() > begun {
                 p.queue.insert(begun, out);
             } else {
                 p.queue.push_back(out);
