@@ -101,44 +101,68 @@ impl Raw {
     /// `rcvbuf` bytes from before the handshake (so the window it
     /// advertises stays that small).
     fn connect_with_rcvbuf(addr: SocketAddr, rcvbuf: libc::c_int) -> Raw {
+        let mut s = Raw::socket(addr, None, Some(rcvbuf));
+        s.write_all(&Raw::hello(0x7E57, 0)).unwrap();
+        s.write_all(&Raw::no_offer()).unwrap();
+        Raw { s }
+    }
+
+    /// A lane's connection (its Hello only) from the local address `from`.
+    fn lane_from(addr: SocketAddr, from: std::net::Ipv4Addr, token: u32) -> Raw {
+        let mut s = Raw::socket(addr, Some(from), None);
+        s.write_all(&Raw::hello(token, 1)).unwrap();
+        Raw { s }
+    }
+
+    /// A connection to the IPv4 `addr`, from the local address `from` and
+    /// with a receive buffer of `rcvbuf` bytes where given (both set
+    /// before the handshake, which `std` cannot do).
+    fn socket(
+        addr: SocketAddr,
+        from: Option<std::net::Ipv4Addr>,
+        rcvbuf: Option<libc::c_int>,
+    ) -> TcpStream {
         use std::os::fd::FromRawFd;
-        let SocketAddr::V4(v4) = addr else {
-            panic!("an IPv4 listener")
-        };
-        let sin = libc::sockaddr_in {
+        let v4 = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
             sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: v4.port().to_be(),
+            sin_port: port.to_be(),
             sin_addr: libc::in_addr {
-                s_addr: u32::from(*v4.ip()).to_be(),
+                s_addr: u32::from(ip).to_be(),
             },
             sin_zero: [0; 8],
         };
-        // SAFETY: a new socket, owned by the stream from its first line; the
-        // option and the address are locals that outlive the calls.
-        let mut s = unsafe {
+        let SocketAddr::V4(to) = addr else {
+            panic!("an IPv4 listener")
+        };
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        // SAFETY: a new socket, owned by the stream from the line after it;
+        // the option and the addresses are locals that outlive the calls.
+        let s = unsafe {
             let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
             assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
             let s = TcpStream::from_raw_fd(fd);
-            let rc = libc::setsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                libc::SO_RCVBUF,
-                (&rcvbuf as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            );
-            assert_eq!(rc, 0, "SO_RCVBUF: {}", std::io::Error::last_os_error());
-            let rc = libc::connect(
-                fd,
-                (&sin as *const libc::sockaddr_in).cast(),
-                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
-            );
+            if let Some(size) = rcvbuf {
+                let rc = libc::setsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    libc::SO_RCVBUF,
+                    (&size as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                );
+                assert_eq!(rc, 0, "SO_RCVBUF: {}", std::io::Error::last_os_error());
+            }
+            if let Some(ip) = from {
+                let local = v4(ip, 0);
+                let rc = libc::bind(fd, (&local as *const libc::sockaddr_in).cast(), len);
+                assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
+            }
+            let remote = v4(*to.ip(), to.port());
+            let rc = libc::connect(fd, (&remote as *const libc::sockaddr_in).cast(), len);
             assert_eq!(rc, 0, "connect: {}", std::io::Error::last_os_error());
             s
         };
         s.set_nodelay(true).unwrap();
-        s.write_all(&Raw::hello(0x7E57, 0)).unwrap();
-        s.write_all(&Raw::no_offer()).unwrap();
-        Raw { s }
+        s
     }
 
     /// The Host frame of a connecting side that will not share memory.
@@ -1494,6 +1518,33 @@ fn a_lane_that_says_hello_before_its_main_connection_is_paired_and_acked() {
     );
     drop(r);
     assert_eq!(pool.used_bytes(), 0);
+}
+
+/// A lane pairs only with a main connection from its own address: a
+/// stranger elsewhere that guessed (here: knew) the token is not given
+/// half of the peer's striped messages, and the peer's own lane still pairs.
+#[test]
+fn a_lane_from_another_address_is_not_paired_whatever_its_token() {
+    let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());
+    let token = 0x5EED;
+    // One before the main connection (it waits unclaimed), one after.
+    let early = Raw::lane_from(addr, std::net::Ipv4Addr::new(127, 0, 0, 2), token);
+    std::thread::sleep(Duration::from_millis(100));
+    let main = Raw::connect_with(addr, token, 0);
+    let peer = wait_for_peer(&server);
+    let late = Raw::lane_from(addr, std::net::Ipv4Addr::new(127, 0, 0, 3), token);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(server.with(|t| t.connections(peer)), Some(1));
+    let own = raw_lane(addr, token);
+    let t0 = Instant::now();
+    while server.with(|t| t.connections(peer)) != Some(2) {
+        assert!(
+            t0.elapsed() < 5 * SECOND,
+            "the peer's own lane never paired"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop((main, early, late, own));
 }
 
 #[test]

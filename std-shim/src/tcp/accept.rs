@@ -113,6 +113,7 @@ impl TcpTransport {
             Ok(Frame::Hello(h)) if h.lane == 1 => self.pair(Lane {
                 stream: p.stream,
                 token: h.token,
+                from: p.addr.ip(),
                 confirmed: true,
                 ack: [0; HEADER_LEN],
                 ack_have: 0,
@@ -127,11 +128,11 @@ impl TcpTransport {
                         match self.add_peer(p.stream, p.addr, session) {
                             // Announced once its same-host frame settles (`control`).
                             Ok(id) => {
-                                if let Some(k) =
-                                    self.unclaimed.iter().position(|l| l.token == token)
-                                {
-                                    let lane = self.unclaimed.remove(k).expect("found");
-                                    self.attach_lane(id, lane);
+                                let mine = |l: &Lane| l.fits(Some(token), p.addr);
+                                if let Some(k) = self.unclaimed.iter().position(mine) {
+                                    if let Some(lane) = self.unclaimed.remove(k) {
+                                        self.attach_lane(id, lane);
+                                    }
                                 }
                             }
                             Err(e) => log::warn!("tcp: {}: could not set up the peer: {e}", p.addr),

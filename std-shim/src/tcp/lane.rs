@@ -2,7 +2,7 @@
 //! payload, in message order, and nothing else (see the module docs above).
 
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::time::Duration;
 
 use zerohop_core::wire::{Frame, Hello, Takes, HEADER_LEN};
@@ -21,6 +21,10 @@ pub(super) fn stripe_split(len: usize) -> usize {
 pub(super) struct Lane {
     pub(super) stream: TcpStream,
     pub(super) token: u32,
+    /// Where it came from (accepting side): it pairs only with a main
+    /// connection from the same address, so a stranger must be there as
+    /// well as guess the 32-bit token.
+    pub(super) from: IpAddr,
     /// The acceptor paired it (connecting side: its ack has been read).
     pub(super) confirmed: bool,
     pub(super) ack: [u8; HEADER_LEN],
@@ -49,6 +53,12 @@ impl Lane {
             }
         }
         Ok(true)
+    }
+
+    /// Whether it is the lane of a main connection from `addr` whose Hello
+    /// carried `token`.
+    pub(super) fn fits(&self, token: Option<u32>, addr: SocketAddr) -> bool {
+        token == Some(self.token) && addr.ip() == self.from
     }
 
     /// Reads into `dst`, the ack and the early bytes first.
@@ -100,6 +110,7 @@ impl TcpTransport {
         p.lane = Some(Lane {
             stream: lane,
             token,
+            from: p.addr.ip(),
             confirmed: false,
             ack: [0; HEADER_LEN],
             ack_have: 0,
@@ -113,7 +124,7 @@ impl TcpTransport {
         let found = self
             .peers
             .iter()
-            .find(|(_, p)| p.token == Some(lane.token) && p.lane.is_none())
+            .find(|(_, p)| lane.fits(p.token, p.addr) && p.lane.is_none())
             .map(|(slot, _)| slot);
         match found {
             Some(slot) => {
