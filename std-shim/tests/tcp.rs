@@ -773,6 +773,44 @@ fn a_peer_streaming_credit_frames_leaves_an_honest_peer_served() {
     );
 }
 
+/// A caller-driven transport (no progress thread) whose application was
+/// away longer than the idle timeout: the peer it left mid-frame sent the
+/// rest in time, and it is read, not timed out for this side's absence.
+#[test]
+fn a_peer_left_mid_frame_while_this_side_was_away_is_read_not_timed_out() {
+    let idle = Duration::from_millis(200);
+    let mut t = transport(
+        64 << 20,
+        TcpConfig {
+            idle_timeout: idle,
+            ..TcpConfig::default()
+        },
+    );
+    let addr = t.listen("127.0.0.1:0").unwrap();
+    let mut raw = Raw::connect(addr);
+    let payload = sized(5, 4000);
+    raw.send(&Raw::data(0, 4000, DataFlags::NONE));
+    raw.send(&payload[..100]);
+    // This side takes the header and the first bytes: now mid-frame.
+    let t0 = Instant::now();
+    while t0.elapsed() < idle / 4 {
+        t.progress().unwrap();
+        assert!(matches!(t.try_recv(), Err(Error::WouldBlock)));
+    }
+    // The rest comes at once; the application is away for three timeouts.
+    raw.send(&payload[100..]);
+    std::thread::sleep(3 * idle);
+    t.progress().unwrap();
+    let t0 = Instant::now();
+    let got = loop {
+        match t.try_recv() {
+            Err(Error::WouldBlock) if t0.elapsed() < 5 * SECOND => t.progress().unwrap(),
+            other => break other,
+        };
+    };
+    assert_eq!(host_bytes(&got.unwrap().lease), &payload[..]);
+}
+
 /// The same stall from a peer that has delivered a message: a spinning
 /// receiver then reads that peer straight away on each poll (no epoll),
 /// and a look that finds nothing is not news of the peer.

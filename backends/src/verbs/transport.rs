@@ -690,12 +690,16 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 }
             }
             any |= self.service(i, |tr, conn, peer| {
+                // Completions first: a peer is judged on what arrived, not on
+                // when this side last looked (a caller-driven application
+                // away past the idle timeout left them in the queue).
+                let moved = tr.drain_and_arm(conn, peer)? | Self::pump(conn)?;
                 if timers {
                     conn.session
                         .handle_timeout(t)
                         .map_err(|error| Error::Protocol { peer, error })?;
                 }
-                Ok(tr.drain_and_arm(conn, peer)? | Self::pump(conn)?)
+                Ok(moved)
             });
         }
         any

@@ -695,8 +695,10 @@ impl TcpTransport {
         }
     }
 
-    /// One pass: readiness, accepts past their back-off, timers, writes,
-    /// and (with `read`) reads.
+    /// One pass: readiness, accepts past their back-off, writes, (with
+    /// `read`) reads, then timers: a peer is judged on what it sent, read
+    /// first, not on when this side last looked (a caller-driven
+    /// application away longer than the idle timeout left its bytes unread).
     fn pass(&mut self, read: bool) -> bool {
         let mut any = self.poll_set(Set::Ctl);
         if self.accept_after.is_some() {
@@ -705,11 +707,11 @@ impl TcpTransport {
         if read {
             any |= self.poll_set(Set::Data);
         }
-        self.timers();
         any |= self.flush_all();
         if read {
             any |= self.read_all();
         }
+        self.timers();
         any
     }
 }
