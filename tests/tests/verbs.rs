@@ -415,6 +415,64 @@ fn a_delivered_receive_is_reposted_after_the_reply_leaves_or_at_the_next_poll() 
     assert_eq!(leases(&b), depth, "refilled by the next poll");
 }
 
+/// A caller-driven receiver away past the idle timeout in the middle of a
+/// message longer than its ring: the fragments that came meanwhile wait in
+/// its completion queue, and are taken before the peer is judged, so the
+/// message arrives and the peer stays (before, the peer failed with
+/// `Stalled { Frame }` at the first call after the absence).
+#[test]
+fn a_peer_mid_message_while_this_side_was_away_is_read_not_timed_out() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let idle = Duration::from_millis(400);
+    let config = RdmaConfig {
+        idle_timeout: idle,
+        fragment: 4096,
+        ..small_ring()
+    };
+    let Some((mut a, mut b, peer)) = raw_pair(19_136, config) else {
+        return;
+    };
+    // 8 slots of 4 KiB: 64 KiB takes several turns of the ring.
+    let m: Vec<u8> = (0..64u32 << 10).map(|i| (i * 7 + i / 4096) as u8).collect();
+    let (go, wait) = std::sync::mpsc::channel::<()>();
+    let done = Arc::new(AtomicBool::new(false));
+    let sender = {
+        let (m, done) = (m.clone(), Arc::clone(&done));
+        std::thread::spawn(move || {
+            a.try_send(peer, &m).unwrap(); // what the ring takes now
+            wait.recv().unwrap();
+            while !done.load(Ordering::Relaxed) {
+                a.progress().unwrap();
+            }
+            a
+        })
+    };
+    // The first fragments, and no more: the sender waits for the signal.
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < Duration::from_millis(100) {
+        b.progress().unwrap();
+        let r = b.try_recv();
+        assert!(
+            matches!(r, Err(Error::WouldBlock)),
+            "mid-message, nothing yet: {r:?}"
+        );
+    }
+    // The sender goes on; this side is away for three idle timeouts.
+    go.send(()).unwrap();
+    std::thread::sleep(3 * idle);
+    let until = std::time::Instant::now() + WAIT;
+    let r = loop {
+        b.progress().unwrap();
+        match b.try_recv() {
+            Err(Error::WouldBlock) if std::time::Instant::now() < until => {}
+            r => break r.unwrap(),
+        }
+    };
+    assert_eq!(host_bytes(&r.lease), &m[..]);
+    done.store(true, Ordering::Relaxed);
+    drop(sender.join().unwrap());
+}
+
 #[test]
 fn a_small_lease_goes_inline_and_back_to_its_pool_once_posted() {
     // A lease of the wire's own pools small enough to go inline leaves
