@@ -1163,7 +1163,10 @@ impl Session {
     // ----- handling what arrived -----
 
     /// The clock moved: a peer silent past its deadline (see
-    /// [`poll_timeout`](Self::poll_timeout)) fails the session.
+    /// [`poll_timeout`](Self::poll_timeout)) fails the session. A driver
+    /// hands the engine what arrived first (the bytes in its socket, the
+    /// completions in its queue): a peer is judged on what it sent, not on
+    /// when this side last looked.
     pub fn handle_timeout(&mut self, now: Instant) -> Result<(), ProtocolError> {
         self.check_failed()?;
         match self.poll_timeout() {
