@@ -457,6 +457,10 @@ fn a_peer_mid_message_while_this_side_was_away_is_read_not_timed_out() {
             "mid-message, nothing yet: {r:?}"
         );
     }
+    assert!(
+        b.pool().stats().leases > config.recv_depth as usize,
+        "mid-message: the message's buffer is leased beside the ring's"
+    );
     // The sender goes on; this side is away for three idle timeouts.
     go.send(()).unwrap();
     std::thread::sleep(3 * idle);

@@ -58,7 +58,7 @@ impl Lane {
     /// Whether it is the lane of a main connection from `addr` whose Hello
     /// carried `token`.
     pub(super) fn fits(&self, token: Option<u32>, addr: SocketAddr) -> bool {
-        token == Some(self.token) && addr.ip() == self.from
+        token == Some(self.token) && addr.ip().to_canonical() == self.from.to_canonical()
     }
 
     /// Reads into `dst`, the ack and the early bytes first.
@@ -126,6 +126,17 @@ impl TcpTransport {
             .iter()
             .find(|(_, p)| lane.fits(p.token, p.addr) && p.lane.is_none())
             .map(|(slot, _)| slot);
+        if found.is_none() {
+            if let Some((_, p)) = self.peers.iter().find(|(_, p)| p.token == Some(lane.token)) {
+                // A client whose connections leave from two addresses (a NAT
+                // pool) loses striping, not its messages: say why.
+                log::info!(
+                    "tcp: a second connection from {} names the token of {}: not paired (another address)",
+                    lane.from,
+                    p.addr
+                );
+            }
+        }
         match found {
             Some(slot) => {
                 let id = self.id(slot);

@@ -674,8 +674,10 @@ impl TcpTransport {
                 continue;
             };
             // A payload this side leaves in the socket (the application has
-            // not taken the last messages, the pool is dry) is not the peer's stall.
-            if p.deferred || p.dry {
+            // not taken the last messages, the pool is dry), or readiness it
+            // has not used yet (the inbox filled before the peer's turn in
+            // this pass's reads), is not the peer's stall.
+            if p.deferred || p.dry || p.in_read {
                 p.session.handle_held(t);
             }
             if let Err(error) = p.session.handle_timeout(t) {

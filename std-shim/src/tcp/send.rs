@@ -260,7 +260,9 @@ impl TcpTransport {
             let waiting = p.queue.iter().skip(begun).position(|o| o.credit);
             if let Some(i) = waiting.filter(|_| credit) {
                 if let Some(old) = p.queue.remove(begun + i) {
-                    out.header = fold_credit(&old.header, &out.header).unwrap_or(out.header);
+                    let folded = fold_credit(&old.header, &out.header);
+                    debug_assert!(folded.is_some(), "our own credit headers decode");
+                    out.header = folded.unwrap_or(out.header);
                     p.queued_bytes -= HEADER_LEN;
                     self.queued_total -= HEADER_LEN;
                 }
