@@ -811,6 +811,58 @@ fn a_peer_left_mid_frame_while_this_side_was_away_is_read_not_timed_out() {
     assert_eq!(host_bytes(&got.unwrap().lease), &payload[..]);
 }
 
+/// The same absence with a full inbox: the pass's reads stop at the first
+/// peer's message (the inbox holds one), before the peer left mid-frame;
+/// that one is held by this side, not timed out, and its message follows.
+#[test]
+fn a_peer_the_reads_did_not_reach_for_a_full_inbox_is_held_not_timed_out() {
+    let idle = Duration::from_millis(500);
+    let mut t = transport(
+        64 << 20,
+        TcpConfig {
+            idle_timeout: idle,
+            inbox_messages: 1,
+            ..TcpConfig::default()
+        },
+    );
+    let addr = t.listen("127.0.0.1:0").unwrap();
+    let mut first = Raw::connect_with(addr, 0x1111, 0);
+    let mut second = Raw::connect_with(addr, 0x2222, 0);
+    let payload = sized(6, 4000);
+    second.send(&Raw::data(0, 4000, DataFlags::NONE));
+    second.send(&payload[..100]);
+    // Both peers in, the second mid-frame.
+    let t0 = Instant::now();
+    while t0.elapsed() < idle / 4 {
+        t.progress().unwrap();
+        assert!(matches!(t.try_recv(), Err(Error::WouldBlock)));
+    }
+    assert_eq!(t.peer_count(), 2);
+    // The first peer's two messages, then the rest of the second's frame:
+    // the next pass reads them in that order, and one fills the inbox.
+    first.send(&Raw::data(0, 3, DataFlags::NONE));
+    first.send(b"one");
+    first.send(&Raw::data(1, 3, DataFlags::NONE));
+    first.send(b"two");
+    std::thread::sleep(Duration::from_millis(50));
+    second.send(&payload[100..]);
+    std::thread::sleep(3 * idle);
+    t.progress().unwrap();
+    let mut got = Vec::new();
+    let t0 = Instant::now();
+    while got.len() < 3 {
+        match t.try_recv() {
+            Ok(r) => got.push(host_bytes(&r.lease).to_vec()),
+            Err(Error::WouldBlock) if t0.elapsed() < 5 * SECOND => {
+                t.progress().unwrap();
+            }
+            Err(e) => panic!("after {} messages: {e:?}", got.len()),
+        }
+    }
+    got.sort_by_key(Vec::len);
+    assert_eq!(got, [b"one".to_vec(), b"two".to_vec(), payload]);
+}
+
 /// The same stall from a peer that has delivered a message: a spinning
 /// receiver then reads that peer straight away on each poll (no epoll),
 /// and a look that finds nothing is not news of the peer.
