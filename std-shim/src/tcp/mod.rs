@@ -21,8 +21,10 @@
 //! Large messages are striped over a second connection per peer (its
 //! *lane*), as UCX's rendezvous uses two lanes: the connecting side opens it
 //! and says a Hello with `lane` 1 and its main connection's token; the
-//! acceptor pairs them and acks with its own lane Hello, the first bytes that
-//! way; the connecting side stripes only once it has read the ack. A message
+//! acceptor pairs them (a lane from another address than its main
+//! connection's is not paired: the token alone is 32 bits) and acks with its
+//! own lane Hello, the first bytes that way; the connecting side stripes only
+//! once it has read the ack. A message
 //! of at least `stripe_min` bytes leaves with [`DataFlags::STRIPED`]: header
 //! and first half on the main connection, the rest on the lane, read straight
 //! into the one lease. A striped frame on a connection without a paired lane
