@@ -422,8 +422,8 @@ impl Frame {
     /// Decodes and checks a header: magic, version, kind, flags and the
     /// bytes its kind leaves zero, every length against `max_payload`
     /// (before anyone reserves memory for it), and the checksum — in full
-    /// where no payload bytes follow, else over the header part, returned
-    /// as [`Decoded::pending`] for [`Decoded::verify`] once the payload is in.
+    /// where no payload bytes follow, else over the header part, kept in the
+    /// [`Decoded`] for [`Decoded::verify`] once the payload is in.
     pub fn decode(bytes: &[u8], max_payload: usize) -> Result<Decoded, DecodeError> {
         let Some(b) = bytes.get(..HEADER_LEN) else {
             return Err(DecodeError::Truncated { have: bytes.len() });

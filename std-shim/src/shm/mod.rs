@@ -5,12 +5,12 @@
 //! every listener it connects to, and takes such offers from peers that
 //! connect to it (the same-host exchange of the session engine, right after
 //! the Hellos, before any data). When the two identities match (boot id,
-//! IPC, mount and network namespaces: [`host`]), the accepting side creates
-//! a sealed memfd segment with a ring per direction ([`segment`], [`ring`]),
+//! IPC, mount and network namespaces: `host`), the accepting side creates
+//! a sealed memfd segment with a ring per direction (`segment`, `ring`),
 //! passes it to the offering side over an abstract Unix socket
-//! ([`handshake`]), whose connection stays as the lane's link, and answers
+//! (`handshake`), whose connection stays as the lane's link, and answers
 //! *accept*; both sides then drop
-//! the TCP connection and run a fresh session over the rings ([`lane`]).
+//! the TCP connection and run a fresh session over the rings (`lane`).
 //! Peers elsewhere stay on TCP, in the same endpoint.
 //!
 //! The peer's id says which: lanes have the top bit set. An endpoint learns

@@ -3,7 +3,7 @@
 //! sockets, epoll and buffers here; the protocol (Hello, sequence, credit,
 //! Close, timers) is the engine's.
 //!
-//! Readiness comes from edge-triggered epoll ([`Poller`]), so a pass
+//! Readiness comes from edge-triggered epoll (`Poller`), so a pass
 //! touches the sockets that are ready, whatever the number of peers. An
 //! accepted connection holds 32 bytes and a deadline until its Hello: no
 //! stage, no pool buffer, no peer id; a lane Hello (below) pairs it with its
@@ -25,7 +25,7 @@
 //! connection's is not paired: the token alone is 32 bits) and acks with its
 //! own lane Hello, the first bytes that way; the connecting side stripes only
 //! once it has read the ack. A message
-//! of at least `stripe_min` bytes leaves with [`DataFlags::STRIPED`]: header
+//! of at least `stripe_min` bytes leaves with [`DataFlags::STRIPED`](zerohop_core::wire::DataFlags::STRIPED): header
 //! and first half on the main connection, the rest on the lane, read straight
 //! into the one lease. A striped frame on a connection without a paired lane
 //! breaks the wire's rule ([`Error::WireRule`]).
