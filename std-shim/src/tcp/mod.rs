@@ -24,10 +24,10 @@
 //! acceptor pairs them (a lane from another address than its main
 //! connection's is not paired: the token alone is 32 bits) and acks with its
 //! own lane Hello, the first bytes that way; the connecting side stripes only
-//! once it has read the ack. A message
-//! of at least `stripe_min` bytes leaves with [`DataFlags::STRIPED`](zerohop_core::wire::DataFlags::STRIPED): header
-//! and first half on the main connection, the rest on the lane, read straight
-//! into the one lease. A striped frame on a connection without a paired lane
+//! once it has read the ack. A message of at least `stripe_min` bytes leaves
+//! with [`DataFlags::STRIPED`](zerohop_core::wire::DataFlags::STRIPED):
+//! header and first half on the main connection, the rest on the lane, read
+//! straight into the one lease. A striped frame on a connection without a paired lane
 //! breaks the wire's rule ([`Error::WireRule`]).
 
 use std::collections::VecDeque;
