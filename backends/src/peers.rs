@@ -79,7 +79,13 @@ impl<T> PeerSlots<T> {
 
     /// The peer `id` names.
     pub fn get_mut(&mut self, id: PeerId) -> Option<&mut T> {
-        self.slot(id).and_then(|s| self.at_mut(s))
+        self.find_mut(id).map(|(_, p)| p)
+    }
+
+    /// The slot `id` names and its peer, from one look.
+    pub fn find_mut(&mut self, id: PeerId) -> Option<(usize, &mut T)> {
+        let slot = self.slot(id)?;
+        Some((slot, self.at_mut(slot)?))
     }
 
     /// The peer in `slot`.

@@ -87,11 +87,16 @@ impl Raw {
     }
 
     fn connect_with(addr: SocketAddr, token: u32, lane: u8) -> Raw {
-        let mut s = TcpStream::connect(addr).unwrap();
+        let s = TcpStream::connect(addr).unwrap();
         s.set_nodelay(true).unwrap();
+        Raw::greet(s, token, lane)
+    }
+
+    /// Says Hello on a fresh connection `s` (and, on a main one, the
+    /// connecting side's same-host frame: no offer).
+    fn greet(mut s: TcpStream, token: u32, lane: u8) -> Raw {
         s.write_all(&Raw::hello(token, lane)).unwrap();
         if lane == 0 {
-            // The connecting side's same-host frame: no offer.
             s.write_all(&Raw::no_offer()).unwrap();
         }
         Raw { s }
@@ -101,17 +106,12 @@ impl Raw {
     /// `rcvbuf` bytes from before the handshake (so the window it
     /// advertises stays that small).
     fn connect_with_rcvbuf(addr: SocketAddr, rcvbuf: libc::c_int) -> Raw {
-        let mut s = Raw::socket(addr, None, Some(rcvbuf));
-        s.write_all(&Raw::hello(0x7E57, 0)).unwrap();
-        s.write_all(&Raw::no_offer()).unwrap();
-        Raw { s }
+        Raw::greet(Raw::socket(addr, None, Some(rcvbuf)), 0x7E57, 0)
     }
 
     /// A lane's connection (its Hello only) from the local address `from`.
     fn lane_from(addr: SocketAddr, from: std::net::Ipv4Addr, token: u32) -> Raw {
-        let mut s = Raw::socket(addr, Some(from), None);
-        s.write_all(&Raw::hello(token, 1)).unwrap();
-        Raw { s }
+        Raw::greet(Raw::socket(addr, Some(from), None), token, 1)
     }
 
     /// A connection to the IPv4 `addr`, from the local address `from` and
@@ -773,6 +773,16 @@ fn a_peer_streaming_credit_frames_leaves_an_honest_peer_served() {
     );
 }
 
+/// Drives a caller-driven transport for `d`, asserting each poll finds no
+/// message and no error.
+fn progress_with_nothing_to_deliver(t: &mut TcpTransport, d: Duration) {
+    let t0 = Instant::now();
+    while t0.elapsed() < d {
+        t.progress().unwrap();
+        assert!(matches!(t.try_recv(), Err(Error::WouldBlock)));
+    }
+}
+
 /// A caller-driven transport (no progress thread) whose application was
 /// away longer than the idle timeout: the peer it left mid-frame sent the
 /// rest in time, and it is read, not timed out for this side's absence.
@@ -792,11 +802,7 @@ fn a_peer_left_mid_frame_while_this_side_was_away_is_read_not_timed_out() {
     raw.send(&Raw::data(0, 4000, DataFlags::NONE));
     raw.send(&payload[..100]);
     // This side takes the header and the first bytes: now mid-frame.
-    let t0 = Instant::now();
-    while t0.elapsed() < idle / 4 {
-        t.progress().unwrap();
-        assert!(matches!(t.try_recv(), Err(Error::WouldBlock)));
-    }
+    progress_with_nothing_to_deliver(&mut t, idle / 4);
     // The rest comes at once; the application is away for three timeouts.
     raw.send(&payload[100..]);
     std::thread::sleep(3 * idle);
@@ -832,11 +838,7 @@ fn a_peer_the_reads_did_not_reach_for_a_full_inbox_is_held_not_timed_out() {
     second.send(&Raw::data(0, 4000, DataFlags::NONE));
     second.send(&payload[..100]);
     // Both peers in, the second mid-frame.
-    let t0 = Instant::now();
-    while t0.elapsed() < idle / 4 {
-        t.progress().unwrap();
-        assert!(matches!(t.try_recv(), Err(Error::WouldBlock)));
-    }
+    progress_with_nothing_to_deliver(&mut t, idle / 4);
     assert_eq!(t.peer_count(), 2);
     // The first peer's two messages, then the rest of the second's frame:
     // the next pass reads them in that order, and one fills the inbox.

@@ -465,12 +465,10 @@ impl TcpTransport {
     /// memory (this peer goes, silently, once the answer is out); else it
     /// stays here, and the peer is announced.
     pub fn answer_offer(&mut self, peer: PeerId, accept: bool) {
-        let Some(slot) = self.peers.slot(peer) else {
+        let Some((slot, p)) = self.peers.find_mut(peer) else {
             return;
         };
-        if let Some(p) = self.peers.at_mut(slot) {
-            p.session.answer_host(accept);
-        }
+        p.session.answer_host(accept);
         self.control(slot);
     }
 
@@ -852,10 +850,7 @@ impl Wire for TcpTransport {
     }
 
     fn continue_send(&mut self, peer: PeerId, bytes: &[u8]) -> Result<bool, Error> {
-        let Some(slot) = self.peers.slot(peer) else {
-            return Err(Error::PeerLost(peer));
-        };
-        let Ok(p) = self.peer_mut(peer) else {
+        let Some((slot, p)) = self.peers.find_mut(peer) else {
             return Err(Error::PeerLost(peer));
         };
         let Some(d) = p.direct.as_mut() else {

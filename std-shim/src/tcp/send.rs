@@ -167,12 +167,8 @@ impl TcpTransport {
         if len > max {
             return Err((Error::TooLarge { len, max }, src));
         }
-        let Some(slot) = self.peers.slot(peer) else {
+        let Some((slot, p)) = self.peers.find_mut(peer) else {
             return Err((Error::UnknownPeer(peer), src));
-        };
-        let p = match self.peer_mut(peer) {
-            Ok(p) => p,
-            Err(e) => return Err((e, src)),
         };
         if p.queued_bytes > 0
             && (p.queued_bytes + HEADER_LEN + len > limit || p.queue.len() >= QUEUED_MESSAGES)
@@ -257,15 +253,15 @@ impl TcpTransport {
             // A credit frame still waiting whole takes the new one in: a
             // peer that reads nothing holds one credit frame here, however
             // much it sends.
-            let waiting = p.queue.iter().skip(begun).position(|o| o.credit);
-            if let Some(i) = waiting.filter(|_| credit) {
-                if let Some(old) = p.queue.remove(begun + i) {
-                    let folded = fold_credit(&old.header, &out.header);
-                    debug_assert!(folded.is_some(), "our own credit headers decode");
-                    out.header = folded.unwrap_or(out.header);
-                    p.queued_bytes -= HEADER_LEN;
-                    self.queued_total -= HEADER_LEN;
-                }
+            let waiting = credit
+                .then(|| p.queue.iter().skip(begun).position(|o| o.credit))
+                .flatten();
+            if let Some(old) = waiting.and_then(|i| p.queue.remove(begun + i)) {
+                let folded = fold_credit(&old.header, &out.header);
+                debug_assert!(folded.is_some(), "our own credit headers decode");
+                out.header = folded.unwrap_or(out.header);
+                p.queued_bytes -= HEADER_LEN;
+                self.queued_total -= HEADER_LEN;
             }
             if credit && p.queue.len() > begun {
                 p.queue.insert(begun, out);
