@@ -9,7 +9,7 @@
 //! With IDLE_PEERS, that many more endpoints connect to the server first
 //! and then say nothing: what each connected peer adds to a message's cost.
 //!
-//! `cargo bench -p zerohop --bench one_thread -- [shm|tcp] [ROUND_TRIPS] [IDLE_PEERS]`
+//! `cargo bench -p zerohop --bench one_thread -- [shm|tcp|rdma] [ROUND_TRIPS] [IDLE_PEERS]`
 
 use std::time::{Duration, Instant};
 
@@ -34,12 +34,16 @@ fn main() {
     let kind = match args.first().map(String::as_str) {
         None | Some("shm") => Kind::Shm,
         Some("tcp") => Kind::Tcp,
-        Some(other) => panic!("one_thread: a transport, shm or tcp, not {other}"),
+        // Needs the `gpudirect-verbs` feature and an RDMA device (the rxe VM).
+        Some("rdma") => Kind::Rdma,
+        Some(other) => panic!("one_thread: a transport, shm, tcp or rdma, not {other}"),
     };
     let round_trips: usize = args.get(1).map_or(200_000, |n| n.parse().expect("a count"));
     let idle: usize = args.get(2).map_or(0, |n| n.parse().expect("a count"));
     let server = open(kind);
-    let addr = server.listen("127.0.0.1:0").expect("listen");
+    // RDMA listens on its device's address (the rxe VM's: RXE_ADDR).
+    let host = std::env::var("RXE_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+    let addr = server.listen(format!("{host}:0")).expect("listen");
     let idle_peers: Vec<Endpoint> = (0..idle)
         .map(|_| {
             let e = open(kind);
@@ -67,8 +71,17 @@ fn main() {
         (peer, accepted.join().expect("the accepting thread"))
     });
     let message = [0xA5u8; 64];
+    // ZERO_COPY=1: the client sends a leased buffer filled in place, as
+    // `perf --zero-copy` does, instead of copying its bytes.
+    let zero_copy = std::env::var_os("ZERO_COPY").is_some_and(|v| v == "1");
     let round_trip = || {
-        client.send(peer, &message).expect("send");
+        if zero_copy {
+            let mut b = client.lease_timeout(64, WAIT).expect("lease");
+            b.bytes_mut().expect("host memory").copy_from_slice(&message);
+            client.send_buffer(peer, b).expect("send");
+        } else {
+            client.send(peer, &message).expect("send");
+        }
         let m = server.recv(WAIT).expect("receive");
         server.send_buffer(from, m.into_buffer()).expect("echo");
         let echo = client.recv(WAIT).expect("receive the echo");
