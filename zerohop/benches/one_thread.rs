@@ -77,7 +77,9 @@ fn main() {
     let round_trip = || {
         if zero_copy {
             let mut b = client.lease_timeout(64, WAIT).expect("lease");
-            b.bytes_mut().expect("host memory").copy_from_slice(&message);
+            b.bytes_mut()
+                .expect("host memory")
+                .copy_from_slice(&message);
             client.send_buffer(peer, b).expect("send");
         } else {
             client.send(peer, &message).expect("send");
