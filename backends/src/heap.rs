@@ -5,6 +5,7 @@ use std::ptr::NonNull;
 use std::sync::Mutex;
 
 use zerohop_core::pool::{Chunk, PoolTables, Slot};
+use zerohop_core::PoolConfig;
 use zerohop_core::{Error, MemKind, RawMemory, Region};
 
 #[derive(Debug)]
@@ -127,10 +128,16 @@ impl HeapTables {
         }
     }
 
-    /// Tables for a pool of `budget` bytes: a chunk descriptor per 2 MiB of budget
-    /// (at least 64, for oversize buffers), and 64 Ki buffers.
-    pub fn for_budget(budget: usize) -> Self {
-        Self::new((budget / (2 << 20)).max(64), 64 << 10)
+    /// Tables for a pool of `config`: a chunk descriptor per 2 MiB of budget
+    /// (at least 64, for oversize buffers), and a buffer descriptor for each
+    /// smallest buffer the budget holds (every buffer lies in budgeted
+    /// memory), 64 Ki at most. A small pool's tables are then small: a
+    /// fixed 64 Ki (1 MiB, written twice) made a 1 MiB pool cost more to
+    /// build than its memory.
+    pub fn for_config(config: &PoolConfig) -> Self {
+        let smallest = config.classes.as_slice().first().copied().unwrap_or(1);
+        let buffers = config.budget.div_ceil(smallest.max(1)).saturating_add(64);
+        Self::new((config.budget / (2 << 20)).max(64), buffers.min(64 << 10))
     }
 }
 
@@ -154,6 +161,38 @@ mod tests {
             kind: MemKind::Host,
         };
         m.pointer(r).map(|p| p.as_ptr().addr() as u64)
+    }
+
+    /// Tables sized to the budget run out of memory, never of descriptors:
+    /// the smallest buffers fill the budget, and the pool says it is full.
+    #[test]
+    fn tables_for_a_pool_describe_every_buffer_its_budget_holds() {
+        use zerohop_core::pool::Chunks;
+        use zerohop_core::PoolError;
+        for budget in [64 << 10, 1 << 20, 3 << 20] {
+            let config = PoolConfig::with_budget(budget).fitted();
+            let tables = HeapTables::for_config(&config);
+            assert!(tables.slots.len() <= budget / 256 + 64, "sized to {budget}");
+            let memory = crate::HostMemory::Heap(HeapMemory::new());
+            let source = Chunks::<_, crate::Nic> {
+                memory,
+                registrar: None,
+            };
+            let pool = crate::HostPool::new(source, config, tables).unwrap();
+            let mut held = Vec::new();
+            let e = loop {
+                match pool.lease(1) {
+                    Ok(l) => held.push(l),
+                    Err(e) => break e,
+                }
+            };
+            assert!(
+                matches!(e, Error::Pool(PoolError::Exhausted { .. })),
+                "{budget}: {e:?} after {} buffers",
+                held.len()
+            );
+            assert_eq!(held.len() * 256, pool.stats().reserved_bytes, "{budget}");
+        }
     }
 
     #[test]

@@ -31,10 +31,11 @@ fn pool_in(memory: HostMemory, budget: usize) -> Result<Arc<StdPool>, Error> {
         memory,
         registrar: None,
     };
+    let config = PoolConfig::with_budget(budget).fitted();
     Ok(Arc::new(StdPool::new(
         source,
-        PoolConfig::with_budget(budget).fitted(),
-        HeapTables::for_budget(budget),
+        config,
+        HeapTables::for_config(&config),
     )?))
 }
 

@@ -70,10 +70,11 @@ pub fn device_pool(gpu: &Gpu, budget: usize) -> Result<Arc<DevicePool>, zerohop_
     config.classes = DEVICE_CLASSES;
     config.chunk_bytes = 256 << 20;
     config.chunk_align = 2 << 20;
+    let config = config.fitted();
     Ok(Arc::new(DevicePool::new(
         source,
-        config.fitted(),
-        crate::HeapTables::for_budget(budget),
+        config,
+        crate::HeapTables::for_config(&config),
     )?))
 }
 

@@ -102,10 +102,11 @@ impl PayloadMemory for HostPayload {
         let mut config = PoolConfig::with_budget(budget);
         config.access = access;
         config.classes = classes;
+        let config = config.fitted();
         Ok(Arc::new(HostPool::new(
             source,
-            config.fitted(),
-            HeapTables::for_budget(budget),
+            config,
+            HeapTables::for_config(&config),
         )?))
     }
 
@@ -283,10 +284,11 @@ mod gpu {
             config.classes = classes;
             // DMA-buf export wants host-page-aligned ranges; chunks are 2 MiB.
             config.chunk_align = config.chunk_align.max(4096);
+            let config = config.fitted();
             Ok(Arc::new(SlabPool::new(
                 GpuChunks::new(&self.gpu, registry.clone()),
-                config.fitted(),
-                HeapTables::for_budget(budget),
+                config,
+                HeapTables::for_config(&config),
             )?))
         }
 
