@@ -34,6 +34,6 @@ pub use host::shared_place;
 pub use host::{host_bytes, host_bytes_mut, HostBacked, HostMemory, HostPool};
 pub use nic::Nic;
 #[cfg(feature = "std")]
-pub use peers::{PeerSlots, MAX_PEER_SLOTS, TAG_BIT};
+pub use peers::{absence, Looks, PeerSlots, MAX_PEER_SLOTS, TAG_BIT};
 #[cfg(all(feature = "std", target_os = "linux"))]
 pub use shared::{SharedMemory, SharedPlace};

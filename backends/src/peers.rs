@@ -290,3 +290,55 @@ mod tests {
         assert_eq!(t.len(), 1);
     }
 }
+
+/// When a wire's driver last looked at its peers' timers, to tell the
+/// application's absence from a peer's silence: a driver whose waiters
+/// wake every few milliseconds looks often, so a gap longer than `away`
+/// means nobody was driving it (a caller-driven application doing other
+/// work), and what its peers could not send meanwhile is not theirs to
+/// answer for (the engine's `handle_held`).
+#[derive(Debug, Default)]
+pub struct Looks {
+    last: Option<std::time::Instant>,
+}
+
+impl Looks {
+    /// A look at `now`: whether the one before was more than `away` ago.
+    pub fn came_back(&mut self, now: std::time::Instant, away: std::time::Duration) -> bool {
+        self.last
+            .replace(now)
+            .is_some_and(|was| now.saturating_duration_since(was) > away)
+    }
+}
+
+/// How long without a look at the timers is an absence: half the idle
+/// timeout, and at least a quarter of a second (a loaded machine's waiter
+/// may be late by a scheduler's slice or two).
+pub fn absence(idle_timeout: std::time::Duration) -> std::time::Duration {
+    (idle_timeout / 2).max(std::time::Duration::from_millis(250))
+}
+
+#[cfg(test)]
+mod looks_tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn only_a_gap_longer_than_away_is_a_return() {
+        let mut looks = Looks::default();
+        let t0 = Instant::now();
+        let away = Duration::from_millis(100);
+        assert!(!looks.came_back(t0, away), "the first look");
+        assert!(!looks.came_back(t0 + away, away), "exactly away: not yet");
+        assert!(looks.came_back(t0 + away * 2 + Duration::from_millis(1), away));
+        assert!(
+            !looks.came_back(t0 + away * 3, away),
+            "the gap from the last look"
+        );
+        assert_eq!(absence(Duration::from_secs(5)), Duration::from_millis(2500));
+        assert_eq!(
+            absence(Duration::from_millis(100)),
+            Duration::from_millis(250)
+        );
+    }
+}

@@ -91,6 +91,14 @@ pub struct SessionConfig {
     pub check_payload: bool,
     /// A peer silent this long mid-handshake, mid-frame or mid-message fails.
     pub idle_timeout: Duration,
+    /// Bytes a second a peer must keep up, on average, while a message of
+    /// its is under way, after a grace of `idle_timeout` (0: no minimum).
+    /// A peer that sends a byte now and then, never silent for the idle
+    /// timeout, would otherwise hold the buffer of a message it never
+    /// finishes for good; now holding one costs it this rate. A driver
+    /// tells the engine when this side held the peer back
+    /// ([`Session::handle_held`]): that time is not held against it.
+    pub min_rate: u32,
     /// This side's part in the same-host exchange (see [`HostRole`]).
     pub host: HostRole,
 }
@@ -140,6 +148,7 @@ impl SessionConfig {
             sends_headerless: false,
             check_payload: false,
             idle_timeout: Duration::from_secs(5),
+            min_rate: MIN_RATE,
             host: HostRole::None,
         }
     }
@@ -159,6 +168,12 @@ impl SessionConfig {
         Ok(())
     }
 }
+
+/// The default [`SessionConfig::min_rate`]: 64 KiB a second, a slow
+/// home uplink's. A peer slower than that for longer than the idle
+/// timeout's grace fails mid-message (`Stalled { during: Stall::Slow }`);
+/// holding a window's buffer costs a stranger that much of its bandwidth.
+pub const MIN_RATE: u32 = 64 << 10;
 
 /// The shallowest receive ring a ring wire may have. A data frame needs two
 /// frame credits (the last is kept for returning credit), and every frame,
@@ -216,6 +231,8 @@ pub enum Stall {
     Handshake,
     /// A frame or a message was begun and not finished.
     Frame,
+    /// A message under way came slower than [`SessionConfig::min_rate`].
+    Slow,
 }
 
 /// Why a session failed: the peer broke the protocol, or went silent mid-way.
@@ -299,7 +316,7 @@ pub enum ProtocolError {
     AfterClose,
     /// A Close in the middle of a message.
     Unfinished,
-    /// Silent past the idle timeout.
+    /// Silent past the idle timeout, or too slow mid-message.
     Stalled {
         /// Where it stopped.
         during: Stall,
@@ -361,6 +378,9 @@ impl fmt::Display for ProtocolError {
             ProtocolError::Stalled {
                 during: Stall::Frame,
             } => f.write_str("silent mid-frame past the idle timeout"),
+            ProtocolError::Stalled {
+                during: Stall::Slow,
+            } => f.write_str("a message under way slower than the minimum rate"),
         }
     }
 }
@@ -544,6 +564,11 @@ const IMM_CREDITS: u32 = 0xFFFF;
 /// without it, every session acts as [`HostRole::None`].
 const SAME_HOST: bool = cfg!(feature = "same-host");
 
+/// Whether this build holds a message under way to
+/// [`SessionConfig::min_rate`] (the `min-rate` feature): without it, the
+/// field is ignored and only silence fails a peer mid-message.
+const RATE_RULE: bool = cfg!(feature = "min-rate");
+
 /// One peer's protocol state. See the module documentation.
 #[derive(Clone, Debug)]
 pub struct Session {
@@ -559,6 +584,12 @@ pub struct Session {
     /// The driver holds part of a frame the engine has not seen (a header
     /// cut by the stream).
     partial: bool,
+    /// Since when the message under way is timed against `min_rate`: the
+    /// first look at the timers after it began (a driver's own clock, not
+    /// the time its reads were told, which may be a pass old), or the last
+    /// time this side held the peer back; and the bytes of it heard since.
+    rate_since: Option<Instant>,
+    rate_bytes: u64,
 
     // Sending.
     tx_seq: u64,
@@ -646,6 +677,8 @@ impl Session {
             peer_closed: false,
             last_heard: now,
             partial: false,
+            rate_since: None,
+            rate_bytes: 0,
             tx_seq: 0,
             tx_unframed: 0,
             tx_started: 0,
@@ -1126,24 +1159,66 @@ impl Session {
     /// grant (the last two whatever else the peer sends meanwhile: credit
     /// frames would keep them open for ever); otherwise never (a quiet open
     /// session is fine).
+    ///
+    /// And while a message is under way, at the latest when it falls behind
+    /// [`SessionConfig::min_rate`]: the idle timeout, plus a second per
+    /// `min_rate` bytes heard, after it began (or this side last held the
+    /// peer back).
     pub fn poll_timeout(&self) -> Option<Instant> {
+        self.deadline().map(|(at, _)| at)
+    }
+
+    /// The next deadline, and where the peer is stuck if it passes.
+    fn deadline(&self) -> Option<(Instant, Stall)> {
         if self.failed.is_some() || self.peer_closed {
             return None;
         }
-        let since = if self.peer.is_some() && self.peer_owes_host() {
-            self.opened_at
+        let idle = self.config.idle_timeout;
+        let (since, during) = if self.peer.is_none() {
+            (self.last_heard, Stall::Handshake)
+        } else if self.peer_owes_host() {
+            (self.opened_at, Stall::Handshake)
         } else if let Some(t) = self.granted_at {
-            t
-        } else if self.peer.is_none()
-            || self.pending.is_some()
-            || self.assembly.is_some()
-            || self.partial
-        {
-            self.last_heard
+            (t, Stall::Frame)
+        } else if self.mid_message() {
+            (self.last_heard, Stall::Frame)
         } else {
             return None;
         };
-        Some(since.after(self.config.idle_timeout))
+        let at = since.after(idle);
+        let since = self
+            .rate_since
+            .filter(|_| self.config.min_rate > 0 && self.mid_message());
+        if let (true, Some(since), Stall::Frame) = (RATE_RULE, since, during) {
+            // A 32-bit division (a small core has no 64-bit one, and its
+            // library routine would cost a firmware image a kilobyte): the
+            // microseconds a KiB may take.
+            let per_kib = (1_024_000_000 / self.config.min_rate).max(1);
+            let allowed = (self.rate_bytes >> 10).saturating_mul(u64::from(per_kib));
+            let slow = Instant(since.after(idle).0.saturating_add(allowed));
+            if slow < at {
+                return Some((slow, Stall::Slow));
+            }
+        }
+        Some((at, during))
+    }
+
+    /// A message (or a frame, or part of a header) of the peer's is under way.
+    fn mid_message(&self) -> bool {
+        self.pending.is_some() || self.assembly.is_some() || self.partial
+    }
+
+    /// `n` bytes of the peer's arrived at `now`: counted against
+    /// `min_rate`, from `now` if no message was under way.
+    fn heard(&mut self, now: Instant, n: usize) {
+        if RATE_RULE {
+            if !self.mid_message() {
+                self.rate_since = None;
+                self.rate_bytes = 0;
+            }
+            self.rate_bytes = self.rate_bytes.saturating_add(n as u64);
+        }
+        self.last_heard = now;
     }
 
     /// The peer's Host frame is awaited: its offer (answering side), or its
@@ -1169,31 +1244,36 @@ impl Session {
     /// when this side last looked.
     pub fn handle_timeout(&mut self, now: Instant) -> Result<(), ProtocolError> {
         self.check_failed()?;
-        match self.poll_timeout() {
-            Some(deadline) if now >= deadline => {
-                let during = if self.peer.is_none() || self.peer_owes_host() {
-                    Stall::Handshake
-                } else {
-                    Stall::Frame
-                };
-                Err(self.fail(ProtocolError::Stalled { during }))
-            }
+        if RATE_RULE && self.config.min_rate > 0 && self.rate_since.is_none() && self.mid_message()
+        {
+            self.rate_since = Some(now);
+        }
+        match self.deadline() {
+            Some((at, during)) if now >= at => Err(self.fail(ProtocolError::Stalled { during })),
             _ => Ok(()),
         }
     }
 
     /// This side holds the peer back: a frame's payload waits in the wire
     /// because this side has no room for it yet (a full inbox, a dry pool).
-    /// The peer is not to blame, so the idle timer counts from `now`.
+    /// The peer is not to blame, so the idle timer, and the message's
+    /// timing against `min_rate`, count from `now`. Also for a driver whose
+    /// application was away (no one looked at the wire for a while): what
+    /// the peer could not send meanwhile is not held against it.
     pub fn handle_held(&mut self, now: Instant) {
         self.last_heard = now;
+        if RATE_RULE {
+            self.rate_since = Some(now);
+            self.rate_bytes = 0;
+        }
     }
 
-    /// Bytes of a frame arrived that the engine has not seen yet (a stream
+    /// `bytes` of a frame arrived that the engine has not seen yet (a stream
     /// driver holding part of a header says so with `partial`): the peer is
-    /// alive, and the idle timer counts from `now`.
-    pub fn handle_activity(&mut self, now: Instant, partial: bool) {
-        self.last_heard = now;
+    /// alive, the idle timer counts from `now`, and the bytes count toward
+    /// the message's rate.
+    pub fn handle_activity(&mut self, now: Instant, bytes: usize, partial: bool) {
+        self.heard(now, bytes);
         self.partial = partial;
     }
 
@@ -1210,7 +1290,7 @@ impl Session {
         carried: Option<usize>,
     ) -> Result<Inbound, ProtocolError> {
         self.check_failed()?;
-        self.last_heard = now;
+        self.heard(now, HEADER_LEN);
         self.partial = false;
         if self.pending.is_some() {
             // The driver must finish a frame's payload before the next header: a driver bug.
@@ -1242,7 +1322,6 @@ impl Session {
         payload: Option<&[u8]>,
     ) -> Result<Option<Delivered>, ProtocolError> {
         self.check_failed()?;
-        self.last_heard = now;
         let Some(p) = self.pending.take() else {
             debug_assert!(false, "a payload without its header");
             return Err(self.fail(ProtocolError::Fragment));
@@ -1253,6 +1332,8 @@ impl Session {
                 return Err(self.fail(e.into()));
             }
         }
+        // Mid-message (its assembly is there): counted toward its rate.
+        self.heard(now, p.len as usize);
         let Some(a) = self.assembly.as_mut() else {
             return Err(self.fail(ProtocolError::Fragment));
         };

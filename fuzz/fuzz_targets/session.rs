@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use zerohop_core::session::{HostOffer, HostRole, Instant, SendError, SessionConfig, MIN_RING};
+use zerohop_core::session::{HostOffer, HostRole, Instant, SendError, SessionConfig, MIN_RATE, MIN_RING};
 use zerohop_core::testing::{SimEvent, SimFrame, SimPeer};
 
 #[derive(Arbitrary, Debug)]
@@ -102,6 +102,8 @@ fn config(s: &Setup) -> SessionConfig {
         sends_headerless: ring != 0 && s.headerless,
         check_payload: true,
         idle_timeout: Duration::from_millis(50),
+        // Half the sessions held to a minimum rate mid-message as well.
+        min_rate: if s.window % 2 == 0 { MIN_RATE } else { 0 },
         host: HostRole::None,
     }
 }

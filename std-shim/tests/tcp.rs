@@ -603,6 +603,59 @@ fn an_idle_half_frame_and_a_silent_handshake_are_dropped_after_the_timeout() {
     assert_eq!(server.with(|t| (t.peer_count(), t.handshaking())), (0, 0));
 }
 
+/// A peer that drips a large message, a byte every 100 ms (never silent
+/// for the idle timeout), held the message's buffer for as long as it
+/// liked; now, past the idle timeout's grace, it must keep up the minimum
+/// rate (64 KiB/s): it is dropped, typed, its buffer back, and an honest
+/// peer is served throughout.
+#[test]
+fn a_peer_dripping_a_large_message_is_dropped_at_the_minimum_rate_with_its_buffer_back() {
+    let config = TcpConfig {
+        idle_timeout: Duration::from_millis(500),
+        ..TcpConfig::default()
+    };
+    let (server, addr, pool) = listener(64 << 20, config);
+    let (good, peer) = client(addr);
+    expect_still_served(&server, &good, peer);
+    let used = pool.stats().used_bytes;
+    let mut drip = Raw::connect(addr);
+    drip.send(&Raw::data(0, 8 << 20, DataFlags::NONE));
+    drip.send(&[7]);
+    await_partial_lease(&pool, used);
+    let t0 = Instant::now();
+    let mut s = drip.s.try_clone().unwrap();
+    let dripping = std::thread::spawn(move || {
+        while t0.elapsed() < 5 * SECOND && s.write_all(&[7]).is_ok() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let mut served = 0;
+    loop {
+        match server.recv(Deadline::after(Duration::from_millis(100)), None) {
+            Err(Error::Protocol {
+                error:
+                    ProtocolError::Stalled {
+                        during: Stall::Slow,
+                    },
+                ..
+            }) => break,
+            Err(Error::Timeout) => {
+                expect_still_served(&server, &good, peer);
+                served += 1;
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(t0.elapsed() < 5 * SECOND, "the dripping peer was kept");
+    }
+    // The idle timeout's grace from its header, whatever its drops.
+    assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
+    assert!(served >= 2, "the honest peer was served meanwhile");
+    assert_eq!(pool.stats().used_bytes, used, "the drip's lease went back");
+    assert!(drip.closed_by_peer());
+    dripping.join().unwrap();
+    expect_still_served(&server, &good, peer);
+}
+
 /// Credit frames every 50 ms on a clone of `raw`'s connection until it fails
 /// or `for_` has passed: what a peer that owes a frame may send meanwhile.
 fn keep_sending_credit(raw: &Raw, for_: Duration) -> std::thread::JoinHandle<()> {

@@ -46,6 +46,12 @@ pub struct Config {
     /// A peer silent this long mid-handshake or mid-message is dropped
     /// (default 5 s). A peer that is quiet between messages is kept.
     pub idle_timeout: Duration,
+    /// Bytes a second a peer must keep up while one of its messages is
+    /// under way, after a grace of `idle_timeout` (default 64 KiB/s; 0:
+    /// none): a peer that sends a large message a byte now and then, to
+    /// hold its receive buffer, is dropped (`Stalled { during: Slow }`).
+    /// Lower it for peers on slower links.
+    pub min_rate: u32,
     /// Over `shm`, messages of this many bytes and up are read straight
     /// out of the sender's memory (one copy, one message handed over at a
     /// time), smaller ones go through the shared ring (two copies,
@@ -65,6 +71,7 @@ impl Default for Config {
             spin: Duration::from_micros(50),
             send_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(5),
+            min_rate: zerohop_core::session::MIN_RATE,
             shm_single_copy_from: zerohop_std::Config::default().shm_single_copy_from,
         }
     }

@@ -786,6 +786,7 @@ fn tcp_config(config: &Config, max_message: usize) -> TcpConfig {
     TcpConfig {
         max_message,
         idle_timeout: config.idle_timeout,
+        min_rate: config.min_rate,
         ..TcpConfig::default()
     }
 }
@@ -797,6 +798,7 @@ fn rdma_config(config: &Config, max_message: usize) -> zerohop_backends::verbs::
         recv_pool_bytes: config.pool_bytes,
         send_pool_bytes: config.pool_bytes.min(1 << 30),
         idle_timeout: config.idle_timeout,
+        min_rate: config.min_rate,
         ..zerohop_backends::verbs::RdmaConfig::default()
     }
 }

@@ -80,6 +80,9 @@ pub struct RdmaConfig {
     pub headerless: bool,
     /// A peer silent this long before its Hello or mid-message fails (default 5 s).
     pub idle_timeout: Duration,
+    /// Bytes a second a peer's message under way must keep up, after the
+    /// idle timeout's grace (default [`MIN_RATE`](zerohop_core::session::MIN_RATE); 0: none).
+    pub min_rate: u32,
 }
 
 impl Default for RdmaConfig {
@@ -93,6 +96,7 @@ impl Default for RdmaConfig {
             send_pool_bytes: 256 << 20,
             headerless: true,
             idle_timeout: Duration::from_secs(5),
+            min_rate: zerohop_core::session::MIN_RATE,
         }
     }
 }
@@ -163,6 +167,8 @@ pub struct RdmaTransport<M: PayloadMemory = HostPayload> {
     accepted: VecDeque<(PeerId, SocketAddr)>,
     origin: StdInstant,
     next_scan: StdInstant,
+    /// The timers' looks: a long gap is the application's absence.
+    looks: crate::Looks,
     closed: bool,
 }
 
@@ -240,6 +246,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             accepted: VecDeque::new(),
             origin: now,
             next_scan: now,
+            looks: crate::Looks::default(),
             closed: false,
         })
     }
@@ -338,6 +345,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             sends_headerless: true,
             check_payload: false, // RC checks every packet (ICRC)
             idle_timeout: c.idle_timeout,
+            min_rate: c.min_rate,
             // A queue pair is already past any same-host question.
             host: HostRole::None,
         }
@@ -669,8 +677,12 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         let mut any = self.accept_all();
         let now = StdInstant::now();
         let timers = now >= self.next_scan;
+        let mut came_back = false;
         if timers {
             self.next_scan = now + TIMER_SCAN;
+            came_back = self
+                .looks
+                .came_back(now, crate::absence(self.config.idle_timeout));
         }
         let t = self.now();
         for i in 0..self.peers.len() {
@@ -695,6 +707,10 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 // away past the idle timeout left them in the queue).
                 let moved = tr.drain_and_arm(conn, peer)? | Self::pump(conn)?;
                 if timers {
+                    // Time nobody drove this wire is not the peer's stall.
+                    if came_back {
+                        conn.session.handle_held(t);
+                    }
                     conn.session
                         .handle_timeout(t)
                         .map_err(|error| Error::Protocol { peer, error })?;

@@ -25,6 +25,7 @@ fn ring(depth: u16, frame: u32) -> SessionConfig {
         sends_headerless: false,
         check_payload: true,
         idle_timeout: Duration::from_secs(5),
+        min_rate: MIN_RATE,
         host: HostRole::None,
     }
 }
@@ -1025,12 +1026,12 @@ fn a_peer_silent_before_its_hello_or_mid_message_times_out_and_a_quiet_one_does_
 
     // Part of a header held by a stream driver.
     let mut s = opened(cfg, hello(1 << 20, 8));
-    s.handle_activity(later, true);
+    s.handle_activity(later, 1, true);
     assert_eq!(
         s.poll_timeout(),
         Some(later.after(Duration::from_millis(10)))
     );
-    s.handle_activity(later, false);
+    s.handle_activity(later, 1, false);
     assert_eq!(s.poll_timeout(), None);
 }
 
@@ -1987,4 +1988,103 @@ fn a_moved_session_sends_no_close_and_no_credit() {
     conn.session.close();
     acc.session.close();
     assert!(conn.transmit().is_empty() && acc.transmit().is_empty());
+}
+
+/// How a peer sending a 512 KiB message at `per_step` bytes every 100 ms
+/// fares, its header at `start` (the side holding it back every step when
+/// `held`): `Ok(true)` delivered, `Ok(false)` still under way after 10 s,
+/// or when and why it failed.
+fn paced(
+    s: &mut Session,
+    start: Instant,
+    per_step: usize,
+    held: bool,
+) -> Result<bool, (Duration, ProtocolError)> {
+    let len = 512u32 << 10;
+    let f = data(s.stats().messages_received, len, len, false);
+    assert!(matches!(
+        s.handle_header(start, &f[..HEADER_LEN], None),
+        Ok(Inbound::Data(_))
+    ));
+    let step = Duration::from_millis(100);
+    let mut sent = 0;
+    for i in 1..=100u32 {
+        let t = start.after(step * i);
+        if held {
+            s.handle_held(t);
+        }
+        // As a driver does: what arrived first, then the timers.
+        let n = per_step.min(len as usize - sent);
+        if n > 0 {
+            s.handle_activity(t, n, false);
+            sent += n;
+        }
+        if sent == len as usize {
+            let done = s.handle_payload(t, Some(&f[HEADER_LEN..]));
+            assert!(matches!(done, Ok(Some(_))), "{done:?}");
+            return Ok(true);
+        }
+        s.handle_timeout(t).map_err(|e| (step * i, e))?;
+    }
+    Ok(false)
+}
+
+/// Mid-message a peer must keep up `min_rate` (64 KiB/s) after the idle
+/// timeout's grace: one that drips bytes, never silent for the idle
+/// timeout, fails `Stalled { Slow }` (before, it held the message's buffer
+/// for good); one at half the rate fails when its deficit passes the
+/// grace; one above the rate is delivered; a fast one that goes silent
+/// still fails as silent; and time this side held the peer back, or a
+/// quiet spell between messages, is not held against it.
+#[test]
+fn a_message_under_way_must_keep_up_the_minimum_rate() {
+    let cfg = SessionConfig {
+        idle_timeout: Duration::from_secs(1),
+        ..stream()
+    };
+    assert_eq!(cfg.min_rate, MIN_RATE);
+    let slow = ProtocolError::Stalled {
+        during: Stall::Slow,
+    };
+    let fresh = || opened(cfg, hello(1 << 20, 0));
+    // The message is timed from the first look at the timers after its
+    // header (100 ms in). A byte every 100 ms: nothing earns time past
+    // the grace.
+    assert_eq!(
+        paced(&mut fresh(), T0, 1, false),
+        Err((Duration::from_millis(1100), slow))
+    );
+    // 32 KiB/s: 1 s a 64 KiB earned against 2 s spent; behind at 2.2 s.
+    assert_eq!(
+        paced(&mut fresh(), T0, 3277, false),
+        Err((Duration::from_millis(2200), slow))
+    );
+    // 128 KiB/s: the 512 KiB in 4 s.
+    assert_eq!(paced(&mut fresh(), T0, 13_108, false), Ok(true));
+    // Held back by this side: the drip is not the peer's doing.
+    assert_eq!(paced(&mut fresh(), T0, 1, true), Ok(false));
+    // 128 KiB at once (2 s earned), then silence: the idle timeout after
+    // its last bytes, not the rate's later deadline.
+    let mut s = fresh();
+    let f = data(0, 512 << 10, 512 << 10, false);
+    assert!(s.handle_header(T0, &f[..HEADER_LEN], None).is_ok());
+    let burst = T0.after(Duration::from_millis(100));
+    s.handle_activity(burst, 128 << 10, false);
+    let silent = burst.after(Duration::from_secs(1));
+    assert_eq!(s.poll_timeout(), Some(silent));
+    assert_eq!(
+        s.handle_timeout(silent),
+        Err(ProtocolError::Stalled {
+            during: Stall::Frame
+        })
+    );
+    // A message, a quiet minute, and the next message timed from its own start.
+    let mut s = fresh();
+    assert_eq!(paced(&mut s, T0, 512 << 10, false), Ok(true));
+    let later = T0.after(Duration::from_secs(60));
+    assert_eq!(s.handle_timeout(later), Ok(()), "quiet between messages");
+    assert_eq!(paced(&mut s, later, 13_108, false), Ok(true));
+    // No minimum: the drip lives on (only silence fails it).
+    let mut s = opened(SessionConfig { min_rate: 0, ..cfg }, hello(1 << 20, 0));
+    assert_eq!(paced(&mut s, T0, 1, false), Ok(false));
 }

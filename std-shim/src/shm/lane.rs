@@ -636,8 +636,8 @@ impl Lane {
     /// The side pass's timers at `now`: a peer this side holds back (its
     /// pool dry, the inbox full) is not stalled; bytes taken since the last
     /// pass are news of it (see `heard`); then its idle timeout.
-    pub(crate) fn tend(&mut self, now: Instant) -> Result<(), ProtocolError> {
-        if self.dry || self.held {
+    pub(crate) fn tend(&mut self, now: Instant, came_back: bool) -> Result<(), ProtocolError> {
+        if self.dry || self.held || came_back {
             self.session.handle_held(now);
         }
         self.heard(now);
@@ -653,9 +653,10 @@ impl Lane {
     fn heard(&mut self, now: Instant) {
         let taken = self.taken();
         if taken != self.taken_when_heard {
+            let bytes = usize::try_from(taken - self.taken_when_heard).unwrap_or(usize::MAX);
             self.taken_when_heard = taken;
             let partial = self.have > 0 || self.incoming.is_some();
-            self.session.handle_activity(now, partial);
+            self.session.handle_activity(now, bytes, partial);
         }
     }
 
@@ -1324,10 +1325,15 @@ impl Lane {
                 }
                 let verdict = match inc.framed {
                     true => self.session.handle_payload(now, Some(&bytes[..want])),
-                    false => Ok(Some(Delivered {
-                        seq: inc.d.seq,
-                        len: want,
-                    })),
+                    false => {
+                        // A short record's message is in: none is under way
+                        // now (its rate is timed from the next one's record).
+                        self.session.handle_activity(now, want, false);
+                        Ok(Some(Delivered {
+                            seq: inc.d.seq,
+                            len: want,
+                        }))
+                    }
                 };
                 let lease = self.incoming.take().and_then(|i| i.lease).expect("leased");
                 match verdict {
@@ -1355,7 +1361,7 @@ impl Lane {
                     if n > 0 {
                         // Part of a header: a frame has begun (its timer
                         // runs). Only bytes are news of the peer, not a look.
-                        self.session.handle_activity(now, true);
+                        self.session.handle_activity(now, n, true);
                     }
                     return Outcome::Drained;
                 }
@@ -1375,7 +1381,7 @@ impl Lane {
                 // The engine has no payload pending to time: a frame is under
                 // way until the payload is in (the next side pass's `heard`
                 // settles it).
-                self.session.handle_activity(now, done.len > 0);
+                self.session.handle_activity(now, 0, done.len > 0);
                 let d = DataIn {
                     seq: done.seq,
                     msg_len: done.len,

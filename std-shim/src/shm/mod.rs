@@ -239,6 +239,8 @@ pub struct LocalWire {
     next_link_check: StdInstant,
     /// When a spinning receiver next moves the side work along.
     next_side: StdInstant,
+    /// The lanes' timer looks: a long gap is the application's absence.
+    looks: zerohop_backends::Looks,
     /// The time of the last side pass, for the lanes' reads.
     clock: Instant,
     /// The lane a read pass starts at, one further each pass: the inbox is
@@ -305,6 +307,7 @@ impl LocalWire {
         let session = SessionConfig {
             window: u32::try_from(tcp.window).unwrap_or(u32::MAX),
             idle_timeout: tcp.idle_timeout,
+            min_rate: tcp.min_rate,
             host: HostRole::None,
             // A whole message goes as a short record (see `lane::SHORT`).
             takes_headerless: true,
@@ -335,6 +338,7 @@ impl LocalWire {
             polls: 0,
             next_link_check: now,
             next_side: now,
+            looks: zerohop_backends::Looks::default(),
             clock: Instant::from_micros(0),
             first_lane: 0,
             slept: false,
@@ -755,6 +759,8 @@ impl LocalWire {
         if check {
             self.next_link_check = StdInstant::now() + LINK_CHECK;
         }
+        let away = zerohop_backends::absence(self.session.idle_timeout);
+        let came_back = self.looks.came_back(StdInstant::now(), away);
         let mut any = false;
         for slot in 0..self.lanes.len() {
             let Some((id, l)) = self.lanes.entry(slot) else {
@@ -768,7 +774,7 @@ impl LocalWire {
                     continue;
                 }
             }
-            if let Err(error) = l.tend(now) {
+            if let Err(error) = l.tend(now, came_back) {
                 self.drop_lane(slot, Some(Error::Protocol { peer: id, error }));
                 continue;
             }

@@ -166,10 +166,11 @@ impl LaneRig {
         let Some(lane) = self.lane.as_mut() else {
             return Err(Error::Closed);
         };
-        lane.tend(Instant::from_micros(micros)).map_err(|error| {
-            self.lane = None;
-            Error::Protocol { peer: PEER, error }
-        })
+        lane.tend(Instant::from_micros(micros), false)
+            .map_err(|error| {
+                self.lane = None;
+                Error::Protocol { peer: PEER, error }
+            })
     }
 
     /// [`read`](Self::read), told the time is `micros` (reads between side

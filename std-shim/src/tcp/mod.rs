@@ -36,7 +36,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 
-use zerohop_backends::{host_bytes, PeerSlots};
+use zerohop_backends::{absence, host_bytes, Looks, PeerSlots};
 use zerohop_core::session::{HostOffer, HostRole, Instant, Session, SessionConfig, SessionStats};
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{Capabilities, Error, Kind, PeerId, PoolError, Received, Rejected, Transport};
@@ -119,6 +119,11 @@ pub struct TcpConfig {
     pub stripe_min: Option<usize>,
     /// A peer silent this long before its Hello or mid-frame is dropped (default 5 s).
     pub idle_timeout: Duration,
+    /// Bytes a second a peer's message under way must keep up, after the
+    /// idle timeout's grace (default [`MIN_RATE`](zerohop_core::session::MIN_RATE);
+    /// 0: none): a peer that drips a large message's bytes to hold its
+    /// buffer is dropped.
+    pub min_rate: u32,
     /// Connections that have not said Hello, kept at most; the oldest goes first (default 256).
     pub max_handshakes: usize,
     /// What this side offers the listeners it connects to, so that one on
@@ -143,6 +148,7 @@ impl Default for TcpConfig {
             check_payload: false,
             stripe_min: Some(STRIPE_MIN),
             idle_timeout: Duration::from_secs(5),
+            min_rate: zerohop_core::session::MIN_RATE,
             max_handshakes: 256,
             same_host: None,
             takes_offers: false,
@@ -159,6 +165,7 @@ impl TcpConfig {
             window: u32::try_from(self.window).unwrap_or(u32::MAX),
             check_payload: self.check_payload,
             idle_timeout: self.idle_timeout,
+            min_rate: self.min_rate,
             host,
             ..SessionConfig::stream(max)
         }
@@ -201,8 +208,8 @@ struct Peer {
     /// Readiness seen and not yet used up (edge-triggered: a read that
     /// comes back short, or empty, uses it up; the next arrival raises it).
     readable: bool,
-    /// Bytes came into the stage that the session has not been told of.
-    heard: bool,
+    /// Bytes that came into the stage and the session has not been told of.
+    heard: usize,
     lane_readable: bool,
     /// epoll reported the other side's end (or an error) on the socket: it
     /// stays readable until a read says so, however short the reads before.
@@ -252,6 +259,8 @@ pub struct TcpTransport {
     unclaimed: VecDeque<Lane>,
     origin: StdInstant,
     next_scan: StdInstant,
+    /// The timers' looks: a long gap is the application's absence.
+    looks: Looks,
     /// `try_recv` calls that found nothing waiting (see [`CTL_EVERY`]).
     polls: u32,
     /// The peer that delivered last: a spinning receiver reads it directly
@@ -315,6 +324,7 @@ impl TcpTransport {
             unclaimed: VecDeque::new(),
             origin: now,
             next_scan: now,
+            looks: Looks::default(),
             polls: 0,
             last: None,
             pool_dry: false,
@@ -593,7 +603,7 @@ impl TcpTransport {
                 token,
                 striped_sent: 0,
                 readable: true,
-                heard: false,
+                heard: 0,
                 lane_readable: true,
                 hup: false,
                 lane_hup: false,
@@ -657,6 +667,7 @@ impl TcpTransport {
         self.next_scan = now + TIMER_SCAN;
         let t = self.now();
         let idle = self.config.idle_timeout;
+        let came_back = self.looks.came_back(now, absence(idle));
         for p in &mut self.pending {
             if p.as_ref()
                 .is_some_and(|p| now.duration_since(p.since) >= idle)
@@ -677,7 +688,8 @@ impl TcpTransport {
             // not taken the last messages, the pool is dry), or readiness it
             // has not used yet (the inbox filled before the peer's turn in
             // this pass's reads), is not the peer's stall.
-            if p.deferred || p.dry || p.in_read {
+            // Nor is the time this side did not look at all.
+            if p.deferred || p.dry || p.in_read || came_back {
                 p.session.handle_held(t);
             }
             if let Err(error) = p.session.handle_timeout(t) {

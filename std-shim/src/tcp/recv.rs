@@ -66,7 +66,7 @@ pub(super) fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
                 // edge, except an end already reported (then read on to it).
                 p.readable = p.stage_end + n == end || p.hup;
                 p.stage_end += n;
-                p.heard = true;
+                p.heard += n;
                 return Ok(true);
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -280,7 +280,7 @@ impl TcpTransport {
                             inc.lane_have += n;
                             lane_idle = false;
                             // Bytes on either connection are news of the peer.
-                            p.session.handle_activity(now, false);
+                            p.session.handle_activity(now, n, false);
                             p.lane_readable &= n == asked || p.lane_hup || !lane.early.is_empty();
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => p.lane_readable = false,
@@ -328,7 +328,7 @@ impl TcpTransport {
                             inc.have += n.min(into_lease);
                             p.stage_end = n.saturating_sub(into_lease);
                             p.readable = n == into_lease + READ_AHEAD || p.hup;
-                            p.session.handle_activity(now, false);
+                            p.session.handle_activity(now, n, false);
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             p.readable = false;
@@ -434,8 +434,9 @@ impl TcpTransport {
             // Only bytes are news of the peer: a spinning receiver looks at
             // the peer that delivered last on every poll, and a look that
             // finds nothing must not keep one stalled mid-header alive.
-            if std::mem::take(&mut p.heard) {
-                p.session.handle_activity(now, staged > 0);
+            if p.heard > 0 {
+                p.session
+                    .handle_activity(now, std::mem::take(&mut p.heard), staged > 0);
             }
             // 3. More bytes into the stage.
             let room = if p.direct_stream {
