@@ -419,7 +419,9 @@ fn a_delivered_receive_is_reposted_after_the_reply_leaves_or_at_the_next_poll() 
 /// message longer than its ring: the fragments that came meanwhile wait in
 /// its completion queue, and are taken before the peer is judged, so the
 /// message arrives and the peer stays (before, the peer failed with
-/// `Stalled { Frame }` at the first call after the absence).
+/// `Stalled { Frame }` at the first call after the absence). Nor is the
+/// absence held against the message's rate: the wire holds its peers when
+/// it comes back (without that, `Stalled { Slow }`).
 #[test]
 fn a_peer_mid_message_while_this_side_was_away_is_read_not_timed_out() {
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -432,8 +434,10 @@ fn a_peer_mid_message_while_this_side_was_away_is_read_not_timed_out() {
     let Some((mut a, mut b, peer)) = raw_pair(19_136, config) else {
         return;
     };
-    // 8 slots of 4 KiB: 64 KiB takes several turns of the ring.
-    let m: Vec<u8> = (0..64u32 << 10).map(|i| (i * 7 + i / 4096) as u8).collect();
+    // 8 slots of 4 KiB: 256 KiB takes many turns of the ring.
+    let m: Vec<u8> = (0..256u32 << 10)
+        .map(|i| (i * 7 + i / 4096) as u8)
+        .collect();
     let (go, wait) = std::sync::mpsc::channel::<()>();
     let done = Arc::new(AtomicBool::new(false));
     let sender = {
@@ -461,9 +465,12 @@ fn a_peer_mid_message_while_this_side_was_away_is_read_not_timed_out() {
         b.pool().stats().leases > config.recv_depth as usize,
         "mid-message: the message's buffer is leased beside the ring's"
     );
-    // The sender goes on; this side is away for three idle timeouts.
+    // The sender goes on; this side is away for ten idle timeouts: longer
+    // than the message's first fragments earned against the minimum rate
+    // (32 KiB, half a second), so it is also the absence the wire holds
+    // its peers for (without that hold: `Stalled { Slow }` on return).
     go.send(()).unwrap();
-    std::thread::sleep(3 * idle);
+    std::thread::sleep(10 * idle);
     let until = std::time::Instant::now() + WAIT;
     let r = loop {
         b.progress().unwrap();
