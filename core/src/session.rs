@@ -29,8 +29,10 @@
 //! it), frame credit on ring wires (never more frames than posted receive
 //! slots), fragmentation and reassembly, the headerless-or-framed choice, the
 //! Hello exchange (no data before it, a peer of another version refused by
-//! name), a clean Close, and the idle timer (a peer silent mid-handshake or
-//! mid-frame fails). Every failure is a typed [`ProtocolError`]; none panics,
+//! name), a clean Close, the idle timer (a peer silent mid-handshake or
+//! mid-frame fails) and a minimum rate while a message is under way
+//! ([`SessionConfig::min_rate`]: a drip of bytes cannot hold a buffer).
+//! Every failure is a typed [`ProtocolError`]; none panics,
 //! and no arithmetic on a received field can overflow.
 
 use core::fmt;
@@ -1244,8 +1246,7 @@ impl Session {
     /// when this side last looked.
     pub fn handle_timeout(&mut self, now: Instant) -> Result<(), ProtocolError> {
         self.check_failed()?;
-        if RATE_RULE && self.config.min_rate > 0 && self.rate_since.is_none() && self.mid_message()
-        {
+        if RATE_RULE && self.rate_since.is_none() && self.mid_message() {
             self.rate_since = Some(now);
         }
         match self.deadline() {
