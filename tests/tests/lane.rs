@@ -804,3 +804,43 @@ fn a_peer_file_that_is_not_a_sealed_tmpfs_file_within_the_limit_is_read_the_othe
     assert_eq!(rig.take_messages(), [Ok(vec![0; 40 << 10])], "its zeros");
     assert_eq!(rig.told_peer().0, inode(&file));
 }
+
+/// A peer that drips a message into the ring, a byte every 100 ms (never
+/// silent for the idle timeout), held its receive buffer for as long as it
+/// liked; past the idle timeout's grace it must keep up the minimum rate
+/// (64 KiB/s): dropped `Stalled { Slow }`, nothing delivered, the buffer
+/// back. A framed header and a short record alike.
+#[test]
+fn a_peer_that_drips_a_message_is_dropped_at_the_minimum_rate() {
+    let idle = idle_micros();
+    // Under the single-copy length: the bytes come through the ring.
+    for head in [data(DataFlags::NONE, 0, 30_000), short_record(0, 30_000)] {
+        let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+        rig.peer_write(&hello());
+        rig.read_at(1).unwrap();
+        rig.peer_write(&head);
+        let mut t = 100_000;
+        let failed = loop {
+            rig.peer_write(&[7]);
+            if let Err(e) = rig.read_at(t).and_then(|()| rig.tend_at(t)) {
+                break (t, e);
+            }
+            assert!(t < 3 * idle, "the dripping peer was kept");
+            t += 100_000;
+        };
+        let Error::Protocol { error, .. } = failed.1 else {
+            panic!("{failed:?}")
+        };
+        assert_eq!(
+            error,
+            ProtocolError::Stalled {
+                during: Stall::Slow
+            }
+        );
+        // The idle timeout's grace from the first side pass after its
+        // header, then the first pass past it.
+        assert!(failed.0 > idle && failed.0 <= idle + 300_000, "{}", failed.0);
+        assert!(rig.take_delivered().is_empty(), "nothing of it delivered");
+        assert_eq!(rig.pool_used(), 0, "its receive buffer back");
+    }
+}
