@@ -3,7 +3,8 @@
 //! is a typed protocol error that ends that lane, and nothing is held after;
 //! a buffer handed over by a single copy stays out until the peer has it;
 //! a peer silent mid-handshake or mid-frame is dropped at the idle timeout,
-//! however often its lane is looked at; a whole message goes as a short
+//! however often its lane is looked at, and one that drips a message at
+//! the minimum rate's deadline; a whole message goes as a short
 //! record to a peer that takes them, and a short record is checked as
 //! strictly as a frame's header.
 
@@ -839,7 +840,11 @@ fn a_peer_that_drips_a_message_is_dropped_at_the_minimum_rate() {
         );
         // The idle timeout's grace from the first side pass after its
         // header, then the first pass past it.
-        assert!(failed.0 > idle && failed.0 <= idle + 300_000, "{}", failed.0);
+        assert!(
+            failed.0 > idle && failed.0 <= idle + 300_000,
+            "{}",
+            failed.0
+        );
         assert!(rig.take_delivered().is_empty(), "nothing of it delivered");
         assert_eq!(rig.pool_used(), 0, "its receive buffer back");
     }
