@@ -23,7 +23,9 @@ use std::time::Duration;
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use zerohop_core::session::{HostOffer, HostRole, Instant, SendError, SessionConfig, MIN_RATE, MIN_RING};
+use zerohop_core::session::{
+    HostOffer, HostRole, Instant, SendError, SessionConfig, MIN_RATE, MIN_RING,
+};
 use zerohop_core::testing::{SimEvent, SimFrame, SimPeer};
 
 #[derive(Arbitrary, Debug)]
