@@ -225,7 +225,7 @@ pub struct SessionStats {
     pub credit_stalls: u64,
 }
 
-/// Where a session is stuck when its idle timer fires.
+/// Where a session is stuck when a deadline passes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 pub enum Stall {
@@ -588,10 +588,13 @@ pub struct Session {
     partial: bool,
     /// Since when the message under way is timed against `min_rate`: the
     /// first look at the timers after it began (a driver's own clock, not
-    /// the time its reads were told, which may be a pass old), or the last
-    /// time this side held the peer back; and the bytes of it heard since.
+    /// the time its reads were told, which may be a pass old), moved on by
+    /// the time this side held the peer back since; and its payload bytes
+    /// heard.
     rate_since: Option<Instant>,
     rate_bytes: u64,
+    /// The last look at the timers (`handle_timeout`).
+    last_look: Instant,
 
     // Sending.
     tx_seq: u64,
@@ -681,6 +684,7 @@ impl Session {
             partial: false,
             rate_since: None,
             rate_bytes: 0,
+            last_look: now,
             tx_seq: 0,
             tx_unframed: 0,
             tx_started: 0,
@@ -1164,8 +1168,10 @@ impl Session {
     ///
     /// And while a message is under way, at the latest when it falls behind
     /// [`SessionConfig::min_rate`]: the idle timeout, plus a second per
-    /// `min_rate` bytes heard, after it began (or this side last held the
-    /// peer back).
+    /// `min_rate` payload bytes heard, after the first look at the timers
+    /// once it began, later by the time this side held the peer back or
+    /// was away since ([`handle_held`](Self::handle_held),
+    /// [`handle_absence`](Self::handle_absence)).
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.deadline().map(|(at, _)| at)
     }
@@ -1210,17 +1216,32 @@ impl Session {
         self.pending.is_some() || self.assembly.is_some() || self.partial
     }
 
-    /// `n` bytes of the peer's arrived at `now`: counted against
-    /// `min_rate`, from `now` if no message was under way.
+    /// `n` payload bytes of the message under way arrived at `now`
+    /// (counted against `min_rate`; nothing under way, they count for
+    /// nothing).
     fn heard(&mut self, now: Instant, n: usize) {
-        if RATE_RULE {
-            if !self.mid_message() {
-                self.rate_since = None;
-                self.rate_bytes = 0;
-            }
+        if RATE_RULE && self.mid_message() {
             self.rate_bytes = self.rate_bytes.saturating_add(n as u64);
         }
         self.last_heard = now;
+    }
+
+    /// A message (or a header) of the peer's begins: timed from the next
+    /// look at the timers.
+    fn begin_rate(&mut self) {
+        if RATE_RULE && !self.mid_message() {
+            self.rate_since = None;
+            self.rate_bytes = 0;
+        }
+    }
+
+    /// The time since the last look at the timers was this side's doing:
+    /// the message's timing against `min_rate` pauses for it.
+    fn pause_rate(&mut self, now: Instant) {
+        if let (true, Some(since)) = (RATE_RULE, self.rate_since) {
+            let gap = now.0.saturating_sub(self.last_look.0);
+            self.rate_since = Some(Instant(since.0.saturating_add(gap).min(now.0)));
+        }
     }
 
     /// The peer's Host frame is awaited: its offer (answering side), or its
@@ -1249,6 +1270,9 @@ impl Session {
         if RATE_RULE && self.rate_since.is_none() && self.mid_message() {
             self.rate_since = Some(now);
         }
+        if RATE_RULE {
+            self.last_look = now;
+        }
         match self.deadline() {
             Some((at, during)) if now >= at => Err(self.fail(ProtocolError::Stalled { during })),
             _ => Ok(()),
@@ -1257,23 +1281,34 @@ impl Session {
 
     /// This side holds the peer back: a frame's payload waits in the wire
     /// because this side has no room for it yet (a full inbox, a dry pool).
-    /// The peer is not to blame, so the idle timer, and the message's
-    /// timing against `min_rate`, count from `now`. Also for a driver whose
-    /// application was away (no one looked at the wire for a while): what
-    /// the peer could not send meanwhile is not held against it.
+    /// The peer is not to blame, so the idle timer counts from `now`, and
+    /// the message's timing against `min_rate` pauses for the time since
+    /// the last look at the timers. Call it before that look's
+    /// [`handle_timeout`](Self::handle_timeout).
     pub fn handle_held(&mut self, now: Instant) {
         self.last_heard = now;
-        if RATE_RULE {
-            self.rate_since = Some(now);
-            self.rate_bytes = 0;
-        }
+        self.pause_rate(now);
     }
 
-    /// `bytes` of a frame arrived that the engine has not seen yet (a stream
-    /// driver holding part of a header says so with `partial`): the peer is
-    /// alive, the idle timer counts from `now`, and the bytes count toward
-    /// the message's rate.
+    /// Nobody drove this side's wire since the last look at the timers (a
+    /// caller-driven application away): the peer could not send what this
+    /// side did not read, so the message's timing against `min_rate`
+    /// pauses for that time. Its silence is judged as ever (the driver
+    /// reads what came meanwhile first). Call it before that look's
+    /// [`handle_timeout`](Self::handle_timeout).
+    pub fn handle_absence(&mut self, now: Instant) {
+        self.pause_rate(now);
+    }
+
+    /// Bytes of a frame arrived that the engine has not seen yet: `bytes`
+    /// of the payload under way (a stream driver reads payloads itself;
+    /// they count toward the message's rate), or part of a header, which
+    /// a stream driver holding it says with `partial`. The peer is alive,
+    /// and the idle timer counts from `now`.
     pub fn handle_activity(&mut self, now: Instant, bytes: usize, partial: bool) {
+        if partial {
+            self.begin_rate();
+        }
         self.heard(now, bytes);
         self.partial = partial;
     }
@@ -1291,7 +1326,9 @@ impl Session {
         carried: Option<usize>,
     ) -> Result<Inbound, ProtocolError> {
         self.check_failed()?;
-        self.heard(now, HEADER_LEN);
+        // Control frames are no progress of a message under way.
+        self.begin_rate();
+        self.last_heard = now;
         self.partial = false;
         if self.pending.is_some() {
             // The driver must finish a frame's payload before the next header: a driver bug.
@@ -1333,8 +1370,17 @@ impl Session {
                 return Err(self.fail(e.into()));
             }
         }
-        // Mid-message (its assembly is there): counted toward its rate.
-        self.heard(now, p.len as usize);
+        // A ring wire's fragment came whole: its bytes count toward the
+        // message's rate here (a stream driver told them as it read them).
+        self.heard(
+            now,
+            if self.config.ring != 0 {
+                p.len as usize
+            } else {
+                0
+            },
+        );
+        self.partial = false;
         let Some(a) = self.assembly.as_mut() else {
             return Err(self.fail(ProtocolError::Fragment));
         };
@@ -1363,6 +1409,7 @@ impl Session {
     ) -> Result<Delivered, ProtocolError> {
         self.check_failed()?;
         self.last_heard = now;
+        self.partial = false;
         let r = self.take_headerless(len, imm);
         if let Err(e) = r {
             self.fail(e);

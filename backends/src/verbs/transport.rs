@@ -707,9 +707,14 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 // away past the idle timeout left them in the queue).
                 let moved = tr.drain_and_arm(conn, peer)? | Self::pump(conn)?;
                 if timers {
-                    // Time nobody drove this wire is not the peer's stall.
-                    if came_back {
+                    // Receive slots left empty by a dry pool (the
+                    // application holds the buffers) hold the peer back;
+                    // time nobody drove this wire is not the peer's slowness.
+                    if !conn.unposted.is_empty() {
                         conn.session.handle_held(t);
+                    }
+                    if came_back {
+                        conn.session.handle_absence(t);
                     }
                     conn.session
                         .handle_timeout(t)

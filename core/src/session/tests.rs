@@ -2078,6 +2078,33 @@ fn a_message_under_way_must_keep_up_the_minimum_rate() {
             during: Stall::Frame
         })
     );
+    // This side away 3 s (nobody drove the wire) after the first look:
+    // the 64 KiB read on its return earn a second, the absence pauses the
+    // timing (without it: behind since 2 s); silence is judged as ever.
+    let f = data(0, 512 << 10, 512 << 10, false);
+    let back = T0.after(Duration::from_secs(3));
+    for (away, sent, want) in [
+        (true, 64 << 10, Ok(())),
+        (false, 64 << 10, Err(slow)),
+        (
+            true,
+            0,
+            Err(ProtocolError::Stalled {
+                during: Stall::Frame,
+            }),
+        ),
+    ] {
+        let mut s = fresh();
+        assert!(s.handle_header(T0, &f[..HEADER_LEN], None).is_ok());
+        assert_eq!(s.handle_timeout(T0), Ok(()));
+        if sent > 0 {
+            s.handle_activity(back, sent, false);
+        }
+        if away {
+            s.handle_absence(back);
+        }
+        assert_eq!(s.handle_timeout(back), want, "away {away}, {sent} bytes");
+    }
     // A message, a quiet minute, and the next message timed from its own start.
     let mut s = fresh();
     assert_eq!(paced(&mut s, T0, 512 << 10, false), Ok(true));

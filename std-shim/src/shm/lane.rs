@@ -637,8 +637,11 @@ impl Lane {
     /// pool dry, the inbox full) is not stalled; bytes taken since the last
     /// pass are news of it (see `heard`); then its idle timeout.
     pub(crate) fn tend(&mut self, now: Instant, came_back: bool) -> Result<(), ProtocolError> {
-        if self.dry || self.held || came_back {
+        if self.dry || self.held {
             self.session.handle_held(now);
+        }
+        if came_back {
+            self.session.handle_absence(now);
         }
         self.heard(now);
         self.session.handle_timeout(now)
@@ -1327,8 +1330,9 @@ impl Lane {
                     true => self.session.handle_payload(now, Some(&bytes[..want])),
                     false => {
                         // A short record's message is in: none is under way
-                        // now (its rate is timed from the next one's record).
-                        self.session.handle_activity(now, want, false);
+                        // now (its bytes were counted as the ring gave them,
+                        // at the side passes: `heard`).
+                        self.session.handle_activity(now, 0, false);
                         Ok(Some(Delivered {
                             seq: inc.d.seq,
                             len: want,
@@ -1361,7 +1365,7 @@ impl Lane {
                     if n > 0 {
                         // Part of a header: a frame has begun (its timer
                         // runs). Only bytes are news of the peer, not a look.
-                        self.session.handle_activity(now, n, true);
+                        self.session.handle_activity(now, 0, true);
                     }
                     return Outcome::Drained;
                 }

@@ -688,9 +688,12 @@ impl TcpTransport {
             // not taken the last messages, the pool is dry), or readiness it
             // has not used yet (the inbox filled before the peer's turn in
             // this pass's reads), is not the peer's stall.
-            // Nor is the time this side did not look at all.
-            if p.deferred || p.dry || p.in_read || came_back {
+            if p.deferred || p.dry || p.in_read {
                 p.session.handle_held(t);
+            }
+            // Nor is the time nobody drove this wire a slow peer's.
+            if came_back {
+                p.session.handle_absence(t);
             }
             if let Err(error) = p.session.handle_timeout(t) {
                 let id = self.id(slot);

@@ -297,6 +297,11 @@ impl TcpTransport {
                         .copy_from_slice(&p.stage[p.stage_start..p.stage_start + take]);
                     inc.have += take;
                     p.stage_start += take;
+                    if inc.have < inc.split {
+                        // Progress of a payload still under way (one that
+                        // is in counts for nothing more).
+                        p.session.handle_activity(now, take, false);
+                    }
                 }
                 if inc.have < inc.split {
                     if want - take < DIRECT_MIN {
@@ -328,7 +333,7 @@ impl TcpTransport {
                             inc.have += n.min(into_lease);
                             p.stage_end = n.saturating_sub(into_lease);
                             p.readable = n == into_lease + READ_AHEAD || p.hup;
-                            p.session.handle_activity(now, n, false);
+                            p.session.handle_activity(now, n.min(into_lease), false);
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             p.readable = false;
