@@ -1216,11 +1216,11 @@ impl Session {
         self.pending.is_some() || self.assembly.is_some() || self.partial
     }
 
-    /// `n` payload bytes of the message under way arrived at `now`
-    /// (counted against `min_rate`; nothing under way, they count for
-    /// nothing).
+    /// `n` payload bytes of the message under way arrived at `now`,
+    /// counted against `min_rate` (bytes told between messages are
+    /// dropped at the next one's start, `begin_rate`).
     fn heard(&mut self, now: Instant, n: usize) {
-        if RATE_RULE && self.mid_message() {
+        if RATE_RULE {
             self.rate_bytes = self.rate_bytes.saturating_add(n as u64);
         }
         self.last_heard = now;

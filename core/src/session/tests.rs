@@ -2105,13 +2105,89 @@ fn a_message_under_way_must_keep_up_the_minimum_rate() {
         }
         assert_eq!(s.handle_timeout(back), want, "away {away}, {sent} bytes");
     }
-    // A message, a quiet minute, and the next message timed from its own start.
+    // A header and nothing more: silent and slow at the same moment, it
+    // is the silence that is reported.
     let mut s = fresh();
-    assert_eq!(paced(&mut s, T0, 512 << 10, false), Ok(true));
+    assert!(s.handle_header(T0, &f[..HEADER_LEN], None).is_ok());
+    assert_eq!(s.handle_timeout(T0), Ok(()));
+    assert_eq!(
+        s.handle_timeout(T0.after(Duration::from_secs(1))),
+        Err(ProtocolError::Stalled {
+            during: Stall::Frame
+        })
+    );
+    // A message, a quiet minute, and the next message timed from its own
+    // start (the first one was looked at while under way).
+    let mut s = fresh();
+    assert_eq!(paced(&mut s, T0, 13_108, false), Ok(true));
     let later = T0.after(Duration::from_secs(60));
     assert_eq!(s.handle_timeout(later), Ok(()), "quiet between messages");
     assert_eq!(paced(&mut s, later, 13_108, false), Ok(true));
     // No minimum: the drip lives on (only silence fails it).
     let mut s = opened(SessionConfig { min_rate: 0, ..cfg }, hello(1 << 20, 0));
     assert_eq!(paced(&mut s, T0, 1, false), Ok(false));
+}
+
+/// On a ring wire each fragment arrives whole, and its bytes are the
+/// message's progress: 80 KiB/s in 4 KiB fragments keeps up the minimum
+/// rate; 40 KiB/s falls behind once its deficit passes the grace (at
+/// 2.9 s: 116 KiB earn 1.8 s); and
+/// credit frames between its fragments are no progress.
+#[test]
+fn a_ring_wires_fragments_are_the_progress_the_minimum_rate_counts() {
+    let cfg = SessionConfig {
+        idle_timeout: Duration::from_secs(1),
+        ..ring(8, 4096)
+    };
+    let len = 256u32 << 10;
+    let slow = Some((Duration::from_millis(2900), Stall::Slow));
+    let credits_only = Some((Duration::from_millis(1100), Stall::Slow));
+    // (fragments a 100 ms step, credit frames a step)
+    for ((per_step, credits), want) in [((2, 0), None), ((1, 0), slow), ((0, 1), credits_only)] {
+        // A peer with a deep ring: the credit frames this side sends
+        // never run out of its slots.
+        let mut s = opened(cfg, hello(1 << 20, 4096));
+        let mut offset = 0;
+        let mut feed = |s: &mut Session, t: Instant, offset: &mut u32| {
+            let more = *offset + 4096 < len;
+            let f = data_at(0, len, *offset, 4096, more);
+            let h = s.handle_header(t, &f, Some(4096));
+            assert!(matches!(h, Ok(Inbound::Data(_))), "{h:?} at {offset}");
+            s.handle_payload(t, Some(&f[HEADER_LEN..])).unwrap();
+            *offset += 4096;
+        };
+        // The first fragment, and the first look while it is under way.
+        feed(&mut s, T0, &mut offset);
+        assert_eq!(s.handle_timeout(T0), Ok(()));
+        let mut failed = None;
+        for i in 1..=100u32 {
+            let t = T0.after(Duration::from_millis(100) * i);
+            for _ in 0..per_step {
+                if offset < len {
+                    feed(&mut s, t, &mut offset);
+                }
+            }
+            for _ in 0..credits {
+                let h = s.handle_header(t, &credit_frame(0, 1 << 20, false), Some(0));
+                assert_eq!(h, Ok(Inbound::Control));
+            }
+            // Its receive slots posted again, and the credit for them sent.
+            s.reposted(per_step + credits);
+            while s.poll_control().is_some() {}
+            if offset == len {
+                break;
+            }
+            if let Err(e) = s.handle_timeout(t) {
+                let ProtocolError::Stalled { during } = e else {
+                    panic!("{e:?}")
+                };
+                failed = Some((Duration::from_millis(100) * i, during));
+                break;
+            }
+        }
+        assert_eq!(
+            failed, want,
+            "{per_step} fragments, {credits} credits a step"
+        );
+    }
 }
