@@ -2148,7 +2148,7 @@ fn a_ring_wires_fragments_are_the_progress_the_minimum_rate_counts() {
         // never run out of its slots.
         let mut s = opened(cfg, hello(1 << 20, 4096));
         let mut offset = 0;
-        let mut feed = |s: &mut Session, t: Instant, offset: &mut u32| {
+        let feed = |s: &mut Session, t: Instant, offset: &mut u32| {
             let more = *offset + 4096 < len;
             let f = data_at(0, len, *offset, 4096, more);
             let h = s.handle_header(t, &f, Some(4096));
