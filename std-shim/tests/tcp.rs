@@ -14,7 +14,7 @@ use zerohop_core::wire::{
 };
 use zerohop_core::{crc32c, Error, Kind, PeerId, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport, STRIPE_MIN};
-use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool};
+use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool, Wire};
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -660,6 +660,64 @@ fn a_peer_dripping_a_large_message_is_dropped_at_the_minimum_rate_with_its_buffe
     expect_still_served(&server, &good, peer);
 }
 
+/// An application that only sends for a while, back to back, no thread in
+/// `recv`: the progress thread, which leaves reading to an application
+/// that is calling, must still read a peer mid-message (or leave it
+/// unjudged): the peer is not dropped silent or slow for this side's not
+/// reading, and its message arrives.
+#[test]
+fn a_peer_mid_message_while_the_application_only_sends_is_read_not_timed_out() {
+    let idle = Duration::from_millis(300);
+    let config = TcpConfig {
+        idle_timeout: idle,
+        ..TcpConfig::default()
+    };
+    let (server, addr, pool) = listener(64 << 20, config);
+    let (good, peer) = client(addr);
+    good.send(peer, b"hello", Deadline::after(SECOND), None)
+        .unwrap();
+    let good_here = server.recv(Deadline::after(5 * SECOND), None).unwrap().peer;
+    let used = pool.stats().used_bytes;
+    let payload = sized(9, 1 << 20);
+    let mut raw = Raw::connect(addr);
+    raw.send(&Raw::data(0, 1 << 20, DataFlags::NONE));
+    raw.send(&payload[..100]);
+    await_partial_lease(&pool, used);
+    // The application sends, and only sends, for five idle timeouts; the
+    // rest of the message comes in halves, one and two thirds of the idle
+    // timeout in.
+    let t0 = Instant::now();
+    let rest = std::thread::spawn(move || {
+        std::thread::sleep(idle / 3);
+        raw.send(&payload[100..1 << 19]);
+        std::thread::sleep(idle / 3);
+        raw.send(&payload[1 << 19..]);
+        (raw, payload)
+    });
+    let mut sent = 0;
+    let tick = vec![3u8; 1 << 20];
+    // The other side reads what this side sends (1 MiB each, enough to
+    // fill the socket, so the progress thread is woken to flush).
+    let drain = std::thread::spawn(move || {
+        let mut got = 0;
+        while let Ok(r) = good.recv(Deadline::after(SECOND), None) {
+            assert_eq!(host_bytes(&r.lease), &[3u8; 1 << 20][..]);
+            got += 1;
+        }
+        got
+    });
+    while t0.elapsed() < 5 * idle {
+        server
+            .send(good_here, &tick, Deadline::after(SECOND), None)
+            .unwrap();
+        sent += 1;
+    }
+    let (_raw, payload) = rest.join().unwrap();
+    let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), &payload[..]);
+    assert_eq!(drain.join().unwrap(), sent);
+}
+
 /// Credit frames every 50 ms on a clone of `raw`'s connection until it fails
 /// or `for_` has passed: what a peer that owes a frame may send meanwhile.
 fn keep_sending_credit(raw: &Raw, for_: Duration) -> std::thread::JoinHandle<()> {
@@ -868,6 +926,42 @@ fn a_peer_left_mid_frame_while_this_side_was_away_is_read_not_timed_out() {
     let got = loop {
         match t.try_recv() {
             Err(Error::WouldBlock) if t0.elapsed() < 5 * SECOND => t.progress().unwrap(),
+            other => break other,
+        };
+    };
+    assert_eq!(host_bytes(&got.unwrap().lease), &payload[..]);
+}
+
+/// The same while the progress thread runs the timers and leaves reading
+/// to an application thread (`background_progress(false)`, as while the
+/// application sends): bytes that wait unread in the socket are this
+/// side's, so the peer is held, not judged silent, and its message follows.
+#[test]
+fn a_peer_whose_bytes_wait_unread_while_the_progress_thread_leaves_reading_is_held() {
+    let idle = Duration::from_millis(500);
+    let mut t = transport(
+        64 << 20,
+        TcpConfig {
+            idle_timeout: idle,
+            ..TcpConfig::default()
+        },
+    );
+    let addr = t.listen("127.0.0.1:0").unwrap();
+    let mut raw = Raw::connect(addr);
+    let payload = sized(7, 4000);
+    raw.send(&Raw::data(0, 4000, DataFlags::NONE));
+    raw.send(&payload[..100]);
+    progress_with_nothing_to_deliver(&mut t, idle / 4);
+    raw.send(&payload[100..]);
+    // Passes that do not read, for three idle timeouts.
+    let t0 = Instant::now();
+    while t0.elapsed() < 3 * idle {
+        t.background_progress(false).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let got = loop {
+        match t.try_recv() {
+            Err(Error::WouldBlock) if t0.elapsed() < 10 * idle => t.progress().unwrap(),
             other => break other,
         };
     };

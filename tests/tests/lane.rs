@@ -283,6 +283,33 @@ fn a_peer_that_stops_mid_frame_is_dropped_an_idle_timeout_after_its_last_byte() 
     }
 }
 
+/// The rest of that frame written into the ring, but not read before the
+/// side passes (a progress thread leaves reading to an application thread
+/// that receives; its side pass runs before its reads): the bytes are
+/// this side's to read, so the peer is held, not dropped, and the message
+/// arrives at the next read.
+#[test]
+fn a_frame_whose_rest_waits_unread_in_the_ring_is_not_the_peers_stall() {
+    let idle = idle_micros();
+    for head in [data(DataFlags::NONE, 0, 5), short_record(0, 5)] {
+        let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+        rig.peer_write(&hello());
+        rig.read_at(1).unwrap();
+        let frame = [&head[..], b"hello"].concat();
+        rig.peer_write(&frame[..10]);
+        rig.read_at(5000).unwrap();
+        rig.peer_write(&frame[10..]);
+        let mut t = 10_000;
+        while t < 3 * idle {
+            rig.tend_at(t)
+                .unwrap_or_else(|e| panic!("dropped with its bytes unread: {e:?}"));
+            t += 10_000;
+        }
+        rig.read_at(t).unwrap();
+        assert_eq!(rig.take_delivered(), [Ok(5)]);
+    }
+}
+
 /// A reader of many lanes skips the quiet ones: a lane is quiet only when
 /// a read would find nothing to do, so a skipped lane never holds back a
 /// byte, a frame of its own, or its end.

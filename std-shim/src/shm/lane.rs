@@ -640,6 +640,15 @@ impl Lane {
         if self.dry || self.held {
             self.session.handle_held(now);
         }
+        // Nor are bytes that wait in the ring, unread: the side pass runs
+        // before the reads, and a progress thread leaves reading to an
+        // application thread that receives (looked for only once the peer
+        // is due; a corrupt ring waits for the read that says so).
+        if self.session.poll_timeout().is_some_and(|d| d <= now)
+            && !matches!(self.rx.available(), Ok(0))
+        {
+            self.session.handle_held(now);
+        }
         if came_back {
             self.session.handle_absence(now);
         }

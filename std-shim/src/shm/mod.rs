@@ -1040,11 +1040,12 @@ impl Wire for LocalWire {
     fn background_progress(&mut self, read: bool) -> Result<bool, Error> {
         self.awake();
         let mut any = self.tcp.background_progress(read)?;
-        self.upgrade();
-        any |= self.tend_lanes();
+        // As `pass`: reads first, so a peer is judged on what it sent.
         if read {
             any |= self.read_lanes();
         }
+        self.upgrade();
+        any |= self.tend_lanes();
         Ok(any)
     }
 

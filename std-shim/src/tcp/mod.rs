@@ -231,6 +231,14 @@ struct Peer {
     announced: bool,
 }
 
+impl Peer {
+    /// Something waits in its sockets for a read: bytes, its end, an error.
+    fn unread(&self) -> bool {
+        let waits = |s: &TcpStream| !matches!(s.peek(&mut [0]), Err(e) if e.kind() == io::ErrorKind::WouldBlock);
+        waits(&self.stream) || self.lane.as_ref().is_some_and(|l| waits(&l.stream))
+    }
+}
+
 /// A TCP transport with any number of peers.
 pub struct TcpTransport {
     config: TcpConfig,
@@ -689,6 +697,12 @@ impl TcpTransport {
             // has not used yet (the inbox filled before the peer's turn in
             // this pass's reads), is not the peer's stall.
             if p.deferred || p.dry || p.in_read {
+                p.session.handle_held(t);
+            }
+            // Nor are bytes that wait in its sockets, unread: a progress
+            // thread leaves reading to an application thread that receives
+            // (looked for only once the peer is due: a peek).
+            if p.session.poll_timeout().is_some_and(|d| d <= t) && p.unread() {
                 p.session.handle_held(t);
             }
             // Nor is the time nobody drove this wire a slow peer's.
