@@ -934,10 +934,10 @@ fn a_peer_left_mid_frame_while_this_side_was_away_is_read_not_timed_out() {
 
 /// The same while the progress thread runs the timers and leaves reading
 /// to an application thread (`background_progress(false)`, as while the
-/// application sends): bytes that wait unread in the socket are this
-/// side's, so the peer is held, not judged silent, and its message follows.
+/// application sends): the peer is due with bytes waiting in its socket,
+/// so the timers read them before judging it, and its message follows.
 #[test]
-fn a_peer_whose_bytes_wait_unread_while_the_progress_thread_leaves_reading_is_held() {
+fn a_peer_whose_bytes_wait_unread_while_the_progress_thread_leaves_reading_is_read_first() {
     let idle = Duration::from_millis(500);
     let mut t = transport(
         64 << 20,
@@ -966,6 +966,47 @@ fn a_peer_whose_bytes_wait_unread_while_the_progress_thread_leaves_reading_is_he
         };
     };
     assert_eq!(host_bytes(&got.unwrap().lease), &payload[..]);
+}
+
+/// A peer that drips, while the progress thread leaves reading to the
+/// application: the byte waiting at each look is read and counted, not
+/// excused, and the peer is dropped at the minimum rate as ever (a hold
+/// for waiting bytes kept it for good).
+#[test]
+fn a_dripping_peer_is_dropped_at_the_minimum_rate_while_the_progress_thread_leaves_reading() {
+    let idle = Duration::from_millis(500);
+    let mut t = transport(
+        64 << 20,
+        TcpConfig {
+            idle_timeout: idle,
+            ..TcpConfig::default()
+        },
+    );
+    let addr = t.listen("127.0.0.1:0").unwrap();
+    let mut raw = Raw::connect(addr);
+    raw.send(&Raw::data(0, 8 << 20, DataFlags::NONE));
+    raw.send(&[7]);
+    progress_with_nothing_to_deliver(&mut t, Duration::from_millis(50));
+    assert_eq!(t.peer_count(), 1);
+    let t0 = Instant::now();
+    while t.peer_count() == 1 {
+        assert!(t0.elapsed() < 5 * SECOND, "the dripping peer was kept");
+        raw.send(&[7]);
+        for _ in 0..5 {
+            t.background_progress(false).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
+    match t.try_recv() {
+        Err(Error::Protocol {
+            error: ProtocolError::Stalled {
+                during: Stall::Slow,
+            },
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
 }
 
 /// The same absence with a full inbox: the pass's reads stop at the first

@@ -627,6 +627,11 @@ impl Lane {
             .load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// A timer of its session is due at `now`.
+    pub(crate) fn due(&self, now: Instant) -> bool {
+        self.session.poll_timeout().is_some_and(|d| d <= now)
+    }
+
     /// Bytes this side has taken from the peer's ring, ever: when it moves,
     /// frames came in (credit a blocked sender waits for, among them).
     pub(crate) fn taken(&self) -> u64 {
@@ -638,15 +643,6 @@ impl Lane {
     /// pass are news of it (see `heard`); then its idle timeout.
     pub(crate) fn tend(&mut self, now: Instant, came_back: bool) -> Result<(), ProtocolError> {
         if self.dry || self.held {
-            self.session.handle_held(now);
-        }
-        // Nor are bytes that wait in the ring, unread: the side pass runs
-        // before the reads, and a progress thread leaves reading to an
-        // application thread that receives (looked for only once the peer
-        // is due; a corrupt ring waits for the read that says so).
-        if self.session.poll_timeout().is_some_and(|d| d <= now)
-            && !matches!(self.rx.available(), Ok(0))
-        {
             self.session.handle_held(now);
         }
         if came_back {

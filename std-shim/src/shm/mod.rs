@@ -717,38 +717,44 @@ impl LocalWire {
                 s if s >= n => s - n,
                 s => s,
             };
-            let Some((id, l)) = self.lanes.entry(slot) else {
-                continue;
-            };
             // Most of many same-host peers say nothing most of the time.
-            if l.quiet() {
-                continue;
-            }
-            let taken = l.taken();
-            let outcome = l.read(
-                id,
-                now,
-                &self.pool,
-                &mut self.arrivals,
-                self.config.inbox_messages,
-            );
-            if let Outcome::Bad(e) = outcome {
-                self.drop_lane(slot, Some(e));
-                continue;
-            }
-            took |= l.taken() != taken;
-            match l.flush(id) {
-                Ok(moved) => took |= moved,
-                Err(e) => {
-                    self.drop_lane(slot, Some(e));
-                    continue;
-                }
-            }
-            if l.finished() {
-                self.drop_lane(slot, None);
+            if self.lanes.entry(slot).is_some_and(|(_, l)| !l.quiet()) {
+                took |= self.read_lane(slot, now);
             }
         }
         took || self.arrivals.len() != before
+    }
+
+    /// One lane's read and flush at `now`: whether it took or moved
+    /// anything. A lane that broke or finished is dropped.
+    fn read_lane(&mut self, slot: usize, now: Instant) -> bool {
+        let Some((id, l)) = self.lanes.entry(slot) else {
+            return false;
+        };
+        let taken = l.taken();
+        let outcome = l.read(
+            id,
+            now,
+            &self.pool,
+            &mut self.arrivals,
+            self.config.inbox_messages,
+        );
+        if let Outcome::Bad(e) = outcome {
+            self.drop_lane(slot, Some(e));
+            return true;
+        }
+        let mut took = l.taken() != taken;
+        match l.flush(id) {
+            Ok(moved) => took |= moved,
+            Err(e) => {
+                self.drop_lane(slot, Some(e));
+                return true;
+            }
+        }
+        if l.finished() {
+            self.drop_lane(slot, None);
+        }
+        took
     }
 
     /// Links (a dead peer), idle timers and queued frames of every lane.
@@ -763,6 +769,16 @@ impl LocalWire {
         let came_back = self.looks.came_back(StdInstant::now(), away);
         let mut any = false;
         for slot in 0..self.lanes.len() {
+            // A peer is judged on what it sent, read first: what waits in
+            // its ring (a progress thread leaves reading to an application
+            // thread that calls) is read now, once the peer is due.
+            if self
+                .lanes
+                .entry(slot)
+                .is_some_and(|(_, l)| l.due(now) && !l.quiet())
+            {
+                any |= self.read_lane(slot, now);
+            }
             let Some((id, l)) = self.lanes.entry(slot) else {
                 continue;
             };

@@ -160,17 +160,22 @@ impl LaneRig {
     }
 
     /// The side pass of the wire at `micros` on the lane's clock (which
-    /// starts at 0): what the peer was heard to send since the last one,
-    /// then the idle timers. `Err`: the peer stalled (typed); the lane is gone.
+    /// starts at 0): a lane whose timer is due reads what waits in its ring
+    /// first, then what the peer was heard to send since the last pass,
+    /// then the idle timers. `Err`: the peer stalled or broke the ring
+    /// (typed); the lane is gone.
     pub fn tend_at(&mut self, micros: u64) -> Result<(), Error> {
+        let now = Instant::from_micros(micros);
+        if self.lane.as_ref().is_some_and(|l| l.due(now) && !l.quiet()) {
+            self.read_at(micros)?;
+        }
         let Some(lane) = self.lane.as_mut() else {
             return Err(Error::Closed);
         };
-        lane.tend(Instant::from_micros(micros), false)
-            .map_err(|error| {
-                self.lane = None;
-                Error::Protocol { peer: PEER, error }
-            })
+        lane.tend(now, false).map_err(|error| {
+            self.lane = None;
+            Error::Protocol { peer: PEER, error }
+        })
     }
 
     /// [`read`](Self::read), told the time is `micros` (reads between side

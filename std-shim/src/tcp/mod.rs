@@ -232,10 +232,13 @@ struct Peer {
 }
 
 impl Peer {
-    /// Something waits in its sockets for a read: bytes, its end, an error.
-    fn unread(&self) -> bool {
+    /// Notes what waits in its sockets for a read (bytes, their end, an
+    /// error) as readiness; whether anything did.
+    fn note_unread(&mut self) -> bool {
         let waits = |s: &TcpStream| !matches!(s.peek(&mut [0]), Err(e) if e.kind() == io::ErrorKind::WouldBlock);
-        waits(&self.stream) || self.lane.as_ref().is_some_and(|l| waits(&l.stream))
+        self.readable |= waits(&self.stream);
+        self.lane_readable |= self.lane.as_ref().is_some_and(|l| waits(&l.stream));
+        self.readable || self.lane_readable
     }
 }
 
@@ -692,17 +695,21 @@ impl TcpTransport {
             let Some(p) = self.peers.at_mut(slot) else {
                 continue;
             };
+            // A peer is judged on what it sent, read first: what waits in
+            // its sockets (a progress thread leaves reading to an
+            // application thread that calls, and this pass may not have
+            // read) is read now, once the peer is due (a peek).
+            if !p.in_read && p.session.poll_timeout().is_some_and(|d| d <= t) && p.note_unread() {
+                self.read_turn(slot);
+            }
+            let Some(p) = self.peers.at_mut(slot) else {
+                continue;
+            };
             // A payload this side leaves in the socket (the application has
             // not taken the last messages, the pool is dry), or readiness it
             // has not used yet (the inbox filled before the peer's turn in
             // this pass's reads), is not the peer's stall.
             if p.deferred || p.dry || p.in_read {
-                p.session.handle_held(t);
-            }
-            // Nor are bytes that wait in its sockets, unread: a progress
-            // thread leaves reading to an application thread that receives
-            // (looked for only once the peer is due: a peek).
-            if p.session.poll_timeout().is_some_and(|d| d <= t) && p.unread() {
                 p.session.handle_held(t);
             }
             // Nor is the time nobody drove this wire a slow peer's.

@@ -171,29 +171,34 @@ impl TcpTransport {
                 continue;
             };
             p.in_read = false;
-            let had = self.arrivals.len();
-            let outcome = self.read_peer(slot);
-            if self.arrivals.len() > had {
-                self.last = Some(slot);
-            }
-            match outcome {
-                Outcome::Drained => self.control(slot),
-                Outcome::Stopped => {
-                    self.control(slot);
-                    self.mark_read(slot);
-                }
-                Outcome::Gone { clean } => self.drop_peer(slot, clean),
-                Outcome::Bad(e) => {
-                    log::warn!(
-                        "tcp: peer {} broke the protocol: {e}; closing it",
-                        self.id(slot)
-                    );
-                    self.arrivals.push_back(Err(e));
-                    self.drop_peer(slot, true);
-                }
-            }
+            self.read_turn(slot);
         }
         self.arrivals.len() != before
+    }
+
+    /// One peer's turn at reading, and what follows from how it ended.
+    pub(super) fn read_turn(&mut self, slot: usize) {
+        let had = self.arrivals.len();
+        let outcome = self.read_peer(slot);
+        if self.arrivals.len() > had {
+            self.last = Some(slot);
+        }
+        match outcome {
+            Outcome::Drained => self.control(slot),
+            Outcome::Stopped => {
+                self.control(slot);
+                self.mark_read(slot);
+            }
+            Outcome::Gone { clean } => self.drop_peer(slot, clean),
+            Outcome::Bad(e) => {
+                log::warn!(
+                    "tcp: peer {} broke the protocol: {e}; closing it",
+                    self.id(slot)
+                );
+                self.arrivals.push_back(Err(e));
+                self.drop_peer(slot, true);
+            }
+        }
     }
 
     pub(super) fn read_peer(&mut self, slot: usize) -> Outcome {
