@@ -1009,6 +1009,53 @@ fn a_dripping_peer_is_dropped_at_the_minimum_rate_while_the_progress_thread_leav
     }
 }
 
+/// The same with a peer that, mid-message, floods control frames instead
+/// of its payload: the timers' read stops at a turn's cap (256 frames),
+/// and readiness left by the cap is the peer's, not a hold (held, it was
+/// kept for as long as the application only sent).
+#[test]
+fn a_peer_flooding_control_frames_mid_message_is_dropped_at_the_minimum_rate() {
+    let idle = Duration::from_millis(500);
+    let mut t = transport(
+        64 << 20,
+        TcpConfig {
+            idle_timeout: idle,
+            ..TcpConfig::default()
+        },
+    );
+    let addr = t.listen("127.0.0.1:0").unwrap();
+    let mut raw = Raw::connect(addr);
+    let first = Frame::Data(Data {
+        flags: DataFlags::MORE,
+        seq: 0,
+        msg_len: 8 << 20,
+        len: 1,
+        offset: 0,
+        credits: 0,
+    });
+    raw.send(&first.encode(&[]));
+    raw.send(&[7]);
+    progress_with_nothing_to_deliver(&mut t, Duration::from_millis(50));
+    let flood: Vec<u8> = (0..300).flat_map(|_| Raw::credit()).collect();
+    raw.send(&flood);
+    let t0 = Instant::now();
+    while t.peer_count() == 1 {
+        assert!(t0.elapsed() < 5 * SECOND, "the flooding peer was kept");
+        t.background_progress(false).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
+    match t.try_recv() {
+        Err(Error::Protocol {
+            error: ProtocolError::Stalled {
+                during: Stall::Slow,
+            },
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+}
+
 /// The same absence with a full inbox: the pass's reads stop at the first
 /// peer's message (the inbox holds one), before the peer left mid-frame;
 /// that one is held by this side, not timed out, and its message follows.

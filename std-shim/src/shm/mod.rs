@@ -725,12 +725,13 @@ impl LocalWire {
         took || self.arrivals.len() != before
     }
 
-    /// One lane's read and flush at `now`: whether it took or moved
-    /// anything. A lane that broke or finished is dropped.
+    /// One lane's read and flush at `now`: whether it took, moved or
+    /// delivered anything. A lane that broke or finished is dropped.
     fn read_lane(&mut self, slot: usize, now: Instant) -> bool {
         let Some((id, l)) = self.lanes.entry(slot) else {
             return false;
         };
+        let before = self.arrivals.len();
         let taken = l.taken();
         let outcome = l.read(
             id,
@@ -743,7 +744,7 @@ impl LocalWire {
             self.drop_lane(slot, Some(e));
             return true;
         }
-        let mut took = l.taken() != taken;
+        let mut took = l.taken() != taken || self.arrivals.len() != before;
         match l.flush(id) {
             Ok(moved) => took |= moved,
             Err(e) => {

@@ -670,11 +670,14 @@ impl TcpTransport {
 
     /// Runs the idle timers (every few milliseconds at most), drops
     /// handshakes past their deadline, and grants what the budget allows.
-    fn timers(&mut self) {
+    /// Whether anything came of it for the application (a message read, a
+    /// peer failed).
+    fn timers(&mut self) -> bool {
         let now = StdInstant::now();
         if now < self.next_scan {
-            return;
+            return false;
         }
+        let before = self.arrivals.len();
         self.next_scan = now + TIMER_SCAN;
         let t = self.now();
         let idle = self.config.idle_timeout;
@@ -692,24 +695,31 @@ impl TcpTransport {
             .map(|(_, p)| p.session.extra_granted())
             .sum();
         for slot in 0..self.peers.len() {
+            let full = self.inbox_full();
             let Some(p) = self.peers.at_mut(slot) else {
                 continue;
             };
-            // A peer is judged on what it sent, read first: what waits in
-            // its sockets (a progress thread leaves reading to an
-            // application thread that calls, and this pass may not have
-            // read) is read now, once the peer is due (a peek).
-            if !p.in_read && p.session.poll_timeout().is_some_and(|d| d <= t) && p.note_unread() {
+            // A peer is judged on what it sent, read first: what waits for
+            // it (readiness not used yet, or bytes in its sockets: a
+            // progress thread leaves reading to an application thread that
+            // calls, and this pass may not have read) is read now, once the
+            // peer is due, unless the inbox is full.
+            if p.session.poll_timeout().is_some_and(|d| d <= t)
+                && !full
+                && (p.in_read || p.note_unread())
+            {
                 self.read_turn(slot);
             }
+            let full = self.inbox_full();
             let Some(p) = self.peers.at_mut(slot) else {
                 continue;
             };
             // A payload this side leaves in the socket (the application has
             // not taken the last messages, the pool is dry), or readiness it
-            // has not used yet (the inbox filled before the peer's turn in
-            // this pass's reads), is not the peer's stall.
-            if p.deferred || p.dry || p.in_read {
+            // could not use for a full inbox, is not the peer's stall.
+            // Readiness left by a turn's cap (256 frames) is: a peer that
+            // floods control frames mid-message is judged on its payload.
+            if p.deferred || p.dry || (p.in_read && full) {
                 p.session.handle_held(t);
             }
             // Nor is the time nobody drove this wire a slow peer's.
@@ -731,6 +741,7 @@ impl TcpTransport {
                 }
             }
         }
+        self.arrivals.len() != before
     }
 
     /// One pass: readiness, accepts past their back-off, writes, (with
@@ -749,7 +760,7 @@ impl TcpTransport {
         if read {
             any |= self.read_all();
         }
-        self.timers();
+        any |= self.timers();
         any
     }
 }
