@@ -8,7 +8,8 @@
 //! - no message delivered is longer than the lane's maximum (its bytes are
 //!   not checked: raw writes may forge any frame the session accepts);
 //! - every receive buffer goes back to the pool once the lane is gone;
-//! - a lane is lost (`PeerLost`) only after its peer said it ended uncleanly.
+//! - a lane is lost (`PeerLost`) only after its peer said it ended uncleanly;
+//! - the side pass (timers, and the read of a due lane) fails only typed.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -55,6 +56,9 @@ enum Op {
         bytes: Vec<u8>,
     },
     Read,
+    /// The clock moves on by up to 10 s (in microseconds), and the wire's
+    /// side pass runs: a due lane's read, then its timers.
+    Tend(u32),
     Send(u16),
     Take,
     /// The peer says it dropped the lane uncleanly: a single-copy message
@@ -69,6 +73,18 @@ fuzz_target!(|ops: Vec<Op>| {
     let mut head = 0u64;
     let mut broke = false;
     let mut ended = false;
+    // The lane's clock, in microseconds: reads are told the time of the
+    // last side pass, as the wire tells them.
+    let mut now = 1u64;
+    // A read or a side pass: fine, or failed typed (after which the lane
+    // takes nothing more).
+    let judge = |r: Result<(), Error>, broke: &mut bool, ended: bool| match r {
+        Ok(()) => assert!(!*broke, "a broken lane read on"),
+        Err(Error::Closed) => assert!(*broke),
+        Err(Error::WireRule { .. } | Error::Protocol { .. } | Error::Backend(_)) => *broke = true,
+        Err(Error::PeerLost(_)) if ended => *broke = true,
+        Err(e) => panic!("an untyped failure: {e:?}"),
+    };
     for op in ops.iter().take(500) {
         match op {
             Op::Hello => {
@@ -123,15 +139,11 @@ fuzz_target!(|ops: Vec<Op>| {
             }
             Op::Tail(v) => rig.poke_tail(*v),
             Op::Scribble { at, bytes } => rig.poke_data(usize::from(*at), bytes),
-            Op::Read => match rig.read() {
-                Ok(()) => assert!(!broke, "a broken lane read on"),
-                Err(Error::Closed) => assert!(broke),
-                Err(Error::WireRule { .. } | Error::Protocol { .. } | Error::Backend(_)) => {
-                    broke = true
-                }
-                Err(Error::PeerLost(_)) if ended => broke = true,
-                Err(e) => panic!("an untyped failure: {e:?}"),
-            },
+            Op::Read => judge(rig.read_at(now), &mut broke, ended),
+            Op::Tend(step) => {
+                now += u64::from(*step) % 10_000_000;
+                judge(rig.tend_at(now), &mut broke, ended);
+            }
             Op::Send(len) => match rig.send(usize::from(*len) % 5000) {
                 Ok(()) => {}
                 Err(Error::Closed) | Err(Error::TooLarge { .. }) => {}
