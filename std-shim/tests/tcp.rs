@@ -1056,6 +1056,54 @@ fn a_peer_flooding_control_frames_mid_message_is_dropped_at_the_minimum_rate() {
     }
 }
 
+/// Bytes waiting in a peer's socket while the inbox is full and the
+/// progress thread leaves reading to the application (which has not
+/// taken its messages): they cannot be read, so the peer is held, not
+/// judged, and its message follows once the application takes the first.
+#[test]
+fn a_peer_whose_bytes_wait_behind_a_full_inbox_while_the_progress_thread_leaves_reading_is_held() {
+    let idle = Duration::from_millis(500);
+    let mut t = transport(
+        64 << 20,
+        TcpConfig {
+            idle_timeout: idle,
+            inbox_messages: 1,
+            ..TcpConfig::default()
+        },
+    );
+    let addr = t.listen("127.0.0.1:0").unwrap();
+    let mut first = Raw::connect_with(addr, 0x1111, 0);
+    let mut second = Raw::connect_with(addr, 0x2222, 0);
+    let payload = sized(8, 4000);
+    second.send(&Raw::data(0, 4000, DataFlags::NONE));
+    second.send(&payload[..100]);
+    progress_with_nothing_to_deliver(&mut t, idle / 4);
+    assert_eq!(t.peer_count(), 2);
+    // The first peer's message fills the inbox; then the second's rest.
+    first.send(&Raw::data(0, 3, DataFlags::NONE));
+    first.send(b"one");
+    std::thread::sleep(Duration::from_millis(50));
+    for _ in 0..3 {
+        t.progress().unwrap(); // reads it: the inbox holds one
+    }
+    second.send(&payload[100..]);
+    let t0 = Instant::now();
+    while t0.elapsed() < 3 * idle {
+        t.background_progress(false).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(t.peer_count(), 2, "a peer was dropped");
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        match t.try_recv() {
+            Ok(r) => got.push(host_bytes(&r.lease).to_vec()),
+            Err(Error::WouldBlock) if t0.elapsed() < 10 * idle => t.progress().map(|_| ()).unwrap(),
+            Err(e) => panic!("after {} messages: {e:?}", got.len()),
+        }
+    }
+    assert_eq!(got, [b"one".to_vec(), payload]);
+}
+
 /// The same absence with a full inbox: the pass's reads stop at the first
 /// peer's message (the inbox holds one), before the peer left mid-frame;
 /// that one is held by this side, not timed out, and its message follows.

@@ -232,12 +232,13 @@ struct Peer {
 }
 
 impl Peer {
-    /// Notes what waits in its sockets for a read (bytes, their end, an
-    /// error) as readiness; whether anything did.
-    fn note_unread(&mut self) -> bool {
+    /// Something waits for a read: readiness not used yet, or (a peek)
+    /// bytes, their end or an error in its sockets, noted as readiness.
+    fn waits(&mut self) -> bool {
         let waits = |s: &TcpStream| !matches!(s.peek(&mut [0]), Err(e) if e.kind() == io::ErrorKind::WouldBlock);
-        self.readable |= waits(&self.stream);
-        self.lane_readable |= self.lane.as_ref().is_some_and(|l| waits(&l.stream));
+        self.readable = self.readable || waits(&self.stream);
+        self.lane_readable =
+            self.lane_readable || self.lane.as_ref().is_some_and(|l| waits(&l.stream));
         self.readable || self.lane_readable
     }
 }
@@ -704,22 +705,20 @@ impl TcpTransport {
             // progress thread leaves reading to an application thread that
             // calls, and this pass may not have read) is read now, once the
             // peer is due, unless the inbox is full.
-            if p.session.poll_timeout().is_some_and(|d| d <= t)
-                && !full
-                && (p.in_read || p.note_unread())
-            {
+            let due = |p: &Peer| p.session.poll_timeout().is_some_and(|d| d <= t);
+            if due(p) && !full && p.waits() {
                 self.read_turn(slot);
             }
-            let full = self.inbox_full();
+            let (full, queued) = (self.inbox_full(), !self.arrivals.is_empty());
             let Some(p) = self.peers.at_mut(slot) else {
                 continue;
             };
-            // A payload this side leaves in the socket (the application has
-            // not taken the last messages, the pool is dry), or readiness it
-            // could not use for a full inbox, is not the peer's stall.
-            // Readiness left by a turn's cap (256 frames) is: a peer that
-            // floods control frames mid-message is judged on its payload.
-            if p.deferred || p.dry || (p.in_read && full) {
+            // A payload this side leaves in the socket while the application
+            // has not taken the last messages, a dry pool, or bytes it cannot
+            // read for a full inbox, are not the peer's stall. Readiness a
+            // turn's cap (256 frames) left is: a peer that floods control
+            // frames mid-message is judged on its payload.
+            if (p.deferred && queued) || p.dry || (full && (due(p) && p.waits())) {
                 p.session.handle_held(t);
             }
             // Nor is the time nobody drove this wire a slow peer's.
