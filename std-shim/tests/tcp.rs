@@ -1104,6 +1104,53 @@ fn a_peer_whose_bytes_wait_behind_a_full_inbox_while_the_progress_thread_leaves_
     assert_eq!(got, [b"one".to_vec(), payload]);
 }
 
+/// A peer silent mid-header while the inbox is full and the progress
+/// thread leaves reading to the application: nothing of it waits, so the
+/// full inbox is no excuse, and it is dropped at the idle timeout (a
+/// readiness flag that was only a guess held it for good).
+#[test]
+fn a_peer_silent_mid_header_behind_a_full_inbox_is_dropped_after_the_timeout() {
+    let idle = Duration::from_millis(500);
+    let mut t = transport(
+        64 << 20,
+        TcpConfig {
+            idle_timeout: idle,
+            inbox_messages: 1,
+            ..TcpConfig::default()
+        },
+    );
+    let addr = t.listen("127.0.0.1:0").unwrap();
+    let mut first = Raw::connect_with(addr, 0x1111, 0);
+    let mut silent = Raw::connect_with(addr, 0x2222, 0);
+    silent.send(&Raw::data(0, 4000, DataFlags::NONE)[..10]);
+    progress_with_nothing_to_deliver(&mut t, idle / 4);
+    assert_eq!(t.peer_count(), 2);
+    first.send(&Raw::data(0, 3, DataFlags::NONE));
+    first.send(b"one");
+    std::thread::sleep(Duration::from_millis(50));
+    for _ in 0..3 {
+        t.progress().unwrap(); // reads it: the inbox holds one
+    }
+    let t0 = Instant::now();
+    while t.peer_count() == 2 {
+        assert!(t0.elapsed() < 5 * SECOND, "the silent peer was kept");
+        t.background_progress(false).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
+    let one = t.try_recv().unwrap();
+    assert_eq!(host_bytes(&one.lease), b"one");
+    match t.try_recv() {
+        Err(Error::Protocol {
+            error: ProtocolError::Stalled {
+                during: Stall::Frame,
+            },
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+}
+
 /// The same absence with a full inbox: the pass's reads stop at the first
 /// peer's message (the inbox holds one), before the peer left mid-frame;
 /// that one is held by this side, not timed out, and its message follows.

@@ -232,14 +232,25 @@ struct Peer {
 }
 
 impl Peer {
-    /// Something waits for a read: readiness not used yet, or (a peek)
-    /// bytes, their end or an error in its sockets, noted as readiness.
-    fn waits(&mut self) -> bool {
+    /// Something waits for a read, found by a peek (bytes, their end or an
+    /// error): in its main connection, or on its lane for a striped
+    /// payload under way that wants them (lane bytes nothing wants yet are
+    /// no progress). Noted as readiness, for the read that follows.
+    fn note_unread(&mut self) -> bool {
         let waits = |s: &TcpStream| !matches!(s.peek(&mut [0]), Err(e) if e.kind() == io::ErrorKind::WouldBlock);
-        self.readable = self.readable || waits(&self.stream);
-        self.lane_readable =
-            self.lane_readable || self.lane.as_ref().is_some_and(|l| waits(&l.stream));
-        self.readable || self.lane_readable
+        let main = waits(&self.stream);
+        let lane_wanted = self
+            .incoming
+            .as_ref()
+            .is_some_and(|inc| inc.lane_have < inc.d.len.saturating_sub(inc.split));
+        let lane = lane_wanted
+            && self
+                .lane
+                .as_ref()
+                .is_some_and(|l| !l.early.is_empty() || waits(&l.stream));
+        self.readable |= main;
+        self.lane_readable |= lane;
+        main || lane
     }
 }
 
@@ -706,7 +717,7 @@ impl TcpTransport {
             // calls, and this pass may not have read) is read now, once the
             // peer is due, unless the inbox is full.
             let due = |p: &Peer| p.session.poll_timeout().is_some_and(|d| d <= t);
-            if due(p) && !full && p.waits() {
+            if due(p) && !full && (p.readable || p.note_unread()) {
                 self.read_turn(slot);
             }
             let (full, queued) = (self.inbox_full(), !self.arrivals.is_empty());
@@ -715,10 +726,14 @@ impl TcpTransport {
             };
             // A payload this side leaves in the socket while the application
             // has not taken the last messages, a dry pool, or bytes it cannot
-            // read for a full inbox, are not the peer's stall. Readiness a
-            // turn's cap (256 frames) left is: a peer that floods control
-            // frames mid-message is judged on its payload.
-            if (p.deferred && queued) || p.dry || (full && (due(p) && p.waits())) {
+            // read for a full inbox, are not the peer's stall (the bytes
+            // found there afresh, by a peek: readiness flags may be guesses).
+            // Readiness a turn's cap (256 frames) left is: a peer that floods
+            // control frames mid-message is judged on its payload.
+            if (p.deferred && queued && p.note_unread())
+                || p.dry
+                || (full && due(p) && p.note_unread())
+            {
                 p.session.handle_held(t);
             }
             // Nor is the time nobody drove this wire a slow peer's.
