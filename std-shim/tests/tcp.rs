@@ -898,6 +898,48 @@ fn progress_with_nothing_to_deliver(t: &mut TcpTransport, d: Duration) {
     }
 }
 
+/// The passes of a progress thread that leaves reading to an application
+/// thread (`background_progress(false)`), every 20 ms for `for_`.
+fn passes_leaving_reading(t: &mut TcpTransport, for_: Duration) {
+    let t0 = Instant::now();
+    while t0.elapsed() < for_ {
+        t.background_progress(false).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The same until fewer than `peers` peers are left, `each` (told the
+/// pass's number) before each pass; fails if `what` is kept past 5 s, or
+/// goes after 2 s or more.
+fn passes_leaving_reading_until_dropped(
+    t: &mut TcpTransport,
+    peers: usize,
+    what: &str,
+    mut each: impl FnMut(u32),
+) {
+    let t0 = Instant::now();
+    let mut pass = 0;
+    while t.peer_count() == peers {
+        assert!(t0.elapsed() < 5 * SECOND, "the {what} peer was kept");
+        each(pass);
+        pass += 1;
+        t.background_progress(false).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
+}
+
+/// The next arrival says a peer stalled `during`.
+fn expect_stalled(t: &mut TcpTransport, during: Stall) {
+    match t.try_recv() {
+        Err(Error::Protocol {
+            error: ProtocolError::Stalled { during: d },
+            ..
+        }) if d == during => {}
+        other => panic!("{other:?}"),
+    }
+}
+
 /// A caller-driven transport (no progress thread) whose application was
 /// away longer than the idle timeout: the peer it left mid-frame sent the
 /// rest in time, and it is read, not timed out for this side's absence.
@@ -953,12 +995,8 @@ fn a_peer_whose_bytes_wait_unread_while_the_progress_thread_leaves_reading_is_re
     raw.send(&payload[..100]);
     progress_with_nothing_to_deliver(&mut t, idle / 4);
     raw.send(&payload[100..]);
-    // Passes that do not read, for three idle timeouts.
     let t0 = Instant::now();
-    while t0.elapsed() < 3 * idle {
-        t.background_progress(false).unwrap();
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    passes_leaving_reading(&mut t, 3 * idle);
     let got = loop {
         match t.try_recv() {
             Err(Error::WouldBlock) if t0.elapsed() < 10 * idle => t.progress().unwrap(),
@@ -988,25 +1026,14 @@ fn a_dripping_peer_is_dropped_at_the_minimum_rate_while_the_progress_thread_leav
     raw.send(&[7]);
     progress_with_nothing_to_deliver(&mut t, Duration::from_millis(50));
     assert_eq!(t.peer_count(), 1);
-    let t0 = Instant::now();
-    while t.peer_count() == 1 {
-        assert!(t0.elapsed() < 5 * SECOND, "the dripping peer was kept");
-        raw.send(&[7]);
-        for _ in 0..5 {
-            t.background_progress(false).unwrap();
-            std::thread::sleep(Duration::from_millis(20));
+    // A byte every five passes (100 ms).
+    let drip = |pass| {
+        if pass % 5 == 0 {
+            raw.send(&[7]);
         }
-    }
-    assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
-    match t.try_recv() {
-        Err(Error::Protocol {
-            error: ProtocolError::Stalled {
-                during: Stall::Slow,
-            },
-            ..
-        }) => {}
-        other => panic!("{other:?}"),
-    }
+    };
+    passes_leaving_reading_until_dropped(&mut t, 1, "dripping", drip);
+    expect_stalled(&mut t, Stall::Slow);
 }
 
 /// The same with a peer that, mid-message, floods control frames instead
@@ -1038,22 +1065,8 @@ fn a_peer_flooding_control_frames_mid_message_is_dropped_at_the_minimum_rate() {
     progress_with_nothing_to_deliver(&mut t, Duration::from_millis(50));
     let flood: Vec<u8> = (0..300).flat_map(|_| Raw::credit()).collect();
     raw.send(&flood);
-    let t0 = Instant::now();
-    while t.peer_count() == 1 {
-        assert!(t0.elapsed() < 5 * SECOND, "the flooding peer was kept");
-        t.background_progress(false).unwrap();
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
-    match t.try_recv() {
-        Err(Error::Protocol {
-            error: ProtocolError::Stalled {
-                during: Stall::Slow,
-            },
-            ..
-        }) => {}
-        other => panic!("{other:?}"),
-    }
+    passes_leaving_reading_until_dropped(&mut t, 1, "flooding", |_| {});
+    expect_stalled(&mut t, Stall::Slow);
 }
 
 /// Bytes waiting in a peer's socket while the inbox is full and the
@@ -1088,10 +1101,7 @@ fn a_peer_whose_bytes_wait_behind_a_full_inbox_while_the_progress_thread_leaves_
     }
     second.send(&payload[100..]);
     let t0 = Instant::now();
-    while t0.elapsed() < 3 * idle {
-        t.background_progress(false).unwrap();
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    passes_leaving_reading(&mut t, 3 * idle);
     assert_eq!(t.peer_count(), 2, "a peer was dropped");
     let mut got = Vec::new();
     while got.len() < 2 {
@@ -1131,24 +1141,10 @@ fn a_peer_silent_mid_header_behind_a_full_inbox_is_dropped_after_the_timeout() {
     for _ in 0..3 {
         t.progress().unwrap(); // reads it: the inbox holds one
     }
-    let t0 = Instant::now();
-    while t.peer_count() == 2 {
-        assert!(t0.elapsed() < 5 * SECOND, "the silent peer was kept");
-        t.background_progress(false).unwrap();
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
+    passes_leaving_reading_until_dropped(&mut t, 2, "silent", |_| {});
     let one = t.try_recv().unwrap();
     assert_eq!(host_bytes(&one.lease), b"one");
-    match t.try_recv() {
-        Err(Error::Protocol {
-            error: ProtocolError::Stalled {
-                during: Stall::Frame,
-            },
-            ..
-        }) => {}
-        other => panic!("{other:?}"),
-    }
+    expect_stalled(&mut t, Stall::Frame);
 }
 
 /// The same absence with a full inbox: the pass's reads stop at the first

@@ -627,9 +627,11 @@ impl Lane {
             .load(std::sync::atomic::Ordering::Acquire)
     }
 
-    /// A timer of its session is due at `now`.
-    pub(crate) fn due(&self, now: Instant) -> bool {
-        self.session.poll_timeout().is_some_and(|d| d <= now)
+    /// A timer of its session is due at `now` and something waits in the
+    /// ring: the side pass reads it before judging the peer (a progress
+    /// thread leaves reading to an application thread that calls).
+    pub(crate) fn due_unread(&self, now: Instant) -> bool {
+        self.session.poll_timeout().is_some_and(|d| d <= now) && !self.quiet()
     }
 
     /// Bytes this side has taken from the peer's ring, ever: when it moves,

@@ -770,13 +770,11 @@ impl LocalWire {
         let came_back = self.looks.came_back(StdInstant::now(), away);
         let mut any = false;
         for slot in 0..self.lanes.len() {
-            // A peer is judged on what it sent, read first: what waits in
-            // its ring (a progress thread leaves reading to an application
-            // thread that calls) is read now, once the peer is due.
+            // A peer is judged on what it sent, read first.
             if self
                 .lanes
                 .entry(slot)
-                .is_some_and(|(_, l)| l.due(now) && !l.quiet())
+                .is_some_and(|(_, l)| l.due_unread(now))
             {
                 any |= self.read_lane(slot, now);
             }

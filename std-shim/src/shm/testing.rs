@@ -166,7 +166,7 @@ impl LaneRig {
     /// (typed); the lane is gone.
     pub fn tend_at(&mut self, micros: u64) -> Result<(), Error> {
         let now = Instant::from_micros(micros);
-        if self.lane.as_ref().is_some_and(|l| l.due(now) && !l.quiet()) {
+        if self.lane.as_ref().is_some_and(|l| l.due_unread(now)) {
             self.read_at(micros)?;
         }
         let Some(lane) = self.lane.as_mut() else {

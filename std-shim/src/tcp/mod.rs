@@ -730,10 +730,8 @@ impl TcpTransport {
             // found there afresh, by a peek: readiness flags may be guesses).
             // Readiness a turn's cap (256 frames) left is: a peer that floods
             // control frames mid-message is judged on its payload.
-            if (p.deferred && queued && p.note_unread())
-                || p.dry
-                || (full && due(p) && p.note_unread())
-            {
+            let unreadable = (p.deferred && queued) || (full && due(p));
+            if p.dry || (unreadable && p.note_unread()) {
                 p.session.handle_held(t);
             }
             // Nor is the time nobody drove this wire a slow peer's.
