@@ -945,6 +945,38 @@ fn a_frame_left_half_written_is_a_stall_past_the_idle_timeout() {
     }
 }
 
+/// A lane whose bytes wait unread while a progress thread leaves reading
+/// to an application thread (the wire's side passes only,
+/// `background_progress(false)`, as while the application only sends): once
+/// the peer is due, the side pass reads its lane first and judges it on what
+/// it read — here the rest of the frame, so the message arrives — not on
+/// when this side last looked (it was dropped, `Stalled { Frame }`).
+#[cfg(feature = "testing")]
+#[test]
+fn a_lane_whose_bytes_wait_unread_while_the_progress_thread_leaves_reading_is_read_first() {
+    use zerohop_core::Transport;
+    let _g = serial();
+    let idle = Duration::from_millis(500);
+    let (a, b, to_b) = caller_driven_lane(idle);
+    let payload: Vec<u8> = (0..4000u32).map(|i| (i % 251) as u8).collect();
+    let frame = second_frame(&payload);
+    a.with(|t| t.send_raw_frame(to_b, &frame[..100])).unwrap();
+    // The frame's start is read: its timer runs.
+    let t0 = Instant::now();
+    while t0.elapsed() < idle / 4 {
+        b.with(|t| t.progress()).unwrap();
+    }
+    a.with(|t| t.send_raw_frame(to_b, &frame[100..])).unwrap();
+    // Side passes only, every 20 ms, for three idle timeouts.
+    let t0 = Instant::now();
+    while t0.elapsed() < 3 * idle {
+        b.with(|t| t.background_progress(false)).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = b.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), &payload[..]);
+}
+
 /// A pause of the lane socket's accepts (as after a failed accept, out
 /// of descriptors) holds while new connections come. Each raises an edge,
 /// which cut the pause short: an accept per edge, each failing again while
