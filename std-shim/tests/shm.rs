@@ -474,6 +474,58 @@ fn placed_messages_stream_back_to_back_and_arrive_intact_and_in_order() {
     assert_eq!(server_pool.used_bytes(), 0);
 }
 
+/// Between two pools of shared-memory files, the caller's slices (`send`)
+/// of 64 KiB are copied into the sender's pool and go placed after the
+/// first (claimed, which shows the peer the file); slices of 1 MiB, past
+/// the bound for placed copies, go by the claim word. All arrive whole and
+/// in order, and the sender's buffers all come back.
+#[test]
+fn copied_slices_go_placed_below_the_bound_and_claimed_above_it() {
+    let _one = serial();
+    let (server, addr, server_pool) = listener_in(pool(true));
+    let client_pool = pool(true);
+    let (client, peer) = connect_in(addr, Arc::clone(&client_pool));
+    let from = accepted(&server);
+    let message =
+        |len: usize, i: usize| -> Vec<u8> { (0..len).map(|b| (b * 7 + i) as u8).collect() };
+    const N: usize = 8;
+    let sizes = [64 << 10, PLACED];
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for len in sizes {
+                for i in 0..N {
+                    client
+                        .send(peer, &message(len, i), Deadline::after(WAIT), None)
+                        .unwrap();
+                }
+            }
+        });
+        for len in sizes {
+            for i in 0..N {
+                let r = server.recv(Deadline::after(WAIT), None).unwrap();
+                assert!(
+                    host_bytes(&r.lease) == message(len, i),
+                    "{len}: message {i} intact"
+                );
+            }
+        }
+    });
+    client.flush(Deadline::after(WAIT)).unwrap();
+    let sent = client.with(|t| t.single_copies(peer)).unwrap();
+    assert_eq!(
+        (sent.claimed, sent.placed),
+        (1 + N as u64, N as u64 - 1),
+        "64 KiB: the first claimed, the rest placed; 1 MiB all claimed"
+    );
+    let got = server.with(|t| t.single_copies(from)).unwrap();
+    assert_eq!(
+        got.mapped, N as u64,
+        "the 64 KiB ones out of the mapped file"
+    );
+    assert_eq!(client_pool.used_bytes(), 0, "the sender's buffers all back");
+    assert_eq!(server_pool.used_bytes(), 0);
+}
+
 /// A caller that cannot wait (a zero deadline) leaves each single-copy
 /// message before the peer takes it: withdrawn, one after another while
 /// the peer reads nothing yet, and every one still arrives intact, in order.

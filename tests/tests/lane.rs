@@ -628,6 +628,86 @@ fn a_placed_message_arrives_whole_out_of_the_senders_pool_file() {
     assert_eq!(receiver.single_copies().mapped, 2, "both out of the file");
 }
 
+/// A large slice (the caller's bytes, as `Endpoint::send` gives them) is
+/// copied into a buffer of a pool that is one shared-memory file: the
+/// first goes claimed out of that buffer, naming its place, so that the
+/// peer maps the file; once it has, the ones after go placed (the caller
+/// goes on at once, and the peer copies out of the file while this side
+/// copies the next one in). They arrive whole and in order. A peer that
+/// was shown the file and did not map it, or a pool too small for the
+/// message, has its slices go by the claim word, read out of the slice.
+#[test]
+fn large_slices_go_placed_once_the_peer_maps_the_pool_file() {
+    let pattern = |len: usize, m: usize| -> Vec<u8> { (0..len).map(|i| (i % m) as u8).collect() };
+    let (a, b, c) = (
+        pattern(48 << 10, 251),
+        pattern(40 << 10, 241),
+        pattern(36 << 10, 239),
+    );
+    let mut sender = LaneRig::new_shared(1 << 16, 4 << 20).unwrap();
+    greet(&mut sender, hello_taking(Takes::HEADERLESS));
+    let mut receiver = LaneRig::new(1 << 16, 4 << 20).unwrap();
+    receiver.peer_write(&hello());
+    let ino = sender.pool_file().unwrap();
+    let base = sender.pool_used();
+    sender.send_slice(&a).unwrap();
+    let out = sender.peer_take();
+    let first = descriptors(&out)[0];
+    assert!(!first.placed, "claimed: the peer maps nothing yet");
+    assert_eq!(
+        first.place.map(|p| p.ino),
+        Some(ino),
+        "copied into the pool"
+    );
+    assert!(sender.pool_used() > base, "its buffer held until copied");
+    receiver.peer_write(&out);
+    receiver.read().unwrap();
+    assert_eq!(receiver.told_peer(), (ino, 0), "the peer maps the file");
+    sender.peer_copied(1);
+    sender.peer_maps(ino);
+    assert!(sender.flush().unwrap());
+    for (ticket, m) in [(1, &b), (2, &c)] {
+        sender.send_slice(m).unwrap();
+        let out = sender.peer_take();
+        let d = descriptors(&out)[0];
+        assert_eq!((d.placed, d.ticket), (true, ticket), "placed");
+        receiver.peer_write(&out);
+        receiver.read().unwrap();
+        assert_eq!(receiver.told_peer(), (ino, ticket));
+        sender.peer_placed_done(ticket);
+        assert!(sender.flush().unwrap());
+    }
+    assert_eq!(sender.pool_used(), base, "every buffer back");
+    let copies = sender.single_copies();
+    assert_eq!((copies.claimed, copies.placed), (1, 2));
+    assert_eq!(
+        receiver.take_messages(),
+        [Ok(a.clone()), Ok(b.clone()), Ok(c.clone())],
+        "whole, in order"
+    );
+
+    // Shown the file, the peer does not map it: the next slice goes by the
+    // claim word, out of the slice (its place not named, no buffer held).
+    let mut sender = LaneRig::new_shared(1 << 16, 4 << 20).unwrap();
+    greet(&mut sender, hello_taking(Takes::HEADERLESS));
+    sender.send_slice(&a).unwrap();
+    assert!(descriptors(&sender.peer_take())[0].place.is_some());
+    sender.peer_copied(1);
+    assert!(sender.flush().unwrap());
+    let base = sender.pool_used();
+    sender.send_slice(&b).unwrap();
+    let d = descriptors(&sender.peer_take())[0];
+    assert_eq!((d.placed, d.place), (false, None), "by the claim word");
+    assert_eq!(sender.pool_used(), base, "no buffer for it");
+
+    // A pool too small for the message: by the claim word.
+    let mut sender = LaneRig::new_shared(1 << 16, 32 << 10).unwrap();
+    greet(&mut sender, hello_taking(Takes::HEADERLESS));
+    sender.send_slice(&a).unwrap();
+    let d = descriptors(&sender.peer_take())[0];
+    assert_eq!((d.placed, d.place), (false, None), "by the claim word");
+}
+
 /// A lane dropped before its session finished gives a claimed or placed
 /// message's buffer back to its pool at once, and the application's next
 /// lease writes it; the lane says so first, in its ring's `ended` word, and

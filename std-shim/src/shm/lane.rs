@@ -186,6 +186,15 @@ impl Incoming {
 /// on the build VM, two at 15–16, any number at 9–11 (BENCHMARKS.md).
 const PLACED_MAX: usize = 1;
 
+/// A caller's slice is copied into the pool and placed below this size
+/// (see [`Lane::place_copy`]); larger ones go by the claim word. Both
+/// copies of a placed slice stay in the caches below it; above, on a
+/// host whose two cores sit far apart (the build VM at times), bytes the
+/// sender has just written cross at 5–7 GB/s where `process_vm_readv`
+/// of the caller's slice reads 14 (1 MiB), while 64 KiB placed read 12–13
+/// there against 10 (BENCHMARKS.md).
+const PLACE_COPIES_BELOW: usize = 256 << 10;
+
 /// What the handover of a single-copy message has come to.
 #[derive(PartialEq, Eq)]
 enum Handed {
@@ -394,6 +403,9 @@ pub(crate) struct Lane {
     placed: VecDeque<(u64, StdLease)>,
     /// The last placed ticket this side issued.
     tx_placed: u64,
+    /// A slice copied into the pool has shown the peer where the pool's
+    /// file is (see [`Lane::place_copy`]).
+    place_shown: bool,
     /// Messages at least this long go by a single copy (the segment says).
     single_min: usize,
     /// Large messages go by a single copy (until the peer refuses one).
@@ -455,6 +467,7 @@ impl Lane {
             },
             placed: VecDeque::new(),
             tx_placed: 0,
+            place_shown: false,
             cma_tx: true,
             handover: None,
             tx_ticket: 0,
@@ -831,8 +844,36 @@ impl Lane {
         }
     }
 
+    /// A large slice (below [`PLACE_COPIES_BELOW`]), copied into a buffer
+    /// of `pool` (one shared-memory file) so that it goes placed: the
+    /// caller goes on at once and the peer `memcpy`s out of the file while
+    /// this side copies the next message in (two copies, on two cores at
+    /// once), where the claim word has the peer read the caller's slice by
+    /// `process_vm_readv` while the caller waits (on the build VM 64 KiB
+    /// streamed 2x faster so: BENCHMARKS.md). Once the peer maps the file
+    /// (`maps`, its inode); and once before, claimed, so that the peer
+    /// learns where the file is and maps it. `None`: the slice goes by the
+    /// claim word (too large, the peer did not map the file it was shown,
+    /// the pool is not one file, or it is dry).
+    fn place_copy(&mut self, pool: &Arc<StdPool>, bytes: &[u8], maps: u64) -> Option<StdLease> {
+        if bytes.len() >= PLACE_COPIES_BELOW || (maps == 0 && self.place_shown) {
+            return None;
+        }
+        let mut l = Lease::take(Arc::clone(pool), bytes.len()).ok()?;
+        let ino = shared_place(&l).map(|p| p.ino);
+        self.place_shown = true;
+        if ino.is_none() || (maps != 0 && ino != Some(maps)) {
+            return None;
+        }
+        l.set_len(bytes.len()).ok()?;
+        host_bytes_mut(&mut l).copy_from_slice(bytes);
+        Some(l)
+    }
+
     /// Starts a message: written into the ring as far as it fits, the rest
-    /// copied (a slice) or kept (a lease) until the ring has room.
+    /// copied (a slice) or kept (a lease) until the ring has room. A large
+    /// slice to a peer that maps this side's pool file is copied into a
+    /// buffer of `pool` and goes placed (see [`Lane::place_copy`]).
     // A refused lease comes back whole (as `Transport::try_send_lease`'s does).
     #[allow(clippy::result_large_err)]
     pub(crate) fn send(
@@ -841,6 +882,7 @@ impl Lane {
         payload: Source<'_>,
         direct: bool,
         queue_limit: usize,
+        pool: &Arc<StdPool>,
     ) -> Result<bool, Refused> {
         let len = payload.bytes().len();
         // A handover that ended since the last look is not in the way (one
@@ -887,6 +929,21 @@ impl Lane {
         };
         let header = header_of(&f);
         if single {
+            // Placed, where the peer has shown it maps the file (Acquire:
+            // nothing to order; the word is the peer's claim, checked at
+            // each placed read there).
+            let maps = self
+                .tx
+                .mem_ctl()
+                .maps_file()
+                .load(std::sync::atomic::Ordering::Acquire);
+            let payload = match payload {
+                Source::Slice(b) => match self.place_copy(pool, b, maps) {
+                    Some(l) => Source::Lease(l),
+                    None => Source::Slice(b),
+                },
+                lease => lease,
+            };
             let (held, addr) = match payload {
                 Source::Slice(b) if direct => (Held::Caller(Caller::of(b)), b.as_ptr() as u64),
                 Source::Slice(b) => {
@@ -903,14 +960,6 @@ impl Lane {
                 Held::Leased(l) => shared_place(l),
                 _ => None,
             };
-            // Placed, where the peer has shown it maps the file (Acquire:
-            // nothing to order; the word is the peer's claim, checked at
-            // each placed read there).
-            let maps = self
-                .tx
-                .mem_ctl()
-                .maps_file()
-                .load(std::sync::atomic::Ordering::Acquire);
             let placed = place.is_some_and(|p| p.ino == maps);
             let ticket = 1 + if placed {
                 self.tx_placed

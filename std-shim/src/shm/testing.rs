@@ -205,11 +205,15 @@ impl LaneRig {
     /// The lane sends a message of `len` bytes (its ring's room reckoned from
     /// the peer's read counter as last read, read again when short).
     pub fn send(&mut self, len: usize) -> Result<(), Error> {
+        self.send_slice(&vec![0x42u8; len])
+    }
+
+    /// The lane sends `bytes` from the caller's slice (as `send`).
+    pub fn send_slice(&mut self, bytes: &[u8]) -> Result<(), Error> {
         let Some(lane) = self.lane.as_mut() else {
             return Err(Error::Closed);
         };
-        let m = vec![0x42u8; len];
-        match lane.send(PEER, Source::Slice(&m), false, 1 << 20) {
+        match lane.send(PEER, Source::Slice(bytes), false, 1 << 20, &self.pool) {
             Ok(_) => Ok(()),
             Err(r) if r.error == Error::WouldBlock => Ok(()),
             Err(r) => {
@@ -229,7 +233,7 @@ impl LaneRig {
             return Err(Error::Closed);
         };
         let lease = zerohop_core::Lease::take(Arc::clone(&self.pool), len)?;
-        lane.send(PEER, Source::Lease(lease), false, 1 << 20)
+        lane.send(PEER, Source::Lease(lease), false, 1 << 20, &self.pool)
             .map(|_| ())
             .map_err(|r| r.error)
     }
@@ -242,7 +246,7 @@ impl LaneRig {
         };
         let mut lease = zerohop_core::Lease::take(Arc::clone(&self.pool), bytes.len())?;
         zerohop_backends::host_bytes_mut(&mut lease).copy_from_slice(bytes);
-        lane.send(PEER, Source::Lease(lease), false, 1 << 20)
+        lane.send(PEER, Source::Lease(lease), false, 1 << 20, &self.pool)
             .map(|_| ())
             .map_err(|r| r.error)
     }
@@ -361,7 +365,7 @@ impl LaneRig {
         let Some(lane) = self.lane.as_mut() else {
             return Err(Error::Closed);
         };
-        lane.send(PEER, Source::Slice(bytes), true, 1 << 20)
+        lane.send(PEER, Source::Slice(bytes), true, 1 << 20, &self.pool)
             .map_err(|r| r.error)
     }
 
