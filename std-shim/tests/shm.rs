@@ -15,6 +15,7 @@ use zerohop_std::{
 };
 
 const WAIT: Duration = Duration::from_secs(10);
+const SECOND: Duration = Duration::from_secs(1);
 
 /// A received message's bytes (every message here lies in host memory).
 fn host_bytes(l: &ShmLease) -> &[u8] {
@@ -524,6 +525,76 @@ fn copied_slices_go_placed_below_the_bound_and_claimed_above_it() {
     );
     assert_eq!(client_pool.used_bytes(), 0, "the sender's buffers all back");
     assert_eq!(server_pool.used_bytes(), 0);
+}
+
+/// A large slice `send` took is the endpoint's to deliver until the peer
+/// has it: while the peer cannot copy it (its transport held), it counts
+/// as pending and `flush` waits for it; flushed, the endpoint may go and
+/// the message still arrives. (The first slice copied into the pool went
+/// claimed out of that buffer, `send` returned at once, and neither
+/// `pending_sends` nor `flush` saw it: dropped after a flush, the peer
+/// lost it.)
+#[test]
+fn a_slice_send_took_is_pending_until_the_peer_has_it() {
+    let _one = serial();
+    let (server, addr, _server_pool) = listener_in(pool(true));
+    let (client, peer) = connect_in(addr, pool(true));
+    let _from = accepted(&server);
+    let m: Vec<u8> = (0..64 << 10).map(|i| (i % 251) as u8).collect();
+    server.with(|_held| {
+        client.send(peer, &m, Deadline::after(WAIT), None).unwrap();
+        assert!(
+            client.pending_sends() >= m.len(),
+            "pending while the peer is held"
+        );
+        assert_eq!(
+            client.flush(Deadline::after(Duration::from_millis(300))),
+            Err(Error::Timeout),
+            "flush waits for the peer"
+        );
+    });
+    client.flush(Deadline::after(WAIT)).unwrap();
+    assert_eq!(client.pending_sends(), 0);
+    drop(client);
+    let r = server.recv(Deadline::after(WAIT), None).unwrap();
+    assert!(host_bytes(&r.lease) == m, "intact");
+}
+
+/// Two endpoints with small pools (2 MiB), each holding a message it
+/// received, each send a 100 KiB slice before reading: the copies into
+/// the pool stop at half of it, so each side still has a buffer for what
+/// comes, and both arrive. (Copied into the pool, each side's slice held
+/// its last buffer until the other copied it, and neither could lease a
+/// buffer to copy into: both receives starved until the application let
+/// go of what it held.)
+#[test]
+fn slices_copied_into_the_pool_leave_receives_their_half() {
+    use zerohop_core::Transport;
+    let _one = serial();
+    let (server_pool, client_pool) = (shared_pool(2 << 20).unwrap(), shared_pool(2 << 20).unwrap());
+    let (server, addr, _) = listener_in(Arc::clone(&server_pool));
+    let (client, peer) = connect_in(addr, Arc::clone(&client_pool));
+    let from = accepted(&server);
+    let m = vec![1u8; 100 << 10];
+    client.send(peer, &m, Deadline::after(WAIT), None).unwrap();
+    let _held_by_server = server.recv(Deadline::after(WAIT), None).unwrap();
+    server.send(from, &m, Deadline::after(WAIT), None).unwrap();
+    let _held_by_client = client.recv(Deadline::after(WAIT), None).unwrap();
+    // Both sends before either side reads.
+    client.with(|c| {
+        server.with(|s| {
+            c.try_send(peer, &m).unwrap();
+            s.try_send(from, &m).unwrap();
+        })
+    });
+    let a = client.recv(Deadline::after(3 * SECOND), None);
+    let b = server.recv(Deadline::after(3 * SECOND), None);
+    assert!(
+        a.is_ok() && b.is_ok(),
+        "client {:?}, server {:?}",
+        a.map(|r| r.lease.len()),
+        b.map(|r| r.lease.len())
+    );
 }
 
 /// A caller that cannot wait (a zero deadline) leaves each single-copy

@@ -671,6 +671,7 @@ fn large_slices_go_placed_once_the_peer_maps_the_pool_file() {
         let out = sender.peer_take();
         let d = descriptors(&out)[0];
         assert_eq!((d.placed, d.ticket), (true, ticket), "placed");
+        assert!(sender.pool_used() > base, "held until the peer is done");
         receiver.peer_write(&out);
         receiver.read().unwrap();
         assert_eq!(receiver.told_peer(), (ino, ticket));

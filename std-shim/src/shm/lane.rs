@@ -406,6 +406,9 @@ pub(crate) struct Lane {
     /// A slice copied into the pool has shown the peer where the pool's
     /// file is (see [`Lane::place_copy`]).
     place_shown: bool,
+    /// The inode of this side's pool file, once a lease for a slice has
+    /// shown it (`Some(None)`: the pool is not one file).
+    pool_file: Option<Option<u64>>,
     /// Messages at least this long go by a single copy (the segment says).
     single_min: usize,
     /// Large messages go by a single copy (until the peer refuses one).
@@ -468,6 +471,7 @@ impl Lane {
             placed: VecDeque::new(),
             tx_placed: 0,
             place_shown: false,
+            pool_file: None,
             cma_tx: true,
             handover: None,
             tx_ticket: 0,
@@ -605,9 +609,19 @@ impl Lane {
         Ok(self.placed.len() != before)
     }
 
-    /// Bytes of placed messages the peer has not copied yet.
-    pub(crate) fn placed_in_flight(&self) -> usize {
-        self.placed.iter().map(|(_, l)| l.len()).sum()
+    /// Bytes this side has taken to send that the peer does not have yet:
+    /// queued, handed over (a single copy the peer has not taken; placed
+    /// ones not copied yet) and device copies in flight. An endpoint's
+    /// `flush` waits for them.
+    pub(crate) fn unsent_bytes(&self) -> usize {
+        let handed = match self.handover.as_ref().map(|h| &h.held) {
+            Some(Held::Caller(Caller(_, len))) => *len,
+            Some(Held::Owned(v)) => v.len(),
+            Some(Held::Leased(l)) => l.len(),
+            None => 0,
+        };
+        let placed: usize = self.placed.iter().map(|(_, l)| l.len()).sum();
+        self.queued_bytes + handed + placed + self.device_in_flight()
     }
 
     /// The sender's device buffers the peer has copied go back to the
@@ -852,19 +866,29 @@ impl Lane {
     /// `process_vm_readv` while the caller waits (on the build VM 64 KiB
     /// streamed 2x faster so: BENCHMARKS.md). Once the peer maps the file
     /// (`maps`, its inode); and once before, claimed, so that the peer
-    /// learns where the file is and maps it. `None`: the slice goes by the
-    /// claim word (too large, the peer did not map the file it was shown,
-    /// the pool is not one file, or it is dry).
+    /// learns where the file is and maps it. Only while the pool is at most
+    /// half used: the receives of every lane lease from it too. `None`: the
+    /// slice goes by the claim word (too large, the peer did not map the
+    /// file it was shown or names another, the pool is not one file, or it
+    /// is half used).
     fn place_copy(&mut self, pool: &Arc<StdPool>, bytes: &[u8], maps: u64) -> Option<StdLease> {
-        if bytes.len() >= PLACE_COPIES_BELOW || (maps == 0 && self.place_shown) {
+        let shown_unmapped = maps == 0 && self.place_shown;
+        let elsewhere = self.pool_file.is_some_and(|f| f != Some(maps)) && maps != 0;
+        if bytes.len() >= PLACE_COPIES_BELOW
+            || shown_unmapped
+            || elsewhere
+            || self.pool_file == Some(None)
+        {
             return None;
         }
         let mut l = Lease::take(Arc::clone(pool), bytes.len()).ok()?;
-        let ino = shared_place(&l).map(|p| p.ino);
-        self.place_shown = true;
-        if ino.is_none() || (maps != 0 && ino != Some(maps)) {
+        let file = shared_place(&l).map(|p| p.ino);
+        self.pool_file = Some(file);
+        let half_used = pool.used_bytes() > pool.config().budget / 2;
+        if file.is_none() || (maps != 0 && file != Some(maps)) || half_used {
             return None;
         }
+        self.place_shown |= maps == 0;
         l.set_len(bytes.len()).ok()?;
         host_bytes_mut(&mut l).copy_from_slice(bytes);
         Some(l)

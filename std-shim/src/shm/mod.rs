@@ -182,14 +182,14 @@ pub struct ShmConfig {
     /// maps (`memcpy`; a caller's slice is first copied into a buffer of
     /// that pool, and the sender goes on at once), or else by
     /// `process_vm_readv`, one message handed over at a time; smaller ones
-    /// are copied through the ring (two copies, pipelined). The side that sets a lane up decides
-    /// for both (default 32 KiB; at least 4 KiB). Which is faster depends
-    /// on the host: on the 16-core H200 host the single copy wins from
-    /// 32 KiB (64 KiB at 11.3 GB/s against 7.2 through the ring, 1 MiB at
-    /// 14.3 against 8.3); on the 2-vCPU build VM the ring won up to 1 MiB
-    /// in one set of alternating runs (64 KiB at 8.1–10.2 GB/s against
-    /// 5.1–7.3, 1 MiB at 10.6–11.1 against 8.2–9.0) and drew in another:
-    /// there 2 MiB may be the better setting (BENCHMARKS.md).
+    /// are copied through the ring (two copies, pipelined). The side that
+    /// sets a lane up decides for both (default 32 KiB; at least 4 KiB).
+    /// Which is faster depends on the host: on the 16-core H200 host the
+    /// single copy by `process_vm_readv` won from 32 KiB (64 KiB at 11.3
+    /// GB/s against 7.2 through the ring, 1 MiB at 14.3 against 8.3); on
+    /// the 2-vCPU build VM the ring won up to 1 MiB in one set of
+    /// alternating runs (64 KiB at 8.1–10.2 GB/s against 5.1–7.3, 1 MiB at
+    /// 10.6–11.1 against 8.2–9.0) and drew in another (BENCHMARKS.md).
     pub single_copy_from: usize,
 }
 
@@ -1009,11 +1009,7 @@ impl Wire for LocalWire {
     }
 
     fn pending_sends(&self) -> usize {
-        let lanes: usize = self
-            .lanes
-            .iter()
-            .map(|(_, l)| l.queued_bytes + l.device_in_flight() + l.placed_in_flight())
-            .sum();
+        let lanes: usize = self.lanes.iter().map(|(_, l)| l.unsent_bytes()).sum();
         self.tcp.pending_sends() + lanes
     }
 
