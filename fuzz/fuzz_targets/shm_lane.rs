@@ -9,7 +9,10 @@
 //!   not checked: raw writes may forge any frame the session accepts);
 //! - every receive buffer goes back to the pool once the lane is gone;
 //! - a lane is lost (`PeerLost`) only after its peer said it ended uncleanly;
-//! - the side pass (timers, and the read of a due lane) fails only typed.
+//! - the side pass (timers, and the read of a due lane) fails only typed;
+//! - sends, large ones too (placed or claimed, whatever the peer says it
+//!   maps, has copied or is done with), fail only typed, and every buffer
+//!   they took is back once the lane is gone.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -60,6 +63,22 @@ enum Op {
     /// side pass runs: a due lane's read, then its timers.
     Tend(u32),
     Send(u16),
+    /// A message of a single-copy length (32 KiB and up) from the caller's
+    /// slice: copied into the pool and placed once the peer maps its file.
+    SendLarge(u16),
+    /// The peer says it maps a pool file: this side's (`ours`), or any.
+    Maps {
+        ours: bool,
+        ino: u64,
+    },
+    /// The peer says it has copied the claimed single-copy message `ticket`.
+    Copied(u64),
+    /// The peer says it is done with placed messages up to `ticket`.
+    PlacedDone(u64),
+    /// The lane writes what it has queued, releases what the peer is done with.
+    Flush,
+    /// The peer reads what the lane wrote.
+    PeerTake,
     Take,
     /// The peer says it dropped the lane uncleanly: a single-copy message
     /// read after it is lost with the lane.
@@ -67,9 +86,12 @@ enum Op {
 }
 
 fuzz_target!(|ops: Vec<Op>| {
-    let Ok(mut rig) = LaneRig::new(4096, 1 << 20) else {
+    // The pool one shared-memory file, as an endpoint's: large slices go
+    // placed once the peer says it maps it.
+    let Ok(mut rig) = LaneRig::new_shared(4096, 1 << 20) else {
         return;
     };
+    let file = rig.pool_file().unwrap_or(0);
     let mut head = 0u64;
     let mut broke = false;
     let mut ended = false;
@@ -84,6 +106,12 @@ fuzz_target!(|ops: Vec<Op>| {
         Err(Error::WireRule { .. } | Error::Protocol { .. } | Error::Backend(_)) => *broke = true,
         Err(Error::PeerLost(_)) if ended => *broke = true,
         Err(e) => panic!("an untyped failure: {e:?}"),
+    };
+    // A send or a flush: fine, or failed typed.
+    let sent = |r: Result<(), Error>, broke: &mut bool| match r {
+        Ok(()) | Err(Error::Closed | Error::TooLarge { .. }) => {}
+        Err(Error::WireRule { .. } | Error::Backend(_)) => *broke = true,
+        Err(e) => panic!("an untyped send failure: {e:?}"),
     };
     for op in ops.iter().take(500) {
         match op {
@@ -144,12 +172,24 @@ fuzz_target!(|ops: Vec<Op>| {
                 now += u64::from(*step) % 10_000_000;
                 judge(rig.tend_at(now), &mut broke, ended);
             }
-            Op::Send(len) => match rig.send(usize::from(*len) % 5000) {
-                Ok(()) => {}
-                Err(Error::Closed) | Err(Error::TooLarge { .. }) => {}
-                Err(Error::WireRule { .. }) => broke = true,
-                Err(e) => panic!("an untyped send failure: {e:?}"),
-            },
+            Op::Send(len) => sent(rig.send(usize::from(*len) % 5000), &mut broke),
+            Op::SendLarge(len) => sent(
+                rig.send((32 << 10) + usize::from(*len) % (32 << 10)),
+                &mut broke,
+            ),
+            Op::Maps { ours, ino } => rig.peer_maps(if *ours { file } else { *ino }),
+            Op::Copied(t) => rig.peer_copied(*t),
+            Op::PlacedDone(t) => rig.peer_placed_done(*t),
+            Op::Flush => {
+                let r = rig.flush().map(|_| ());
+                sent(r, &mut broke);
+                if broke {
+                    rig.drop_lane(); // as the wire drops a lane whose flush failed
+                }
+            }
+            Op::PeerTake => {
+                let _ = rig.peer_take();
+            }
             Op::Ended => {
                 ended = true;
                 rig.peer_ended();
