@@ -867,10 +867,10 @@ impl Lane {
     /// streamed 2x faster so: BENCHMARKS.md). Once the peer maps the file
     /// (`maps`, its inode); and once before, claimed, so that the peer
     /// learns where the file is and maps it. Only while the pool is at most
-    /// half used: the receives of every lane lease from it too. `None`: the
-    /// slice goes by the claim word (too large, the peer did not map the
-    /// file it was shown or names another, the pool is not one file, or it
-    /// is half used).
+    /// half used and has a buffer of the slice's size to spare: the
+    /// receives of every lane lease from it too. `None`: the slice goes by
+    /// the claim word (too large, the peer did not map the file it was
+    /// shown or names another, the pool is not one file, or it is short).
     fn place_copy(&mut self, pool: &Arc<StdPool>, bytes: &[u8], maps: u64) -> Option<StdLease> {
         let shown_unmapped = maps == 0 && self.place_shown;
         let elsewhere = self.pool_file.is_some_and(|f| f != Some(maps)) && maps != 0;
@@ -884,13 +884,19 @@ impl Lane {
         let mut l = Lease::take(Arc::clone(pool), bytes.len()).ok()?;
         let file = shared_place(&l).map(|p| p.ino);
         self.pool_file = Some(file);
-        let half_used = pool.used_bytes() > pool.config().budget / 2;
-        if file.is_none() || (maps != 0 && file != Some(maps)) || half_used {
+        if file.is_none() || (maps != 0 && file != Some(maps)) {
             return None;
         }
-        self.place_shown |= maps == 0;
+        // Receives lease from this pool too: a copy leaves half of it, and a
+        // buffer of its own size (the pool is carved in chunks a class
+        // each, so bytes in use alone do not say a buffer is left).
+        let half_used = pool.used_bytes() > pool.config().budget / 2;
+        if half_used || Lease::take(Arc::clone(pool), bytes.len()).is_err() {
+            return None;
+        }
         l.set_len(bytes.len()).ok()?;
         host_bytes_mut(&mut l).copy_from_slice(bytes);
+        self.place_shown |= maps == 0;
         Some(l)
     }
 
@@ -1552,12 +1558,39 @@ impl Lane {
         // stay held while this side sleeps (the peer may wait for it).
         self.give_back_room();
         let bytes = self.rx.prepare_sleep().unwrap_or(true);
-        let for_room = !self.queue.is_empty() || self.direct.is_some() || self.handover.is_some();
+        // Behind a handover nothing goes whatever the room: it waits for the
+        // peer's claim word (the peer rings after moving it).
+        let for_claim = self.handover.is_some();
+        let for_room = !for_claim && (!self.queue.is_empty() || self.direct.is_some());
         let for_done = self.device_in_flight() > 0 || !self.placed.is_empty();
-        self.waiting_room = for_room || for_done;
+        self.waiting_room = for_room || for_claim || for_done;
         // The flag first (its fence), then the second look at what it waits for.
         let room = self.waiting_room && self.tx.prepare_wait().unwrap_or(true);
-        bytes || (for_room && room) || (for_done && self.done_moved()) || self.copying()
+        bytes
+            || (for_room && room)
+            || (for_claim && self.claim_moved())
+            || (for_done && self.done_moved())
+            || self.copying()
+    }
+
+    /// Whether the peer has moved the claim word of the handover this side
+    /// waits on (copied the message, refused it, or broke the word): no
+    /// need to sleep.
+    fn claim_moved(&self) -> bool {
+        let Some(h) = self.handover.as_ref() else {
+            return false;
+        };
+        let t = h.ticket;
+        // Acquire: as in `poll_handover`.
+        let v = self
+            .tx
+            .mem_ctl()
+            .claim()
+            .load(std::sync::atomic::Ordering::Acquire);
+        let waiting = v == cma::word(t - 1, cma::OPEN)
+            || v == cma::word(t - 1, cma::WITHDRAWN)
+            || v == cma::word(t, cma::READING);
+        !waiting
     }
 
     /// Whether the peer has copied a placed or device message this side
