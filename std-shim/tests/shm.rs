@@ -584,32 +584,7 @@ fn thread_cpu() -> Duration {
 /// go of what it held.)
 #[test]
 fn slices_copied_into_the_pool_leave_receives_their_half() {
-    use zerohop_core::Transport;
-    let _one = serial();
-    let (server_pool, client_pool) = (shared_pool(2 << 20).unwrap(), shared_pool(2 << 20).unwrap());
-    let (server, addr, _) = listener_in(Arc::clone(&server_pool));
-    let (client, peer) = connect_in(addr, Arc::clone(&client_pool));
-    let from = accepted(&server);
-    let m = vec![1u8; 100 << 10];
-    client.send(peer, &m, Deadline::after(WAIT), None).unwrap();
-    let _held_by_server = server.recv(Deadline::after(WAIT), None).unwrap();
-    server.send(from, &m, Deadline::after(WAIT), None).unwrap();
-    let _held_by_client = client.recv(Deadline::after(WAIT), None).unwrap();
-    // Both sends before either side reads.
-    client.with(|c| {
-        server.with(|s| {
-            c.try_send(peer, &m).unwrap();
-            s.try_send(from, &m).unwrap();
-        })
-    });
-    let a = client.recv(Deadline::after(WAIT), None);
-    let b = server.recv(Deadline::after(WAIT), None);
-    assert!(
-        a.is_ok() && b.is_ok(),
-        "client {:?}, server {:?}",
-        a.map(|r| r.lease.len()),
-        b.map(|r| r.lease.len())
-    );
+    copies_both_ways_leave_room_to_receive(2 << 20, &[]);
 }
 
 /// The same with 6 MiB pools, each side also holding two small received
@@ -619,20 +594,32 @@ fn slices_copied_into_the_pool_leave_receives_their_half() {
 /// a buffer of its own size for a receive (before, both receives starved).
 #[test]
 fn slices_copied_into_the_pool_leave_a_buffer_for_a_receive() {
+    copies_both_ways_leave_room_to_receive(6 << 20, &[100, 500]);
+}
+
+/// Two endpoints with pools of `pool_bytes`, each holding messages it
+/// received (of `small` bytes, then one of 100 KiB), each send a 100 KiB
+/// slice before reading: both arrive.
+fn copies_both_ways_leave_room_to_receive(pool_bytes: usize, small: &[usize]) {
     use zerohop_core::Transport;
     let _one = serial();
-    let (server_pool, client_pool) = (shared_pool(6 << 20).unwrap(), shared_pool(6 << 20).unwrap());
+    let (server_pool, client_pool) = (
+        shared_pool(pool_bytes).unwrap(),
+        shared_pool(pool_bytes).unwrap(),
+    );
     let (server, addr, _) = listener_in(Arc::clone(&server_pool));
     let (client, peer) = connect_in(addr, Arc::clone(&client_pool));
     let from = accepted(&server);
+    let m = vec![1u8; 100 << 10];
     let mut held = Vec::new();
-    for m in [vec![2u8; 100], vec![2u8; 500], vec![1u8; 100 << 10]] {
-        client.send(peer, &m, Deadline::after(WAIT), None).unwrap();
+    for held_len in small.iter().copied().chain([m.len()]) {
+        let h = vec![2u8; held_len];
+        client.send(peer, &h, Deadline::after(WAIT), None).unwrap();
         held.push(server.recv(Deadline::after(WAIT), None).unwrap());
-        server.send(from, &m, Deadline::after(WAIT), None).unwrap();
+        server.send(from, &h, Deadline::after(WAIT), None).unwrap();
         held.push(client.recv(Deadline::after(WAIT), None).unwrap());
     }
-    let m = vec![1u8; 100 << 10];
+    // Both sends before either side reads.
     client.with(|c| {
         server.with(|s| {
             c.try_send(peer, &m).unwrap();

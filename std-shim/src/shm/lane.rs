@@ -195,6 +195,15 @@ const PLACED_MAX: usize = 1;
 /// there against 10 (BENCHMARKS.md).
 const PLACE_COPIES_BELOW: usize = 256 << 10;
 
+/// Whether claim word `v` says the handover of ticket `t` is still to come
+/// or under way: the message before is done, or was withdrawn (the peer has
+/// not reset the word yet), or the peer is reading `t`.
+fn claim_waits(t: u64, v: u64) -> bool {
+    v == cma::word(t - 1, cma::OPEN)
+        || v == cma::word(t - 1, cma::WITHDRAWN)
+        || v == cma::word(t, cma::READING)
+}
+
 /// What the handover of a single-copy message has come to.
 #[derive(PartialEq, Eq)]
 enum Handed {
@@ -777,20 +786,10 @@ impl Lane {
         let Some(h) = self.handover.as_ref() else {
             return Ok(Handed::Done);
         };
-        let t = h.ticket;
-        // Acquire: the peer's reads of our bytes happened before its done.
-        let v = self
-            .tx
-            .mem_ctl()
-            .claim()
-            .load(std::sync::atomic::Ordering::Acquire);
+        let (t, v) = (h.ticket, self.claim_word());
         let state = if v == cma::word(t, cma::OPEN) {
             Handed::Done
-        } else if v == cma::word(t - 1, cma::OPEN)
-            // The message before was withdrawn; the peer has not reset the word yet.
-            || v == cma::word(t - 1, cma::WITHDRAWN)
-            || v == cma::word(t, cma::READING)
-        {
+        } else if claim_waits(t, v) {
             Handed::Waiting
         } else if v == cma::word(t, cma::REFUSED) {
             Handed::Inline
@@ -1577,20 +1576,18 @@ impl Lane {
     /// waits on (copied the message, refused it, or broke the word): no
     /// need to sleep.
     fn claim_moved(&self) -> bool {
-        let Some(h) = self.handover.as_ref() else {
-            return false;
-        };
-        let t = h.ticket;
-        // Acquire: as in `poll_handover`.
-        let v = self
-            .tx
+        self.handover
+            .as_ref()
+            .is_some_and(|h| !claim_waits(h.ticket, self.claim_word()))
+    }
+
+    /// The claim word of this side's single-copy messages.
+    fn claim_word(&self) -> u64 {
+        // Acquire: the peer's reads of our bytes happened before its done.
+        self.tx
             .mem_ctl()
             .claim()
-            .load(std::sync::atomic::Ordering::Acquire);
-        let waiting = v == cma::word(t - 1, cma::OPEN)
-            || v == cma::word(t - 1, cma::WITHDRAWN)
-            || v == cma::word(t, cma::READING);
-        !waiting
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Whether the peer has copied a placed or device message this side
