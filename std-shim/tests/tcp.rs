@@ -929,6 +929,33 @@ fn passes_leaving_reading_until_dropped(
     assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
 }
 
+/// A transport of 64 MiB whose inbox holds one message, `idle` its idle timeout.
+fn one_message_inbox(idle: Duration) -> TcpTransport {
+    transport(
+        64 << 20,
+        TcpConfig {
+            idle_timeout: idle,
+            inbox_messages: 1,
+            ..TcpConfig::default()
+        },
+    )
+}
+
+/// The next `n` messages' bytes, progressing between looks until `by`.
+fn receive(t: &mut TcpTransport, n: usize, by: Instant) -> Vec<Vec<u8>> {
+    let mut got = Vec::new();
+    while got.len() < n {
+        match t.try_recv() {
+            Ok(r) => got.push(host_bytes(&r.lease).to_vec()),
+            Err(Error::WouldBlock) if Instant::now() < by => {
+                t.progress().unwrap();
+            }
+            Err(e) => panic!("after {} messages: {e:?}", got.len()),
+        }
+    }
+    got
+}
+
 /// The next arrival says a peer stalled `during`.
 fn expect_stalled(t: &mut TcpTransport, during: Stall) {
     match t.try_recv() {
@@ -1076,14 +1103,7 @@ fn a_peer_flooding_control_frames_mid_message_is_dropped_at_the_minimum_rate() {
 #[test]
 fn a_peer_whose_bytes_wait_behind_a_full_inbox_while_the_progress_thread_leaves_reading_is_held() {
     let idle = Duration::from_millis(500);
-    let mut t = transport(
-        64 << 20,
-        TcpConfig {
-            idle_timeout: idle,
-            inbox_messages: 1,
-            ..TcpConfig::default()
-        },
-    );
+    let mut t = one_message_inbox(idle);
     let addr = t.listen("127.0.0.1:0").unwrap();
     let mut first = Raw::connect_with(addr, 0x1111, 0);
     let mut second = Raw::connect_with(addr, 0x2222, 0);
@@ -1103,14 +1123,7 @@ fn a_peer_whose_bytes_wait_behind_a_full_inbox_while_the_progress_thread_leaves_
     let t0 = Instant::now();
     passes_leaving_reading(&mut t, 3 * idle);
     assert_eq!(t.peer_count(), 2, "a peer was dropped");
-    let mut got = Vec::new();
-    while got.len() < 2 {
-        match t.try_recv() {
-            Ok(r) => got.push(host_bytes(&r.lease).to_vec()),
-            Err(Error::WouldBlock) if t0.elapsed() < 10 * idle => t.progress().map(|_| ()).unwrap(),
-            Err(e) => panic!("after {} messages: {e:?}", got.len()),
-        }
-    }
+    let got = receive(&mut t, 2, t0 + 10 * idle);
     assert_eq!(got, [b"one".to_vec(), payload]);
 }
 
@@ -1121,14 +1134,7 @@ fn a_peer_whose_bytes_wait_behind_a_full_inbox_while_the_progress_thread_leaves_
 #[test]
 fn a_peer_silent_mid_header_behind_a_full_inbox_is_dropped_after_the_timeout() {
     let idle = Duration::from_millis(500);
-    let mut t = transport(
-        64 << 20,
-        TcpConfig {
-            idle_timeout: idle,
-            inbox_messages: 1,
-            ..TcpConfig::default()
-        },
-    );
+    let mut t = one_message_inbox(idle);
     let addr = t.listen("127.0.0.1:0").unwrap();
     let mut first = Raw::connect_with(addr, 0x1111, 0);
     let mut silent = Raw::connect_with(addr, 0x2222, 0);
@@ -1153,14 +1159,7 @@ fn a_peer_silent_mid_header_behind_a_full_inbox_is_dropped_after_the_timeout() {
 #[test]
 fn a_peer_the_reads_did_not_reach_for_a_full_inbox_is_held_not_timed_out() {
     let idle = Duration::from_millis(500);
-    let mut t = transport(
-        64 << 20,
-        TcpConfig {
-            idle_timeout: idle,
-            inbox_messages: 1,
-            ..TcpConfig::default()
-        },
-    );
+    let mut t = one_message_inbox(idle);
     let addr = t.listen("127.0.0.1:0").unwrap();
     let mut first = Raw::connect_with(addr, 0x1111, 0);
     let mut second = Raw::connect_with(addr, 0x2222, 0);
@@ -1180,17 +1179,7 @@ fn a_peer_the_reads_did_not_reach_for_a_full_inbox_is_held_not_timed_out() {
     second.send(&payload[100..]);
     std::thread::sleep(3 * idle);
     t.progress().unwrap();
-    let mut got = Vec::new();
-    let t0 = Instant::now();
-    while got.len() < 3 {
-        match t.try_recv() {
-            Ok(r) => got.push(host_bytes(&r.lease).to_vec()),
-            Err(Error::WouldBlock) if t0.elapsed() < 5 * SECOND => {
-                t.progress().unwrap();
-            }
-            Err(e) => panic!("after {} messages: {e:?}", got.len()),
-        }
-    }
+    let mut got = receive(&mut t, 3, Instant::now() + 5 * SECOND);
     got.sort_by_key(Vec::len);
     assert_eq!(got, [b"one".to_vec(), b"two".to_vec(), payload]);
 }
