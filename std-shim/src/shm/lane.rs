@@ -871,19 +871,18 @@ impl Lane {
     /// the claim word (too large, the peer did not map the file it was
     /// shown or names another, the pool is not one file, or it is short).
     fn place_copy(&mut self, pool: &Arc<StdPool>, bytes: &[u8], maps: u64) -> Option<StdLease> {
-        let shown_unmapped = maps == 0 && self.place_shown;
-        let elsewhere = self.pool_file.is_some_and(|f| f != Some(maps)) && maps != 0;
+        // The pool is one file, and the one the peer maps if it maps any.
+        let fits = |file: Option<u64>| file.is_some() && (maps == 0 || file == Some(maps));
         if bytes.len() >= PLACE_COPIES_BELOW
-            || shown_unmapped
-            || elsewhere
-            || self.pool_file == Some(None)
+            || (maps == 0 && self.place_shown)
+            || self.pool_file.is_some_and(|f| !fits(f))
         {
             return None;
         }
         let mut l = Lease::take(Arc::clone(pool), bytes.len()).ok()?;
         let file = shared_place(&l).map(|p| p.ino);
         self.pool_file = Some(file);
-        if file.is_none() || (maps != 0 && file != Some(maps)) {
+        if !fits(file) {
             return None;
         }
         // Receives lease from this pool too: a copy leaves half of it, and a
