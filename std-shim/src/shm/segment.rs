@@ -24,13 +24,14 @@ use std::sync::Arc;
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 
-use super::ring::{RingCtl, RingMem, CTL_BYTES};
+use super::ring::{RingCtl, RingMem, CHUNK_ALIGN, CTL_BYTES};
+use crate::sync::AtomicU64;
 
 const MAGIC: [u8; 8] = *b"ZHLANE\0\x01";
 /// The layout and its rules: 4 since the header says where single copies
 /// start (bytes 16..20; a peer of 3 assumed 32 KiB); 6 since a ring's
 /// control words say when its producer ended the lane uncleanly.
-const VERSION: u32 = 6;
+const VERSION: u32 = 7;
 const HEADER_BYTES: usize = 64;
 /// Where the data of ring 0 starts.
 const DATA_AT: usize = 4096;
@@ -77,6 +78,8 @@ pub(crate) struct Segment {
     ring_bytes: usize,
     /// Where single copies start, as the header says (see `single_copy_from`).
     single_copy_from: u32,
+    /// The rings' stamp key, as the header says.
+    key: u64,
     fd: OwnedFd,
 }
 
@@ -114,6 +117,14 @@ impl Segment {
         header[8..12].copy_from_slice(&VERSION.to_le_bytes());
         header[12..16].copy_from_slice(&(ring_bytes as u32).to_le_bytes());
         header[16..20].copy_from_slice(&single.to_le_bytes());
+        // The rings' stamp key: random, so that no payload a peer's
+        // application chose passes for a stamp (see `ring`).
+        let key = std::hash::BuildHasher::hash_one(
+            &std::collections::hash_map::RandomState::new(),
+            (std::process::id(), seg.base.as_ptr() as usize),
+        );
+        seg.key = key;
+        header[24..32].copy_from_slice(&key.to_le_bytes());
         // SAFETY: the header lies inside the fresh mapping (len > 64), which
         // nobody else has yet.
         unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), seg.base.as_ptr(), HEADER_BYTES) };
@@ -162,6 +173,7 @@ impl Segment {
         }
         seg.ring_bytes = ring_bytes;
         seg.single_copy_from = word(16);
+        seg.key = u64::from_le_bytes(header[24..32].try_into().expect("8 bytes"));
         Ok(seg)
     }
 
@@ -185,6 +197,7 @@ impl Segment {
             len,
             ring_bytes,
             single_copy_from: u32::MAX,
+            key: 0,
             fd,
         })
     }
@@ -276,6 +289,24 @@ impl RingMem for SegRing {
         // SAFETY: inside the ring (checked); these bytes are the producer's
         // until it publishes them, and `src` is private memory.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(at), src.len()) }
+    }
+
+    fn stamp(&self, at: usize) -> &AtomicU64 {
+        // A bad offset is this side's bug, not the peer's: it never comes
+        // from the segment.
+        assert!(
+            at % CHUNK_ALIGN == 0 && at < self.cap(),
+            "a stamp off a chunk"
+        );
+        // SAFETY: inside the ring (checked), 8-byte aligned (the data
+        // starts on a page, `at` is a multiple of 64). The peer writes this
+        // word as an atomic, or garbage this side only compares; the
+        // reference lives as long as `self`, which keeps the mapping.
+        unsafe { &*self.data().add(at).cast::<AtomicU64>() }
+    }
+
+    fn key(&self) -> u64 {
+        self.seg.key
     }
 
     fn copy_out(&self, at: usize, dst: &mut [u8]) {
