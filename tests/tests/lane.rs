@@ -341,6 +341,22 @@ fn a_lane_is_quiet_only_when_a_read_has_nothing_to_do() {
     assert!(!rig.quiet(), "a buffer out with the peer");
 }
 
+/// A ring whose counter the peer corrupted is not quiet: a reader of many
+/// lanes reads it and the lane breaks, typed, where skipping it would leave
+/// the wire spinning (its sleep check sees the counter and will not sleep).
+#[test]
+fn a_lane_whose_peer_corrupts_its_counter_is_not_quiet() {
+    let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+    rig.peer_write(&hello());
+    rig.read().unwrap();
+    assert!(rig.quiet(), "all read and written");
+    for bad in [u64::MAX, 1 << 20] {
+        rig.poke_head(bad);
+        assert!(!rig.quiet(), "a head past the ring: {bad}");
+    }
+    assert!(rig.read().is_err(), "the read says why");
+}
+
 /// The wire's inbox is shared by its lanes: once others fill it, a lane
 /// stops with a frame begun, its rest waiting in the ring. That wait is
 /// this side's doing (the application has not taken its messages), not the

@@ -510,13 +510,18 @@ impl<M: RingMem> Consumer<M> {
     }
 
     /// Nothing to read and nothing read to give back: every chunk the
-    /// producer stamped has been read (one look at the next chunk's stamp,
-    /// not at the head: the stamp's line carries the message) and its room
-    /// published. A corrupt ring is not "drained": the read says why.
+    /// producer stamped has been read and its room published. A look at
+    /// the next chunk's stamp first (its line carries the message), the
+    /// head only without one. A corrupt ring is not "drained": the read
+    /// says why.
     pub(crate) fn is_drained(&self) -> bool {
+        let pos = self.next_chunk();
         self.tail == self.published
             && self.tail == self.end
-            && self.stamped(self.next_chunk()) == Ok(None)
+            && self.stamped(pos) == Ok(None)
+            // Acquire: as in `next`. A head that lags by the chunk just
+            // read is the producer's order, not news.
+            && (self.start..=pos).contains(&self.mem.ctl().head.load(Ordering::Acquire))
     }
 
     /// Ring bytes taken, ever.
@@ -833,10 +838,12 @@ mod tests {
         assert_eq!(c.available(), Ok(4), "the rest of the chunk, head unread");
         assert_eq!(c.read(&mut [0; 4]).unwrap(), 4);
         let ours = 128; // the chunk read, to the end of its line
-                        // A head past what the ring holds, or behind the chunk read: with
-                        // no stamp at the next chunk, the head is looked at.
+        let _ = c.publish();
+        // A head past what the ring holds, or behind the chunk read: with
+        // no stamp at the next chunk, the head is looked at.
         for bad in [ours + 257, u64::MAX, 63, 0] {
             head(bad);
+            assert!(!c.is_drained(), "{bad}");
             assert_eq!(c.available(), Err(Corrupt { theirs: bad, ours }), "{bad}");
             assert!(c.read(&mut [0; 4]).is_err());
         }
@@ -845,9 +852,15 @@ mod tests {
         for fine in [64, 128] {
             head(fine);
             assert_eq!(c.available(), Ok(0), "{fine}");
+            assert!(c.is_drained(), "{fine}");
         }
+        assert!(c.is_drained(), "the head still at the chunk's start");
         // One that says a chunk is there which has no stamp.
         head(192);
+        assert!(
+            !c.is_drained(),
+            "a corrupt ring is not drained: a read says why"
+        );
         assert_eq!(c.available(), Err(Corrupt { theirs: 192, ours }));
         // A stamp whose length is 0, longer than the ring, or whose
         // reserved bytes are not zero.
