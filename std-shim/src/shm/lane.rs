@@ -673,7 +673,7 @@ impl Lane {
     /// Bytes this side has taken from the peer's ring, ever: when it moves,
     /// frames came in (credit a blocked sender waits for, among them).
     pub(crate) fn taken(&self) -> u64 {
-        self.rx.position()
+        self.rx.taken()
     }
 
     /// The side pass's timers at `now`: a peer this side holds back (its
@@ -1637,8 +1637,8 @@ impl Lane {
 
     /// Nothing for a read pass to do: no frame begun or queued, nothing
     /// out with the peer or copying, and no new bytes in its ring. A
-    /// reader of many lanes skips these for the cost of one look at each
-    /// peer's counter.
+    /// reader of many lanes skips these for the cost of a look at each
+    /// peer's next stamp and, where there is none, its counter.
     pub(crate) fn quiet(&self) -> bool {
         self.have == 0
             && self.incoming.is_none()

@@ -420,6 +420,8 @@ pub(crate) struct Consumer<M: RingMem> {
     stored: u64,
     /// The tail as of the last look at the producer's `waits` after a store.
     published: u64,
+    /// The producer's bytes read, ever (see [`Consumer::taken`]).
+    taken: u64,
     /// The ring's stamp key, read once.
     key: u64,
 }
@@ -435,6 +437,7 @@ impl<M: RingMem> Consumer<M> {
             end: 0,
             stored: 0,
             published: 0,
+            taken: 0,
             key,
         }
     }
@@ -458,7 +461,8 @@ impl<M: RingMem> Consumer<M> {
         let mut len = [0u8; 8];
         self.mem.copy_out(at + 8, &mut len);
         let n = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
-        if n == 0 || len[4..] != [0; 4] || chunk_bytes(n) > cap {
+        // A chunk fits the ring (`n` first: no sum on it can overflow).
+        if n == 0 || len[4..] != [0; 4] || n > cap - STAMP_BYTES {
             return Err(Corrupt {
                 theirs: pos + (STAMP_BYTES + n) as u64,
                 ours: pos,
@@ -524,9 +528,11 @@ impl<M: RingMem> Consumer<M> {
             && (self.start..=pos).contains(&self.mem.ctl().head.load(Ordering::Acquire))
     }
 
-    /// Ring bytes taken, ever.
-    pub(crate) fn position(&self) -> u64 {
-        self.tail
+    /// The producer's bytes read, ever: not the stamps and padding around
+    /// them, so that a peer that writes a byte a chunk is not counted 64
+    /// (a reader of its rate would be fooled by a factor as large).
+    pub(crate) fn taken(&self) -> u64 {
+        self.taken
     }
 
     /// Copies up to `out.len()` waiting bytes into `out`; how many. Their
@@ -547,6 +553,7 @@ impl<M: RingMem> Consumer<M> {
                 to += len;
             }
             self.tail += step as u64;
+            self.taken += step as u64;
             if self.tail == self.end {
                 // The chunk is read: its padding too (the room goes back
                 // whole).
@@ -618,16 +625,14 @@ impl<M: RingMem> Consumer<M> {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
-    use std::cell::UnsafeCell;
     use std::rc::Rc;
 
-    /// A ring in one process's heap, for the unit tests.
+    /// A ring in one process's heap, for the unit tests: its bytes in
+    /// words, so that a chunk's stamp is the chunk's first word, written
+    /// over by later laps' bytes, as in the segment.
     struct HeapRing {
         ctl: RingCtl,
-        data: UnsafeCell<Vec<u8>>,
-        /// The chunks' stamps, beside the bytes (the segment keeps them in
-        /// the bytes).
-        stamps: Vec<AtomicU64>,
+        words: Box<[AtomicU64]>,
     }
 
     #[derive(Clone)]
@@ -637,9 +642,13 @@ mod tests {
         fn new(cap: usize) -> Mem {
             Mem(Rc::new(HeapRing {
                 ctl: RingCtl::default(),
-                data: UnsafeCell::new(vec![0; cap]),
-                stamps: (0..cap / CHUNK_ALIGN).map(|_| AtomicU64::new(0)).collect(),
+                words: (0..cap / 8).map(|_| AtomicU64::new(0)).collect(),
             }))
+        }
+
+        /// The bytes (atomics are cells: written through a shared borrow).
+        fn bytes(&self) -> *mut u8 {
+            self.0.words.as_ptr() as *mut u8
         }
     }
 
@@ -648,19 +657,23 @@ mod tests {
             &self.0.ctl
         }
         fn cap(&self) -> usize {
-            // SAFETY: one thread; no reference into the data outlives a call.
-            unsafe { (*self.0.data.get()).len() }
+            self.0.words.len() * 8
         }
         fn copy_in(&self, at: usize, src: &[u8]) {
-            // SAFETY: as in `cap`.
-            unsafe { (&mut *self.0.data.get())[at..at + src.len()].copy_from_slice(src) }
+            assert!(at + src.len() <= self.cap());
+            // SAFETY: inside the words (checked); one thread, so no access
+            // to them runs alongside.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.bytes().add(at), src.len()) }
         }
         fn copy_out(&self, at: usize, dst: &mut [u8]) {
-            // SAFETY: as in `cap`.
-            unsafe { dst.copy_from_slice(&(&*self.0.data.get())[at..at + dst.len()]) }
+            assert!(at + dst.len() <= self.cap());
+            // SAFETY: as in `copy_in`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(self.bytes().add(at), dst.as_mut_ptr(), dst.len())
+            }
         }
         fn stamp(&self, at: usize) -> &AtomicU64 {
-            &self.0.stamps[at / CHUNK_ALIGN]
+            &self.0.words[at / 8]
         }
         fn key(&self) -> u64 {
             0
@@ -786,6 +799,7 @@ mod tests {
         assert!(!c.publish(), "no writer waits");
         let first = chunk_bytes(100) as u64;
         assert_eq!(tail(), first, "the chunk, to the end of its line");
+        assert_eq!(c.taken(), 100, "the bytes, not their stamp and padding");
         // A long read: each step begins with the steps before it given
         // back (the tail at the end of the chunk before).
         let payload = vec![9u8; 3 * RELEASE_EVERY + 5];
@@ -803,6 +817,7 @@ mod tests {
         let _ = c.publish();
         let last = start(3) + chunk_bytes(5) as u64;
         assert_eq!(tail(), last, "to the end of the last chunk's line");
+        assert_eq!(c.taken(), 100 + payload.len() as u64);
     }
 
     #[test]
