@@ -341,20 +341,27 @@ fn a_lane_is_quiet_only_when_a_read_has_nothing_to_do() {
     assert!(!rig.quiet(), "a buffer out with the peer");
 }
 
-/// A ring whose counter the peer corrupted is not quiet: a reader of many
-/// lanes reads it and the lane breaks, typed, where skipping it would leave
-/// the wire spinning (its sleep check sees the counter and will not sleep).
+/// A ring whose counter the peer corrupted: a quiet lane is judged by its
+/// next stamp alone, and the look before the wire sleeps sees the counter;
+/// from there the lane is not quiet, so a reader of many lanes reads it and
+/// it breaks, typed, where skipping it would leave the wire spinning (the
+/// sleep check would refuse to sleep, and nothing would read).
 #[test]
-fn a_lane_whose_peer_corrupts_its_counter_is_not_quiet() {
-    let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
-    rig.peer_write(&hello());
-    rig.read().unwrap();
-    assert!(rig.quiet(), "all read and written");
+fn a_lane_whose_peer_corrupts_its_counter_is_read_before_the_wire_sleeps() {
     for bad in [u64::MAX, 1 << 20] {
+        let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+        rig.peer_write(&hello());
+        rig.read().unwrap();
+        assert!(rig.quiet(), "all read and written");
+        assert!(!rig.prepare_sleep(), "nothing to do: sleep");
         rig.poke_head(bad);
-        assert!(!rig.quiet(), "a head past the ring: {bad}");
+        assert!(
+            rig.prepare_sleep(),
+            "an impossible head: do not sleep ({bad})"
+        );
+        assert!(!rig.quiet(), "and read it ({bad})");
+        assert!(rig.read().is_err(), "the read says why ({bad})");
     }
-    assert!(rig.read().is_err(), "the read says why");
 }
 
 /// The wire's inbox is shared by its lanes: once others fill it, a lane

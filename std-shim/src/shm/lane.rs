@@ -400,6 +400,9 @@ pub(crate) struct Lane {
     waiting_room: bool,
     /// A handover's peer broke it or never finished it: the lane is over.
     broken: bool,
+    /// The sleep check found the peer's ring counter impossible: the lane
+    /// is not quiet until a read has looked (and says why).
+    read_for_corrupt: bool,
     /// The pool had no buffer for the last message begun.
     pub(crate) dry: bool,
     /// The last read stopped at a full inbox (the inbox is shared by every
@@ -467,6 +470,7 @@ impl Lane {
             direct: None,
             waiting_room: false,
             broken: false,
+            read_for_corrupt: false,
             dry: false,
             held: false,
             single_in: SingleIn {
@@ -1279,6 +1283,7 @@ impl Lane {
         arrivals: &mut VecDeque<Result<Received<ShmLease>, Error>>,
         inbox: usize,
     ) -> Outcome {
+        self.read_for_corrupt = false;
         let outcome = self.read_frames(peer, now, pool, arrivals, inbox);
         self.give_back_room();
         outcome
@@ -1555,7 +1560,14 @@ impl Lane {
         // Each read pass gives back the room it took; nothing read may
         // stay held while this side sleeps (the peer may wait for it).
         self.give_back_room();
-        let bytes = self.rx.prepare_sleep().unwrap_or(true);
+        // A quiet lane's ring is judged by its next stamp alone; its counter
+        // is looked at here. Impossible: not quiet, so the next pass reads
+        // it and the read says why (skipped, the wire would not sleep and
+        // not look either: a spin).
+        let bytes = self.rx.prepare_sleep().unwrap_or_else(|_| {
+            self.read_for_corrupt = true;
+            true
+        });
         // Behind a handover nothing goes whatever the room: it waits for the
         // peer's claim word (the peer rings after moving it).
         let for_claim = self.handover.is_some();
@@ -1637,8 +1649,8 @@ impl Lane {
 
     /// Nothing for a read pass to do: no frame begun or queued, nothing
     /// out with the peer or copying, and no new bytes in its ring. A
-    /// reader of many lanes skips these for the cost of a look at each
-    /// peer's next stamp and, where there is none, its counter.
+    /// reader of many lanes skips these for the cost of one look at each
+    /// peer's next stamp (its counter is looked at before sleeping).
     pub(crate) fn quiet(&self) -> bool {
         self.have == 0
             && self.incoming.is_none()
@@ -1646,6 +1658,7 @@ impl Lane {
             && self.direct.is_none()
             && self.handover.is_none()
             && !self.broken
+            && !self.read_for_corrupt
             && !self.session.is_finished() // to be dropped by the pass
             && self.device_in_flight() == 0
             && !self.copying()

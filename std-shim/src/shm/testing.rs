@@ -153,6 +153,12 @@ impl LaneRig {
         self.lane.as_ref().is_some_and(|l| l.quiet())
     }
 
+    /// The lane's look before the wire sleeps: `true`, do not sleep (see
+    /// `Lane::prepare_sleep`).
+    pub fn prepare_sleep(&mut self) -> bool {
+        self.lane.as_mut().is_some_and(|l| l.prepare_sleep())
+    }
+
     /// The lane reads what is there. `Err`: the lane broke (typed); it
     /// takes nothing more.
     pub fn read(&mut self) -> Result<(), Error> {
