@@ -659,6 +659,45 @@ fn a_placed_message_arrives_whole_out_of_the_senders_pool_file() {
 /// copies the next one in). They arrive whole and in order. A peer that
 /// was shown the file and did not map it, or a pool too small for the
 /// message, has its slices go by the claim word, read out of the slice.
+/// Copied slices overlap the peer's copies: a second goes placed while the
+/// peer still copies the first out (this side copying in as the peer copies
+/// out, on two cores); a third waits until the first is done.
+#[test]
+fn a_second_copied_slice_goes_placed_while_the_peer_copies_the_first() {
+    let mut sender = LaneRig::new_shared(1 << 16, 4 << 20).unwrap();
+    greet(&mut sender, hello_taking(Takes::HEADERLESS));
+    let ino = sender.pool_file().unwrap();
+    let m = vec![7u8; 40 << 10];
+    // The first goes claimed out of its pool buffer; the peer maps the file.
+    sender.send_slice(&m).unwrap();
+    let _ = sender.peer_take();
+    sender.peer_copied(1);
+    sender.peer_maps(ino);
+    assert!(sender.flush().unwrap());
+    // (A send the lane cannot take yet is `Ok` from the rig: nothing written.)
+    for _ in 0..3 {
+        sender.send_slice(&m).unwrap();
+    }
+    let placed = |out: &[u8]| -> Vec<(bool, u64)> {
+        descriptors(out)
+            .iter()
+            .map(|d| (d.placed, d.ticket))
+            .collect()
+    };
+    assert_eq!(
+        placed(&sender.peer_take()),
+        [(true, 1), (true, 2)],
+        "two, not three"
+    );
+    sender.peer_placed_done(1);
+    sender.send_slice(&m).unwrap();
+    assert_eq!(
+        placed(&sender.peer_take()),
+        [(true, 3)],
+        "the first done: one more"
+    );
+}
+
 #[test]
 fn large_slices_go_placed_once_the_peer_maps_the_pool_file() {
     let pattern = |len: usize, m: usize| -> Vec<u8> { (0..len).map(|i| (i % m) as u8).collect() };

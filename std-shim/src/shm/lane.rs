@@ -186,6 +186,17 @@ impl Incoming {
 /// on the build VM, two at 15–16, any number at 9–11 (BENCHMARKS.md).
 const PLACED_MAX: usize = 1;
 
+/// Placed messages in flight at most before `payload` goes: a caller's
+/// slice copied into the pool may go while the peer copies the one before
+/// out (two small buffers, in the caches), so that the two copies overlap;
+/// a pool buffer of the caller's waits for the one before.
+fn placed_max(payload: &Source<'_>) -> usize {
+    match payload {
+        Source::Slice(b) if b.len() < PLACE_COPIES_BELOW => 2,
+        _ => PLACED_MAX,
+    }
+}
+
 /// A caller's slice is copied into the pool and placed below this size
 /// (see [`Lane::place_copy`]); larger ones go by the claim word. Both
 /// copies of a placed slice stay in the caches below it; above, on a
@@ -939,7 +950,7 @@ impl Lane {
         if single {
             match self.tx.room() {
                 _ if behind => return Err(payload.refused(Error::WouldBlock)),
-                _ if self.placed.len() >= PLACED_MAX => {
+                _ if self.placed.len() >= placed_max(&payload) => {
                     return Err(payload.refused(Error::WouldBlock))
                 }
                 Ok(room) if room < HEADER_LEN + cma::DESC_BYTES => {
