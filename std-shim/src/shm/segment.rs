@@ -30,7 +30,9 @@ use crate::sync::AtomicU64;
 const MAGIC: [u8; 8] = *b"ZHLANE\0\x01";
 /// The layout and its rules: 4 since the header says where single copies
 /// start (bytes 16..20; a peer of 3 assumed 32 KiB); 6 since a ring's
-/// control words say when its producer ended the lane uncleanly.
+/// control words say when its producer ended the lane uncleanly; 7 since a
+/// ring's writes are stamped chunks, whose key the header carries (bytes
+/// 24..32; see `ring`).
 const VERSION: u32 = 7;
 const HEADER_BYTES: usize = 64;
 /// Where the data of ring 0 starts.
