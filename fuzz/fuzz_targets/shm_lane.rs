@@ -12,7 +12,12 @@
 //! - the side pass (timers, and the read of a due lane) fails only typed;
 //! - sends, large ones too (placed or claimed, whatever the peer says it
 //!   maps, has copied or is done with), fail only typed, and every buffer
-//!   they took is back once the lane is gone.
+//!   they took is back once the lane is gone;
+//! - a lane that lets the wire sleep (`prepare_sleep`, with nothing
+//!   delivered waiting) has nothing to read: a read right after delivers
+//!   nothing and fails nothing. Else bytes the peer wrote before the sleep
+//!   (it rings only for later ones) wait for a wake-up that never comes, and
+//!   a broken ring seen only by a read would never be read.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -80,9 +85,32 @@ enum Op {
     /// The peer reads what the lane wrote.
     PeerTake,
     Take,
+    /// The wire's pass: reads until one finds nothing, what they deliver
+    /// taken.
+    Pass,
+    /// The wire's look before it sleeps, after a pass that found nothing
+    /// (and whatever the peer did since).
+    Sleep,
     /// The peer says it dropped the lane uncleanly: a single-copy message
     /// read after it is lost with the lane.
     Ended,
+}
+
+impl Op {
+    /// Whether it is the peer's doing, not this side's.
+    fn peers(&self) -> bool {
+        !matches!(
+            self,
+            Op::Read
+                | Op::Tend(_)
+                | Op::Send(_)
+                | Op::SendLarge(_)
+                | Op::Flush
+                | Op::Take
+                | Op::Pass
+                | Op::Sleep
+        )
+    }
 }
 
 fuzz_target!(|ops: Vec<Op>| {
@@ -113,7 +141,23 @@ fuzz_target!(|ops: Vec<Op>| {
         Err(Error::WireRule { .. } | Error::Backend(_)) => *broke = true,
         Err(e) => panic!("an untyped send failure: {e:?}"),
     };
+    let check = |taken: Vec<Result<usize, Error>>| {
+        for m in taken {
+            match m {
+                Ok(len) => assert!(len <= 64 << 10, "a message past the lane's maximum"),
+                Err(Error::PeerClosed(_)) => {}
+                Err(e) => panic!("an untyped arrival: {e:?}"),
+            }
+        }
+    };
+    // The last pass found nothing and this side has done nothing since
+    // (the peer may have): the wire may look whether to sleep.
+    let mut idle = false;
     for op in ops.iter().take(500) {
+        let asleep = idle;
+        if !op.peers() {
+            idle = false;
+        }
         match op {
             Op::Hello => {
                 let h = Frame::Hello(Hello {
@@ -194,15 +238,31 @@ fuzz_target!(|ops: Vec<Op>| {
                 ended = true;
                 rig.peer_ended();
             }
-            Op::Take => {
-                for m in rig.take_delivered() {
-                    match m {
-                        Ok(len) => assert!(len <= 64 << 10, "a message past the lane's maximum"),
-                        Err(Error::PeerClosed(_)) => {}
-                        Err(e) => panic!("an untyped arrival: {e:?}"),
+            Op::Take => check(rig.take_delivered()),
+            Op::Pass => {
+                // As the wire's pass before it sleeps: reads until one
+                // finds nothing for the application (what they find, the
+                // application takes, its leases back, and calls again).
+                for _ in 0..8 {
+                    check(rig.take_delivered());
+                    judge(rig.read_at(now), &mut broke, ended);
+                    let got = rig.take_delivered();
+                    if got.is_empty() {
+                        idle = rig.alive();
+                        break;
                     }
+                    check(got);
                 }
             }
+            Op::Sleep if asleep => {
+                if !rig.prepare_sleep() {
+                    let r = rig.read_at(now);
+                    assert!(r.is_ok(), "a lane let the wire sleep on a failure: {r:?}");
+                    let taken = rig.take_delivered();
+                    assert!(taken.is_empty(), "a lane let the wire sleep on {taken:?}");
+                }
+            }
+            Op::Sleep => {}
         }
         if broke {
             assert!(!rig.alive(), "a lane that broke stays broken");
