@@ -44,10 +44,22 @@ pub struct SizeClasses {
 }
 
 impl SizeClasses {
-    /// 256 B, 1 KiB, 4 KiB, 16 KiB, 64 KiB, 1 MiB.
+    /// 256 B, 1 KiB, 4 KiB, 16 KiB, 64 KiB, 256 KiB, 1 MiB: each four times
+    /// the last, so a buffer holds at most four times the bytes asked for (a
+    /// gossiped block of 100 KiB takes 256 KiB, not 1 MiB). One slot is left
+    /// for a wire's own frame size (the verbs receive ring's).
     pub const DEFAULT: SizeClasses = SizeClasses {
-        sizes: [256, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 1 << 20, 0, 0],
-        n: 6,
+        sizes: [
+            256,
+            1 << 10,
+            4 << 10,
+            16 << 10,
+            64 << 10,
+            256 << 10,
+            1 << 20,
+            0,
+        ],
+        n: 7,
     };
 
     /// Classes from a list: non-empty, non-zero, strictly ascending, at most
@@ -1459,9 +1471,22 @@ pub(crate) mod tests {
     fn the_default_classes_are_the_documented_sizes() {
         assert_eq!(
             SizeClasses::DEFAULT.as_slice(),
-            [256, 1024, 4096, 16384, 65536, 1 << 20]
+            [256, 1024, 4096, 16384, 65536, 256 << 10, 1 << 20]
         );
         assert_eq!(SizeClasses::DEFAULT.largest(), 1 << 20);
+    }
+
+    #[test]
+    fn a_default_buffer_holds_at_most_four_times_the_bytes_asked_for() {
+        let c = SizeClasses::DEFAULT;
+        let edges = [(64 << 10) + 1, (256 << 10) + 1, 1 << 20];
+        for len in (1..=c.largest()).step_by(97).chain(edges) {
+            let size = c.as_slice()[c.class_for(len).unwrap()];
+            assert!(
+                size >= len && size <= (4 * len).max(256),
+                "{len} B takes {size} B"
+            );
+        }
     }
 
     #[test]
