@@ -105,7 +105,11 @@ fn config(s: &Setup) -> SessionConfig {
         check_payload: true,
         idle_timeout: Duration::from_millis(50),
         // Half the sessions held to a minimum rate mid-message as well.
-        min_rate: if s.window.is_multiple_of(2) { MIN_RATE } else { 0 },
+        min_rate: if s.window.is_multiple_of(2) {
+            MIN_RATE
+        } else {
+            0
+        },
         host: HostRole::None,
     }
 }
