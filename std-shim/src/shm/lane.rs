@@ -1294,7 +1294,13 @@ impl Lane {
         arrivals: &mut VecDeque<Result<Received<ShmLease>, Error>>,
         inbox: usize,
     ) -> Outcome {
-        self.read_for_corrupt = false;
+        // Reads go by the ring's stamps; the head the sleep check found
+        // impossible is looked at again here, and breaks the lane typed.
+        if std::mem::take(&mut self.read_for_corrupt) {
+            if let Err(c) = self.rx.available() {
+                return Outcome::Bad(Self::corrupt(peer, c));
+            }
+        }
         let outcome = self.read_frames(peer, now, pool, arrivals, inbox);
         self.give_back_room();
         outcome
@@ -1571,10 +1577,10 @@ impl Lane {
         // Each read pass gives back the room it took; nothing read may
         // stay held while this side sleeps (the peer may wait for it).
         self.give_back_room();
-        // A quiet lane's ring is judged by its next stamp alone; its counter
-        // is looked at here. Impossible: not quiet, so the next pass reads
-        // it and the read says why (skipped, the wire would not sleep and
-        // not look either: a spin).
+        // A quiet lane's ring is judged by its next stamp alone, and reads
+        // go by stamps; its counter is looked at here. Impossible: not
+        // quiet, so the next pass reads it and the read says why (skipped,
+        // the wire would not sleep and not look either: a spin).
         let bytes = self.rx.prepare_sleep().unwrap_or_else(|_| {
             self.read_for_corrupt = true;
             true

@@ -19,11 +19,17 @@
 //! trusted. The stamp of the chunk at position `p` is a function of `p` and
 //! the segment's random key (a stale chunk of an earlier lap, or a payload
 //! the peer's application chose, does not pass); its length is checked
-//! against the ring. Without a stamp the consumer reads the head: behind
-//! the chunk just read, more than the ring ahead, or past a chunk that has
-//! no stamp, it is [`Corrupt`]; no index the peer writes is ever used to
-//! reach memory outside the ring. Bytes are copied out of the ring into
-//! private memory before anything decodes them.
+//! against the ring. A read goes by stamps alone: the producer's `head`
+//! line is written at every write, and a consumer that read it after each
+//! message fetched it from the producer's core before handing the message
+//! on. The head is read where the consumer looks whether to sleep
+//! ([`Consumer::available`], [`Consumer::prepare_sleep`]): behind the
+//! chunk just read, more than the ring ahead, or past a chunk that has no
+//! stamp, it is [`Corrupt`]. (A head moved past unstamped chunks while the
+//! reader never sleeps is a peer that sends nothing: its own loss, judged
+//! by the session's timers.) No index the peer writes is ever used to reach
+//! memory outside the ring. Bytes are copied out of the ring into private
+//! memory before anything decodes them.
 //!
 //! Sleeping without a lost wake-up: a side about to sleep sets its `waits`
 //! word, fences (`SeqCst`), then looks at the ring once more; a side that
@@ -471,14 +477,15 @@ impl<M: RingMem> Consumer<M> {
         Ok(Some(n))
     }
 
-    /// Moves to the next chunk, if it is written: `Ok(false)` when not.
-    /// Its stamp first; only without one the producer's head, which must
-    /// then say nothing was written (a head that says otherwise, or that
-    /// is out of bounds, is [`Corrupt`]).
-    fn next(&mut self) -> Result<bool, Corrupt> {
+    /// Moves to the next chunk, if its stamp says it is written:
+    /// `Ok(false)` when not. With `check_head`, only then, the producer's
+    /// head, which must then say nothing was written (a head that says
+    /// otherwise, or that is out of bounds, is [`Corrupt`]).
+    fn next(&mut self, check_head: bool) -> Result<bool, Corrupt> {
         let pos = self.next_chunk();
         let n = match self.stamped(pos)? {
             Some(n) => n,
+            None if !check_head => return Ok(false),
             None => {
                 // Acquire: a head past `pos` makes the chunk's stamp visible.
                 let head = self.mem.ctl().head.load(Ordering::Acquire);
@@ -505,9 +512,9 @@ impl<M: RingMem> Consumer<M> {
     }
 
     /// Bytes waiting to be read in the current chunk, or in the next one
-    /// (its stamp, or the producer's head, read afresh).
+    /// (its stamp, and without one the producer's head, read afresh).
     pub(crate) fn available(&mut self) -> Result<usize, Corrupt> {
-        if self.tail == self.end && !self.next()? {
+        if self.tail == self.end && !self.next(true)? {
             return Ok(0);
         }
         Ok((self.end - self.tail) as usize)
@@ -516,9 +523,9 @@ impl<M: RingMem> Consumer<M> {
     /// Nothing to read and nothing read to give back: every chunk the
     /// producer stamped has been read and its room published. One look,
     /// at the next chunk's stamp (its line carries the message), not at
-    /// the head: an impossible head is seen at [`Consumer::prepare_sleep`]
-    /// or a read. A stamp with an impossible length is not "drained": the
-    /// read says why.
+    /// the head: an impossible head is seen at [`Consumer::prepare_sleep`].
+    /// A stamp with an impossible length is not "drained": the read says
+    /// why.
     pub(crate) fn is_drained(&self) -> bool {
         self.tail == self.published
             && self.tail == self.end
@@ -534,12 +541,12 @@ impl<M: RingMem> Consumer<M> {
 
     /// Copies up to `out.len()` waiting bytes into `out`; how many. Their
     /// room goes back to the producer at [`Consumer::publish`], or on the
-    /// way through a long read.
+    /// way through a long read. By the stamps alone: the head is not read.
     pub(crate) fn read(&mut self, out: &mut [u8]) -> Result<usize, Corrupt> {
         let cap = self.mem.cap();
         let mut to = 0;
         while to < out.len() {
-            if self.tail == self.end && !self.next()? {
+            if self.tail == self.end && !self.next(false)? {
                 break;
             }
             let step = ((self.end - self.tail) as usize)
@@ -857,7 +864,8 @@ mod tests {
             head(bad);
             assert_eq!(c.available(), Err(Corrupt { theirs: bad, ours }), "{bad}");
             assert!(c.prepare_sleep().is_err(), "the sleep check sees it: {bad}");
-            assert!(c.read(&mut [0; 4]).is_err());
+            // A read goes by the stamps: nothing to read, the head unread.
+            assert_eq!(c.read(&mut [0; 4]), Ok(0), "{bad}");
         }
         // A head that still says the chunk's start (the producer stores it
         // after the stamp) says nothing new, as does one at the next chunk.
