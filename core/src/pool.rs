@@ -27,6 +27,10 @@ use crate::error::PoolError;
 use crate::mem::{Access, MrHandle, RawMemory, Region, Registrar};
 use crate::Error;
 
+/// Whether a class that cannot grow takes a free buffer of a larger one
+/// (the `borrow-larger` feature; always in core's own tests).
+const BORROW_LARGER: bool = cfg!(any(test, feature = "borrow-larger"));
+
 /// Most size classes a pool can have.
 pub const MAX_CLASSES: usize = 8;
 const NONE: u32 = u32::MAX;
@@ -990,7 +994,10 @@ impl<S: ChunkSource, T: PoolTables> Pool for SlabPool<S, T> {
         if len == 0 {
             return Err(PoolError::ZeroLength.into());
         }
-        let class = self.config.classes.class_for(len);
+        let mut class = self.config.classes.class_for(len);
+        // Set once the class cannot grow: then a free buffer of a larger
+        // class serves, each looked at in turn (`borrow-larger`).
+        let mut refused = None;
         loop {
             if let Some(c) = class {
                 let mut st = self.state.lock();
@@ -1000,10 +1007,19 @@ impl<S: ChunkSource, T: PoolTables> Pool for SlabPool<S, T> {
                     return Ok(self.finish_take(&mut st, index, class, 0));
                 }
             }
-            match self.grow(class, len)? {
-                Some(ticket) => return Ok(ticket),
+            if let Some(e) = refused {
+                class = class.map(|c| c + 1).filter(|&c| c < self.config.classes.n);
+                if class.is_none() {
+                    return Err(e);
+                }
+                continue;
+            }
+            match self.grow(class, len) {
+                Ok(Some(ticket)) => return Ok(ticket),
                 // A concurrent growth may bring what we need: look again.
-                None => crate::sync::backoff(),
+                Ok(None) => crate::sync::backoff(),
+                Err(e) if BORROW_LARGER && class.is_some() => refused = Some(e),
+                Err(e) => return Err(e),
             }
         }
     }
@@ -1240,6 +1256,31 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_class_that_cannot_grow_borrows_a_free_buffer_of_a_larger_one() {
+        let p = pool(128 << 10); // two chunks
+        let big = p.lease(16384).unwrap(); // one chunk, three of its four free
+        let small = p.lease(256).unwrap(); // the other
+                                           // No chunk for 4 KiB within the budget: a free 16 KiB buffer serves.
+        let mid = p.lease(4096).unwrap();
+        assert_eq!(mid.capacity(), 16384);
+        assert_eq!(p.stats().used_bytes, 2 * 16384 + 256);
+        drop(mid);
+        assert_eq!(p.stats().used_bytes, 16384 + 256, "back to its own class");
+        // Nothing larger free either: refused, typed.
+        let _rest: [_; 3] = core::array::from_fn(|_| p.lease(16384).unwrap());
+        assert_eq!(
+            p.lease(4096).unwrap_err(),
+            Error::Pool(PoolError::Exhausted {
+                used: 128 << 10,
+                cap: 128 << 10
+            })
+        );
+        // With room to grow, a request is served from its own class.
+        drop((big, small, _rest));
+        assert_eq!(p.lease(4096).unwrap().capacity(), 4096);
+    }
+
+    #[test]
     fn zero_length_and_oversize() {
         let p = pool(1 << 20);
         assert_eq!(p.lease(0).unwrap_err(), Error::Pool(PoolError::ZeroLength));
@@ -1416,16 +1457,21 @@ pub(crate) mod tests {
             1,
             "the reclaimed chunk was deregistered"
         );
-        // Every chunk now holds a lease: nothing to reclaim, a typed error.
+        // Every chunk now holds a lease: nothing to reclaim. The 256 B
+        // class borrows a free buffer of a larger one; an oversize lease,
+        // which has none to borrow, is refused typed.
+        let borrowed = p.lease(100).unwrap();
+        assert_eq!(borrowed.capacity(), 4096);
+        assert!(matches!(
+            p.lease(100 << 10).unwrap_err(),
+            Error::Pool(PoolError::Exhausted { .. })
+        ));
+        drop((held, third, borrowed));
         assert_eq!(
-            p.lease(100).unwrap_err(),
-            Error::Pool(PoolError::Exhausted {
-                used: 128 << 10,
-                cap: 128 << 10
-            })
+            p.lease(100).unwrap().capacity(),
+            256,
+            "idle again: reclaimable again"
         );
-        drop((held, third));
-        assert!(p.lease(100).is_ok(), "idle again: reclaimable again");
     }
 
     /// Fake memory whose answers a test sets: `fail` refuses, `skew_len`
@@ -1632,9 +1678,11 @@ pub(crate) mod tests {
         let big = p.lease(10_000).unwrap();
         assert_eq!(p.stats().reclaimed, 2);
         assert_eq!(big.capacity(), 12 << 10);
-        // Both chunks hold a lease now: nothing to reclaim, typed.
+        // Both chunks hold a lease now: nothing to reclaim. A 1 KiB lease
+        // borrows a free 2 KiB buffer; another oversize one is refused, typed.
+        assert_eq!(p.lease(1000).unwrap().capacity(), 2048);
         assert_eq!(
-            p.lease(1000).unwrap_err(),
+            p.lease(10_000).unwrap_err(),
             Error::Pool(PoolError::TooManyChunks { chunks: 2 })
         );
         drop((two, big));

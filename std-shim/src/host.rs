@@ -98,3 +98,22 @@ pub fn probe_host() -> Probe {
     }
     probe
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A host pool of a few MiB: its budget held by two classes' chunks, a
+    /// lease of a third class borrows a free buffer of a larger one
+    /// (`borrow-larger`) rather than fail while that buffer sits idle.
+    #[test]
+    fn a_small_host_pool_serves_a_third_class_from_a_larger_ones_free_buffer() {
+        let pool = heap_pool(4 << 20).unwrap(); // two 2 MiB chunks
+        let big = Lease::take(Arc::clone(&pool), 1 << 20).unwrap();
+        let small = Lease::take(Arc::clone(&pool), 64).unwrap();
+        let block = Lease::take(Arc::clone(&pool), 100 << 10).unwrap();
+        assert_eq!(block.capacity(), 1 << 20, "the 1 MiB chunk's free buffer");
+        drop((big, small, block));
+        assert_eq!(pool.used_bytes(), 0);
+    }
+}
