@@ -1018,7 +1018,8 @@ impl<S: ChunkSource, T: PoolTables> Pool for SlabPool<S, T> {
                 Ok(Some(ticket)) => return Ok(ticket),
                 // A concurrent growth may bring what we need: look again.
                 Ok(None) => crate::sync::backoff(),
-                Err(e) if BORROW_LARGER && class.is_some() => refused = Some(e),
+                // (An oversize lease, of no class, has none larger to borrow.)
+                Err(e) if BORROW_LARGER => refused = Some(e),
                 Err(e) => return Err(e),
             }
         }
@@ -1278,6 +1279,25 @@ pub(crate) mod tests {
         // With room to grow, a request is served from its own class.
         drop((big, small, _rest));
         assert_eq!(p.lease(4096).unwrap().capacity(), 4096);
+    }
+
+    #[test]
+    fn the_largest_of_a_full_set_of_classes_that_cannot_grow_is_refused_typed() {
+        let mut cfg = PoolConfig::with_budget(64 << 10); // one chunk
+        cfg.chunk_bytes = 64 << 10;
+        let k = 1 << 10;
+        let sizes = [256, 512, k, 2 * k, 4 * k, 8 * k, 16 * k, 32 * k];
+        cfg.classes = SizeClasses::new(&sizes[..MAX_CLASSES]).unwrap();
+        let p: TestPool = SlabPool::new(source(), cfg, InlineTables::new()).unwrap();
+        let _held = p.lease(100).unwrap(); // the one chunk
+        assert_eq!(
+            p.lease(20 << 10).unwrap_err(),
+            Error::Pool(PoolError::Exhausted {
+                used: 64 << 10,
+                cap: 64 << 10
+            }),
+            "no class above the largest"
+        );
     }
 
     #[test]
