@@ -16,8 +16,12 @@
 //! - a lane that lets the wire sleep (`prepare_sleep`, with nothing
 //!   delivered waiting) has nothing to read: a read right after delivers
 //!   nothing and fails nothing. Else bytes the peer wrote before the sleep
-//!   (it rings only for later ones) wait for a wake-up that never comes, and
-//!   a broken ring seen only by a read would never be read.
+//!   (it rings only for later ones) wait for a wake-up that never comes;
+//! - a lane that keeps the wire awake gives it something to do: with the
+//!   peer idle, a few passes (the lane read only where not quiet, as the
+//!   wire skips quiet lanes) deliver, break the lane or let the wire sleep.
+//!   Else the wire spins (a broken ring that only a read would report, a
+//!   lane that waits for what cannot come).
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -260,7 +264,30 @@ fuzz_target!(|ops: Vec<Op>| {
                     assert!(r.is_ok(), "a lane let the wire sleep on a failure: {r:?}");
                     let taken = rig.take_delivered();
                     assert!(taken.is_empty(), "a lane let the wire sleep on {taken:?}");
+                    continue;
                 }
+                // Kept awake: the wire passes again, reading the lane only
+                // where it is not quiet (it skips quiet lanes) and writing
+                // what it has. With the peer idle, within a few passes the
+                // lane lets it sleep, delivers or breaks; else it spins.
+                let mut settled = false;
+                for _ in 0..8 {
+                    if rig.quiet() {
+                        sent(rig.flush().map(|_| ()), &mut broke);
+                        if broke {
+                            rig.drop_lane();
+                        }
+                    } else {
+                        judge(rig.read_at(now), &mut broke, ended);
+                    }
+                    let got = rig.take_delivered();
+                    if !rig.alive() || !got.is_empty() || !rig.prepare_sleep() {
+                        check(got);
+                        settled = true;
+                        break;
+                    }
+                }
+                assert!(settled, "a lane kept the wire awake for nothing");
             }
             Op::Sleep => {}
         }

@@ -564,6 +564,44 @@ fn a_slice_send_took_is_pending_until_the_peer_has_it() {
     assert!(host_bytes(&r.lease) == m, "intact");
 }
 
+/// A receiver whose pool is dry (the application holds every buffer) while
+/// a message waits in its ring sleeps until a buffer comes back, noticed
+/// within the poll interval, rather than spinning on bytes it cannot take
+/// (it spun: 0.3 s of CPU in a 0.3 s `recv`).
+#[test]
+fn a_receiver_whose_pool_is_dry_sleeps_and_takes_the_message_once_a_buffer_is_back() {
+    let _one = serial();
+    // One 256 KiB chunk: 64 buffers of 4 KiB.
+    let (server, addr, server_pool) = listener_in(heap_pool(256 << 10).unwrap());
+    let (client, peer) = connect_in(addr, pool(false));
+    let _from = accepted(&server);
+    let m = |i: usize| vec![i as u8; 4000];
+    for i in 0..65 {
+        client
+            .send(peer, &m(i), Deadline::after(WAIT), None)
+            .unwrap();
+    }
+    let mut held: Vec<_> = (0..64)
+        .map(|_| server.recv(Deadline::after(WAIT), None).unwrap())
+        .collect();
+    assert_eq!(server_pool.stats().budget, server_pool.stats().used_bytes);
+    let (cpu, t0) = (thread_cpu(), Instant::now());
+    assert_eq!(
+        server
+            .recv(Deadline::after(Duration::from_millis(300)), None)
+            .map(|r| r.lease.len()),
+        Err(Error::Timeout),
+        "nothing to receive into"
+    );
+    let (cpu, wall) = (thread_cpu() - cpu, t0.elapsed());
+    assert!(cpu < wall / 3, "recv spun: {cpu:?} of CPU in {wall:?}");
+    let first = held.remove(0);
+    assert!(host_bytes(&first.lease) == m(0));
+    drop(first);
+    let last = server.recv(Deadline::after(WAIT), None).unwrap();
+    assert!(host_bytes(&last.lease) == m(64), "the waiting one, intact");
+}
+
 /// CPU time this thread has used.
 fn thread_cpu() -> Duration {
     // SAFETY: getrusage writes the struct it is given, which is plain data.

@@ -1581,10 +1581,16 @@ impl Lane {
         // go by stamps; its counter is looked at here. Impossible: not
         // quiet, so the next pass reads it and the read says why (skipped,
         // the wire would not sleep and not look either: a spin).
-        let bytes = self.rx.prepare_sleep().unwrap_or_else(|_| {
-            self.read_for_corrupt = true;
-            true
-        });
+        let bytes = match self.rx.prepare_sleep() {
+            // Bytes a lane stopped for want of a buffer cannot take are no
+            // reason to stay up: a waiting call notices a buffer back within
+            // its poll interval (it spun on them, a core's worth).
+            Ok(bytes) => bytes && !self.dry,
+            Err(_) => {
+                self.read_for_corrupt = true;
+                true
+            }
+        };
         // Behind a handover nothing goes whatever the room: it waits for the
         // peer's claim word (the peer rings after moving it).
         let for_claim = self.handover.is_some();
