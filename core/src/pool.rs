@@ -1258,17 +1258,19 @@ pub(crate) mod tests {
 
     #[test]
     fn a_class_that_cannot_grow_borrows_a_free_buffer_of_a_larger_one() {
-        let p = pool(128 << 10); // two chunks
-        let big = p.lease(16384).unwrap(); // one chunk, three of its four free
-        let small = p.lease(256).unwrap(); // the other
-                                           // No chunk for 4 KiB within the budget: a free 16 KiB buffer serves.
+        // Two chunks: one for 16 KiB (three of its four buffers free), the
+        // other for 256 B; none for 4 KiB within the budget: a free 16 KiB
+        // buffer serves.
+        let p = pool(128 << 10);
+        let big = p.lease(16384).unwrap();
+        let small = p.lease(256).unwrap();
         let mid = p.lease(4096).unwrap();
         assert_eq!(mid.capacity(), 16384);
         assert_eq!(p.stats().used_bytes, 2 * 16384 + 256);
         drop(mid);
         assert_eq!(p.stats().used_bytes, 16384 + 256, "back to its own class");
         // Nothing larger free either: refused, typed.
-        let _rest: [_; 3] = core::array::from_fn(|_| p.lease(16384).unwrap());
+        let rest: [_; 3] = core::array::from_fn(|_| p.lease(16384).unwrap());
         assert_eq!(
             p.lease(4096).unwrap_err(),
             Error::Pool(PoolError::Exhausted {
@@ -1277,7 +1279,7 @@ pub(crate) mod tests {
             })
         );
         // With room to grow, a request is served from its own class.
-        drop((big, small, _rest));
+        drop((big, small, rest));
         assert_eq!(p.lease(4096).unwrap().capacity(), 4096);
     }
 
