@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::result;
 use cudarc::driver::sys::CUmemAttach_flags;
 use zerohop_backends::cuda::{Checksum, DeviceMemory, Gpu, HostCudaMemory};
-use zerohop_backends::{HostMemory, HostPool, Nic};
+use zerohop_backends::{HostBell, HostMemory, HostPool, Nic};
 use zerohop_core::pool::{Chunks, InlineTables};
 use zerohop_core::{Lease, PoolConfig, RawMemory};
 
@@ -59,10 +59,11 @@ fn main() {
         registrar: None,
     };
     let pool = Arc::new(
-        HostPool::new(
+        HostPool::with_bell(
             source,
             PoolConfig::with_budget(64 << 20),
             InlineTables::<64, 4096>::new(),
+            HostBell::default(),
         )
         .unwrap(),
     );

@@ -178,7 +178,9 @@ mod tests {
                 memory,
                 registrar: None,
             };
-            let pool = crate::HostPool::new(source, config, tables).unwrap();
+            let pool =
+                crate::HostPool::with_bell(source, config, tables, crate::HostBell::default())
+                    .unwrap();
             let mut held = Vec::new();
             let e = loop {
                 match pool.lease(1) {

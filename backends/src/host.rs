@@ -10,6 +10,7 @@ use crate::heap::HeapMemory;
 #[cfg(feature = "mock")]
 use crate::mock::Arena;
 use crate::nic::Nic;
+use crate::HostBell;
 
 /// Memory the CPU can read and write, from whichever backends are compiled in.
 ///
@@ -112,8 +113,9 @@ impl RawMemory for HostMemory {
     }
 }
 
-/// A slab pool of host-visible memory, optionally registered with a NIC.
-pub type HostPool<T> = SlabPool<Chunks<HostMemory, Nic>, T>;
+/// A slab pool of host-visible memory, optionally registered with a NIC,
+/// ringing a [`HostBell`] when a buffer comes back after a refusal.
+pub type HostPool<T> = SlabPool<Chunks<HostMemory, Nic>, T, HostBell>;
 
 /// A pool whose buffers lie in [`HostMemory`]: a [`HostPool`], or a
 /// [`LocalPool`] in front of one. What [`host_bytes`] needs to find a lease's bytes.
@@ -129,7 +131,7 @@ mod sealed {
 }
 impl<T: PoolTables> sealed::Sealed for HostPool<T> {}
 impl<T: PoolTables, const M: usize> sealed::Sealed
-    for LocalPool<'_, Chunks<HostMemory, Nic>, T, M>
+    for LocalPool<'_, Chunks<HostMemory, Nic>, T, M, HostBell>
 {
 }
 
@@ -139,7 +141,9 @@ impl<T: PoolTables> HostBacked for HostPool<T> {
     }
 }
 
-impl<T: PoolTables, const M: usize> HostBacked for LocalPool<'_, Chunks<HostMemory, Nic>, T, M> {
+impl<T: PoolTables, const M: usize> HostBacked
+    for LocalPool<'_, Chunks<HostMemory, Nic>, T, M, HostBell>
+{
     fn host_memory(&self) -> &HostMemory {
         &self.shared().source().memory
     }

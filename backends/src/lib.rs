@@ -12,6 +12,9 @@
 #[macro_use]
 mod fmt;
 
+#[cfg(all(feature = "std", target_os = "linux"))]
+mod bell;
+
 #[cfg(feature = "cuda-uma")]
 pub mod cuda;
 #[cfg(feature = "std")]
@@ -27,11 +30,16 @@ mod shared;
 #[cfg(feature = "gpudirect-verbs")]
 pub mod verbs;
 
+#[cfg(all(feature = "std", target_os = "linux"))]
+pub use bell::HostBell;
 #[cfg(feature = "std")]
 pub use heap::{HeapMemory, HeapTables};
 #[cfg(all(feature = "std", target_os = "linux"))]
 pub use host::shared_place;
 pub use host::{host_bytes, host_bytes_mut, HostBacked, HostMemory, HostPool};
+/// A pool that no thread waits on rings no bell (no OS to wake one with).
+#[cfg(not(all(feature = "std", target_os = "linux")))]
+pub type HostBell = zerohop_core::NoBell;
 pub use nic::Nic;
 #[cfg(feature = "std")]
 pub use peers::{absence, Looks, PeerSlots, MAX_PEER_SLOTS, TAG_BIT};

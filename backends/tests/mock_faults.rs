@@ -7,7 +7,7 @@ use std::sync::Arc;
 use zerohop_backends::mock::{
     Arena, FaultCounts, FaultPlan, Faulty, Link, LinkEnd, MockLink, MockNic, MockTransport,
 };
-use zerohop_backends::{host_bytes, HostMemory, HostPool, Nic};
+use zerohop_backends::{host_bytes, HostBell, HostMemory, HostPool, Nic};
 use zerohop_core::pool::{Chunks, InlineTables};
 use zerohop_core::session::{Instant, ProtocolError, Stall};
 use zerohop_core::wire::DecodeError;
@@ -34,7 +34,7 @@ fn pool(budget: usize) -> (Arc<Pool>, &'static MockNic) {
         registrar: Some(Nic::Mock(nic)),
     };
     (
-        Arc::new(Pool::new(source, cfg, InlineTables::new()).unwrap()),
+        Arc::new(Pool::with_bell(source, cfg, InlineTables::new(), HostBell::default()).unwrap()),
         nic,
     )
 }

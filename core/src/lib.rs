@@ -39,5 +39,5 @@ pub use pick::{
     Status, UnknownPreference,
 };
 // The pool's plumbing (its tables, chunk sources, tickets) stays in `pool`.
-pub use pool::{Lease, Pool, PoolConfig, PoolStats, SizeClasses, SlabPool};
+pub use pool::{Bell, Lease, NoBell, Pool, PoolConfig, PoolStats, SizeClasses, SlabPool};
 pub use transport::{Capabilities, PeerId, Received, Rejected, Transport};

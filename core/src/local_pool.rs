@@ -18,7 +18,7 @@
 use core::cell::RefCell;
 
 use crate::error::PoolError;
-use crate::pool::{ChunkSource, Pool, PoolTables, SlabPool, SlotTicket, MAX_CLASSES};
+use crate::pool::{Bell, ChunkSource, NoBell, Pool, PoolTables, SlabPool, SlotTicket, MAX_CLASSES};
 use crate::{Error, Lease};
 
 /// Free buffers of one class, taken from the shared pool and not leased out.
@@ -31,12 +31,14 @@ struct Magazine<const M: usize> {
 
 /// A cache of `M` buffers per size class in front of a shared [`SlabPool`],
 /// for one thread (or one single-threaded context, as in firmware).
-pub struct LocalPool<'a, S: ChunkSource, T: PoolTables, const M: usize = 16> {
-    shared: &'a SlabPool<S, T>,
+pub struct LocalPool<'a, S: ChunkSource, T: PoolTables, const M: usize = 16, B: Bell = NoBell> {
+    shared: &'a SlabPool<S, T, B>,
     magazines: RefCell<[Magazine<M>; MAX_CLASSES]>,
 }
 
-impl<S: ChunkSource, T: PoolTables, const M: usize> core::fmt::Debug for LocalPool<'_, S, T, M> {
+impl<S: ChunkSource, T: PoolTables, const M: usize, B: Bell> core::fmt::Debug
+    for LocalPool<'_, S, T, M, B>
+{
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("LocalPool")
             .field("magazine", &M)
@@ -45,10 +47,10 @@ impl<S: ChunkSource, T: PoolTables, const M: usize> core::fmt::Debug for LocalPo
     }
 }
 
-impl<'a, S: ChunkSource, T: PoolTables, const M: usize> LocalPool<'a, S, T, M> {
+impl<'a, S: ChunkSource, T: PoolTables, const M: usize, B: Bell> LocalPool<'a, S, T, M, B> {
     /// An empty cache in front of `shared`. `M` must be at least 2 (a
     /// magazine refills and flushes by halves).
-    pub fn new(shared: &'a SlabPool<S, T>) -> Result<Self, PoolError> {
+    pub fn new(shared: &'a SlabPool<S, T, B>) -> Result<Self, PoolError> {
         if M < 2 {
             return Err(PoolError::BadConfig);
         }
@@ -62,7 +64,7 @@ impl<'a, S: ChunkSource, T: PoolTables, const M: usize> LocalPool<'a, S, T, M> {
     }
 
     /// The shared pool behind this cache.
-    pub fn shared(&self) -> &'a SlabPool<S, T> {
+    pub fn shared(&self) -> &'a SlabPool<S, T, B> {
         self.shared
     }
 
@@ -106,7 +108,7 @@ impl<'a, S: ChunkSource, T: PoolTables, const M: usize> LocalPool<'a, S, T, M> {
     }
 }
 
-impl<S: ChunkSource, T: PoolTables, const M: usize> Pool for LocalPool<'_, S, T, M> {
+impl<S: ChunkSource, T: PoolTables, const M: usize, B: Bell> Pool for LocalPool<'_, S, T, M, B> {
     #[inline]
     fn take_slot(&self, len: usize) -> Result<SlotTicket, Error> {
         if len == 0 {
@@ -155,7 +157,7 @@ impl<S: ChunkSource, T: PoolTables, const M: usize> Pool for LocalPool<'_, S, T,
     }
 }
 
-impl<S: ChunkSource, T: PoolTables, const M: usize> Drop for LocalPool<'_, S, T, M> {
+impl<S: ChunkSource, T: PoolTables, const M: usize, B: Bell> Drop for LocalPool<'_, S, T, M, B> {
     fn drop(&mut self) {
         self.flush();
     }

@@ -271,6 +271,28 @@ impl SlotTicket {
     };
 }
 
+/// Told when a buffer comes back to a pool that has refused a lease since
+/// it was last told: a thread waiting for a buffer sleeps on it instead of
+/// looking again at a fixed interval. The pool rings after its lock is let
+/// go, from whichever thread gives the buffer back.
+pub trait Bell {
+    /// Whether [`ring`](Self::ring) does anything: `false` compiles the
+    /// pool's bookkeeping for it out (a firmware image's [`NoBell`]).
+    const RINGS: bool = true;
+    /// A buffer came back after a refusal.
+    fn ring(&self);
+}
+
+/// No one to tell: a pool whose users never wait for a buffer.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoBell;
+
+impl Bell for NoBell {
+    const RINGS: bool = false;
+    #[inline]
+    fn ring(&self) {}
+}
+
 /// What a [`Lease`] needs of its pool. Object-safe, so a std caller can hold
 /// `Arc<dyn Pool + Send + Sync>`.
 pub trait Pool {
@@ -544,17 +566,21 @@ struct State<T> {
     /// Released oversize chunks kept for reuse, or `NONE`.
     spare_oversize: [u32; SPARE_OVERSIZE],
     stats: PoolStats,
+    /// A lease was refused since the bell last rang (see [`Bell`]).
+    wanted: bool,
 }
 
-/// The slab pool over a [`ChunkSource`] `S`, with its descriptor tables in `T`.
-/// It is `Sync` when `S` and `T` are `Send`: lease from many threads at once.
-pub struct SlabPool<S: ChunkSource, T: PoolTables> {
+/// The slab pool over a [`ChunkSource`] `S`, with its descriptor tables in
+/// `T`, telling `B` when a buffer comes back after a refusal. It is `Sync`
+/// when `S` and `T` are `Send` and `B` is `Sync`: lease from many threads at once.
+pub struct SlabPool<S: ChunkSource, T: PoolTables, B: Bell = NoBell> {
     source: S,
     config: PoolConfig,
     state: crate::sync::Mutex<State<T>>,
+    bell: B,
 }
 
-impl<S: ChunkSource, T: PoolTables> core::fmt::Debug for SlabPool<S, T> {
+impl<S: ChunkSource, T: PoolTables, B: Bell> core::fmt::Debug for SlabPool<S, T, B> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("SlabPool")
             .field("config", &self.config)
@@ -564,8 +590,21 @@ impl<S: ChunkSource, T: PoolTables> core::fmt::Debug for SlabPool<S, T> {
 }
 
 impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
-    /// A pool that grows from `source` as `config` says. Nothing is allocated yet.
-    pub fn new(source: S, config: PoolConfig, mut tables: T) -> Result<Self, PoolError> {
+    /// A pool that grows from `source` as `config` says, with no bell. Nothing is allocated yet.
+    pub fn new(source: S, config: PoolConfig, tables: T) -> Result<Self, PoolError> {
+        Self::with_bell(source, config, tables, NoBell)
+    }
+}
+
+impl<S: ChunkSource, T: PoolTables, B: Bell> SlabPool<S, T, B> {
+    /// A pool that grows from `source` as `config` says and rings `bell` when
+    /// a buffer comes back after a refusal. Nothing is allocated yet.
+    pub fn with_bell(
+        source: S,
+        config: PoolConfig,
+        mut tables: T,
+        bell: B,
+    ) -> Result<Self, PoolError> {
         config.validate()?;
         let chunk_cap = tables.chunks().len();
         let slot_cap = tables.slots().len();
@@ -596,7 +635,9 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
                     budget: config.budget,
                     ..PoolStats::default()
                 },
+                wanted: false,
             }),
+            bell,
         })
     }
 
@@ -608,6 +649,11 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
     /// The memory source.
     pub fn source(&self) -> &S {
         &self.source
+    }
+
+    /// The bell rung when a buffer comes back after a refusal.
+    pub fn bell(&self) -> &B {
+        &self.bell
     }
 
     /// Bytes in outstanding leases, exactly.
@@ -989,8 +1035,36 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
     }
 }
 
-impl<S: ChunkSource, T: PoolTables> Pool for SlabPool<S, T> {
+impl<S: ChunkSource, T: PoolTables, B: Bell> Pool for SlabPool<S, T, B> {
     fn take_slot(&self, len: usize) -> Result<SlotTicket, Error> {
+        match self.take_unmarked(len) {
+            Err(Error::Pool(e)) if B::RINGS && e != PoolError::ZeroLength => {
+                // Marked first, then looked at again: a buffer given back
+                // in between is either found by this look or rings the bell.
+                self.state.lock().wanted = true;
+                self.take_unmarked(len)
+            }
+            taken => taken,
+        }
+    }
+
+    fn release_slot(&self, ticket: &SlotTicket) {
+        let mut st = self.state.lock();
+        let ring = B::RINGS && core::mem::take(&mut st.wanted);
+        let idle = Self::release_locked(&mut st, ticket);
+        drop(st);
+        if ring {
+            self.bell.ring();
+        }
+        if let Some(m) = idle {
+            self.source.give_back(m);
+        }
+    }
+}
+
+impl<S: ChunkSource, T: PoolTables, B: Bell> SlabPool<S, T, B> {
+    /// [`Pool::take_slot`] without marking a refusal for the bell.
+    fn take_unmarked(&self, len: usize) -> Result<SlotTicket, Error> {
         if len == 0 {
             return Err(PoolError::ZeroLength.into());
         }
@@ -1024,17 +1098,9 @@ impl<S: ChunkSource, T: PoolTables> Pool for SlabPool<S, T> {
             }
         }
     }
-
-    fn release_slot(&self, ticket: &SlotTicket) {
-        let mut st = self.state.lock();
-        if let Some(m) = Self::release_locked(&mut st, ticket) {
-            drop(st);
-            self.source.give_back(m);
-        }
-    }
 }
 
-impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
+impl<S: ChunkSource, T: PoolTables, B: Bell> SlabPool<S, T, B> {
     /// The size class of a ticket's buffer, `None` for an oversize one.
     pub(crate) fn class_of(&self, ticket: &SlotTicket) -> Option<usize> {
         let c = ticket.class as usize;
@@ -1065,6 +1131,11 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
             // Class buffers only: an oversize buffer never enters a cache.
             let _ = Self::release_locked(&mut st, t);
         }
+        let ring = B::RINGS && !tickets.is_empty() && core::mem::take(&mut st.wanted);
+        drop(st);
+        if ring {
+            self.bell.ring();
+        }
     }
 
     /// Puts a buffer back on its class's free list; an oversize buffer's chunk
@@ -1093,10 +1164,11 @@ impl<S: ChunkSource, T: PoolTables> SlabPool<S, T> {
     }
 }
 
-impl<S, T> Drop for SlabPool<S, T>
+impl<S, T, B> Drop for SlabPool<S, T, B>
 where
     S: ChunkSource,
     T: PoolTables,
+    B: Bell,
 {
     fn drop(&mut self) {
         // No lease can outlive the pool (each borrows or owns a reference to it),
@@ -1254,6 +1326,69 @@ pub(crate) mod tests {
         );
         held[3] = None;
         assert!(p.lease(16000).is_ok(), "a release makes room again");
+    }
+
+    /// Counts its rings.
+    #[derive(Debug, Default)]
+    struct Rings(AtomicU32);
+
+    impl Bell for Rings {
+        fn ring(&self) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// [`pool`]'s shape (one 64 KiB chunk at this budget: four 16 KiB
+    /// buffers), ringing [`Rings`].
+    fn belled() -> SlabPool<Chunks<FakeMemory, CountingNic>, InlineTables<16, 1024>, Rings> {
+        let mut cfg = PoolConfig::with_budget(64 << 10);
+        cfg.chunk_bytes = 64 << 10;
+        cfg.classes = SizeClasses::new(&[256, 4096, 16384]).unwrap();
+        SlabPool::with_bell(source(), cfg, InlineTables::new(), Rings::default()).unwrap()
+    }
+
+    #[test]
+    fn a_buffer_back_after_a_refusal_rings_the_bell_once() {
+        let p = belled();
+        let rings = || p.bell().0.load(Ordering::Relaxed);
+        let [a, b, c, d]: [_; 4] = core::array::from_fn(|_| p.lease(16384).unwrap());
+        drop(a);
+        assert_eq!(rings(), 0, "no refusal yet: nobody to tell");
+        let a = p.lease(16384).unwrap();
+        assert!(p.lease(16384).is_err());
+        assert_eq!(rings(), 0, "a refusal alone rings nothing");
+        drop(a);
+        assert_eq!(rings(), 1, "the first buffer back after it");
+        drop(b);
+        assert_eq!(rings(), 1, "no refusal since");
+        let [a, b]: [_; 2] = core::array::from_fn(|_| p.lease(16384).unwrap());
+        assert_eq!(p.lease(0).unwrap_err(), Error::Pool(PoolError::ZeroLength));
+        drop(a);
+        assert_eq!(rings(), 1, "a zero-length lease waits for nothing");
+        let a = p.lease(16384).unwrap();
+        assert!(p.lease(1 << 20).is_err(), "an oversize refusal");
+        drop((a, b, c, d));
+        assert_eq!(
+            rings(),
+            2,
+            "one ring for one refusal, however many come back"
+        );
+    }
+
+    #[test]
+    fn buffers_a_local_cache_hands_back_after_a_refusal_ring_the_bell() {
+        let p = belled();
+        let rings = || p.bell().0.load(Ordering::Relaxed);
+        let local = crate::LocalPool::<_, _, 4, _>::new(&p).unwrap();
+        let [a, b, c, d]: [_; 4] = core::array::from_fn(|_| local.lease(16384).unwrap());
+        assert!(local.lease(16384).is_err(), "the shared pool refuses");
+        local.flush();
+        assert_eq!(rings(), 0, "an empty flush gives nothing back");
+        drop((a, b));
+        assert_eq!(rings(), 0, "kept in the cache");
+        local.flush();
+        assert_eq!(rings(), 1, "given back by the flush");
+        drop((c, d));
     }
 
     #[test]

@@ -363,7 +363,9 @@ pub struct EndpointConfig {
     /// How long `recv` polls the transport before sleeping (default 50 µs).
     pub spin: Duration,
     /// Longest single sleep of a waiting call or of the progress thread
-    /// (default 5 ms): bounds how late a cancellation or a pool refill is seen.
+    /// (default 5 ms): bounds how late a cancellation is seen, and a buffer
+    /// back for [`lease_by`](Endpoint::lease_by). A receive stopped for want
+    /// of a buffer (tcp, shm) wakes as one comes back: its pool's bell.
     pub poll_interval: Duration,
     /// Run a progress thread beside the application (default on): it
     /// accepts, finishes handshakes and queued sends, and reads for an

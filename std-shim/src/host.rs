@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use zerohop_backends::{HeapMemory, HeapTables, HostMemory, HostPool, Nic, SharedMemory};
+use zerohop_backends::{HeapMemory, HeapTables, HostBell, HostMemory, HostPool, Nic, SharedMemory};
 use zerohop_core::pool::Chunks;
 use zerohop_core::{Error, Lease, PoolConfig, Probe};
 
@@ -32,10 +32,11 @@ fn pool_in(memory: HostMemory, budget: usize) -> Result<Arc<StdPool>, Error> {
         registrar: None,
     };
     let config = PoolConfig::with_budget(budget).fitted();
-    Ok(Arc::new(StdPool::new(
+    Ok(Arc::new(StdPool::with_bell(
         source,
         config,
         HeapTables::for_config(&config),
+        HostBell::default(),
     )?))
 }
 

@@ -602,6 +602,51 @@ fn a_receiver_whose_pool_is_dry_sleeps_and_takes_the_message_once_a_buffer_is_ba
     assert!(host_bytes(&last.lease) == m(64), "the waiting one, intact");
 }
 
+/// A receiver asleep on a dry pool wakes when another thread gives a buffer
+/// back (the pool's bell), not at its next look: with a poll interval of an
+/// hour, the waiting message still comes within the deadline.
+#[test]
+fn a_buffer_given_back_by_another_thread_wakes_a_receiver_asleep_on_a_dry_pool() {
+    let _one = serial();
+    let slow_looks = EndpointConfig {
+        poll_interval: Duration::from_secs(3600),
+        ..EndpointConfig::default()
+    };
+    let pool = heap_pool(256 << 10).unwrap(); // 64 buffers of 4 KiB
+    let mut t = wire(&pool);
+    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let server = Endpoint::new(t, slow_looks).unwrap();
+    let (client, peer) = connect_in(addr, self::pool(false));
+    let _from = accepted(&server);
+    let m = |i: usize| vec![i as u8; 4000];
+    for i in 0..65 {
+        client
+            .send(peer, &m(i), Deadline::after(WAIT), None)
+            .unwrap();
+    }
+    let mut held: Vec<_> = (0..64)
+        .map(|_| server.recv(Deadline::after(WAIT), None).unwrap())
+        .collect();
+    assert_eq!(pool.stats().budget, pool.stats().used_bytes, "all held");
+    let first = held.remove(0);
+    let giver = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200)); // the receiver asleep by then
+        drop(first);
+    });
+    let t0 = Instant::now();
+    let last = server.recv(Deadline::after(WAIT), None);
+    let waited = t0.elapsed();
+    giver.join().unwrap();
+    // Unwoken, it sleeps out the deadline (its poll's only bound) and finds
+    // the buffer then: the whole WAIT.
+    assert!(
+        waited < WAIT / 2,
+        "asleep {waited:?} after the buffer came back"
+    );
+    let last = last.unwrap();
+    assert!(host_bytes(&last.lease) == m(64), "the waiting one, intact");
+}
+
 /// CPU time this thread has used.
 fn thread_cpu() -> Duration {
     // SAFETY: getrusage writes the struct it is given, which is plain data.

@@ -270,6 +270,49 @@ fn two_endpoints_exchange_messages_in_order_and_release_every_buffer() {
     assert_eq!(server_pool.used_bytes(), 0, "every receive lease went back");
 }
 
+/// A receiver asleep on a dry pool (the application holds every buffer)
+/// wakes when another thread gives a buffer back (the pool's bell), not at
+/// its next look: with a poll interval of an hour, the message waiting in
+/// the socket still comes long before the deadline.
+#[test]
+fn a_buffer_given_back_by_another_thread_wakes_a_receiver_asleep_on_a_dry_pool() {
+    let mut t = transport(256 << 10, TcpConfig::default()); // 64 buffers of 4 KiB
+    let addr = t.listen("127.0.0.1:0").unwrap();
+    let pool = Arc::clone(t.pool());
+    let slow_looks = EndpointConfig {
+        poll_interval: 3600 * SECOND,
+        ..EndpointConfig::default()
+    };
+    let server = Endpoint::new(t, slow_looks).unwrap();
+    let (c, peer) = client(addr);
+    let m = |i: usize| vec![i as u8; 4000];
+    for i in 0..65 {
+        c.send(peer, &m(i), Deadline::after(10 * SECOND), None)
+            .unwrap();
+    }
+    let mut held: Vec<_> = (0..64)
+        .map(|_| server.recv(Deadline::after(10 * SECOND), None).unwrap())
+        .collect();
+    assert_eq!(pool.stats().budget, pool.stats().used_bytes, "all held");
+    let first = held.remove(0);
+    let giver = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200)); // the receiver asleep by then
+        drop(first);
+    });
+    let t0 = Instant::now();
+    let last = server.recv(Deadline::after(10 * SECOND), None);
+    let waited = t0.elapsed();
+    giver.join().unwrap();
+    // Unwoken, it sleeps out the deadline (its poll's only bound) and finds
+    // the buffer then.
+    assert!(
+        waited < 5 * SECOND,
+        "asleep {waited:?} after the buffer came back"
+    );
+    let last = last.unwrap();
+    assert!(host_bytes(&last.lease) == m(64), "the waiting one, intact");
+}
+
 #[test]
 fn a_zero_copy_sender_of_small_messages_never_holds_every_buffer() {
     let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use zerohop_core::{Access, Error, Kind, Lease, Pool, PoolConfig, SizeClasses};
 
 use super::Registry;
-use crate::{host_bytes, host_bytes_mut, HeapMemory, HeapTables, HostMemory, HostPool, Nic};
+use crate::{
+    host_bytes, host_bytes_mut, HeapMemory, HeapTables, HostBell, HostMemory, HostPool, Nic,
+};
 
 /// A buffer of a [`PayloadMemory`]'s pool.
 pub type PayloadLease<M> = Lease<Arc<<M as PayloadMemory>::Pool>>;
@@ -103,10 +105,11 @@ impl PayloadMemory for HostPayload {
         config.access = access;
         config.classes = classes;
         let config = config.fitted();
-        Ok(Arc::new(HostPool::new(
+        Ok(Arc::new(HostPool::with_bell(
             source,
             config,
             HeapTables::for_config(&config),
+            HostBell::default(),
         )?))
     }
 

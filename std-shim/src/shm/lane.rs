@@ -1583,8 +1583,8 @@ impl Lane {
         // the wire would not sleep and not look either: a spin).
         let bytes = match self.rx.prepare_sleep() {
             // Bytes a lane stopped for want of a buffer cannot take are no
-            // reason to stay up: a waiting call notices a buffer back within
-            // its poll interval (it spun on them, a core's worth).
+            // reason to stay up (it spun on them, a core's worth): the wire
+            // sleeps on its pool's bell too, rung when a buffer comes back.
             Ok(bytes) => bytes && !self.dry,
             Err(_) => {
                 self.read_for_corrupt = true;

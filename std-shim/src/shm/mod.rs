@@ -250,6 +250,9 @@ pub struct LocalWire {
     first_lane: usize,
     /// A sleeper asked the peers to ring: the next call tells them it is awake.
     slept: bool,
+    /// A lane stopped for want of a buffer as this side went to sleep: the
+    /// sleeper waits on the pool's bell too (cleared before the next read).
+    dry: bool,
     closed: bool,
     /// Where device messages from same-host peers land (and what lets this
     /// side send them): lanes carry them only when it is set.
@@ -344,6 +347,7 @@ impl LocalWire {
             clock: Instant::from_micros(0),
             first_lane: 0,
             slept: false,
+            dry: false,
             closed: false,
             #[cfg(feature = "cuda-uma")]
             device_pool: None,
@@ -708,6 +712,11 @@ impl LocalWire {
         // timers run in seconds, and a clock read per poll would cost a
         // spinning receiver a quarter of its time.
         let now = self.clock;
+        if self.dry {
+            // Before the look at the pool: a buffer back after it rings anew.
+            self.pool.bell().clear();
+            self.dry = false;
+        }
         let n = self.lanes.len();
         self.first_lane = if self.first_lane + 1 < n {
             self.first_lane + 1
@@ -997,6 +1006,13 @@ impl Wire for LocalWire {
         for (_, l) in self.lanes.iter() {
             l.poll_fds(out);
         }
+        if self.dry {
+            out.extend(self.pool.bell().fd().map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            }));
+        }
     }
 
     fn prepare_sleep(&mut self, waiter: Waiter) -> bool {
@@ -1004,6 +1020,7 @@ impl Wire for LocalWire {
         let mut any = self.tcp.prepare_sleep(waiter) || !self.arrivals.is_empty();
         for (_, l) in self.lanes.iter_mut() {
             any |= l.prepare_sleep();
+            self.dry |= l.dry;
         }
         any
     }

@@ -890,6 +890,12 @@ impl Wire for TcpTransport {
         if waiter != (Waiter::Progress { app_polling: true }) {
             out.push(fd(self.poller.fd(Set::Data)));
         }
+        // A peer stopped for want of a buffer goes on once one comes back,
+        // whichever thread gives it back (the pool's bell, cleared before
+        // the read that found the pool dry).
+        if self.pool_dry {
+            out.extend(self.pool.bell().fd().map(fd));
+        }
     }
 
     fn prepare_sleep(&mut self, waiter: Waiter) -> bool {

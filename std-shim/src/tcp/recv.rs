@@ -159,7 +159,11 @@ impl TcpTransport {
 
     pub(super) fn read_all(&mut self) -> bool {
         let before = self.arrivals.len();
-        self.pool_dry = false;
+        if self.pool_dry {
+            // Before the look at the pool: a buffer back after it rings anew.
+            self.pool.bell().clear();
+            self.pool_dry = false;
+        }
         for _ in 0..self.hot_read.len() {
             if self.inbox_full() {
                 break;
