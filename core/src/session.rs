@@ -638,10 +638,16 @@ pub struct Session {
     rx_frames_allowed: u32,
     /// Receive slots reposted and not yet reported.
     owed_frames: u32,
-    /// The peer said it is out of frame credits: what is owed goes at once.
+    /// The peer said it is out of frame credits: what is owed goes at once,
+    /// until what went lets it post data again (two slots).
     peer_waiting: bool,
     /// This side has a frame to post and one frame credit: it says so.
     waiting_due: bool,
+    /// This side said it waits, and has not had two frame credits since:
+    /// the peer answers every slot it gives back at once, so saying it
+    /// again would only spend the slot the answer brought (two sides would
+    /// trade credit frames for as long as the peer's pool stays dry).
+    waiting_told: bool,
 
     // The same-host exchange (see [`HostRole`]).
     /// This side's Host frame has been handed out.
@@ -707,6 +713,7 @@ impl Session {
             owed_frames: 0,
             peer_waiting: false,
             waiting_due: false,
+            waiting_told: false,
             host_sent: false,
             host_settled: !SAME_HOST || matches!(config.host, HostRole::None),
             host_offered: None,
@@ -1054,11 +1061,13 @@ impl Session {
     /// On a ring wire every frame takes one of the peer's slots. A Want or
     /// the Close needs two frame credits, as data does; only a Credit frame
     /// may take the last one, and then it says the sender is *waiting*, so
-    /// the peer answers with every slot it owes. A Credit frame goes when a
-    /// quarter of the ring (at least 2 slots) is owed, when the peer waits,
-    /// or when the byte limit moved: credit frames answering credit frames
-    /// (one slot each) die out, and a side never holds the peer's last
-    /// credits without being told.
+    /// the peer answers with every slot it owes, and with each slot it
+    /// reposts after, at once, until the sender has two again; the sender
+    /// says it once until then. A Credit frame goes when a quarter of the
+    /// ring (at least 2 slots) is owed, when the peer waits, or when the
+    /// byte limit moved: credit frames answering credit frames (one slot
+    /// each) die out, and a side never holds the peer's last credits
+    /// without being told.
     pub fn poll_control(&mut self) -> Option<Control> {
         if self.failed.is_some() || self.tx_frames == Some(0) || self.is_moved() {
             return None;
@@ -1147,12 +1156,13 @@ impl Session {
     /// The Credit frame due now (see [`poll_control`](Self::poll_control)).
     fn credit_frame(&mut self) -> Frame {
         self.rx_limit_sent = self.rx_limit;
-        self.peer_waiting = false;
         self.waiting_due = false;
+        let waiting = self.tx_frames == Some(1);
+        self.waiting_told |= waiting;
         Frame::Credit(Credit {
             frames: self.take_owed(u32::MAX),
             limit: self.rx_limit,
-            waiting: self.tx_frames == Some(1),
+            waiting,
         })
     }
 
@@ -1436,6 +1446,9 @@ impl Session {
         let n = self.owed_frames.min(max);
         self.owed_frames -= n;
         self.rx_frames_allowed = self.rx_frames_allowed.saturating_add(n);
+        if self.rx_frames_allowed >= 2 {
+            self.peer_waiting = false;
+        }
         n
     }
 
@@ -1458,8 +1471,9 @@ impl Session {
                 }));
         // Something to post and only the last credit to post it with.
         let close_due = self.closing && !self.close_sent && self.tx_unframed == 0;
-        let stuck =
-            self.tx_frames == Some(1) && (self.waiting_due || self.want_due.is_some() || close_due);
+        let stuck = self.tx_frames == Some(1)
+            && !self.waiting_told
+            && (self.waiting_due || self.want_due.is_some() || close_due);
         frames || bytes || stuck
     }
 
@@ -1483,6 +1497,7 @@ impl Session {
             *n = sum;
             if sum >= 2 {
                 self.waiting_due = false;
+                self.waiting_told = false;
             }
         }
         Ok(())

@@ -169,7 +169,8 @@ pub struct Credit {
     /// message: the sender may start a message that ends at or below it.
     pub limit: u64,
     /// The sender is out of frame credits (flag bit 0): the receiver
-    /// returns what it owes at once, however little.
+    /// returns what it owes at once, however little, and each slot it
+    /// reposts after, until the sender has two credits again.
     pub waiting: bool,
 }
 

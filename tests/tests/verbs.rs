@@ -1145,3 +1145,79 @@ mod cm_peer {
         }
     }
 }
+
+/// A receiver whose ring a dry pool left short (the application holds every
+/// receive buffer, so the sender has no credit) wakes when another thread
+/// gives a buffer back (the pool's bell), not at its next look: with a poll
+/// interval of an hour, the message the sender holds still comes long
+/// before the deadline.
+#[test]
+fn a_buffer_given_back_by_another_thread_wakes_a_receiver_whose_ring_ran_dry() {
+    let Some(dev) = device_or_skip() else {
+        return;
+    };
+    let addr = rdma_addr(19_140).expect("an RDMA address");
+    // One 2 MiB chunk of receive buffers holds 31 (see above): a ring of 16.
+    let config = RdmaConfig {
+        recv_depth: 16,
+        recv_pool_bytes: 2 << 20,
+        ..small_ring()
+    };
+    let slow_looks = EndpointConfig {
+        poll_interval: Duration::from_secs(3600),
+        ..EndpointConfig::default()
+    };
+    let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
+    b.listen(addr).unwrap();
+    let pool = Arc::clone(b.pool());
+    let b = Endpoint::new(b, slow_looks).unwrap();
+    let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
+    let peer = a.connect(addr).unwrap();
+    let a = Endpoint::new(a, EndpointConfig::default()).unwrap();
+    let m = |i: usize| vec![i as u8; 4000];
+    let sender = std::thread::spawn(move || {
+        for i in 0..31 {
+            a.send(peer, &m(i), Deadline::after(WAIT), None).unwrap();
+        }
+        a.flush(Deadline::after(WAIT)).unwrap();
+        a
+    });
+    // The last buffer stays posted for the sender's last credit, which it
+    // keeps for saying it waits.
+    let mut held: Vec<_> = (0..30)
+        .map(|_| b.recv(Deadline::after(WAIT), None).unwrap())
+        .collect();
+    assert_eq!(pool.stats().budget, pool.stats().reserved_bytes);
+    // (The refill after the last one comes at the next call: 30 or 31.)
+    assert!(pool.stats().leases >= 30, "{:?}", pool.stats());
+    let first = held.remove(0);
+    let giver = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200)); // the receiver asleep by then
+        drop(first);
+    });
+    let (cpu, t0) = (thread_cpu(), std::time::Instant::now());
+    let last = b.recv(Deadline::after(Duration::from_secs(10)), None);
+    let (cpu, waited) = (thread_cpu() - cpu, t0.elapsed());
+    giver.join().unwrap();
+    // Unwoken, it sleeps out the deadline (its poll's only bound).
+    assert!(
+        waited < Duration::from_secs(5),
+        "asleep {waited:?} after the buffer came back"
+    );
+    // (The two sides traded credit frames while the pool was dry: a core's
+    // worth on each, the sender's waiting and this side's one slot back.)
+    assert!(cpu < waited / 3, "recv spun: {cpu:?} of CPU in {waited:?}");
+    assert_eq!(host_bytes(&last.unwrap().lease), &m(30)[..], "intact");
+    drop(sender.join().unwrap());
+}
+
+/// CPU time this thread has used.
+fn thread_cpu() -> Duration {
+    // SAFETY: getrusage writes the struct it is given, which is plain data.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_THREAD measures the calling thread.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) };
+    assert_eq!(rc, 0, "getrusage");
+    let us = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
+    Duration::from_micros(us(u.ru_utime) + us(u.ru_stime))
+}

@@ -66,6 +66,14 @@ pub trait PayloadMemory: Send + Sync + 'static {
     fn read(&self, src: &PayloadLease<Self>, out: &mut [u8]) -> Result<(), Error>
     where
         Self: Sized;
+
+    /// The bell `pool` rings when a buffer comes back after it refused one,
+    /// if it has one: a receiver whose ring a dry pool left short sleeps on
+    /// it (see [`HostBell`]).
+    fn bell(pool: &Self::Pool) -> Option<&HostBell> {
+        let _ = pool;
+        None
+    }
 }
 
 fn span_check(at: usize, len: usize, cap: usize) -> Result<(), Error> {
@@ -85,6 +93,10 @@ pub struct HostPayload;
 impl PayloadMemory for HostPayload {
     type Pool = HostPool<HeapTables>;
     const HOST_VISIBLE: bool = true;
+
+    fn bell(pool: &Self::Pool) -> Option<&HostBell> {
+        Some(pool.bell())
+    }
 
     fn kind(&self) -> Kind {
         Kind::Rdma

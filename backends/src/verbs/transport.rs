@@ -45,7 +45,7 @@ use zerohop_core::{
 use super::cm::{CmEvent, CmId, EventChannel, Qp, QpShape, CM_TIMEOUT_MS};
 use super::payload::{HostPayload, PayloadLease, PayloadMemory};
 use super::{Device, Registry, VerbsError};
-use crate::{host_bytes_mut, HeapTables, HostPool, PeerSlots};
+use crate::{host_bytes_mut, HeapTables, HostBell, HostPool, PeerSlots};
 
 mod connect;
 mod recv;
@@ -138,6 +138,9 @@ struct Conn<M: PayloadMemory> {
     recv: Vec<Option<PayloadLease<M>>>,
     /// Receive slots with no buffer posted (see `refill`).
     unposted: Vec<u32>,
+    /// The last refill stopped with slots left for want of a buffer: the
+    /// pool was dry (the application holds the buffers).
+    recv_dry: bool,
     send: SendSlots<PayloadLease<M>>,
     queue: VecDeque<OutMsg<M>>,
     /// A message being reassembled from its fragments.
@@ -657,6 +660,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// (see `drain_and_arm`). Returns whether anything completed meanwhile
     /// (then it should not sleep).
     pub fn arm_completions(&mut self) -> bool {
+        self.clear_bell();
         let before = self.arrivals.len();
         let mut any = false;
         for i in 0..self.peers.len() {
@@ -672,8 +676,22 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         !self.arrivals.is_empty()
     }
 
+    /// A ring left short by a dry pool waits for the pool's bell.
+    fn recv_dry(&self) -> bool {
+        self.peers.iter().any(|(_, c)| c.recv_dry)
+    }
+
+    /// Takes the receive pool's rings before the refills look at it again,
+    /// where a ring was left short: a buffer back after the look rings anew.
+    fn clear_bell(&self) {
+        if let (true, Some(bell)) = (self.recv_dry(), M::bell(&self.recv_pool)) {
+            bell.clear();
+        }
+    }
+
     /// One pass: CM events, completions (arming the channels), timers.
     fn poll_all(&mut self) -> bool {
+        self.clear_bell();
         let mut any = self.accept_all();
         let now = StdInstant::now();
         let timers = now >= self.next_scan;
@@ -731,6 +749,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     pub fn poll_descriptors(&self, out: &mut Vec<i32>, cm: bool, completions: bool) {
         if let (true, Some(l)) = (cm, &self.listener) {
             out.push(l.channel().fd());
+        }
+        if completions && self.recv_dry() {
+            out.extend(M::bell(&self.recv_pool).and_then(HostBell::fd));
         }
         for (_, c) in self.peers.iter() {
             if completions {

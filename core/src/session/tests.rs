@@ -1419,6 +1419,70 @@ fn credit_frames_go_at_a_quarter_of_the_ring_or_when_the_peer_waits() {
     assert_eq!(control_frame(&mut s), None, "answered: no longer waiting");
 }
 
+/// A peer that said it waits stays waiting until what this side gives back
+/// lets it post data again (two frame credits: one to use, one kept), so
+/// slots given back one at a time go at once, each. (Answered once and then
+/// forgotten, it was told of the next slots only a quarter of the ring at a
+/// time, and said again that it waited with the slot it got back: on the
+/// verbs wire, while the application held every receive buffer, the two
+/// sides traded credit frames for as long as it held them, a core each.)
+#[test]
+fn a_waiting_peer_is_answered_slot_by_slot_until_it_can_post_again() {
+    let mut s = opened(ring(8, 10), hello(1 << 20, 8));
+    // The peer spends the 7 slots its Hello left: six messages, then its
+    // last credit on saying it waits.
+    for seq in 0..6 {
+        feed(&mut s, &data(seq, 1, 1, false)).unwrap().unwrap();
+    }
+    s.handle_header(T0, &credit_frame(0, 1 << 20, true), None)
+        .unwrap();
+    let one = |f: Option<Frame>| matches!(f, Some(Frame::Credit(Credit { frames: 1, .. })));
+    s.reposted(1);
+    assert!(one(control_frame(&mut s)), "the one slot back, at once");
+    s.reposted(1);
+    assert!(
+        one(control_frame(&mut s)),
+        "one slot back still leaves it waiting: the next, at once"
+    );
+    s.reposted(1);
+    assert_eq!(
+        control_frame(&mut s),
+        None,
+        "it can post again: a quarter of the ring from here"
+    );
+}
+
+/// A side on its last frame credit says it waits once: a credit frame that
+/// gives back one slot leaves it where it was, and its peer knows (above);
+/// saying it again would spend that slot on the same news.
+#[test]
+fn a_side_that_said_it_waits_does_not_say_it_again_for_one_slot_back() {
+    let mut s = on_last_credit();
+    let mut m = s.send(1).unwrap();
+    assert_eq!(s.next_frame(&mut m, None, DataFlags::NONE), None);
+    assert!(matches!(
+        control_frame(&mut s),
+        Some(Frame::Credit(Credit { waiting: true, .. }))
+    ));
+    s.handle_header(T0, &credit_frame(1, 1 << 20, false), None)
+        .unwrap();
+    assert_eq!(s.next_frame(&mut m, None, DataFlags::NONE), None, "kept");
+    assert_eq!(control_frame(&mut s), None, "said already");
+    s.handle_header(T0, &credit_frame(1, 1 << 20, false), None)
+        .unwrap();
+    assert!(
+        s.next_frame(&mut m, None, DataFlags::NONE).is_some(),
+        "two: it goes"
+    );
+    // Back on its last credit with something to post: it says so again.
+    let mut m = s.send(1).unwrap();
+    assert_eq!(s.next_frame(&mut m, None, DataFlags::NONE), None);
+    assert!(matches!(
+        control_frame(&mut s),
+        Some(Frame::Credit(Credit { waiting: true, .. }))
+    ));
+}
+
 #[test]
 fn byte_credit_goes_back_once_a_quarter_of_the_window_is_consumed() {
     let window = 1000;

@@ -114,6 +114,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             headers,
             recv: (0..depth).map(|_| None).collect(),
             unposted: Vec::with_capacity(depth),
+            recv_dry: false,
             send: SendSlots::new(send_depth),
             queue: VecDeque::new(),
             assembling: None,

@@ -68,11 +68,13 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// sends, for one that answers — so the lease and the post stay off the
     /// round trip's path.
     pub(super) fn refill(pool: &Arc<M::Pool>, fragment: usize, conn: &mut Conn<M>) {
+        conn.recv_dry = false;
         if conn.session.peer_closed() {
             return;
         }
         while let Some(&slot) = conn.unposted.last() {
             if Self::post_recv(pool, fragment, conn, slot as usize).is_err() {
+                conn.recv_dry = true;
                 break;
             }
             conn.unposted.pop();
