@@ -38,6 +38,14 @@ impl HostBell {
         self.fd.as_ref().map(AsRawFd::as_raw_fd)
     }
 
+    /// Another handle on the same bell (its eventfd duplicated): what a
+    /// waiter keeps apart from the pool. `None` where the pool has no bell
+    /// or no descriptor is left.
+    pub fn try_clone(&self) -> Option<HostBell> {
+        let fd = self.fd.as_ref()?.try_clone().ok()?;
+        Some(HostBell { fd: Some(fd) })
+    }
+
     /// Takes the rings so far: call it before looking at the pool, so that a
     /// buffer given back after the look rings anew.
     pub fn clear(&self) {
@@ -85,5 +93,10 @@ mod tests {
         assert!(!readable(&bell), "one clear takes every ring");
         bell.ring();
         assert!(readable(&bell));
+        let other = bell.try_clone().unwrap();
+        other.clear();
+        assert!(!readable(&bell), "one bell, two handles");
+        bell.ring();
+        assert!(readable(&other));
     }
 }

@@ -86,3 +86,69 @@ fn exhaustion_is_exact_under_contention() {
         assert_eq!(p.used_bytes(), 0);
     });
 }
+
+/// A bell as the host's eventfd behaves: rung, it stays rung until cleared.
+#[derive(Debug, Default)]
+struct ModelBell {
+    rung: loom::sync::Mutex<bool>,
+    woken: loom::sync::Condvar,
+}
+
+impl zerohop_core::Bell for ModelBell {
+    fn ring(&self) {
+        *self.rung.lock().unwrap() = true;
+        self.woken.notify_all();
+    }
+}
+
+impl ModelBell {
+    fn clear(&self) {
+        *self.rung.lock().unwrap() = false;
+    }
+
+    fn sleep(&self) {
+        let mut rung = self.rung.lock().unwrap();
+        while !*rung {
+            rung = self.woken.wait(rung).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_waiter_on_a_dry_pool_is_rung_by_the_buffer_another_thread_gives_back() {
+    loom::model(|| {
+        // Two 256 B buffers, both held; another thread gives one back while
+        // this one clears the bell, looks, and sleeps on a refusal, as a
+        // wire does. A lost ring is a sleep loom reports as a deadlock.
+        let mut cfg = PoolConfig::with_budget(512);
+        cfg.chunk_bytes = 512;
+        cfg.chunk_align = 64;
+        cfg.classes = SizeClasses::new(&[256, 512]).unwrap();
+        let source = Chunks {
+            memory: FakeMemory::new(),
+            registrar: Some(CountingNic::new()),
+        };
+        let p = Arc::new(
+            SlabPool::with_bell(
+                source,
+                cfg,
+                InlineTables::<4, 8>::new(),
+                ModelBell::default(),
+            )
+            .unwrap(),
+        );
+        let a = zerohop_core::Lease::take(Arc::clone(&p), 256).unwrap();
+        let b = zerohop_core::Lease::take(Arc::clone(&p), 256).unwrap();
+        let giver = thread::spawn(move || drop(a));
+        loop {
+            p.bell().clear();
+            match zerohop_core::Lease::take(Arc::clone(&p), 256) {
+                Ok(_) => break,
+                Err(_) => p.bell().sleep(),
+            }
+        }
+        giver.join().unwrap();
+        drop(b);
+        assert_eq!(p.used_bytes(), 0);
+    });
+}

@@ -23,6 +23,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use zerohop_backends::HostBell;
 use zerohop_core::session::SessionStats;
 use zerohop_core::{Error, PeerId, PoolError, Received, Transport};
 
@@ -83,6 +84,13 @@ pub trait Wire: Transport<Lease: Send> + Send + 'static {
     /// its own, and a thread taking a buffer must not wait for one that
     /// spins in `recv` holding the transport.
     fn leaser(&self) -> Leaser<Self::Lease>;
+
+    /// A handle on the bell of the pool [`leaser`](Self::leaser) leases
+    /// from, where it has one: a thread waiting for a buffer
+    /// ([`Endpoint::lease_by`]) sleeps on it, and wakes as one comes back.
+    fn lease_bell(&self) -> Option<HostBell> {
+        None
+    }
 
     /// Copies the start of a message into `out`: the way to read a message
     /// whose bytes are not host-visible (GPU memory), and small control
@@ -363,9 +371,9 @@ pub struct EndpointConfig {
     /// How long `recv` polls the transport before sleeping (default 50 µs).
     pub spin: Duration,
     /// Longest single sleep of a waiting call or of the progress thread
-    /// (default 5 ms): bounds how late a cancellation is seen, and a buffer
-    /// back for [`lease_by`](Endpoint::lease_by). A receive stopped for want
-    /// of a buffer (tcp, shm) wakes as one comes back: its pool's bell.
+    /// (default 5 ms): bounds how late a cancellation is seen. A receive
+    /// or a [`lease_by`](Endpoint::lease_by) waiting for a buffer wakes as
+    /// one comes back (its pool's bell; host pools have one).
     pub poll_interval: Duration,
     /// Run a progress thread beside the application (default on): it
     /// accepts, finishes handshakes and queued sends, and reads for an
@@ -390,6 +398,8 @@ struct Shared<T: Wire> {
     transport: Mutex<T>,
     /// The wire's [`Wire::leaser`], outside the transport lock.
     leaser: Leaser<T::Lease>,
+    /// The wire's [`Wire::lease_bell`].
+    lease_bell: Option<HostBell>,
     progressed: Condvar,
     stop: AtomicBool,
     /// Application threads in `recv` (spinning or asleep in poll(2)).
@@ -481,6 +491,7 @@ impl<T: Wire> Endpoint<T> {
     pub fn new(transport: T, config: EndpointConfig) -> std::io::Result<Self> {
         let shared = Arc::new(Shared {
             leaser: transport.leaser(),
+            lease_bell: transport.lease_bell(),
             transport: Mutex::new(transport),
             progressed: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -541,16 +552,19 @@ impl<T: Wire> Endpoint<T> {
             other => return other,
         };
         let mut got = None;
-        let r = self.send_with(deadline, cancel, |_| match (self.shared.leaser)(len) {
-            Ok(l) => {
-                got = Some(l);
-                Ok(())
+        let bell = self.shared.lease_bell.as_ref();
+        let r = self.send_with(deadline, cancel, bell, |_| {
+            match (self.shared.leaser)(len) {
+                Ok(l) => {
+                    got = Some(l);
+                    Ok(())
+                }
+                Err(Error::Pool(e)) if comes_back(e, len) => {
+                    last = e;
+                    Err(Error::WouldBlock)
+                }
+                Err(e) => Err(e),
             }
-            Err(Error::Pool(e)) if comes_back(e, len) => {
-                last = e;
-                Err(Error::WouldBlock)
-            }
-            Err(e) => Err(e),
         });
         match r {
             Ok(_) => got.ok_or(Error::Pool(last)),
@@ -603,9 +617,20 @@ impl<T: Wire> Endpoint<T> {
     /// descriptors wait for the progress thread's signal instead.
     fn wait_io<'a>(
         &'a self,
+        guard: MutexGuard<'a, T>,
+        deadline: Deadline,
+        reading: bool,
+    ) -> MutexGuard<'a, T> {
+        self.wait_io_or(guard, deadline, reading, None)
+    }
+
+    /// [`wait_io`](Self::wait_io), also woken by `bell`.
+    fn wait_io_or<'a>(
+        &'a self,
         mut guard: MutexGuard<'a, T>,
         mut deadline: Deadline,
         reading: bool,
+        bell: Option<&HostBell>,
     ) -> MutexGuard<'a, T> {
         let waiter = Waiter::App { reading };
         if guard.prepare_sleep(waiter) {
@@ -618,6 +643,11 @@ impl<T: Wire> Endpoint<T> {
         if fds.is_empty() {
             return self.wait(guard, deadline);
         }
+        fds.extend(bell.and_then(HostBell::fd).map(|fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        }));
         drop(guard);
         let cap = self.shared.config.poll_interval;
         let d = deadline.remaining().map_or(cap, |r| r.min(cap));
@@ -647,7 +677,7 @@ impl<T: Wire> Endpoint<T> {
         cancel: Option<&CancelToken>,
     ) -> Result<(), Error> {
         let mut done = true;
-        let mut t = self.send_with(&mut deadline, cancel, |t| {
+        let mut t = self.send_with(&mut deadline, cancel, None, |t| {
             done = t.start_send(peer, bytes)?;
             Ok(())
         })?;
@@ -689,7 +719,7 @@ impl<T: Wire> Endpoint<T> {
     ) -> Result<(), Error> {
         // The transport hands a refused lease back; keep it for the next attempt.
         let mut lease = Some(lease);
-        let t = self.send_with(&mut deadline, cancel, |t| {
+        let t = self.send_with(&mut deadline, cancel, None, |t| {
             let Some(l) = lease.take() else {
                 return Err(Error::Closed);
             };
@@ -705,12 +735,14 @@ impl<T: Wire> Endpoint<T> {
     }
 
     /// Retries `attempt` until it is taken, fails for good, the deadline passes
-    /// or `cancel` fires; between attempts, flushes and waits for the sockets.
-    /// Returns the transport, still locked.
+    /// or `cancel` fires; between attempts, flushes and waits for the sockets
+    /// (and for `bell`, cleared after each wait: what `attempt` waits for is
+    /// a buffer back). Returns the transport, still locked.
     fn send_with(
         &self,
         deadline: &mut Deadline,
         cancel: Option<&CancelToken>,
+        bell: Option<&HostBell>,
         mut attempt: impl FnMut(&mut T) -> Result<(), Error>,
     ) -> Result<MutexGuard<'_, T>, Error> {
         let mut t = self.shared.lock();
@@ -750,7 +782,11 @@ impl<T: Wire> Endpoint<T> {
             if spin.on(now) {
                 t = self.shared.relax(t);
             } else {
-                t = self.wait_io(t, *deadline, false);
+                t = self.wait_io_or(t, *deadline, false, bell);
+                // Before the next look: a buffer back after it rings anew.
+                if let Some(b) = bell {
+                    b.clear();
+                }
             }
         }
     }
@@ -1058,6 +1094,10 @@ impl<M: zerohop_backends::verbs::PayloadMemory> Wire for zerohop_backends::verbs
 
     fn leaser(&self) -> Leaser<Self::Lease> {
         pool_leaser(Arc::clone(self.send_pool()))
+    }
+
+    fn lease_bell(&self) -> Option<HostBell> {
+        M::bell(self.send_pool()).and_then(HostBell::try_clone)
     }
 
     fn read_lease(&self, lease: &Self::Lease, out: &mut [u8]) -> Result<(), Error> {

@@ -313,6 +313,36 @@ fn a_buffer_given_back_by_another_thread_wakes_a_receiver_asleep_on_a_dry_pool()
     assert!(host_bytes(&last.lease) == m(64), "the waiting one, intact");
 }
 
+/// A sender waiting for a buffer of its pool (`lease_by`) wakes when
+/// another thread gives one back, not at its next look (an hour here).
+#[test]
+fn a_buffer_given_back_by_another_thread_wakes_a_sender_waiting_to_lease_one() {
+    let mut t = transport(256 << 10, TcpConfig::default()); // 64 buffers of 4 KiB
+    t.listen("127.0.0.1:0").unwrap();
+    let slow_looks = EndpointConfig {
+        poll_interval: 3600 * SECOND,
+        ..EndpointConfig::default()
+    };
+    let e = Endpoint::new(t, slow_looks).unwrap();
+    let mut held: Vec<_> = (0..64).map(|_| e.lease(4000).unwrap()).collect();
+    assert!(e.lease(4000).is_err(), "all held");
+    let first = held.remove(0);
+    let giver = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200)); // the sender asleep by then
+        drop(first);
+    });
+    let t0 = Instant::now();
+    let got = e.lease_by(4000, &mut Deadline::after(10 * SECOND), None);
+    let waited = t0.elapsed();
+    giver.join().unwrap();
+    // Unwoken, it sleeps out the deadline (its poll's only bound).
+    assert!(
+        waited < 5 * SECOND,
+        "asleep {waited:?} after the buffer came back"
+    );
+    assert_eq!(got.unwrap().capacity(), 4096);
+}
+
 #[test]
 fn a_zero_copy_sender_of_small_messages_never_holds_every_buffer() {
     let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());

@@ -981,6 +981,10 @@ impl Wire for LocalWire {
         Box::new(move |len| host(len).map(ShmLease::Host))
     }
 
+    fn lease_bell(&self) -> Option<zerohop_backends::HostBell> {
+        self.pool.bell().try_clone()
+    }
+
     fn read_lease(&self, lease: &ShmLease, out: &mut [u8]) -> Result<(), Error> {
         match lease {
             ShmLease::Host(l) => crate::endpoint::copy_out(host_bytes(l), out),

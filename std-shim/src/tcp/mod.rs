@@ -876,6 +876,10 @@ impl Wire for TcpTransport {
         pool_leaser(Arc::clone(&self.pool))
     }
 
+    fn lease_bell(&self) -> Option<zerohop_backends::HostBell> {
+        self.pool.bell().try_clone()
+    }
+
     fn read_lease(&self, lease: &StdLease, out: &mut [u8]) -> Result<(), Error> {
         crate::endpoint::copy_out(host_bytes(lease), out)
     }
