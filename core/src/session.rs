@@ -638,16 +638,12 @@ pub struct Session {
     rx_frames_allowed: u32,
     /// Receive slots reposted and not yet reported.
     owed_frames: u32,
-    /// The peer said it is out of frame credits: what is owed goes at once,
-    /// until what went lets it post data again (two slots).
+    /// Of the slots taken and not yet reported, those Credit frames took
+    /// (see `credit_due`).
+    echo_frames: u32,
+    /// The peer's last Credit frame said something of its waits for frame
+    /// credits.
     peer_waiting: bool,
-    /// This side has a frame to post and one frame credit: it says so.
-    waiting_due: bool,
-    /// This side said it waits, and has not had two frame credits since:
-    /// the peer answers every slot it gives back at once, so saying it
-    /// again would only spend the slot the answer brought (two sides would
-    /// trade credit frames for as long as the peer's pool stays dry).
-    waiting_told: bool,
 
     // The same-host exchange (see [`HostRole`]).
     /// This side's Host frame has been handed out.
@@ -711,9 +707,8 @@ impl Session {
             opened_at: now,
             rx_frames_allowed: u32::from(config.ring),
             owed_frames: 0,
+            echo_frames: 0,
             peer_waiting: false,
-            waiting_due: false,
-            waiting_told: false,
             host_sent: false,
             host_settled: !SAME_HOST || matches!(config.host, HostRole::None),
             host_offered: None,
@@ -989,9 +984,8 @@ impl Session {
         debug_assert_eq!(msg.seq, self.tx_seq - self.tx_unframed);
         let peer = self.peer?;
         if !self.may_post_data() {
-            // One credit left: a Credit frame tells the peer, which answers
-            // with every slot it owes.
-            self.waiting_due = self.tx_frames == Some(1);
+            // The peer sees this side short (its count of what this side
+            // may send) and answers with every slot it reposts.
             if !self.frame_stall_counted {
                 self.frame_stall_counted = true;
                 self.credit_stalls = self.credit_stalls.wrapping_add(1);
@@ -1060,14 +1054,13 @@ impl Session {
     ///
     /// On a ring wire every frame takes one of the peer's slots. A Want or
     /// the Close needs two frame credits, as data does; only a Credit frame
-    /// may take the last one, and then it says the sender is *waiting*, so
-    /// the peer answers with every slot it owes, and with each slot it
-    /// reposts after, at once, until the sender has two again; the sender
-    /// says it once until then. A Credit frame goes when a quarter of the
-    /// ring (at least 2 slots) is owed, when the peer waits, or when the
-    /// byte limit moved: credit frames answering credit frames (one slot
-    /// each) die out, and a side never holds the peer's last credits
-    /// without being told.
+    /// that returns slots may take the last one (its `waiting` flag set).
+    /// A Credit frame goes when a quarter of the ring (at least 2 slots) is
+    /// owed, when the peer has fewer than two slots left by this side's
+    /// count (it cannot post data: every slot reposted goes at once), or
+    /// when the byte limit moved. So two sides never both end with no
+    /// credit while owing each other, and credit frames answering credit
+    /// frames (one slot each) die out.
     pub fn poll_control(&mut self) -> Option<Control> {
         if self.failed.is_some() || self.tx_frames == Some(0) || self.is_moved() {
             return None;
@@ -1156,14 +1149,21 @@ impl Session {
     /// The Credit frame due now (see [`poll_control`](Self::poll_control)).
     fn credit_frame(&mut self) -> Frame {
         self.rx_limit_sent = self.rx_limit;
-        self.waiting_due = false;
-        let waiting = self.tx_frames == Some(1);
-        self.waiting_told |= waiting;
         Frame::Credit(Credit {
             frames: self.take_owed(u32::MAX),
             limit: self.rx_limit,
-            waiting,
+            waiting: self.stalled(),
         })
+    }
+
+    /// Something of this side's waits for frame credits: a data frame, a
+    /// Want, the Close.
+    fn stalled(&self) -> bool {
+        self.tx_frames.is_some()
+            && !self.may_post_data()
+            && (self.frame_stall_counted
+                || self.want_due.is_some()
+                || (self.closing && !self.close_sent && self.tx_unframed == 0))
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) must be called: while
@@ -1445,10 +1445,8 @@ impl Session {
     fn take_owed(&mut self, max: u32) -> u32 {
         let n = self.owed_frames.min(max);
         self.owed_frames -= n;
+        self.echo_frames = self.echo_frames.saturating_sub(n);
         self.rx_frames_allowed = self.rx_frames_allowed.saturating_add(n);
-        if self.rx_frames_allowed >= 2 {
-            self.peer_waiting = false;
-        }
         n
     }
 
@@ -1461,20 +1459,32 @@ impl Session {
     /// Whether a Credit frame should go (see [`poll_control`](Self::poll_control)).
     fn credit_due(&self) -> bool {
         let owed = self.owed_frames;
+        // The peer can post no data (it needs two slots, one to use and one
+        // kept): what is owed goes at once. This side's count says so, what
+        // is in flight included; no frame of the peer's need say it.
+        // Slots Credit frames took go at once only where something waits
+        // for them: else two sides low on credits would answer each other's
+        // answers for ever. A peer left with none cannot return what it
+        // owes: it gets one if it waits, or if this side does.
+        let fresh = owed > self.echo_frames;
+        let starved = match self.rx_frames_allowed {
+            0 => self.peer_waiting || self.stalled(),
+            1 => fresh || self.peer_waiting,
+            _ => false,
+        };
         let frames = self.config.ring != 0
-            && (owed >= u32::from(self.config.ring / 4).max(2) || (self.peer_waiting && owed > 0));
+            && owed > 0
+            && (owed >= u32::from(self.config.ring / 4).max(2) || starved);
         let moved = self.rx_limit - self.rx_limit_sent;
         let bytes = moved > 0
             && (moved >= u64::from(self.config.window / 4).max(1)
                 || self.rx_want.is_some_and(|(offset, len)| {
                     offset.saturating_add(u64::from(len)) <= self.rx_limit
                 }));
-        // Something to post and only the last credit to post it with.
-        let close_due = self.closing && !self.close_sent && self.tx_unframed == 0;
-        let stuck = self.tx_frames == Some(1)
-            && !self.waiting_told
-            && (self.waiting_due || self.want_due.is_some() || close_due);
-        frames || bytes || stuck
+        // The last credit goes only with slots for the peer: two sides each
+        // spending its last on news alone would both be left with none,
+        // owing each other the slots those frames took, for good.
+        (frames || bytes) && (self.tx_frames != Some(1) || owed > 0)
     }
 
     /// One more frame arrived (ring wires count it against the slots granted).
@@ -1495,10 +1505,6 @@ impl Session {
                 return Err(ProtocolError::TooManyCredits);
             }
             *n = sum;
-            if sum >= 2 {
-                self.waiting_due = false;
-                self.waiting_told = false;
-            }
         }
         Ok(())
     }
@@ -1569,9 +1575,12 @@ impl Session {
         match frame {
             Frame::Hello(_) => Err(ProtocolError::UnexpectedHello),
             Frame::Credit(c) => {
+                if self.config.ring != 0 {
+                    self.echo_frames = self.echo_frames.saturating_add(1);
+                }
+                self.peer_waiting = c.waiting;
                 self.take_credits(c.frames)?;
                 self.tx_limit = self.tx_limit.max(c.limit);
-                self.peer_waiting |= c.waiting;
                 Ok(Inbound::Control)
             }
             Frame::Want(w) => {

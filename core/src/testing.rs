@@ -13,7 +13,7 @@ use std::vec::Vec;
 use crate::session::{
     DataIn, HostOffer, Inbound, Instant, Outgoing, ProtocolError, SendError, Session, SessionConfig,
 };
-use crate::wire::{DataFlags, HEADER_LEN};
+use crate::wire::{DataFlags, FrameKind, HEADER_LEN};
 use crate::{Access, Error, MemKind, MrHandle, MrTable, RawMemory, Region, Registrar};
 
 /// Addresses without memory behind them (core never dereferences one): a
@@ -394,6 +394,12 @@ pub struct SimPeer {
     assembling: Vec<u8>,
     /// Ring wires: slots to report reposted on the next transmit.
     slots_used: u32,
+    /// Ring wires: the application holds the buffers data frames arrive in
+    /// (their slots are not reposted) while set, as one whose receive pool
+    /// it has drained; [`give_back`](Self::give_back) returns them.
+    pub holding: bool,
+    /// Slots of data frames held so.
+    held: u32,
     /// How this side answers a same-host offer (default: decline).
     pub accept_offers: bool,
 }
@@ -406,8 +412,24 @@ impl SimPeer {
             queue: VecDeque::new(),
             assembling: Vec::new(),
             slots_used: 0,
+            holding: false,
+            held: 0,
             accept_offers: false,
         }
+    }
+
+    /// The application gives back up to `n` held buffers: their slots are
+    /// reposted at the next transmit. Returns how many.
+    pub fn give_back(&mut self, n: u32) -> u32 {
+        let n = n.min(self.held);
+        self.held -= n;
+        self.slots_used += n;
+        n
+    }
+
+    /// Buffers the application holds (see [`holding`](Self::holding)).
+    pub fn held(&self) -> u32 {
+        self.held
     }
 
     /// Starts a message (its bytes are kept until sent); returns its sequence number.
@@ -465,8 +487,15 @@ impl SimPeer {
         now: Instant,
         frame: &SimFrame,
     ) -> Result<Vec<SimEvent>, ProtocolError> {
-        if self.session.config().ring != 0 {
-            self.slots_used += 1;
+        let ring = self.session.config().ring != 0;
+        let data = match frame {
+            SimFrame::Headerless { .. } => true,
+            SimFrame::Framed(bytes) => bytes.get(3) == Some(&(FrameKind::Data as u8)),
+        };
+        match (ring, data && self.holding) {
+            (false, _) => {}
+            (true, true) => self.held += 1,
+            (true, false) => self.slots_used += 1,
         }
         let mut events = Vec::new();
         match frame {

@@ -32,9 +32,11 @@ pub const HEADER_LEN: usize = 32;
 /// `"ZH"` little-endian.
 pub const MAGIC: u16 = 0x485A;
 /// The protocol version this code speaks. Version 1 (one header layout
-/// whose fields meant different things per wire) and version 2 (no Host
-/// frame) are refused by name.
-pub const VERSION: u8 = 3;
+/// whose fields meant different things per wire), version 2 (no Host
+/// frame) and version 3 (a side on its last frame credit said it waited
+/// with a frame that returned nothing, and was answered only if it said
+/// so) are refused by name.
+pub const VERSION: u8 = 4;
 
 /// What a frame carries: its kind byte.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -685,8 +687,8 @@ mod tests {
         .encode(b"hi");
         assert_eq!(
             &data[..4],
-            &[0x5A, 0x48, 3, 1],
-            "magic 'ZH', version 3, data"
+            &[0x5A, 0x48, 4, 1],
+            "magic 'ZH', version 4, data"
         );
         assert_eq!(&data[4..8], &[3, 0, 0x11, 0x02], "checked + more; credits");
         assert_eq!(&data[8..16], &[8, 7, 6, 5, 4, 3, 2, 1], "seq");
@@ -699,13 +701,13 @@ mod tests {
             waiting: true,
         })
         .encode(&[]);
-        assert_eq!(&credit[2..6], &[3, 2, 1, 0], "waiting flag");
+        assert_eq!(&credit[2..6], &[4, 2, 1, 0], "waiting flag");
         assert_eq!(&credit[8..12], &[5, 0, 0, 0], "frames");
         assert_eq!(&credit[12..20], &[8, 7, 6, 5, 4, 3, 2, 1], "limit");
         assert_eq!(&credit[20..28], &[0; 8]);
 
         let h = Frame::Hello(hello()).encode(&[]);
-        assert_eq!(&h[2..4], &[3, 3]);
+        assert_eq!(&h[2..4], &[4, 3]);
         assert_eq!(&h[8..12], &[0, 0, 0, 1], "window");
         assert_eq!(&h[12..16], &[0, 0, 0, 4], "max_message");
         assert_eq!(&h[16..20], &[0, 0, 1, 0], "frame_max");
@@ -713,7 +715,7 @@ mod tests {
         assert_eq!(&h[24..28], &[0xD4, 0xC3, 0xB2, 0xA1], "token");
 
         let close = Frame::Close(Close { seq: 9 }).encode(&[]);
-        assert_eq!(&close[2..4], &[3, 4]);
+        assert_eq!(&close[2..4], &[4, 4]);
         assert_eq!(
             &close[8..28],
             &[9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
@@ -724,7 +726,7 @@ mod tests {
             len: 0x0200_0000,
         })
         .encode(&[]);
-        assert_eq!(&want[2..4], &[3, 5]);
+        assert_eq!(&want[2..4], &[4, 5]);
         assert_eq!(&want[8..20], &[0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
 
         let host = Frame::Host(Host {
@@ -734,7 +736,7 @@ mod tests {
             step: HostStep::Offer,
         })
         .encode(&[]);
-        assert_eq!(&host[2..8], &[3, 6, 0, 0, 0, 0], "host, no flags");
+        assert_eq!(&host[2..8], &[4, 6, 0, 0, 0, 0], "host, no flags");
         assert_eq!(&host[8..16], &[8, 7, 6, 5, 4, 3, 2, 1], "host");
         assert_eq!(&host[16..20], &[0x34, 0x12, 0, 0], "pid");
         assert_eq!(&host[20..24], &[0xD4, 0xC3, 0xB2, 0xA1], "nonce");
@@ -849,14 +851,14 @@ mod tests {
             Frame::decode(&[0xAB; 32], 0),
             Err(DecodeError::BadMagic(0xABAB))
         );
-        for old in [1, 2] {
+        for old in [1, 2, 3] {
             let mut v = good;
             v[2] = old;
             assert_eq!(
                 Frame::decode(&v, 0),
                 Err(DecodeError::UnsupportedVersion {
                     theirs: old,
-                    ours: 3
+                    ours: 4
                 })
             );
         }

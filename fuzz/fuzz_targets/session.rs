@@ -6,7 +6,11 @@
 //!   (the n-th delivered is the n-th sent), never twice;
 //! - every failure is a typed `ProtocolError`, and a failed side stays failed;
 //! - with no fault injected, everything sent arrives, the two fall quiet
-//!   (no livelock, no deadlock), and a close on either side is clean on both.
+//!   (no livelock, no deadlock), and a close on either side is clean on both;
+//! - on ring wires the applications may hold the buffers data arrives in
+//!   (`Op::Hold`, `Op::GiveBack`): with no fault, the two fall quiet while
+//!   they still hold them (no credit frames traded for ever), and everything
+//!   arrives once they give them back (no side left with no credit for good).
 //!
 //! The same-host exchange runs in three of four setups (no offer, an offer
 //! declined, an offer taken): no data crosses before it is settled, and once
@@ -55,6 +59,8 @@ enum Op {
     Grant { side: bool },
     Close { side: bool },
     Tick { side: bool, ms: u16 },
+    Hold { side: bool, on: bool },
+    GiveBack { side: bool, n: u8 },
 }
 
 struct Side {
@@ -301,6 +307,14 @@ fuzz_target!(|setup: Setup| {
                 s.peer.session.close();
                 closed = true;
             }
+            Op::Hold { side, on } => {
+                let (s, _) = side_mut(&mut a, &mut b, side);
+                s.peer.holding = on;
+            }
+            Op::GiveBack { side, n } => {
+                let (s, _) = side_mut(&mut a, &mut b, side);
+                s.peer.give_back(u32::from(n % 8));
+            }
             Op::Tick { side, ms } => {
                 now = now.after(Duration::from_millis(u64::from(ms % 100)));
                 let (s, _) = side_mut(&mut a, &mut b, side);
@@ -323,8 +337,34 @@ fuzz_target!(|setup: Setup| {
     if faults || a.failed || b.failed || a.moved || b.moved {
         return;
     }
-    // No fault: everything in flight arrives, every message is consumed, and
-    // the two fall quiet with every message across.
+    // No fault. While the applications still hold what they hold, the two
+    // fall quiet (a frame that only answers a frame would go on for ever).
+    let mut quiet = false;
+    for _ in 0..10_000 {
+        let (fa, fb) = (a.peer.transmit(), b.peer.transmit());
+        a.wire.extend(fa);
+        b.wire.extend(fb);
+        if a.wire.is_empty() && b.wire.is_empty() {
+            quiet = true;
+            break;
+        }
+        while !a.wire.is_empty() {
+            deliver(&mut a, &mut b, now);
+        }
+        while !b.wire.is_empty() {
+            deliver(&mut b, &mut a, now);
+        }
+    }
+    assert!(
+        quiet,
+        "frames traded for ever while buffers were held: a livelock"
+    );
+    // Then every buffer back: everything in flight arrives, every message is
+    // consumed, and the two fall quiet with every message across.
+    for s in [&mut a, &mut b] {
+        s.peer.holding = false;
+        s.peer.give_back(u32::MAX);
+    }
     let mut quiet = false;
     for _ in 0..10_000 {
         let (fa, fb) = (a.peer.transmit(), b.peer.transmit());

@@ -1360,11 +1360,11 @@ fn a_listener_of_another_version_is_refused_by_name() {
         e,
         Error::Protocol {
             peer,
-            error: ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 2, ours: 3 })
+            error: ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 2, ours: 4 })
         }
     );
     assert!(
-        e.to_string().contains("version 2, this side speaks 3"),
+        e.to_string().contains("version 2, this side speaks 4"),
         "{e}"
     );
 }
