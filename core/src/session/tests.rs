@@ -1428,6 +1428,112 @@ fn a_peer_short_of_slots_is_answered_slot_by_slot_until_it_can_post_again() {
     assert_eq!(control_frame(&mut s), back(2));
 }
 
+/// A Credit frame's `waiting` flag says whether something of the sender's
+/// waits for frame credits: a data frame, a Want, the Close; not merely that
+/// it is on its last credit.
+#[test]
+fn the_waiting_flag_says_what_waits_for_frame_credits() {
+    // Two slots owed (a quarter of the ring) go on the last credit.
+    let flag = |s: &mut Session| {
+        s.reposted(2);
+        match control_frame(s) {
+            Some(Frame::Credit(c)) => c.waiting,
+            other => panic!("a credit frame, not {other:?}"),
+        }
+    };
+    let mut s = on_last_credit();
+    assert!(!flag(&mut s), "nothing to post");
+    let mut s = on_last_credit();
+    let mut m = s.send(1).unwrap();
+    assert_eq!(s.next_frame(&mut m, None, DataFlags::NONE), None);
+    assert!(flag(&mut s), "a data frame waits");
+    let mut s = on_last_credit();
+    assert_eq!(s.send(1 << 20), Err(SendError::NoCredit));
+    assert!(flag(&mut s), "a Want waits");
+    let mut s = on_last_credit();
+    s.close();
+    assert!(flag(&mut s), "the Close waits");
+    // With credits to post, nothing waits, whatever is queued.
+    let mut s = opened(ring(4, 10), hello(1 << 20, 4));
+    let _m = s.send(1).unwrap();
+    s.close();
+    assert!(!flag(&mut s), "credits to post with");
+}
+
+/// Slots that Credit frames took go back at once only where something
+/// waits for them; slots freed by data go at once to a peer short of two.
+#[test]
+fn echoes_go_at_once_only_where_something_waits() {
+    let mut s = opened(ring(16, 10), hello(1 << 20, 16));
+    // The peer spends 13 of the 15 slots its Hello left on data, one on a
+    // Credit frame that says nothing waits: one left to it.
+    for seq in 0..13 {
+        feed(&mut s, &data(seq, 1, 1, false)).unwrap().unwrap();
+    }
+    s.handle_header(T0, &credit_frame(0, 1 << 20, false), None)
+        .unwrap();
+    s.reposted(1);
+    assert_eq!(
+        control_frame(&mut s),
+        None,
+        "the credit frame's slot, to a peer with one and nothing waiting"
+    );
+    // Its last slot on a Credit frame saying something waits: none left,
+    // and the slot owed goes at once.
+    s.handle_header(T0, &credit_frame(0, 1 << 20, true), None)
+        .unwrap();
+    let back = |n| {
+        Some(Frame::Credit(Credit {
+            frames: n,
+            limit: 1 << 20,
+            waiting: false,
+        }))
+    };
+    assert_eq!(
+        control_frame(&mut s),
+        back(1),
+        "to a peer with none that waits"
+    );
+    assert_eq!(control_frame(&mut s), None, "nothing owed: no empty frame");
+    s.reposted(1);
+    assert_eq!(control_frame(&mut s), back(1), "to one with one that waits");
+    // A peer with none that does not wait: its echoes go only when this
+    // side waits (the peer may owe it slots it cannot return).
+    for stalled in [false, true] {
+        let mut s = opened(ring(4, 10), hello(1 << 20, 4));
+        let mut m = s.send(1).unwrap();
+        s.next_frame(&mut m, None, DataFlags::NONE).unwrap();
+        let mut m = s.send(1).unwrap();
+        s.next_frame(&mut m, None, DataFlags::NONE).unwrap();
+        assert_eq!(s.frame_credits(), Some(1));
+        let mut m = s.send(1).unwrap();
+        if stalled {
+            assert_eq!(s.next_frame(&mut m, None, DataFlags::NONE), None);
+        }
+        for seq in 0..2 {
+            feed(&mut s, &data(seq, 1, 1, false)).unwrap().unwrap();
+        }
+        s.handle_header(T0, &credit_frame(0, 1 << 20, false), None)
+            .unwrap();
+        s.reposted(1);
+        let f = control_frame(&mut s);
+        match stalled {
+            false => assert_eq!(f, None, "nothing waits on either side"),
+            true => assert!(
+                matches!(
+                    f,
+                    Some(Frame::Credit(Credit {
+                        frames: 1,
+                        waiting: true,
+                        ..
+                    }))
+                ),
+                "this side waits: {f:?}"
+            ),
+        }
+    }
+}
+
 /// On its last frame credit a side sends only a credit frame that returns
 /// slots: news alone (that it waits, a byte limit) would leave it with none,
 /// and two sides doing so at once were both left with none, each owing the
