@@ -1038,7 +1038,9 @@ impl<S: ChunkSource, T: PoolTables, B: Bell> SlabPool<S, T, B> {
 impl<S: ChunkSource, T: PoolTables, B: Bell> Pool for SlabPool<S, T, B> {
     fn take_slot(&self, len: usize) -> Result<SlotTicket, Error> {
         match self.take_unmarked(len) {
-            Err(Error::Pool(e)) if B::RINGS && e != PoolError::ZeroLength => {
+            // Any refusal but a zero length may end with a buffer back (a
+            // source out of memory too: a chunk given back makes room).
+            Err(e) if B::RINGS && e != Error::Pool(PoolError::ZeroLength) => {
                 // Marked first, then looked at again: a buffer given back
                 // in between is either found by this look or rings the bell.
                 self.state.lock().wanted = true;
@@ -1053,11 +1055,12 @@ impl<S: ChunkSource, T: PoolTables, B: Bell> Pool for SlabPool<S, T, B> {
         let ring = B::RINGS && core::mem::take(&mut st.wanted);
         let idle = Self::release_locked(&mut st, ticket);
         drop(st);
-        if ring {
-            self.bell.ring();
-        }
+        // The chunk first: a waiter the ring wakes may need its room.
         if let Some(m) = idle {
             self.source.give_back(m);
+        }
+        if ring {
+            self.bell.ring();
         }
     }
 }

@@ -51,6 +51,18 @@ pub enum Waiter {
     },
 }
 
+impl Waiter {
+    /// Whether this waiter reads what arrives when it wakes (an application
+    /// thread in `recv`, or the progress thread for one that is not
+    /// polling): only it clears a pool's bell, so only it may sleep on one.
+    pub fn reads(self) -> bool {
+        matches!(
+            self,
+            Waiter::App { reading: true } | Waiter::Progress { app_polling: false }
+        )
+    }
+}
+
 /// Takes a zero-copy send buffer of the given length: see [`Wire::leaser`].
 pub type Leaser<L> = Box<dyn Fn(usize) -> Result<L, Error> + Send + Sync>;
 
@@ -566,6 +578,13 @@ impl<T: Wire> Endpoint<T> {
                 Err(e) => Err(e),
             }
         });
+        if got.is_some() {
+            // This call may have cleared a ring another waiter on the pool
+            // (a receive stopped for a buffer) slept through: passed on.
+            if let Some(b) = bell {
+                zerohop_core::Bell::ring(b);
+            }
+        }
         match r {
             Ok(_) => got.ok_or(Error::Pool(last)),
             Err(Error::Timeout) => Err(Error::Pool(last)),

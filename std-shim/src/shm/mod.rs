@@ -250,8 +250,8 @@ pub struct LocalWire {
     first_lane: usize,
     /// A sleeper asked the peers to ring: the next call tells them it is awake.
     slept: bool,
-    /// A lane stopped for want of a buffer as this side went to sleep: the
-    /// sleeper waits on the pool's bell too (cleared before the next read).
+    /// A lane stopped for want of a buffer at the last read: a sleeper that
+    /// reads waits on the pool's bell too (see `look_at_pool`).
     dry: bool,
     closed: bool,
     /// Where device messages from same-host peers land (and what lets this
@@ -306,6 +306,8 @@ impl LocalWire {
         tcp.same_host = Some(offer);
         tcp.takes_offers = true;
         let mut t = TcpTransport::new(Arc::clone(&pool), tcp, tcp_kind)?;
+        // One pool for the lanes and the TCP side: one clear for both.
+        t.leave_bell_to_owner();
         // Its readiness comes with the TCP side's: `accept` only then.
         t.watch(listener.fd())?;
         let max = u32::try_from(t.max_message()).unwrap_or(u32::MAX);
@@ -712,11 +714,7 @@ impl LocalWire {
         // timers run in seconds, and a clock read per poll would cost a
         // spinning receiver a quarter of its time.
         let now = self.clock;
-        if self.dry {
-            // Before the look at the pool: a buffer back after it rings anew.
-            self.pool.bell().clear();
-            self.dry = false;
-        }
+        let mut dry = false;
         let n = self.lanes.len();
         self.first_lane = if self.first_lane + 1 < n {
             self.first_lane + 1
@@ -731,9 +729,21 @@ impl LocalWire {
             // Most of many same-host peers say nothing most of the time.
             if self.lanes.entry(slot).is_some_and(|(_, l)| !l.quiet()) {
                 took |= self.read_lane(slot, now);
+                dry |= self.lanes.entry(slot).is_some_and(|(_, l)| l.dry);
             }
         }
+        self.dry = dry;
         took || self.arrivals.len() != before
+    }
+
+    /// Before a read pass looks at the pool, where the last stopped for
+    /// want of a buffer (a lane or the TCP side): takes the pool's rings,
+    /// so that a buffer given back after this look rings anew. Once for all
+    /// of this wire's parts, which share the pool and its bell.
+    fn look_at_pool(&mut self) {
+        if self.dry || self.tcp.pool_dry() {
+            self.pool.bell().clear();
+        }
     }
 
     /// One lane's read and flush at `now`: whether it took, moved or
@@ -838,6 +848,7 @@ impl LocalWire {
 
     fn pass(&mut self) -> bool {
         self.awake();
+        self.look_at_pool();
         let mut any = self.tcp.progress().unwrap_or(false);
         // The lanes are read before new ones are set up: a lane is never
         // announced and read in one `try_recv`, so an application that
@@ -918,6 +929,7 @@ impl Transport for LocalWire {
     fn try_recv(&mut self) -> Result<Received<ShmLease>, Error> {
         self.awake();
         if self.arrivals.is_empty() {
+            self.look_at_pool();
             self.polls = self.polls.wrapping_add(1);
             // (A redial is due within milliseconds: every poll looks then.)
             let side = (self.polls % CLOCK_EVERY == 0 || !self.redials.is_empty())
@@ -1010,7 +1022,7 @@ impl Wire for LocalWire {
         for (_, l) in self.lanes.iter() {
             l.poll_fds(out);
         }
-        if self.dry {
+        if (self.dry || self.tcp.pool_dry()) && waiter.reads() {
             out.extend(self.pool.bell().fd().map(|fd| libc::pollfd {
                 fd,
                 events: libc::POLLIN,
@@ -1024,7 +1036,6 @@ impl Wire for LocalWire {
         let mut any = self.tcp.prepare_sleep(waiter) || !self.arrivals.is_empty();
         for (_, l) in self.lanes.iter_mut() {
             any |= l.prepare_sleep();
-            self.dry |= l.dry;
         }
         any
     }
@@ -1073,6 +1084,9 @@ impl Wire for LocalWire {
 
     fn background_progress(&mut self, read: bool) -> Result<bool, Error> {
         self.awake();
+        if read {
+            self.look_at_pool();
+        }
         let mut any = self.tcp.background_progress(read)?;
         // As `pass`: reads first, so a peer is judged on what it sent.
         if read {

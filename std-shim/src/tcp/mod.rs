@@ -291,6 +291,9 @@ pub struct TcpTransport {
     last: Option<usize>,
     /// The last reading pass found a message it could not lease a buffer for.
     pool_dry: bool,
+    /// The pool's bell is this transport's to clear and poll (not where an
+    /// owner shares the pool between wires: see [`Self::leave_bell_to_owner`]).
+    owns_bell: bool,
     /// Bytes queued over all peers (each peer's `queued_bytes`, summed as they change).
     queued_total: usize,
     closed: bool,
@@ -351,6 +354,7 @@ impl TcpTransport {
             polls: 0,
             last: None,
             pool_dry: false,
+            owns_bell: true,
             queued_total: 0,
             closed: false,
         })
@@ -359,6 +363,18 @@ impl TcpTransport {
     /// The receive pool.
     pub fn pool(&self) -> &Arc<StdPool> {
         &self.pool
+    }
+
+    /// For an owner that reads its own wires from the same pool (the
+    /// same-host lane): it clears and polls the pool's bell once for all of
+    /// them, since one wire's clear would take a ring another's sleep needs.
+    pub(crate) fn leave_bell_to_owner(&mut self) {
+        self.owns_bell = false;
+    }
+
+    /// The last reading pass stopped for want of a buffer.
+    pub(crate) fn pool_dry(&self) -> bool {
+        self.pool_dry
     }
 
     /// The longest message it takes (what its Hello tells peers).
@@ -896,8 +912,8 @@ impl Wire for TcpTransport {
         }
         // A peer stopped for want of a buffer goes on once one comes back,
         // whichever thread gives it back (the pool's bell, cleared before
-        // the read that found the pool dry).
-        if self.pool_dry {
+        // the read that found the pool dry), for a waiter that reads.
+        if self.pool_dry && self.owns_bell && waiter.reads() {
             out.extend(self.pool.bell().fd().map(fd));
         }
     }

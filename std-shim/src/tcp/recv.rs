@@ -161,7 +161,9 @@ impl TcpTransport {
         let before = self.arrivals.len();
         if self.pool_dry {
             // Before the look at the pool: a buffer back after it rings anew.
-            self.pool.bell().clear();
+            if self.owns_bell {
+                self.pool.bell().clear();
+            }
             self.pool_dry = false;
         }
         for _ in 0..self.hot_read.len() {
