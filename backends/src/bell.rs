@@ -83,6 +83,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "miri has no poll(2)")]
     fn a_rung_bell_is_readable_until_cleared() {
         let bell = HostBell::default();
         assert!(!readable(&bell), "a new bell is quiet");

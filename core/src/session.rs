@@ -1466,10 +1466,14 @@ impl Session {
         // for them: else two sides low on credits would answer each other's
         // answers for ever. A peer left with none cannot return what it
         // owes: it gets one if it waits, or if this side does.
+        // Where both wait (each on its last credit), one gives and the other
+        // keeps: two that both gave would cross and stand where they were,
+        // for ever. The side with the lower token gives.
         let fresh = owed > self.echo_frames;
+        let gives = !self.stalled() || self.peer.is_some_and(|p| self.token < p.token);
         let starved = match self.rx_frames_allowed {
             0 => self.peer_waiting || self.stalled(),
-            1 => fresh || self.peer_waiting,
+            1 => fresh || (self.peer_waiting && gives),
             _ => false,
         };
         let frames = self.config.ring != 0

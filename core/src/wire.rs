@@ -170,9 +170,10 @@ pub struct Credit {
     /// Message bytes the receiver takes in all, counted from the first
     /// message: the sender may start a message that ends at or below it.
     pub limit: u64,
-    /// The sender is out of frame credits (flag bit 0): the receiver
-    /// returns what it owes at once, however little, and each slot it
-    /// reposts after, until the sender has two credits again.
+    /// Something of the sender's (a data frame, a Want, the Close) waits for
+    /// frame credits (flag bit 0): the receiver returns the slots credit
+    /// frames took at once to it where it is short of two (see
+    /// `Session::credit_due`).
     pub waiting: bool,
 }
 

@@ -1534,6 +1534,32 @@ fn echoes_go_at_once_only_where_something_waits() {
     }
 }
 
+/// Two sides each on its last credit with a message queued, each holding
+/// every other buffer of a 64-slot ring, each given one buffer back at once:
+/// they fall quiet again (found by a helper's search: both answered the
+/// other's credit frame with the slot it took, the two frames crossed, and
+/// each stood where it was, for ever; one side, the lower token's, gives).
+#[test]
+fn two_sides_both_waiting_do_not_answer_each_other_for_ever() {
+    let cfg = SessionConfig {
+        max_message: 1024,
+        ..ring(64, 64)
+    };
+    let (mut a, mut b) = open_pair(cfg, cfg);
+    a.holding = true;
+    b.holding = true;
+    for _ in 0..64 {
+        a.send(b"x").unwrap();
+        b.send(b"y").unwrap();
+    }
+    exchange(&mut a, &mut b, T0).unwrap();
+    assert_eq!((a.held(), b.held()), (63, 63));
+    assert_eq!((a.queued(), b.queued()), (1, 1));
+    a.give_back(1);
+    b.give_back(1);
+    exchange(&mut a, &mut b, T0).unwrap(); // panics on a livelock
+}
+
 /// On its last frame credit a side sends only a credit frame that returns
 /// slots: news alone (that it waits, a byte limit) would leave it with none,
 /// and two sides doing so at once were both left with none, each owing the

@@ -48,7 +48,10 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             )
             .map_err(at)?;
         let ring = usable_depth(ev.peer_depth)?;
-        conn.session = Session::new(self.session_config(), 0, self.now()).with_peer_ring(ring);
+        // Tokens tell the two ends of a connection apart: the accepting
+        // side's is the lower, so it is the one that yields where both wait
+        // for ring credits (see `Session::credit_due`).
+        conn.session = Session::new(self.session_config(), 1, self.now()).with_peer_ring(ring);
         conn.established = true;
         conn.addr = Some(addr);
         let (i, peer) = self
