@@ -714,7 +714,8 @@ impl LocalWire {
         // timers run in seconds, and a clock read per poll would cost a
         // spinning receiver a quarter of its time.
         let now = self.clock;
-        let mut dry = false;
+        // (Set again by each lane read below that stops for a buffer.)
+        self.dry = false;
         let n = self.lanes.len();
         self.first_lane = if self.first_lane + 1 < n {
             self.first_lane + 1
@@ -729,10 +730,8 @@ impl LocalWire {
             // Most of many same-host peers say nothing most of the time.
             if self.lanes.entry(slot).is_some_and(|(_, l)| !l.quiet()) {
                 took |= self.read_lane(slot, now);
-                dry |= self.lanes.entry(slot).is_some_and(|(_, l)| l.dry);
             }
         }
-        self.dry = dry;
         took || self.arrivals.len() != before
     }
 
@@ -761,6 +760,7 @@ impl LocalWire {
             &mut self.arrivals,
             self.config.inbox_messages,
         );
+        self.dry |= l.dry;
         if let Outcome::Bad(e) = outcome {
             self.drop_lane(slot, Some(e));
             return true;
