@@ -169,6 +169,35 @@ fn deliver(from: &mut Side, to: &mut Side, now: Instant) {
     }
 }
 
+/// Moves every frame either side has to send to the other until neither
+/// has any (true), or 10 000 rounds (false); with `take`, the applications
+/// consume every message and grant every want after each round.
+fn settle(a: &mut Side, b: &mut Side, now: Instant, take: bool) -> bool {
+    for _ in 0..10_000 {
+        let (fa, fb) = (a.peer.transmit(), b.peer.transmit());
+        a.wire.extend(fa);
+        b.wire.extend(fb);
+        if a.wire.is_empty() && b.wire.is_empty() {
+            return true;
+        }
+        while !a.wire.is_empty() {
+            deliver(a, b, now);
+        }
+        while !b.wire.is_empty() {
+            deliver(b, a, now);
+        }
+        if take {
+            for s in [&mut *a, &mut *b] {
+                while let Some(len) = s.inbox.pop_front() {
+                    s.peer.consume(len);
+                }
+                s.peer.session.grant(now);
+            }
+        }
+    }
+    false
+}
+
 fn side_mut<'a>(a: &'a mut Side, b: &'a mut Side, which: bool) -> (&'a mut Side, &'a mut Side) {
     if which {
         (b, a)
@@ -339,24 +368,8 @@ fuzz_target!(|setup: Setup| {
     }
     // No fault. While the applications still hold what they hold, the two
     // fall quiet (a frame that only answers a frame would go on for ever).
-    let mut quiet = false;
-    for _ in 0..10_000 {
-        let (fa, fb) = (a.peer.transmit(), b.peer.transmit());
-        a.wire.extend(fa);
-        b.wire.extend(fb);
-        if a.wire.is_empty() && b.wire.is_empty() {
-            quiet = true;
-            break;
-        }
-        while !a.wire.is_empty() {
-            deliver(&mut a, &mut b, now);
-        }
-        while !b.wire.is_empty() {
-            deliver(&mut b, &mut a, now);
-        }
-    }
     assert!(
-        quiet,
+        settle(&mut a, &mut b, now, false),
         "frames traded for ever while buffers were held: a livelock"
     );
     // Then every buffer back: everything in flight arrives, every message is
@@ -365,29 +378,10 @@ fuzz_target!(|setup: Setup| {
         s.peer.holding = false;
         s.peer.give_back(u32::MAX);
     }
-    let mut quiet = false;
-    for _ in 0..10_000 {
-        let (fa, fb) = (a.peer.transmit(), b.peer.transmit());
-        a.wire.extend(fa);
-        b.wire.extend(fb);
-        if a.wire.is_empty() && b.wire.is_empty() {
-            quiet = true;
-            break;
-        }
-        while !a.wire.is_empty() {
-            deliver(&mut a, &mut b, now);
-        }
-        while !b.wire.is_empty() {
-            deliver(&mut b, &mut a, now);
-        }
-        for s in [&mut a, &mut b] {
-            while let Some(len) = s.inbox.pop_front() {
-                s.peer.consume(len);
-            }
-            s.peer.session.grant(now);
-        }
-    }
-    assert!(quiet, "the sessions never fell quiet: a livelock");
+    assert!(
+        settle(&mut a, &mut b, now, true),
+        "the sessions never fell quiet: a livelock"
+    );
     assert!(!a.failed && !b.failed, "a fault-free run failed");
     if a.moved || b.moved {
         // The offer was taken: both sessions moved, nothing crossed.

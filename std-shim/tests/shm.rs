@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use zerohop_core::{Error, Kind, PeerId};
+use zerohop_core::{Error, Kind, PeerId, Received};
 use zerohop_std::shm::{LocalWire, ShmConfig, ShmLease, LANE_BIT};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 use zerohop_std::{
@@ -564,6 +564,39 @@ fn a_slice_send_took_is_pending_until_the_peer_has_it() {
     assert!(host_bytes(&r.lease) == m, "intact");
 }
 
+/// The `i`-th message of [`dry_server`]'s client: one 4 KiB buffer each.
+fn dry_msg(i: usize) -> Vec<u8> {
+    vec![i as u8; 4000]
+}
+
+/// A server (with `config`) whose application holds every buffer of its
+/// 256 KiB pool (64 of 4 KiB: `dry_msg(0..64)`), while `dry_msg(64)` waits
+/// in its ring; the client, kept alive beside it.
+fn dry_server(
+    config: EndpointConfig,
+) -> (
+    Endpoint<LocalWire>,
+    Endpoint<LocalWire>,
+    Vec<Received<ShmLease>>,
+) {
+    let pool = heap_pool(256 << 10).unwrap();
+    let mut t = wire(&pool);
+    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let server = Endpoint::new(t, config).unwrap();
+    let (client, peer) = connect_in(addr, self::pool(false));
+    let _from = accepted(&server);
+    for i in 0..65 {
+        client
+            .send(peer, &dry_msg(i), Deadline::after(WAIT), None)
+            .unwrap();
+    }
+    let held: Vec<_> = (0..64)
+        .map(|_| server.recv(Deadline::after(WAIT), None).unwrap())
+        .collect();
+    assert_eq!(pool.stats().budget, pool.stats().used_bytes, "all held");
+    (server, client, held)
+}
+
 /// A receiver whose pool is dry (the application holds every buffer) while
 /// a message waits in its ring sleeps until a buffer comes back, noticed
 /// within the poll interval, rather than spinning on bytes it cannot take
@@ -571,20 +604,7 @@ fn a_slice_send_took_is_pending_until_the_peer_has_it() {
 #[test]
 fn a_receiver_whose_pool_is_dry_sleeps_and_takes_the_message_once_a_buffer_is_back() {
     let _one = serial();
-    // One 256 KiB chunk: 64 buffers of 4 KiB.
-    let (server, addr, server_pool) = listener_in(heap_pool(256 << 10).unwrap());
-    let (client, peer) = connect_in(addr, pool(false));
-    let _from = accepted(&server);
-    let m = |i: usize| vec![i as u8; 4000];
-    for i in 0..65 {
-        client
-            .send(peer, &m(i), Deadline::after(WAIT), None)
-            .unwrap();
-    }
-    let mut held: Vec<_> = (0..64)
-        .map(|_| server.recv(Deadline::after(WAIT), None).unwrap())
-        .collect();
-    assert_eq!(server_pool.stats().budget, server_pool.stats().used_bytes);
+    let (server, _client, mut held) = dry_server(EndpointConfig::default());
     let (cpu, t0) = (thread_cpu(), Instant::now());
     assert_eq!(
         server
@@ -596,10 +616,13 @@ fn a_receiver_whose_pool_is_dry_sleeps_and_takes_the_message_once_a_buffer_is_ba
     let (cpu, wall) = (thread_cpu() - cpu, t0.elapsed());
     assert!(cpu < wall / 3, "recv spun: {cpu:?} of CPU in {wall:?}");
     let first = held.remove(0);
-    assert!(host_bytes(&first.lease) == m(0));
+    assert!(host_bytes(&first.lease) == dry_msg(0));
     drop(first);
     let last = server.recv(Deadline::after(WAIT), None).unwrap();
-    assert!(host_bytes(&last.lease) == m(64), "the waiting one, intact");
+    assert!(
+        host_bytes(&last.lease) == dry_msg(64),
+        "the waiting one, intact"
+    );
 }
 
 /// A receiver asleep on a dry pool wakes when another thread gives a buffer
@@ -612,22 +635,7 @@ fn a_buffer_given_back_by_another_thread_wakes_a_receiver_asleep_on_a_dry_pool()
         poll_interval: Duration::from_secs(3600),
         ..EndpointConfig::default()
     };
-    let pool = heap_pool(256 << 10).unwrap(); // 64 buffers of 4 KiB
-    let mut t = wire(&pool);
-    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
-    let server = Endpoint::new(t, slow_looks).unwrap();
-    let (client, peer) = connect_in(addr, self::pool(false));
-    let _from = accepted(&server);
-    let m = |i: usize| vec![i as u8; 4000];
-    for i in 0..65 {
-        client
-            .send(peer, &m(i), Deadline::after(WAIT), None)
-            .unwrap();
-    }
-    let mut held: Vec<_> = (0..64)
-        .map(|_| server.recv(Deadline::after(WAIT), None).unwrap())
-        .collect();
-    assert_eq!(pool.stats().budget, pool.stats().used_bytes, "all held");
+    let (server, _client, mut held) = dry_server(slow_looks);
     let first = held.remove(0);
     let giver = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(200)); // the receiver asleep by then
@@ -644,7 +652,10 @@ fn a_buffer_given_back_by_another_thread_wakes_a_receiver_asleep_on_a_dry_pool()
         "asleep {waited:?} after the buffer came back"
     );
     let last = last.unwrap();
-    assert!(host_bytes(&last.lease) == m(64), "the waiting one, intact");
+    assert!(
+        host_bytes(&last.lease) == dry_msg(64),
+        "the waiting one, intact"
+    );
 }
 
 /// CPU time this thread has used.

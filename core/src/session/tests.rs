@@ -1610,7 +1610,8 @@ fn two_sides_whose_applications_hold_every_buffer_never_stop_for_good() {
         held: u32,
         got: u64,
     }
-    fn transmit(x: &mut Side, out: &mut std::collections::VecDeque<Vec<u8>>, more: bool) -> usize {
+    type Wire = std::collections::VecDeque<Vec<u8>>;
+    fn transmit(x: &mut Side, out: &mut Wire, more: bool) -> usize {
         while more && x.queue.len() < 3 {
             match x.s.send(8) {
                 Ok(m) => x.queue.push_back(m),
@@ -1658,6 +1659,41 @@ fn two_sides_whose_applications_hold_every_buffer_never_stop_for_good() {
             _ => y.s.reposted(1),
         }
     }
+    // One move of either side, picked at random: it transmits (starting new
+    // messages if `more`), or a frame of its reaches the other, held there.
+    fn step(pick: u64, a: &mut Side, b: &mut Side, ab: &mut Wire, ba: &mut Wire, more: bool) {
+        match pick {
+            0 => drop(transmit(a, ab, more)),
+            1 => drop(transmit(b, ba, more)),
+            2 => {
+                if let Some(f) = ab.pop_front() {
+                    deliver(b, &f, true)
+                }
+            }
+            _ => {
+                if let Some(f) = ba.pop_front() {
+                    deliver(a, &f, true)
+                }
+            }
+        }
+    }
+    // Random moves until nothing is in flight and neither side has a frame
+    // to send (true), or 100 000 moves (false).
+    fn falls_quiet(
+        next: &mut impl FnMut() -> u64,
+        (a, b): (&mut Side, &mut Side),
+        (ab, ba): (&mut Wire, &mut Wire),
+        more: bool,
+    ) -> bool {
+        for _ in 0..100_000 {
+            step(next(), a, b, ab, ba, more);
+            if ab.is_empty() && ba.is_empty() && transmit(a, ab, more) + transmit(b, ba, more) == 0
+            {
+                return true;
+            }
+        }
+        false
+    }
     // (Under miri, a few schedules of the shallowest ring: it runs each
     // step a hundred times slower.)
     let (rings, seeds): (&[u16], u64) = if cfg!(miri) {
@@ -1699,32 +1735,8 @@ fn two_sides_whose_applications_hold_every_buffer_never_stop_for_good() {
             }
             // Both send while both applications hold every buffer: it must
             // fall quiet (no credit frames traded for ever).
-            let mut quiet = false;
-            for _ in 0..100_000 {
-                match next() {
-                    0 => drop(transmit(&mut a, &mut ab, true)),
-                    1 => drop(transmit(&mut b, &mut ba, true)),
-                    2 => {
-                        if let Some(f) = ab.pop_front() {
-                            deliver(&mut b, &f, true)
-                        }
-                    }
-                    _ => {
-                        if let Some(f) = ba.pop_front() {
-                            deliver(&mut a, &f, true)
-                        }
-                    }
-                }
-                if ab.is_empty()
-                    && ba.is_empty()
-                    && transmit(&mut a, &mut ab, true) + transmit(&mut b, &mut ba, true) == 0
-                {
-                    quiet = true;
-                    break;
-                }
-            }
             assert!(
-                quiet,
+                falls_quiet(&mut next, (&mut a, &mut b), (&mut ab, &mut ba), true),
                 "ring {ring_depth}, seed {seed}: credit frames traded while dry"
             );
             // One buffer back on each side, then each message taken is held
@@ -1740,20 +1752,7 @@ fn two_sides_whose_applications_hold_every_buffer_never_stop_for_good() {
                 if a.got > ga && b.got > gb {
                     break;
                 }
-                match next() {
-                    0 => drop(transmit(&mut a, &mut ab, true)),
-                    1 => drop(transmit(&mut b, &mut ba, true)),
-                    2 => {
-                        if let Some(f) = ab.pop_front() {
-                            deliver(&mut b, &f, true)
-                        }
-                    }
-                    _ => {
-                        if let Some(f) = ba.pop_front() {
-                            deliver(&mut a, &f, true)
-                        }
-                    }
-                }
+                step(next(), &mut a, &mut b, &mut ab, &mut ba, true);
             }
             assert!(
                 a.got > ga && b.got > gb,
@@ -1766,32 +1765,8 @@ fn two_sides_whose_applications_hold_every_buffer_never_stop_for_good() {
             // credits each is left with (found by the `session` fuzz target:
             // two sides with one credit each answered each other's credit
             // frames for ever).
-            let mut quiet = false;
-            for _ in 0..100_000 {
-                match next() {
-                    0 => drop(transmit(&mut a, &mut ab, false)),
-                    1 => drop(transmit(&mut b, &mut ba, false)),
-                    2 => {
-                        if let Some(f) = ab.pop_front() {
-                            deliver(&mut b, &f, true)
-                        }
-                    }
-                    _ => {
-                        if let Some(f) = ba.pop_front() {
-                            deliver(&mut a, &f, true)
-                        }
-                    }
-                }
-                if ab.is_empty()
-                    && ba.is_empty()
-                    && transmit(&mut a, &mut ab, false) + transmit(&mut b, &mut ba, false) == 0
-                {
-                    quiet = true;
-                    break;
-                }
-            }
             assert!(
-                quiet,
+                falls_quiet(&mut next, (&mut a, &mut b), (&mut ab, &mut ba), false),
                 "ring {ring_depth}, seed {seed}: credit frames traded, nothing to send"
             );
         }
