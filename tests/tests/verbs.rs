@@ -554,6 +554,45 @@ fn two_peers_out_of_credits_with_data_queued_still_return_credits() {
     );
 }
 
+#[test]
+fn a_long_message_still_under_way_when_the_peer_closes_arrives_whole() {
+    // The receiver closes while the sender's message, many rings long, is
+    // under way. The receiver sends no more data, but its credit frames for
+    // the rest of the message take the sender's receive slots: the sender
+    // must go on reposting them until it has closed too. It stopped at the
+    // peer's Close, so after a few credit frames the message stalled.
+    let config = RdmaConfig {
+        fragment: 4096,
+        ..small_ring()
+    };
+    let Some((mut a, mut b, peer)) = raw_pair(19_140, config) else {
+        return;
+    };
+    // 8 slots of 4 KiB: 1 MiB is 256 frames, 32 turns of the ring.
+    let m: Vec<u8> = (0..1u32 << 20).map(|i| (i * 13 + i / 4096) as u8).collect();
+    a.try_send(peer, &m).unwrap();
+    b.close().unwrap();
+    let until = std::time::Instant::now() + WAIT;
+    let r = next_driving(&mut b, &mut a, until).expect("the message stalled after the close");
+    assert_eq!(host_bytes(&r.lease), &m[..]);
+    drop(r);
+    a.close().unwrap();
+    // Both closed: each side lets the connection go, and every buffer is back.
+    while a.peer_count() + b.peer_count() > 0 {
+        assert!(
+            std::time::Instant::now() < until,
+            "the closed pair never parted"
+        );
+        a.progress().unwrap();
+        b.progress().unwrap();
+    }
+    assert_eq!(
+        a.send_pool().stats().leases,
+        0,
+        "the sender's buffers are back"
+    );
+}
+
 /// Polls `t` for a message, driving `other` as well (its queued frames, or
 /// the credits it owes, may be what `t` waits for), until `until`.
 fn next_driving(

@@ -66,10 +66,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// which returns them to the peer as credit. A delivered message's slot
     /// is refilled here, at the caller's next call — after the reply it
     /// sends, for one that answers — so the lease and the post stay off the
-    /// round trip's path.
+    /// round trip's path. A peer that closed still sends credit frames for
+    /// what this side is sending: the slots are posted until both closed.
     pub(super) fn refill(pool: &Arc<M::Pool>, fragment: usize, conn: &mut Conn<M>) {
         conn.recv_dry = false;
-        if conn.session.peer_closed() {
+        if conn.session.is_finished() {
             return;
         }
         while let Some(&slot) = conn.unposted.last() {
