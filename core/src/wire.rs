@@ -198,8 +198,9 @@ impl Credit {
             frames: self.frames.saturating_add(later.frames),
             limit: self.limit.max(later.limit),
             waiting: later.waiting,
-            notice: self.notice || later.notice,
-            refill: self.refill || later.refill,
+            // Stream wires have no notice slot.
+            notice: false,
+            refill: false,
         }
     }
 }
