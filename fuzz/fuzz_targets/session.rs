@@ -31,7 +31,6 @@ use zerohop_core::session::{
     HostOffer, HostRole, Instant, SendError, SessionConfig, MIN_RATE, MIN_RING,
 };
 use zerohop_core::testing::{SimEvent, SimFrame, SimPeer};
-use zerohop_core::wire::FrameKind;
 
 #[derive(Arbitrary, Debug)]
 struct Setup {
@@ -171,20 +170,11 @@ fn deliver(from: &mut Side, to: &mut Side, now: Instant) {
 }
 
 /// Moves every frame either side has to send to the other until neither
-/// has any (true), or 10 000 rounds in which no data frame moved (false: a
-/// trade of control frames); with `take`, the applications consume every
-/// message and grant every want after each round. (Data may trickle a
-/// fragment a round for long: a side short of slots is answered slot by
-/// slot.)
+/// has any (true), or 10 000 rounds (false); with `take`, the applications
+/// consume every message and grant every want after each round.
 fn settle(a: &mut Side, b: &mut Side, now: Instant, take: bool) -> bool {
-    let mut idle = 0;
-    while idle < 10_000 {
+    for _ in 0..10_000 {
         let (fa, fb) = (a.peer.transmit(), b.peer.transmit());
-        idle = if fa.iter().chain(&fb).any(is_data) {
-            0
-        } else {
-            idle + 1
-        };
         a.wire.extend(fa);
         b.wire.extend(fb);
         if a.wire.is_empty() && b.wire.is_empty() {
@@ -206,14 +196,6 @@ fn settle(a: &mut Side, b: &mut Side, now: Instant, take: bool) -> bool {
         }
     }
     false
-}
-
-/// A data frame (headerless, or a header of the data kind).
-fn is_data(f: &SimFrame) -> bool {
-    match f {
-        SimFrame::Headerless { .. } => true,
-        SimFrame::Framed(v) => v.get(3) == Some(&(FrameKind::Data as u8)),
-    }
 }
 
 fn side_mut<'a>(a: &'a mut Side, b: &'a mut Side, which: bool) -> (&'a mut Side, &'a mut Side) {
