@@ -661,6 +661,8 @@ pub struct Session {
     peer_waiting: bool,
     /// This side's last Credit frame said so (what the peer believes).
     said_waiting: bool,
+    /// This side sent a notice since its last other Credit frame.
+    noticed: bool,
 
     /// This side's notice slot at the peer is free (see [`NOTICE_SLOTS`]).
     reserve: bool,
@@ -733,6 +735,7 @@ impl Session {
             echo_frames: 0,
             peer_waiting: false,
             said_waiting: false,
+            noticed: false,
             reserve: true,
             peer_reserve: true,
             host_sent: false,
@@ -1064,6 +1067,7 @@ impl Session {
         };
         self.spend_frame();
         self.frame_stall_counted = false;
+        self.noticed = false;
         msg.first = false;
         msg.framed += len;
         if last {
@@ -1196,6 +1200,7 @@ impl Session {
     fn credit_frame(&mut self, notice: bool) -> Frame {
         self.rx_limit_sent = self.rx_limit;
         self.said_waiting = self.stalled();
+        self.noticed |= notice;
         let refill = RINGS && self.refill_due();
         let mut frames = self.take_owed(u32::MAX);
         if refill {
@@ -1219,11 +1224,11 @@ impl Session {
     /// can say it (no credit, or the last with nothing to return); or,
     /// with no credit, slots that let the waiting peer post data.
     fn notice_due(&self) -> bool {
-        // Or: both wait, and this side, the one to give, has nothing: the
-        // slot its notice takes is fresh to the peer, which returns it at
-        // once with the slots it keeps.
+        // Or: both wait, this side is the one to give and has nothing. Once
+        // between its data frames (each such notice lets the peer give).
         let lower = self.peer.is_some_and(|p| self.token < p.token);
-        let empty = self.stalled() && self.peer_waiting && lower && self.owed_frames == 0;
+        let empty =
+            self.stalled() && self.peer_waiting && lower && !self.noticed && self.owed_frames == 0;
         let tell = (self.stalled() && !self.said_waiting) || empty;
         RINGS
             && self.reserve
@@ -1241,9 +1246,9 @@ impl Session {
     /// post data (two, the first refilling its notice slot where a notice
     /// took it). One slot more or less is not worth a frame each way.
     fn helps(&self) -> bool {
-        let slots = self.rx_frames_allowed + self.owed_frames;
-        let usable = slots.saturating_sub(u32::from(!self.peer_reserve));
-        self.peer_waiting && self.owed_frames > 0 && usable >= 2
+        let owed = self.owed_frames;
+        let refill = u32::from(owed > 0 && !self.peer_reserve);
+        self.peer_waiting && owed > 0 && self.rx_frames_allowed + owed - refill >= 2
     }
 
     /// The peer's notice slot waits to be refilled by a Credit frame.
@@ -1573,10 +1578,9 @@ impl Session {
         };
         // Something of this side's waits and the peer does not know it.
         let tell = self.stalled() && !self.said_waiting;
-        // (Each reason but `tell` implies slots owed; `tell` without any
-        // is kept off the last credit below.)
-        let frames =
-            self.rings() && (owed >= u32::from(self.config.ring / 4).max(2) || starved || tell);
+        let frames = self.rings()
+            && owed > 0
+            && (owed >= u32::from(self.config.ring / 4).max(2) || starved || tell);
         let moved = self.rx_limit - self.rx_limit_sent;
         let bytes = moved > 0
             && (moved >= u64::from(self.config.window / 4).max(1)
@@ -1702,7 +1706,7 @@ impl Session {
         match frame {
             Frame::Hello(_) => Err(ProtocolError::UnexpectedHello),
             Frame::Credit(c) => {
-                // A notice's slot goes back as a fresh one: the peer waits.
+                // A notice's slot goes back as any other: the peer waits.
                 if self.rings() && !c.notice {
                     self.echo_frames = self.echo_frames.saturating_add(1);
                 }

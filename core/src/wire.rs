@@ -198,9 +198,8 @@ impl Credit {
             frames: self.frames.saturating_add(later.frames),
             limit: self.limit.max(later.limit),
             waiting: later.waiting,
-            // Stream wires have no notice slot.
-            notice: false,
-            refill: false,
+            notice: self.notice || later.notice,
+            refill: self.refill || later.refill,
         }
     }
 }
