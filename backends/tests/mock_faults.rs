@@ -283,7 +283,7 @@ fn a_peer_of_another_version_is_refused_by_name() {
         tx.try_recv().unwrap_err(),
         Error::Protocol {
             peer: PEER,
-            error: ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 2, ours: 5 })
+            error: ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 2, ours: 4 })
         }
     );
 }

@@ -559,27 +559,12 @@ struct PendingFrame {
     last: bool,
 }
 
-/// Receive slots a ring wire posts beyond the ring its Hello announces:
-/// the peer's *notice slot*. A side whose frame credits are spent (or down
-/// to the last, which only a frame returning slots may take) and that owes
-/// nothing could not say that something of its waits; the peer, holding
-/// slots that Credit frames took, returns them only to a side that waits.
-/// A Credit frame with [`Credit::notice`] set says it in this slot, once
-/// until the peer's Credit frame with [`Credit::refill`] gives it back: the
-/// slot is never a frame credit, so it cannot leave both sides short.
-pub const NOTICE_SLOTS: u16 = 1;
-
 /// A headerless frame's immediate data: credits in the low 16 bits.
 const IMM_CREDITS: u32 = 0xFFFF;
 
 /// Whether this build runs the same-host exchange (the `same-host` feature):
 /// without it, every session acts as [`HostRole::None`].
 const SAME_HOST: bool = cfg!(feature = "same-host");
-
-/// Whether this build has frame credits for ring wires (the `ring-credits`
-/// feature): without it, a session announces no ring and keeps no count of
-/// the peer's, whatever its configuration says.
-const RINGS: bool = cfg!(feature = "ring-credits");
 
 /// Whether this build holds a message under way to
 /// [`SessionConfig::min_rate`] (the `min-rate` feature): without it, the
@@ -659,16 +644,6 @@ pub struct Session {
     /// The peer's last Credit frame said something of its waits for frame
     /// credits.
     peer_waiting: bool,
-    /// This side's last Credit frame said so (what the peer believes).
-    said_waiting: bool,
-    /// This side sent a notice since its last other Credit frame.
-    noticed: bool,
-
-    /// This side's notice slot at the peer is free (see [`NOTICE_SLOTS`]).
-    reserve: bool,
-    /// The peer's notice slot here is free: a notice took it, and this
-    /// side's next Credit frame refills it.
-    peer_reserve: bool,
 
     // The same-host exchange (see [`HostRole`]).
     /// This side's Host frame has been handed out.
@@ -734,10 +709,6 @@ impl Session {
             owed_frames: 0,
             echo_frames: 0,
             peer_waiting: false,
-            said_waiting: false,
-            noticed: false,
-            reserve: true,
-            peer_reserve: true,
             host_sent: false,
             host_settled: !SAME_HOST || matches!(config.host, HostRole::None),
             host_offered: None,
@@ -756,16 +727,9 @@ impl Session {
     /// then announce the same ring.
     #[must_use]
     pub fn with_peer_ring(mut self, ring: u16) -> Session {
-        if RINGS {
-            self.tx_frames = Some(u32::from(ring));
-            self.told_ring = Some(ring);
-        }
+        self.tx_frames = Some(u32::from(ring));
+        self.told_ring = Some(ring);
         self
-    }
-
-    /// This wire counts frames against posted receive slots.
-    fn rings(&self) -> bool {
-        RINGS && self.config.ring != 0
     }
 
     // ----- getters -----
@@ -1067,7 +1031,6 @@ impl Session {
         };
         self.spend_frame();
         self.frame_stall_counted = false;
-        self.noticed = false;
         msg.first = false;
         msg.framed += len;
         if last {
@@ -1099,19 +1062,7 @@ impl Session {
     /// credit while owing each other, and credit frames answering credit
     /// frames (one slot each) die out.
     pub fn poll_control(&mut self) -> Option<Control> {
-        if self.failed.is_some() || self.is_moved() {
-            return None;
-        }
-        if self.notice_due() {
-            // In the notice slot: no frame credit spent.
-            self.reserve = false;
-            let frame = self.credit_frame(true);
-            return Some(Control {
-                kind: frame.kind(),
-                header: frame.encode(&[]),
-            });
-        }
-        if self.tx_frames == Some(0) {
+        if self.failed.is_some() || self.tx_frames == Some(0) || self.is_moved() {
             return None;
         }
         let frame = if !self.hello_sent {
@@ -1120,7 +1071,7 @@ impl Session {
                 window: self.config.window,
                 max_message: self.config.max_message,
                 frame_max: self.config.frame_max,
-                ring: if RINGS { self.config.ring } else { 0 },
+                ring: self.config.ring,
                 lane: 0,
                 takes: Takes::NONE
                     .with(Takes::HEADERLESS, self.config.takes_headerless)
@@ -1169,7 +1120,7 @@ impl Session {
             if !self.credit_due() {
                 return None;
             }
-            self.credit_frame(false)
+            self.credit_frame()
         } else if let (Some(len), false, true) =
             (self.want_due, self.close_sent, self.may_post_data())
         {
@@ -1184,7 +1135,7 @@ impl Session {
             self.close_sent = true;
             Frame::Close(Close { seq: self.tx_seq })
         } else if self.credit_due() {
-            self.credit_frame(false)
+            self.credit_frame()
         } else {
             return None;
         };
@@ -1195,72 +1146,20 @@ impl Session {
         })
     }
 
-    /// The Credit frame due now (see [`poll_control`](Self::poll_control)),
-    /// in the peer's notice slot or not.
-    fn credit_frame(&mut self, notice: bool) -> Frame {
+    /// The Credit frame due now (see [`poll_control`](Self::poll_control)).
+    fn credit_frame(&mut self) -> Frame {
         self.rx_limit_sent = self.rx_limit;
-        self.said_waiting = self.stalled();
-        self.noticed |= notice;
-        let refill = RINGS && self.refill_due();
-        let mut frames = self.take_owed(u32::MAX);
-        if refill {
-            // The slot take_owed holds back: not a frame credit.
-            self.owed_frames -= 1;
-            self.echo_frames = self.echo_frames.saturating_sub(1);
-            self.peer_reserve = true;
-            frames += 1;
-        }
         Frame::Credit(Credit {
-            frames,
+            frames: self.take_owed(u32::MAX),
             limit: self.rx_limit,
-            waiting: self.said_waiting,
-            notice,
-            refill,
+            waiting: self.stalled(),
         })
-    }
-
-    /// Whether a notice should go (see [`NOTICE_SLOTS`]): something waits
-    /// for frame credits, the peer does not know it, and no Credit frame
-    /// can say it (no credit, or the last with nothing to return); or,
-    /// with no credit, slots that let the waiting peer post data.
-    fn notice_due(&self) -> bool {
-        // Or: both wait, this side is the one to give and has nothing. Once
-        // between its data frames (each such notice lets the peer give).
-        let lower = self.peer.is_some_and(|p| self.token < p.token);
-        let empty =
-            self.stalled() && self.peer_waiting && lower && !self.noticed && self.owed_frames == 0;
-        let tell = (self.stalled() && !self.said_waiting) || empty;
-        RINGS
-            && self.reserve
-            && self.hello_sent
-            && self.peer.is_some()
-            && self.host_settled()
-            && match self.tx_frames {
-                Some(0) => tell || self.helps(),
-                Some(1) => tell && self.owed_frames == 0,
-                _ => false,
-            }
-    }
-
-    /// A waiting peer would be answered usefully: the slots owed let it
-    /// post data (two, the first refilling its notice slot where a notice
-    /// took it). One slot more or less is not worth a frame each way.
-    fn helps(&self) -> bool {
-        let owed = self.owed_frames;
-        let refill = u32::from(owed > 0 && !self.peer_reserve);
-        self.peer_waiting && owed > 0 && self.rx_frames_allowed + owed - refill >= 2
-    }
-
-    /// The peer's notice slot waits to be refilled by a Credit frame.
-    fn refill_due(&self) -> bool {
-        !self.peer_reserve && self.owed_frames > 0
     }
 
     /// Something of this side's waits for frame credits: a data frame, a
     /// Want, the Close.
     fn stalled(&self) -> bool {
-        RINGS
-            && self.tx_frames.is_some()
+        self.tx_frames.is_some()
             && !self.may_post_data()
             && (self.frame_stall_counted
                 || self.want_due.is_some()
@@ -1483,7 +1382,14 @@ impl Session {
         }
         // A ring wire's fragment came whole: its bytes count toward the
         // message's rate here (a stream driver told them as it read them).
-        self.heard(now, if self.rings() { p.len as usize } else { 0 });
+        self.heard(
+            now,
+            if self.config.ring != 0 {
+                p.len as usize
+            } else {
+                0
+            },
+        );
         self.partial = false;
         let Some(a) = self.assembly.as_mut() else {
             return Err(self.fail(ProtocolError::Fragment));
@@ -1535,12 +1441,9 @@ impl Session {
         e
     }
 
-    /// Reports up to `max` owed slots: they are the peer's again. One is
-    /// held back while the peer's notice slot waits for it (see
-    /// [`refill_due`](Self::refill_due)).
+    /// Reports up to `max` owed slots: they are the peer's again.
     fn take_owed(&mut self, max: u32) -> u32 {
-        let held = u32::from(!self.peer_reserve);
-        let n = self.owed_frames.saturating_sub(held).min(max);
+        let n = self.owed_frames.min(max);
         self.owed_frames -= n;
         self.echo_frames = self.echo_frames.saturating_sub(n);
         self.rx_frames_allowed = self.rx_frames_allowed.saturating_add(n);
@@ -1568,19 +1471,14 @@ impl Session {
         // for ever. The side with the lower token gives.
         let fresh = owed > self.echo_frames;
         let gives = !self.stalled() || self.peer.is_some_and(|p| self.token < p.token);
-        // A waiting peer is answered where the answer lets it post data:
-        // two slots, the first refilling its notice slot where a notice
-        // took it. One slot more or less is not worth a frame each way.
         let starved = match self.rx_frames_allowed {
-            0 => self.helps(),
-            1 => fresh || (self.helps() && gives),
+            0 => self.peer_waiting || self.stalled(),
+            1 => fresh || (self.peer_waiting && gives),
             _ => false,
         };
-        // Something of this side's waits and the peer does not know it.
-        let tell = self.stalled() && !self.said_waiting;
-        let frames = self.rings()
+        let frames = self.config.ring != 0
             && owed > 0
-            && (owed >= u32::from(self.config.ring / 4).max(2) || starved || tell);
+            && (owed >= u32::from(self.config.ring / 4).max(2) || starved);
         let moved = self.rx_limit - self.rx_limit_sent;
         let bytes = moved > 0
             && (moved >= u64::from(self.config.window / 4).max(1)
@@ -1595,7 +1493,7 @@ impl Session {
 
     /// One more frame arrived (ring wires count it against the slots granted).
     fn count_frame(&mut self) -> Result<(), ProtocolError> {
-        if self.rings() {
+        if self.config.ring != 0 {
             self.rx_frames_allowed = self
                 .rx_frames_allowed
                 .checked_sub(1)
@@ -1615,28 +1513,6 @@ impl Session {
         Ok(())
     }
 
-    /// A Credit frame's slots: the first refills this side's notice slot
-    /// where the frame says so.
-    fn take_credit_frame(&mut self, c: Credit) -> Result<(), ProtocolError> {
-        if !RINGS || !c.refill {
-            return self.take_credits(c.frames);
-        }
-        if self.reserve || c.frames == 0 || self.tx_frames.is_none() {
-            return Err(ProtocolError::TooManyCredits);
-        }
-        self.reserve = true;
-        self.take_credits(c.frames - 1)
-    }
-
-    /// A notice arrived: it took the peer's notice slot.
-    fn take_notice(&mut self) -> Result<(), ProtocolError> {
-        if !self.rings() || !self.peer_reserve {
-            return Err(ProtocolError::RingOverrun);
-        }
-        self.peer_reserve = false;
-        Ok(())
-    }
-
     fn take_hello(&mut self, h: Hello) -> Result<Inbound, ProtocolError> {
         if self.peer.is_some() || h.lane != 0 {
             return Err(ProtocolError::UnexpectedHello);
@@ -1644,7 +1520,7 @@ impl Session {
         if h.window == 0 || h.max_message == 0 || h.frame_max == 0 {
             return Err(ProtocolError::BadHello);
         }
-        if self.rings() {
+        if self.config.ring != 0 {
             if h.ring < MIN_RING {
                 return Err(ProtocolError::ShallowPeer { ring: h.ring });
             }
@@ -1663,7 +1539,7 @@ impl Session {
             window: h.window,
             max_message: h.max_message,
             frame_max: h.frame_max,
-            ring: if self.rings() { h.ring } else { 0 },
+            ring: if self.config.ring != 0 { h.ring } else { 0 },
             takes_headerless: h.takes.contains(Takes::HEADERLESS),
             takes_device: SAME_HOST && h.takes.contains(Takes::DEVICE),
             token: h.token,
@@ -1686,10 +1562,7 @@ impl Session {
         if (self.peer_closed || self.is_moved()) && !matches!(frame, Frame::Credit(_)) {
             return Err(ProtocolError::AfterClose);
         }
-        match frame {
-            Frame::Credit(c) if c.notice => self.take_notice()?,
-            _ => self.count_frame()?,
-        }
+        self.count_frame()?;
         if let Frame::Host(h) = frame {
             return match SAME_HOST {
                 true => self.take_host(h),
@@ -1706,12 +1579,11 @@ impl Session {
         match frame {
             Frame::Hello(_) => Err(ProtocolError::UnexpectedHello),
             Frame::Credit(c) => {
-                // A notice's slot goes back as any other: the peer waits.
-                if self.rings() && !c.notice {
+                if self.config.ring != 0 {
                     self.echo_frames = self.echo_frames.saturating_add(1);
                 }
                 self.peer_waiting = c.waiting;
-                self.take_credit_frame(c)?;
+                self.take_credits(c.frames)?;
                 self.tx_limit = self.tx_limit.max(c.limit);
                 Ok(Inbound::Control)
             }

@@ -12,7 +12,7 @@
 //! | kind | fields |
 //! | --- | --- |
 //! | Data | `credits` u16 @6, `seq` u64 @8, `msg_len` u32 @16, `len` u32 @20, `offset` u32 @24; flags [`DataFlags`] |
-//! | Credit | `frames` u32 @8, `limit` u64 @12; flags [`WAITING`](Credit::waiting), [`NOTICE`](Credit::notice), [`REFILL`](Credit::refill) |
+//! | Credit | `frames` u32 @8, `limit` u64 @12; flag [`WAITING`](Credit::waiting) |
 //! | Hello | `window` u32 @8, `max_message` u32 @12, `frame_max` u32 @16, `ring` u16 @20, `lane` u8 @22, `takes` u8 @23, `token` u32 @24 |
 //! | Close | `seq` u64 @8 |
 //! | Want | `offset` u64 @8, `len` u32 @16 |
@@ -33,11 +33,10 @@ pub const HEADER_LEN: usize = 32;
 pub const MAGIC: u16 = 0x485A;
 /// The protocol version this code speaks. Version 1 (one header layout
 /// whose fields meant different things per wire), version 2 (no Host
-/// frame), version 3 (a side on its last frame credit said it waited
+/// frame) and version 3 (a side on its last frame credit said it waited
 /// with a frame that returned nothing, and was answered only if it said
-/// so) and version 4 (no notice slot: a side short of frame credits that
-/// owed nothing could not say it waited) are refused by name.
-pub const VERSION: u8 = 5;
+/// so) are refused by name.
+pub const VERSION: u8 = 4;
 
 /// What a frame carries: its kind byte.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,13 +175,6 @@ pub struct Credit {
     /// frames took at once to it where it is short of two (see
     /// `Session::credit_due`).
     pub waiting: bool,
-    /// The frame took the receiver's notice slot, not a frame credit (flag
-    /// bit 1): a ring wire's receiver posts one slot more than it grants,
-    /// so a side with no credit to spend can still say it waits.
-    pub notice: bool,
-    /// The first of `frames` refills the receiver's notice slot, which its
-    /// notice took (flag bit 2).
-    pub refill: bool,
 }
 
 impl Credit {
@@ -198,18 +190,12 @@ impl Credit {
             frames: self.frames.saturating_add(later.frames),
             limit: self.limit.max(later.limit),
             waiting: later.waiting,
-            notice: self.notice || later.notice,
-            refill: self.refill || later.refill,
         }
     }
 }
 
 /// [`Credit::waiting`]'s flag bit.
 const CREDIT_WAITING: u16 = 1;
-/// [`Credit::notice`]'s flag bit.
-const CREDIT_NOTICE: u16 = 2;
-/// [`Credit::refill`]'s flag bit.
-const CREDIT_REFILL: u16 = 4;
 
 /// What a Hello's sender takes (the `takes` byte).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -398,9 +384,7 @@ impl Frame {
                 b[24..28].copy_from_slice(&d.offset.to_le_bytes());
             }
             Frame::Credit(c) => {
-                let flags = if c.waiting { CREDIT_WAITING } else { 0 }
-                    | if c.notice { CREDIT_NOTICE } else { 0 }
-                    | if c.refill { CREDIT_REFILL } else { 0 };
+                let flags = if c.waiting { CREDIT_WAITING } else { 0 };
                 b[4..6].copy_from_slice(&flags.to_le_bytes());
                 b[8..12].copy_from_slice(&c.frames.to_le_bytes());
                 b[12..20].copy_from_slice(&c.limit.to_le_bytes());
@@ -465,7 +449,7 @@ impl Frame {
         let flags = u16_at(4);
         let flags_known = match kind {
             FrameKind::Data => DataFlags::KNOWN,
-            FrameKind::Credit => CREDIT_WAITING | CREDIT_NOTICE | CREDIT_REFILL,
+            FrameKind::Credit => CREDIT_WAITING,
             _ => 0,
         };
         // Each kind names its bytes; any other set byte is a frame from a
@@ -495,8 +479,6 @@ impl Frame {
                 frames: u32_at(8),
                 limit: u64_at(12),
                 waiting: flags & CREDIT_WAITING != 0,
-                notice: flags & CREDIT_NOTICE != 0,
-                refill: flags & CREDIT_REFILL != 0,
             }),
             FrameKind::Hello => {
                 let takes = b[23];
@@ -671,22 +653,16 @@ mod tests {
             frames: 3,
             limit: 1000,
             waiting: true,
-            notice: false,
-            refill: false,
         };
         let b = Credit {
             frames: 4,
             limit: 5000,
             waiting: false,
-            notice: false,
-            refill: false,
         };
         let both = Credit {
             frames: 7,
             limit: 5000,
             waiting: false,
-            notice: false,
-            refill: false,
         };
         assert_eq!(a.then(b), both);
         assert_eq!(b.then(a).limit, 5000, "a limit never goes back");
@@ -712,8 +688,8 @@ mod tests {
         .encode(b"hi");
         assert_eq!(
             &data[..4],
-            &[0x5A, 0x48, 5, 1],
-            "magic 'ZH', version 5, data"
+            &[0x5A, 0x48, 4, 1],
+            "magic 'ZH', version 4, data"
         );
         assert_eq!(&data[4..8], &[3, 0, 0x11, 0x02], "checked + more; credits");
         assert_eq!(&data[8..16], &[8, 7, 6, 5, 4, 3, 2, 1], "seq");
@@ -724,35 +700,15 @@ mod tests {
             frames: 5,
             limit: 0x0102_0304_0506_0708,
             waiting: true,
-            notice: false,
-            refill: false,
         })
         .encode(&[]);
-        assert_eq!(&credit[2..6], &[5, 2, 1, 0], "waiting flag");
+        assert_eq!(&credit[2..6], &[4, 2, 1, 0], "waiting flag");
         assert_eq!(&credit[8..12], &[5, 0, 0, 0], "frames");
         assert_eq!(&credit[12..20], &[8, 7, 6, 5, 4, 3, 2, 1], "limit");
         assert_eq!(&credit[20..28], &[0; 8]);
-        let notice = Frame::Credit(Credit {
-            frames: 0,
-            limit: 0,
-            waiting: true,
-            notice: true,
-            refill: false,
-        })
-        .encode(&[]);
-        assert_eq!(&notice[4..6], &[3, 0], "waiting and notice flags");
-        let refill = Frame::Credit(Credit {
-            frames: 1,
-            limit: 0,
-            waiting: false,
-            notice: false,
-            refill: true,
-        })
-        .encode(&[]);
-        assert_eq!(&refill[4..6], &[4, 0], "refill flag");
 
         let h = Frame::Hello(hello()).encode(&[]);
-        assert_eq!(&h[2..4], &[5, 3]);
+        assert_eq!(&h[2..4], &[4, 3]);
         assert_eq!(&h[8..12], &[0, 0, 0, 1], "window");
         assert_eq!(&h[12..16], &[0, 0, 0, 4], "max_message");
         assert_eq!(&h[16..20], &[0, 0, 1, 0], "frame_max");
@@ -760,7 +716,7 @@ mod tests {
         assert_eq!(&h[24..28], &[0xD4, 0xC3, 0xB2, 0xA1], "token");
 
         let close = Frame::Close(Close { seq: 9 }).encode(&[]);
-        assert_eq!(&close[2..4], &[5, 4]);
+        assert_eq!(&close[2..4], &[4, 4]);
         assert_eq!(
             &close[8..28],
             &[9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
@@ -771,7 +727,7 @@ mod tests {
             len: 0x0200_0000,
         })
         .encode(&[]);
-        assert_eq!(&want[2..4], &[5, 5]);
+        assert_eq!(&want[2..4], &[4, 5]);
         assert_eq!(&want[8..20], &[0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
 
         let host = Frame::Host(Host {
@@ -781,7 +737,7 @@ mod tests {
             step: HostStep::Offer,
         })
         .encode(&[]);
-        assert_eq!(&host[2..8], &[5, 6, 0, 0, 0, 0], "host, no flags");
+        assert_eq!(&host[2..8], &[4, 6, 0, 0, 0, 0], "host, no flags");
         assert_eq!(&host[8..16], &[8, 7, 6, 5, 4, 3, 2, 1], "host");
         assert_eq!(&host[16..20], &[0x34, 0x12, 0, 0], "pid");
         assert_eq!(&host[20..24], &[0xD4, 0xC3, 0xB2, 0xA1], "nonce");
@@ -809,15 +765,11 @@ mod tests {
                 frames: 3,
                 limit: u64::MAX,
                 waiting: false,
-                notice: false,
-                refill: false,
             }),
             Frame::Credit(Credit {
                 frames: 0,
                 limit: 0,
                 waiting: true,
-                notice: false,
-                refill: false,
             }),
             Frame::Hello(hello()),
             Frame::Close(Close { seq: 42 }),
@@ -900,14 +852,14 @@ mod tests {
             Frame::decode(&[0xAB; 32], 0),
             Err(DecodeError::BadMagic(0xABAB))
         );
-        for old in [1, 2, 3, 4] {
+        for old in [1, 2, 3] {
             let mut v = good;
             v[2] = old;
             assert_eq!(
                 Frame::decode(&v, 0),
                 Err(DecodeError::UnsupportedVersion {
                     theirs: old,
-                    ours: 5
+                    ours: 4
                 })
             );
         }
@@ -961,16 +913,14 @@ mod tests {
         let mut b = Frame::Want(Want { offset: 1, len: 1 }).encode(&[]);
         b[7] = 1;
         assert_eq!(Frame::decode(&resum(b), 0), Err(DecodeError::ReservedBits));
-        // A credit frame with a flag beyond its three.
+        // A credit frame with a flag beyond its one.
         let mut b = Frame::Credit(Credit {
             frames: 0,
             limit: 0,
             waiting: true,
-            notice: false,
-            refill: false,
         })
         .encode(&[]);
-        b[4] = 8;
+        b[4] = 3;
         assert_eq!(Frame::decode(&resum(b), 0), Err(DecodeError::ReservedBits));
         // A data frame with a flag no version defines.
         let mut b = Frame::Data(Data {
@@ -992,8 +942,6 @@ mod tests {
                     frames: 1,
                     limit: 1,
                     waiting: false,
-                    notice: false,
-                    refill: false,
                 }),
                 20,
             ),

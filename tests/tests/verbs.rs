@@ -196,7 +196,7 @@ fn ten_thousand_messages_of_random_sizes_arrive_intact_and_in_order() {
     let st = b_pool.stats();
     // Only the posted receive ring still holds buffers (header rings have
     // their own pool): nothing delivered is leaked.
-    assert_eq!(st.leases, posted(&config), "{st:?}");
+    assert_eq!(st.leases, config.recv_depth as usize, "{st:?}");
     eprintln!("10000 messages over RDMA RC: intact, in order; receive pool {st:?}");
 }
 
@@ -315,11 +315,6 @@ fn a_lease_from_a_foreign_pool_is_copied_not_trusted() {
 }
 
 /// An 8-deep receive ring and small pools: the hand-driven tests below.
-/// Receives a connection posts: its ring, and the peer's notice slot.
-fn posted(config: &RdmaConfig) -> usize {
-    config.recv_depth as usize + usize::from(zerohop_core::session::NOTICE_SLOTS)
-}
-
 fn small_ring() -> RdmaConfig {
     RdmaConfig {
         recv_depth: 8,
@@ -396,7 +391,7 @@ fn a_delivered_receive_is_reposted_after_the_reply_leaves_or_at_the_next_poll() 
     let Some((mut a, mut b, peer)) = raw_pair(19_007, config) else {
         return;
     };
-    let depth = posted(&config);
+    let depth = config.recv_depth as usize;
     let leases = |b: &RdmaTransport| b.pool().stats().leases;
     assert_eq!(leases(&b), depth, "the ring is posted");
 
@@ -510,7 +505,7 @@ fn a_small_lease_goes_inline_and_back_to_its_pool_once_posted() {
     assert!(b.try_send_lease(r.peer, r.lease).is_ok());
     assert_eq!(
         b.pool().stats().leases,
-        posted(&config),
+        config.recv_depth as usize,
         "the echoed buffer went back and its slot was refilled"
     );
     assert_eq!(host_bytes(&next(&mut a).lease), &want[..]);
@@ -882,7 +877,7 @@ fn an_accepted_connection_its_peer_refuses_goes_quietly_and_leaks_nothing() {
     }
     assert_eq!(
         pool.stats().leases,
-        posted(&small_ring()),
+        small_ring().recv_depth as usize,
         "the accepted connection posted its receive ring"
     );
     go.send(()).unwrap();
@@ -1031,7 +1026,7 @@ fn connecting_where_nobody_listens_is_a_typed_error_and_leaks_nothing() {
 #[test]
 fn a_listener_out_of_receive_buffers_refuses_the_next_peer_and_keeps_the_first() {
     // One 2 MiB chunk of 64 KiB (+ header) receive buffers holds 31: a
-    // ring of 16 (and the notice slot) for the first peer, not a second. The second is refused
+    // ring of 16 for the first peer, not a second. The second is refused
     // at its request (its ring's partial post undone, its id rejected once:
     // it was destroyed twice, by the failed setup and then by the reject
     // path), and the first keeps working.
@@ -1081,7 +1076,7 @@ fn a_listener_out_of_receive_buffers_refuses_the_next_peer_and_keeps_the_first()
     }
     assert_eq!(
         pool.stats().leases,
-        posted(&config),
+        16,
         "the first ring only: {:?}",
         pool.stats()
     );
@@ -1220,15 +1215,15 @@ fn a_buffer_given_back_by_another_thread_wakes_a_receiver_whose_ring_ran_dry() {
     let a = Endpoint::new(a, EndpointConfig::default()).unwrap();
     let m = |i: usize| vec![i as u8; 4000];
     let sender = std::thread::spawn(move || {
-        for i in 0..30 {
+        for i in 0..31 {
             a.send(peer, &m(i), Deadline::after(WAIT), None).unwrap();
         }
         a.flush(Deadline::after(WAIT)).unwrap();
         a
     });
-    // The last two buffers stay posted: one for the sender's last frame
-    // credit, one for its notice slot, in which it says that it waits.
-    let mut held: Vec<_> = (0..29)
+    // The last buffer stays posted for the sender's last credit, which it
+    // keeps for saying it waits.
+    let mut held: Vec<_> = (0..30)
         .map(|_| b.recv(Deadline::after(WAIT), None).unwrap())
         .collect();
     assert_eq!(pool.stats().budget, pool.stats().reserved_bytes);
@@ -1251,7 +1246,7 @@ fn a_buffer_given_back_by_another_thread_wakes_a_receiver_whose_ring_ran_dry() {
     // (The two sides traded credit frames while the pool was dry: a core's
     // worth on each, the sender's waiting and this side's one slot back.)
     assert!(cpu < waited / 3, "recv spun: {cpu:?} of CPU in {waited:?}");
-    assert_eq!(host_bytes(&last.unwrap().lease), &m(29)[..], "intact");
+    assert_eq!(host_bytes(&last.unwrap().lease), &m(30)[..], "intact");
     drop(sender.join().unwrap());
 }
 

@@ -6,9 +6,8 @@
 //!
 //! Each connection has an RC queue pair with one completion queue (and its
 //! completion channel, so a thread can sleep in `poll(2)`), and a ring of
-//! `recv_depth` posted receives (and one more, the peer's notice slot: see
-//! `NOTICE_SLOTS`): the engine's frame credits count it, so the peer never
-//! meets a receiver without a buffer. A frame leaves as its
+//! `recv_depth` posted receives: the engine's frame credits count it, so
+//! the peer never meets a receiver without a buffer. A frame leaves as its
 //! header (from a registered header slot) then its payload, or *headerless*
 //! (a one-fragment message to a peer whose Hello says it takes them): its
 //! bytes alone, with a send-with-immediate carrying its sequence number's
@@ -35,7 +34,7 @@ use std::time::{Duration, Instant as StdInstant};
 use rdma_sys as ffi;
 use zerohop_core::session::{
     DataFrame, HostRole, Instant, Outgoing, SendError, Session, SessionConfig, SessionStats,
-    MIN_RING, NOTICE_SLOTS,
+    MIN_RING,
 };
 use zerohop_core::wire::{DataFlags, HEADER_LEN};
 use zerohop_core::{

@@ -179,8 +179,6 @@ fn frames_before_the_hello_and_a_second_hello_fail_the_session() {
             frames: 0,
             limit: 9,
             waiting: false,
-            notice: false,
-            refill: false,
         })
         .encode(&[])
         .to_vec(),
@@ -221,11 +219,11 @@ fn a_peer_of_another_version_is_refused_naming_both() {
     let e = s.handle_header(T0, &h, None).unwrap_err();
     assert_eq!(
         e,
-        ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 1, ours: 5 })
+        ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 1, ours: 4 })
     );
     let text = std::format!("{e}");
     assert!(
-        text.contains("version 1") && text.contains("speaks 5"),
+        text.contains("version 1") && text.contains("speaks 4"),
         "{text}"
     );
 }
@@ -699,31 +697,26 @@ fn a_ring_wire_never_posts_more_frames_than_the_peer_has_slots() {
     }
     // Data needs two credits: two frames go, and the last credit is kept
     // (a owes b nothing: the slot of b's hello went with the first data
-    // frame; a frame on it would be news alone). A notice in b's notice
-    // slot says that a waits.
+    // frame; a frame on it would be news alone).
     let first = a.transmit();
-    assert_eq!(first.len(), 3);
-    assert!(is_notice(&first[2]), "the third is the notice");
+    assert_eq!(first.len(), 2);
     assert_eq!(a.session.frame_credits(), Some(1));
     assert!(!a.session.may_post_data());
-    assert!(a.transmit().is_empty(), "the last credit kept, one notice");
+    assert!(a.transmit().is_empty(), "the last credit kept");
     let mut got = Vec::new();
     for f in &first {
         got.extend(b.receive(T0, f).unwrap());
     }
-    // b reposts the slots (a's hello, two data frames, the notice) and, a
-    // left with one by its count, returns them at once: the first refills
-    // a's notice slot.
+    // b reposts the slots (a's hello, two data frames) and, a left with one
+    // by its count, returns them at once.
     let back = b.transmit();
     assert_eq!(back.len(), 1);
     assert_eq!(
         Frame::decode(framed(&back[0]), 0).unwrap().frame,
         Frame::Credit(Credit {
-            frames: 4,
+            frames: 3,
             limit: 1 << 20,
             waiting: false,
-            notice: false,
-            refill: true,
         })
     );
     a.receive(T0, &back[0]).unwrap();
@@ -762,8 +755,6 @@ fn a_data_frame_carries_the_credits_owed_and_frame_counts_are_checked() {
         frames: 1,
         limit: 0,
         waiting: false,
-        notice: false,
-        refill: false,
     })
     .encode(&[]);
     assert_eq!(
@@ -896,10 +887,9 @@ fn a_clean_close_follows_the_data_and_is_answered() {
     a.session.close();
     assert_eq!(a.send(&msg(9, 1)), Err(SendError::Closed));
     // Two data frames fit b's ring (the last slot kept): the close waits
-    // behind the rest, and a notice says so.
+    // behind the rest.
     let first = a.transmit();
-    assert_eq!(first.len(), 3);
-    assert!(is_notice(&first[2]));
+    assert_eq!(first.len(), 2);
     assert!(!a.session.close_sent());
     let mut b_saw = Vec::new();
     for f in &first {
@@ -938,8 +928,6 @@ fn a_closing_side_still_returns_credit_for_the_messages_the_peer_finishes() {
         frames: 0,
         limit: 5,
         waiting: false,
-        notice: false,
-        refill: false,
     })
     .encode(&[]);
     assert_eq!(s.handle_header(T0, &c, None), Ok(Inbound::Control));
@@ -1334,21 +1322,11 @@ fn two_sides_closing_at_once_on_the_shallowest_ring_both_finish() {
     assert!(a.session.is_finished() && b.session.is_finished());
 }
 
-/// Whether `f` is a Credit frame in the notice slot.
-fn is_notice(f: &SimFrame) -> bool {
-    matches!(
-        Frame::decode(framed(f), 0).map(|d| d.frame),
-        Ok(Frame::Credit(Credit { notice: true, .. }))
-    )
-}
-
 fn credit_frame(frames: u32, limit: u64, waiting: bool) -> [u8; HEADER_LEN] {
     Frame::Credit(Credit {
         frames,
         limit,
         waiting,
-        notice: false,
-        refill: false,
     })
     .encode(&[])
 }
@@ -1414,9 +1392,7 @@ fn credit_frames_go_at_a_quarter_of_the_ring() {
         Some(Frame::Credit(Credit {
             frames: 4,
             limit: 1 << 20,
-            waiting: false,
-            notice: false,
-            refill: false
+            waiting: false
         }))
     );
 }
@@ -1438,8 +1414,6 @@ fn a_peer_short_of_slots_is_answered_slot_by_slot_until_it_can_post_again() {
             frames: n,
             limit: 1 << 20,
             waiting: false,
-            notice: false,
-            refill: false,
         }))
     };
     s.reposted(1);
@@ -1487,8 +1461,7 @@ fn the_waiting_flag_says_what_waits_for_frame_credits() {
 }
 
 /// Slots that Credit frames took go back at once only where something
-/// waits for them, and only enough to post data with; slots freed by data
-/// go at once to a peer short of two.
+/// waits for them; slots freed by data go at once to a peer short of two.
 #[test]
 fn echoes_go_at_once_only_where_something_waits() {
     let mut s = opened(ring(16, 10), hello(1 << 20, 16));
@@ -1505,30 +1478,25 @@ fn echoes_go_at_once_only_where_something_waits() {
         None,
         "the credit frame's slot, to a peer with one and nothing waiting"
     );
-    // Its last slot on a Credit frame saying something waits: none left.
-    // One slot does not let it post data (it needs two): the two go at
-    // once.
+    // Its last slot on a Credit frame saying something waits: none left,
+    // and the slot owed goes at once.
     s.handle_header(T0, &credit_frame(0, 1 << 20, true), None)
         .unwrap();
-    assert_eq!(control_frame(&mut s), None, "one slot to a peer with none");
-    s.reposted(1);
     let back = |n| {
         Some(Frame::Credit(Credit {
             frames: n,
             limit: 1 << 20,
             waiting: false,
-            notice: false,
-            refill: false,
         }))
     };
     assert_eq!(
         control_frame(&mut s),
-        back(2),
-        "two to a peer with none that waits"
+        back(1),
+        "to a peer with none that waits"
     );
     assert_eq!(control_frame(&mut s), None, "nothing owed: no empty frame");
     s.reposted(1);
-    assert_eq!(control_frame(&mut s), None, "to one with two, not at once");
+    assert_eq!(control_frame(&mut s), back(1), "to one with one that waits");
     // A peer with none that does not wait: its echoes go only when this
     // side waits (the peer may owe it slots it cannot return).
     for stalled in [false, true] {
@@ -1557,8 +1525,6 @@ fn echoes_go_at_once_only_where_something_waits() {
                     Some(Frame::Credit(Credit {
                         frames: 1,
                         waiting: true,
-                        notice: false,
-                        refill: false,
                         ..
                     }))
                 ),
@@ -1604,21 +1570,9 @@ fn on_its_last_frame_credit_a_side_sends_only_slots_for_the_peer() {
     // Nothing to post: the last credit is kept.
     let mut s = on_last_credit();
     assert_eq!(control_frame(&mut s), None);
-    // A message that cannot go, a Want, the Close: kept too. The peer
-    // learns that one waits in its notice slot, once.
+    // A message that cannot go, a Want, the Close: kept too.
     let mut m = s.send(1).unwrap();
     assert_eq!(s.next_frame(&mut m, None, DataFlags::NONE), None);
-    assert_eq!(
-        control_frame(&mut s),
-        Some(Frame::Credit(Credit {
-            frames: 0,
-            limit: 1 << 20,
-            waiting: true,
-            notice: true,
-            refill: false,
-        }))
-    );
-    assert_eq!(s.frame_credits(), Some(1), "no credit spent");
     assert_eq!(control_frame(&mut s), None);
     assert_eq!(s.send(1 << 20), Err(SendError::NoCredit));
     assert_eq!(control_frame(&mut s), None);
@@ -1637,8 +1591,6 @@ fn on_its_last_frame_credit_a_side_sends_only_slots_for_the_peer() {
             frames: 1,
             limit: (1 << 20) + (300 << 10),
             waiting: true,
-            notice: false,
-            refill: false,
         }))
     );
     assert_eq!(s.frame_credits(), Some(0));
@@ -1742,14 +1694,6 @@ fn two_sides_whose_applications_hold_every_buffer_never_stop_for_good() {
         }
         false
     }
-    // Quiet, yet `x` has a message queued that the slots `y` posted and has
-    // not reported would let it post (version 4: a side that owed nothing
-    // could not say it waited).
-    fn sits_on_room(x: &Side, y: &Side) -> bool {
-        let refill = u32::from(!y.s.peer_reserve && y.s.owed_frames > 0);
-        let room = x.s.tx_frames.unwrap_or(0) + y.s.owed_frames - refill;
-        !x.queue.is_empty() && room >= 2
-    }
     // (Under miri, a few schedules of the shallowest ring: it runs each
     // step a hundred times slower.)
     let (rings, seeds): (&[u16], u64) = if cfg!(miri) {
@@ -1795,10 +1739,6 @@ fn two_sides_whose_applications_hold_every_buffer_never_stop_for_good() {
                 falls_quiet(&mut next, (&mut a, &mut b), (&mut ab, &mut ba), true),
                 "ring {ring_depth}, seed {seed}: credit frames traded while dry"
             );
-            assert!(
-                !sits_on_room(&a, &b) && !sits_on_room(&b, &a),
-                "ring {ring_depth}, seed {seed}: a message waits with room for it"
-            );
             // One buffer back on each side, then each message taken is held
             // again: each side still receives.
             let (ga, gb) = (a.got, b.got);
@@ -1829,10 +1769,6 @@ fn two_sides_whose_applications_hold_every_buffer_never_stop_for_good() {
                 falls_quiet(&mut next, (&mut a, &mut b), (&mut ab, &mut ba), false),
                 "ring {ring_depth}, seed {seed}: credit frames traded, nothing to send"
             );
-            assert!(
-                !sits_on_room(&a, &b) && !sits_on_room(&b, &a),
-                "ring {ring_depth}, seed {seed}: a message left waiting with room for it"
-            );
         }
     }
 }
@@ -1852,9 +1788,7 @@ fn byte_credit_goes_back_once_a_quarter_of_the_window_is_consumed() {
         Some(Frame::Credit(Credit {
             frames: 0,
             limit: 1250,
-            waiting: false,
-            notice: false,
-            refill: false
+            waiting: false
         }))
     );
 }
@@ -1995,7 +1929,7 @@ fn a_frame_short_of_ring_slots_counts_one_stall() {
     for i in 0..5 {
         a.send(&msg(i, 10)).unwrap();
     }
-    assert_eq!(a.transmit().len(), 3, "two data frames and the notice");
+    assert_eq!(a.transmit().len(), 2);
     assert_eq!(a.session.stats().credit_stalls, 1);
     assert!(a.transmit().is_empty());
     assert_eq!(a.session.stats().credit_stalls, 1, "the same frame waits");
@@ -2579,166 +2513,4 @@ fn a_ring_wires_fragments_are_the_progress_the_minimum_rate_counts() {
             "{per_step} fragments, {credits} credits a step"
         );
     }
-}
-
-/// A side whose last Credit frame said nothing of its waits, left on its
-/// last frame credit and owing nothing, queues one more message: it says
-/// that it waits in the peer's notice slot, and the peer returns the slots
-/// Credit frames took, enough to post it with. Before (version 4) the
-/// message waited until the peer's application gave a buffer back, with
-/// room for it in the peer's ring meanwhile (found by a helper's review).
-#[test]
-fn a_side_on_its_last_credit_owing_nothing_says_it_waits_in_the_notice_slot() {
-    let cfg = SessionConfig {
-        max_message: 1024,
-        window: 256,
-        ..ring(64, 64)
-    };
-    let (mut a, mut b) = open_pair(cfg, cfg);
-    // b's message, taken by a's application: a quarter of a's window, so
-    // a Credit frame saying nothing waits takes one of b's slots.
-    b.send(&[7; 64]).unwrap();
-    exchange(&mut a, &mut b, T0).unwrap();
-    // b's application holds every buffer from now on; a fills b's ring.
-    b.holding = true;
-    for _ in 0..62 {
-        a.send(b"x").unwrap();
-    }
-    exchange(&mut a, &mut b, T0).unwrap();
-    assert_eq!(a.queued(), 0);
-    let held = b.held();
-    a.send(b"y").unwrap();
-    let (_, b_saw) = exchange(&mut a, &mut b, T0).unwrap();
-    assert_eq!(a.queued(), 0, "the message waits with room for it");
-    let got = messages(&b_saw);
-    assert_eq!(got.len(), 1);
-    assert_eq!(got[0].1, b"y");
-    assert_eq!(b.held(), held + 1, "no buffer came back meanwhile");
-}
-
-/// A notice takes the peer's notice slot, not one of its frame credits,
-/// once: a second before this side's Credit frame refills the slot is a
-/// frame past the slots posted. A refill the other side's notice slot does
-/// not wait for, or a refill of no slot, is more than the peer may return;
-/// a notice on a wire without a ring is out of place.
-#[test]
-fn the_notice_slot_is_taken_once_and_refilled_by_a_credit_frame() {
-    let credit = |frames, notice, refill| {
-        Frame::Credit(Credit {
-            frames,
-            limit: 1 << 20,
-            waiting: notice,
-            notice,
-            refill,
-        })
-        .encode(&[])
-    };
-    // Receiving: the peer's Hello took one of four slots, its notice none.
-    let mut s = opened(ring(4, 10), hello(1 << 20, 4));
-    feed(&mut s, &credit(0, true, false)).unwrap();
-    assert_eq!(
-        feed(&mut s, &credit(0, true, false)),
-        Err(ProtocolError::RingOverrun),
-        "a second notice before the refill"
-    );
-    let fed = || {
-        let mut s = opened(ring(4, 10), hello(1 << 20, 4));
-        feed(&mut s, &credit(0, true, false)).unwrap();
-        for seq in 0..3 {
-            feed(&mut s, &data(seq, 1, 1, false)).unwrap();
-        }
-        s
-    };
-    assert_eq!(
-        feed(&mut fed(), &data(3, 1, 1, false)),
-        Err(ProtocolError::RingOverrun),
-        "three frame credits, the notice beside them"
-    );
-    // The first slot reported refills the peer's notice slot, named so.
-    let mut s = fed();
-    s.reposted(2);
-    assert_eq!(
-        control_frame(&mut s),
-        Some(Frame::Credit(Credit {
-            frames: 2,
-            limit: 1 << 20,
-            waiting: false,
-            notice: false,
-            refill: true,
-        }))
-    );
-    feed(&mut s, &credit(0, true, false)).expect("a notice after the refill");
-
-    // Sending: a refill this side's notice slot does not wait for.
-    let mut s = opened(ring(4, 10), hello(1 << 20, 4));
-    assert_eq!(
-        feed(&mut s, &credit(1, false, true)),
-        Err(ProtocolError::TooManyCredits)
-    );
-    // Its notice sent, a refill of nothing; then one slot, which refills
-    // the notice slot and adds no frame credit.
-    let noticed = || {
-        let mut s = on_last_credit();
-        let mut m = s.send(1).unwrap();
-        assert_eq!(s.next_frame(&mut m, None, DataFlags::NONE), None);
-        assert!(matches!(
-            control_frame(&mut s),
-            Some(Frame::Credit(Credit { notice: true, .. }))
-        ));
-        s
-    };
-    let mut s = noticed();
-    assert_eq!(
-        feed(&mut s, &credit(0, false, true)),
-        Err(ProtocolError::TooManyCredits)
-    );
-    let mut s = noticed();
-    feed(&mut s, &credit(1, false, true)).unwrap();
-    assert_eq!(s.frame_credits(), Some(1));
-
-    // A wire without a ring has no notice slot.
-    let mut s = opened(stream(), hello(1 << 20, 0));
-    assert_eq!(
-        feed(&mut s, &credit(0, true, false)),
-        Err(ProtocolError::RingOverrun)
-    );
-}
-
-/// Both sides wait, each holding every buffer: the side that should give
-/// (the lower token) owes nothing, so it says so in its notice slot; the
-/// peer returns what it keeps with the slot the notice took, and the
-/// waiting message goes (found by the helpers' search: without that
-/// notice, the message sat with room for it in the peer's ring).
-#[test]
-fn both_waiting_the_side_to_give_that_owes_nothing_says_so() {
-    let cfg = SessionConfig {
-        max_message: 1024,
-        window: 4096,
-        ..ring(4, 64)
-    };
-    let mut a = SimPeer::new(cfg, 1, T0);
-    let mut b = SimPeer::new(cfg, 2, T0);
-    exchange(&mut a, &mut b, T0).unwrap();
-    a.holding = true;
-    b.holding = true;
-    b.send(&[1; 8]).unwrap();
-    b.send(&[2; 150]).unwrap();
-    let from_b = b.transmit();
-    assert_eq!(from_b.len(), 3, "two data frames and b's notice");
-    for f in &from_b[..2] {
-        a.receive(T0, f).unwrap();
-    }
-    let from_a = a.transmit();
-    a.receive(T0, &from_b[2]).unwrap();
-    a.send(&[3; 150]).unwrap();
-    for f in &from_a {
-        b.receive(T0, f).unwrap();
-    }
-    exchange(&mut a, &mut b, T0).unwrap();
-    let refill = u32::from(!b.session.peer_reserve && b.session.owed_frames > 0);
-    let room = a.session.tx_frames.unwrap_or(0) + b.session.owed_frames - refill;
-    assert!(
-        a.queued() == 0 || room < 2,
-        "a's message waits with room for it: {room} slots"
-    );
 }

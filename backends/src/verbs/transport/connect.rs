@@ -96,9 +96,8 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             );
             return Err((VerbsError::Connect(why), Some(id)));
         }
-        // The ring the Hello announces, and the peer's notice slot beside it.
-        let depth = self.config.recv_depth as usize + usize::from(NOTICE_SLOTS);
-        let send_depth = self.config.recv_depth as usize + 8;
+        let depth = self.config.recv_depth as usize;
+        let send_depth = depth + 8;
         let headers = match Lease::take(
             Arc::clone(&self.header_pool),
             (depth + send_depth) * HEADER_LEN,
