@@ -2514,3 +2514,120 @@ fn a_ring_wires_fragments_are_the_progress_the_minimum_rate_counts() {
         );
     }
 }
+
+/// Both sides in lockstep, each application keeping every message, and the
+/// driver handing out frames before it reposts the slots of the control
+/// frames it took in (as the verbs driver's `send` and `drain_and_pump`
+/// do; `SimPeer` always reposts first). Once every buffer comes back, both
+/// queues drain. A reviewer found a notice-slot design (a wire version 5,
+/// not kept) deadlocked for good here: each side spent its last credit on
+/// a frame that returned only the peer's notice slot, then spent that slot
+/// on a notice carrying nothing, and neither could send again.
+#[test]
+fn sides_that_send_before_they_repost_recover_once_buffers_come_back() {
+    struct Side {
+        s: Session,
+        queue: std::vec::Vec<Outgoing>,
+        unposted: u32,
+        held: u32,
+    }
+    fn pump(x: &mut Side) -> std::vec::Vec<std::vec::Vec<u8>> {
+        let mut out = std::vec::Vec::new();
+        loop {
+            if let Some(m) = x.queue.first_mut() {
+                if let Some(f) = x.s.next_frame(m, None, DataFlags::NONE) {
+                    let mut v = f.header.unwrap().to_vec();
+                    v.resize(HEADER_LEN + f.len, 0);
+                    out.push(v);
+                    if f.last {
+                        x.queue.remove(0);
+                    }
+                    continue;
+                }
+            }
+            match x.s.poll_control() {
+                Some(c) => out.push(c.header.to_vec()),
+                None => return out,
+            }
+        }
+    }
+    fn take(y: &mut Side, frames: &[std::vec::Vec<u8>], hold: bool) {
+        for f in frames {
+            match y
+                .s
+                .handle_header(T0, f, Some(f.len() - HEADER_LEN))
+                .unwrap()
+            {
+                Inbound::Data(_) => {
+                    y.s.handle_payload(T0, Some(&f[HEADER_LEN..])).unwrap();
+                    if hold {
+                        y.held += 1;
+                    } else {
+                        y.unposted += 1;
+                    }
+                }
+                _ => y.unposted += 1,
+            }
+        }
+    }
+    fn repost(x: &mut Side) {
+        x.s.reposted(core::mem::take(&mut x.unposted));
+    }
+    fn send(x: &mut Side) {
+        let m = x.s.send(8).unwrap();
+        x.queue.push(m);
+    }
+    for depth in [MIN_RING, 8] {
+        let side = |token| Side {
+            s: Session::new(ring(depth, 64), token, T0),
+            queue: std::vec::Vec::new(),
+            unposted: 0,
+            held: 0,
+        };
+        let (mut a, mut b) = (side(1), side(0));
+        let (fa, fb) = (pump(&mut a), pump(&mut b));
+        take(&mut b, &fa, false);
+        take(&mut a, &fb, false);
+        repost(&mut a);
+        repost(&mut b);
+        for x in [&mut a, &mut b] {
+            for _ in 0..depth - 1 {
+                send(x);
+            }
+        }
+        // Each round: both pump, then (in rounds 2 and 4) repost, then take
+        // in the other's frames, holding every message.
+        for round in 1..=4 {
+            if round == 4 {
+                send(&mut a);
+                send(&mut b);
+            }
+            let (fa, fb) = (pump(&mut a), pump(&mut b));
+            if round % 2 == 0 {
+                repost(&mut a);
+                repost(&mut b);
+            }
+            take(&mut b, &fa, true);
+            take(&mut a, &fb, true);
+        }
+        // Every buffer back: both queues drain.
+        for x in [&mut a, &mut b] {
+            x.unposted += core::mem::take(&mut x.held);
+        }
+        for _ in 0..1000 {
+            repost(&mut a);
+            repost(&mut b);
+            let (fa, fb) = (pump(&mut a), pump(&mut b));
+            if fa.is_empty() && fb.is_empty() {
+                break;
+            }
+            take(&mut b, &fa, false);
+            take(&mut a, &fb, false);
+        }
+        assert_eq!(
+            (a.queue.len(), b.queue.len()),
+            (0, 0),
+            "ring {depth}: stopped for good with every buffer back"
+        );
+    }
+}
