@@ -1221,14 +1221,22 @@ fn a_buffer_given_back_by_another_thread_wakes_a_receiver_whose_ring_ran_dry() {
         a.flush(Deadline::after(WAIT)).unwrap();
         a
     });
-    // The last buffer stays posted for the sender's last credit, which it
-    // keeps for saying it waits.
-    let mut held: Vec<_> = (0..30)
-        .map(|_| b.recv(Deadline::after(WAIT), None).unwrap())
-        .collect();
+    // Hold what arrives until nothing comes for 2 s: the pool dry, its last
+    // buffer posted for the sender's last credit (30 held). Version 4's open
+    // hole (RELIABILITY.md, "Ring credits with the receive pools dry") can
+    // stop the sender sooner, with a slot free here that it cannot learn
+    // of; with more held than the ring's 16 the pool is dry then too, and a
+    // buffer given back mends both.
+    let mut held = Vec::new();
+    while let Ok(r) = b.recv(Deadline::after(Duration::from_secs(2)), None) {
+        held.push(r);
+    }
+    let next = held.len();
+    if next < 30 {
+        eprintln!("the sender stopped after {next} messages (version 4's hole)");
+    }
+    assert!(next > 16, "the sender stopped after {next} messages");
     assert_eq!(pool.stats().budget, pool.stats().reserved_bytes);
-    // (The refill after the last one comes at the next call: 30 or 31.)
-    assert!(pool.stats().leases >= 30, "{:?}", pool.stats());
     let first = held.remove(0);
     let giver = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(200)); // the receiver asleep by then
@@ -1246,7 +1254,13 @@ fn a_buffer_given_back_by_another_thread_wakes_a_receiver_whose_ring_ran_dry() {
     // (The two sides traded credit frames while the pool was dry: a core's
     // worth on each, the sender's waiting and this side's one slot back.)
     assert!(cpu < waited / 3, "recv spun: {cpu:?} of CPU in {waited:?}");
-    assert_eq!(host_bytes(&last.unwrap().lease), &m(30)[..], "intact");
+    assert_eq!(host_bytes(&last.unwrap().lease), &m(next)[..], "intact");
+    // Every buffer back: the rest arrive, in order.
+    drop(held);
+    for i in next + 1..31 {
+        let r = b.recv(Deadline::after(WAIT), None).unwrap();
+        assert_eq!(host_bytes(&r.lease), &m(i)[..], "message {i}");
+    }
     drop(sender.join().unwrap());
 }
 
