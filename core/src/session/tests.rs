@@ -1596,6 +1596,81 @@ fn on_its_last_frame_credit_a_side_sends_only_slots_for_the_peer() {
     assert_eq!(s.frame_credits(), Some(0));
 }
 
+/// A driver over bare frame bytes, for schedules `SimPeer` does not make:
+/// its application takes every message at once but may hold the buffers
+/// data frames arrive in (`held`), and the slots of what it took in wait
+/// for [`repost`](Self::repost) (the verbs driver hands out frames before
+/// it reposts; `SimPeer` reposts first).
+struct RawSide {
+    s: Session,
+    queue: std::collections::VecDeque<Outgoing>,
+    unposted: u32,
+    held: u32,
+    got: u64,
+}
+
+impl RawSide {
+    fn new(config: SessionConfig, token: u32) -> RawSide {
+        RawSide {
+            s: Session::new(config, token, T0),
+            queue: Default::default(),
+            unposted: 0,
+            held: 0,
+            got: 0,
+        }
+    }
+
+    /// Hands out onto `out` every frame that may go; how many.
+    fn pump(&mut self, out: &mut std::collections::VecDeque<Vec<u8>>) -> usize {
+        let n = out.len();
+        loop {
+            if let Some(m) = self.queue.front_mut() {
+                if let Some(f) = self.s.next_frame(m, None, DataFlags::NONE) {
+                    let mut v = f.header.unwrap().to_vec();
+                    v.resize(HEADER_LEN + f.len, 0);
+                    out.push_back(v);
+                    if f.last {
+                        self.queue.pop_front();
+                    }
+                    continue;
+                }
+            }
+            match self.s.poll_control() {
+                Some(c) => out.push_back(c.header.to_vec()),
+                None => return out.len() - n,
+            }
+        }
+    }
+
+    /// Takes in a frame: a data frame's buffer is held if `hold`; every
+    /// other slot waits to be reposted.
+    fn take(&mut self, f: &[u8], hold: bool) {
+        match self
+            .s
+            .handle_header(T0, f, Some(f.len() - HEADER_LEN))
+            .unwrap()
+        {
+            Inbound::Data(_) => {
+                if let Some(d) = self.s.handle_payload(T0, Some(&f[HEADER_LEN..])).unwrap() {
+                    self.s.consumed(d.len);
+                    self.got += 1;
+                }
+                if hold {
+                    self.held += 1;
+                } else {
+                    self.unposted += 1;
+                }
+            }
+            _ => self.unposted += 1,
+        }
+    }
+
+    /// Posts the slots taken in again, and tells the engine.
+    fn repost(&mut self) {
+        self.s.reposted(core::mem::take(&mut self.unposted));
+    }
+}
+
 /// Two sides sending to each other while their applications hold every
 /// receive buffer, in random interleavings, then given the buffers back one
 /// at a time: messages always flow again, and the sessions always fall
@@ -1604,13 +1679,10 @@ fn on_its_last_frame_credit_a_side_sends_only_slots_for_the_peer() {
 /// good; or traded such frames for as long as the buffers were held.)
 #[test]
 fn two_sides_whose_applications_hold_every_buffer_never_stop_for_good() {
-    struct Side {
-        s: Session,
-        queue: std::collections::VecDeque<Outgoing>,
-        held: u32,
-        got: u64,
-    }
+    type Side = RawSide;
     type Wire = std::collections::VecDeque<Vec<u8>>;
+    // Tops the queue up to three messages if `more`, then hands out what
+    // may go.
     fn transmit(x: &mut Side, out: &mut Wire, more: bool) -> usize {
         while more && x.queue.len() < 3 {
             match x.s.send(8) {
@@ -1618,46 +1690,13 @@ fn two_sides_whose_applications_hold_every_buffer_never_stop_for_good() {
                 Err(_) => break,
             }
         }
-        let n = out.len();
-        loop {
-            if let Some(m) = x.queue.front_mut() {
-                if let Some(f) = x.s.next_frame(m, None, DataFlags::NONE) {
-                    let mut v = f.header.unwrap().to_vec();
-                    v.resize(HEADER_LEN + f.len, 0);
-                    out.push_back(v);
-                    if f.last {
-                        x.queue.pop_front();
-                    }
-                    continue;
-                }
-            }
-            match x.s.poll_control() {
-                Some(c) => out.push_back(c.header.to_vec()),
-                None => return out.len() - n,
-            }
-        }
+        x.pump(out)
     }
     // A data frame's buffer stays with the application (`held`) while it
     // holds them; a control frame's is reposted at once.
     fn deliver(y: &mut Side, f: &[u8], hold: bool) {
-        match y
-            .s
-            .handle_header(T0, f, Some(f.len() - HEADER_LEN))
-            .unwrap()
-        {
-            Inbound::Data(_) => {
-                if let Some(d) = y.s.handle_payload(T0, Some(&f[HEADER_LEN..])).unwrap() {
-                    y.s.consumed(d.len);
-                    y.got += 1;
-                }
-                if hold {
-                    y.held += 1;
-                } else {
-                    y.s.reposted(1);
-                }
-            }
-            _ => y.s.reposted(1),
-        }
+        y.take(f, hold);
+        y.repost();
     }
     // One move of either side, picked at random: it transmits (starting new
     // messages if `more`), or a frame of its reaches the other, held there.
@@ -1710,18 +1749,14 @@ fn two_sides_whose_applications_hold_every_buffer_never_stop_for_good() {
                 rng ^= rng << 17;
                 rng % 4
             };
-            let side = |token| Side {
-                s: Session::new(
+            let side = |token| {
+                RawSide::new(
                     SessionConfig {
                         frame_max: 64,
                         ..ring(ring_depth, 64)
                     },
                     token,
-                    T0,
-                ),
-                queue: Default::default(),
-                held: 0,
-                got: 0,
+                )
             };
             let (mut a, mut b) = (side(1), side(2));
             let (mut ab, mut ba) = (Default::default(), Default::default());
@@ -2525,71 +2560,29 @@ fn a_ring_wires_fragments_are_the_progress_the_minimum_rate_counts() {
 /// on a notice carrying nothing, and neither could send again.
 #[test]
 fn sides_that_send_before_they_repost_recover_once_buffers_come_back() {
-    struct Side {
-        s: Session,
-        queue: std::vec::Vec<Outgoing>,
-        unposted: u32,
-        held: u32,
+    type Wire = std::collections::VecDeque<Vec<u8>>;
+    fn pump(x: &mut RawSide) -> Wire {
+        let mut out = Wire::new();
+        x.pump(&mut out);
+        out
     }
-    fn pump(x: &mut Side) -> std::vec::Vec<std::vec::Vec<u8>> {
-        let mut out = std::vec::Vec::new();
-        loop {
-            if let Some(m) = x.queue.first_mut() {
-                if let Some(f) = x.s.next_frame(m, None, DataFlags::NONE) {
-                    let mut v = f.header.unwrap().to_vec();
-                    v.resize(HEADER_LEN + f.len, 0);
-                    out.push(v);
-                    if f.last {
-                        x.queue.remove(0);
-                    }
-                    continue;
-                }
-            }
-            match x.s.poll_control() {
-                Some(c) => out.push(c.header.to_vec()),
-                None => return out,
-            }
-        }
-    }
-    fn take(y: &mut Side, frames: &[std::vec::Vec<u8>], hold: bool) {
+    fn take(y: &mut RawSide, frames: &Wire, hold: bool) {
         for f in frames {
-            match y
-                .s
-                .handle_header(T0, f, Some(f.len() - HEADER_LEN))
-                .unwrap()
-            {
-                Inbound::Data(_) => {
-                    y.s.handle_payload(T0, Some(&f[HEADER_LEN..])).unwrap();
-                    if hold {
-                        y.held += 1;
-                    } else {
-                        y.unposted += 1;
-                    }
-                }
-                _ => y.unposted += 1,
-            }
+            y.take(f, hold);
         }
     }
-    fn repost(x: &mut Side) {
-        x.s.reposted(core::mem::take(&mut x.unposted));
-    }
-    fn send(x: &mut Side) {
+    fn send(x: &mut RawSide) {
         let m = x.s.send(8).unwrap();
-        x.queue.push(m);
+        x.queue.push_back(m);
     }
     for depth in [MIN_RING, 8] {
-        let side = |token| Side {
-            s: Session::new(ring(depth, 64), token, T0),
-            queue: std::vec::Vec::new(),
-            unposted: 0,
-            held: 0,
-        };
+        let side = |token| RawSide::new(ring(depth, 64), token);
         let (mut a, mut b) = (side(1), side(0));
         let (fa, fb) = (pump(&mut a), pump(&mut b));
         take(&mut b, &fa, false);
         take(&mut a, &fb, false);
-        repost(&mut a);
-        repost(&mut b);
+        a.repost();
+        b.repost();
         for x in [&mut a, &mut b] {
             for _ in 0..depth - 1 {
                 send(x);
@@ -2604,8 +2597,8 @@ fn sides_that_send_before_they_repost_recover_once_buffers_come_back() {
             }
             let (fa, fb) = (pump(&mut a), pump(&mut b));
             if round % 2 == 0 {
-                repost(&mut a);
-                repost(&mut b);
+                a.repost();
+                b.repost();
             }
             take(&mut b, &fa, true);
             take(&mut a, &fb, true);
@@ -2615,8 +2608,8 @@ fn sides_that_send_before_they_repost_recover_once_buffers_come_back() {
             x.unposted += core::mem::take(&mut x.held);
         }
         for _ in 0..1000 {
-            repost(&mut a);
-            repost(&mut b);
+            a.repost();
+            b.repost();
             let (fa, fb) = (pump(&mut a), pump(&mut b));
             if fa.is_empty() && fb.is_empty() {
                 break;
