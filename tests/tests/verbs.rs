@@ -565,7 +565,7 @@ fn a_long_message_still_under_way_when_the_peer_closes_arrives_whole() {
         fragment: 4096,
         ..small_ring()
     };
-    let Some((mut a, mut b, peer)) = raw_pair(19_140, config) else {
+    let Some((mut a, mut b, peer)) = raw_pair(19_141, config) else {
         return;
     };
     // 8 slots of 4 KiB: 1 MiB is 256 frames, 32 turns of the ring.
