@@ -283,7 +283,10 @@ fn a_peer_of_another_version_is_refused_by_name() {
         tx.try_recv().unwrap_err(),
         Error::Protocol {
             peer: PEER,
-            error: ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 2, ours: 4 })
+            error: ProtocolError::Decode(DecodeError::UnsupportedVersion {
+                theirs: 2,
+                ours: zerohop_core::wire::VERSION
+            })
         }
     );
 }

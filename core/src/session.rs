@@ -27,7 +27,8 @@
 //! make the receiver hold at most the bytes it was granted: the window, and
 //! a message longer than the window only once the receiver [grants](Session::grant)
 //! it), frame credit on ring wires (never more frames than posted receive
-//! slots), fragmentation and reassembly, the headerless-or-framed choice, the
+//! slots: data and control frames each have slots of their own, see
+//! [`CONTROL_SLOTS`]), fragmentation and reassembly, the headerless-or-framed choice, the
 //! Hello exchange (no data before it, a peer of another version refused by
 //! name), a clean Close, the idle timer (a peer silent mid-handshake or
 //! mid-frame fails) and a minimum rate while a message is under way
@@ -40,7 +41,7 @@ use core::time::Duration;
 
 use crate::wire::{
     Close, Credit, Data, DataFlags, DecodeError, Decoded, Frame, FrameKind, Hello, Host, HostStep,
-    Takes, Want, HEADER_LEN,
+    Takes, Want, HEADER_LEN, MAX_FRAME_CREDITS,
 };
 
 /// A point in time: microseconds from an origin the driver chooses (a
@@ -81,8 +82,10 @@ pub struct SessionConfig {
     /// The longest frame payload this side takes (its receive buffers on a
     /// ring wire; `max_message` on a stream wire, which does not fragment).
     pub frame_max: u32,
-    /// Receive slots this side keeps posted (ring wires: the peer's frame
-    /// credits); 0 on a stream wire, where frames are not counted.
+    /// Receive slots this side keeps posted for data frames (ring wires:
+    /// the peer's frame credits), besides [`CONTROL_SLOTS`] more for control
+    /// frames ([`posted_slots`](Self::posted_slots) in all); 0 on a stream
+    /// wire, where frames are not counted.
     pub ring: u16,
     /// This side takes headerless frames (a ring wire whose payloads land in
     /// host memory, and whose frames carry immediate data).
@@ -155,14 +158,24 @@ impl SessionConfig {
         }
     }
 
-    /// Whether the settings can work: every limit non-zero, a ring (if any)
-    /// at least [`MIN_RING`] deep.
+    /// Receive slots a ring wire keeps posted: the data ring and the
+    /// [`CONTROL_SLOTS`] (0 on a stream wire).
+    pub const fn posted_slots(&self) -> u32 {
+        if self.ring == 0 {
+            0
+        } else {
+            self.ring as u32 + CONTROL_SLOTS
+        }
+    }
+
+    /// Whether the settings can work: every limit non-zero (a ring of 0
+    /// is a stream wire's).
     pub fn check(&self) -> Result<(), &'static str> {
         if self.max_message == 0 || self.window == 0 || self.frame_max == 0 {
             return Err("SessionConfig: max_message, window and frame_max must be non-zero");
         }
-        if self.ring != 0 && self.ring < MIN_RING {
-            return Err("SessionConfig: a ring must be at least MIN_RING (4) slots deep");
+        if self.ring != 0 && !RING {
+            return Err("SessionConfig: a ring wire needs zerohop-core's ring-credits feature");
         }
         if self.idle_timeout.is_zero() {
             return Err("SessionConfig: idle_timeout must be non-zero");
@@ -177,14 +190,31 @@ impl SessionConfig {
 /// holding a window's buffer costs a stranger that much of its bandwidth.
 pub const MIN_RATE: u32 = 64 << 10;
 
-/// The shallowest receive ring a ring wire may have. A data frame needs two
-/// frame credits (the last is kept for returning credit), and every frame,
-/// credit frames too, takes one of the peer's slots: with two or three
-/// slots, two sides that each hold one credit and owe one can trade credit
-/// frames for ever without either reaching two (found by the `session` fuzz
-/// target). With four, whoever holds one credit is owed at least two slots,
-/// which is enough to make the peer return them.
-pub const MIN_RING: u16 = 4;
+/// The shallowest data ring a ring wire may have: one slot moves messages
+/// (slowly); control frames have slots of their own ([`CONTROL_SLOTS`]).
+pub const MIN_RING: u16 = 1;
+
+/// Receive slots a ring wire keeps posted for control frames (Hello, Credit,
+/// Want, Close, Host), besides its data ring. Every frame takes one of the
+/// peer's posted receives; a control frame's goes straight back (nothing of
+/// it is kept), so the slots a peer's control frames take never wait for
+/// the application, as data slots do while it holds their buffers.
+///
+/// Each side counts the other's control slots apart from its data slots,
+/// and returns them on every frame it sends (2 bits of a data frame's
+/// header and of its immediate data, a byte of a Credit frame). The rules
+/// that keep both sides moving (see `Session::credit_due`):
+/// - a side returns control slots in a Credit frame of their own only once
+///   it owes [`CONTROL_SLOTS`]` - 1` of them, that is once the peer is down
+///   to its last: so such a frame (which takes one of the peer's) never
+///   calls for an answer of its own, and credit frames answering credit
+///   frames die out;
+/// - a side's last control slot goes only with a Credit frame that returns
+///   control slots: two sides can then never both be left with none;
+/// - data slots the application gave back go to a peer that cannot post
+///   data (this side's count of what it may send says so) at once, else a
+///   quarter of the ring at a time. No side need say that it waits.
+pub const CONTROL_SLOTS: u32 = 3;
 
 /// What the peer announced in its Hello.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -559,12 +589,14 @@ struct PendingFrame {
     last: bool,
 }
 
-/// A headerless frame's immediate data: credits in the low 16 bits.
-const IMM_CREDITS: u32 = 0xFFFF;
-
 /// Whether this build runs the same-host exchange (the `same-host` feature):
 /// without it, every session acts as [`HostRole::None`].
 const SAME_HOST: bool = cfg!(feature = "same-host");
+
+/// Whether this build counts frames on ring wires (the `ring-credits`
+/// feature): without it, a ring configuration is refused
+/// ([`SessionConfig::check`]) and every session is a stream wire's.
+const RING: bool = cfg!(feature = "ring-credits");
 
 /// Whether this build holds a message under way to
 /// [`SessionConfig::min_rate`] (the `min-rate` feature): without it, the
@@ -604,8 +636,10 @@ pub struct Session {
     tx_started: u64,
     /// The peer's byte limit.
     tx_limit: u64,
-    /// Frame credits (`None`: the peer has no ring).
+    /// Data frame credits (`None`: the peer has no ring).
     tx_frames: Option<u32>,
+    /// Control frame credits, where the peer has a ring.
+    tx_control: u32,
     /// The peer's ring, when connection setup told it (see [`Session::with_peer_ring`]).
     told_ring: Option<u16>,
     /// A Want to send: the length it asks for (at `tx_started`).
@@ -634,16 +668,17 @@ pub struct Session {
     /// When the peer's Hello came: the same-host exchange must be over
     /// within the idle timeout of it.
     opened_at: Instant,
-    /// Frames the peer may still send (ring wires).
+    /// Data frames the peer may still send (ring wires).
     rx_frames_allowed: u32,
-    /// Receive slots reposted and not yet reported.
+    /// Control frames the peer may still send (ring wires).
+    rx_control_allowed: u32,
+    /// Data slots reposted and not yet reported.
     owed_frames: u32,
-    /// Of the slots taken and not yet reported, those Credit frames took
-    /// (see `credit_due`).
-    echo_frames: u32,
-    /// The peer's last Credit frame said something of its waits for frame
-    /// credits.
-    peer_waiting: bool,
+    /// Control slots reposted and not yet reported.
+    owed_control: u32,
+    /// Control frames taken whose slots were not reposted yet: the next
+    /// slots reposted are theirs.
+    unposted_control: u32,
 
     // The same-host exchange (see [`HostRole`]).
     /// This side's Host frame has been handed out.
@@ -692,6 +727,7 @@ impl Session {
             tx_started: 0,
             tx_limit: 0,
             tx_frames: None,
+            tx_control: 0,
             told_ring: None,
             want_due: None,
             want_sent: None,
@@ -706,9 +742,10 @@ impl Session {
             granted_at: None,
             opened_at: now,
             rx_frames_allowed: u32::from(config.ring),
+            rx_control_allowed: if config.ring != 0 { CONTROL_SLOTS } else { 0 },
             owed_frames: 0,
-            echo_frames: 0,
-            peer_waiting: false,
+            owed_control: 0,
+            unposted_control: 0,
             host_sent: false,
             host_settled: !SAME_HOST || matches!(config.host, HostRole::None),
             host_offered: None,
@@ -727,8 +764,11 @@ impl Session {
     /// then announce the same ring.
     #[must_use]
     pub fn with_peer_ring(mut self, ring: u16) -> Session {
-        self.tx_frames = Some(u32::from(ring));
-        self.told_ring = Some(ring);
+        if RING {
+            self.tx_frames = Some(u32::from(ring));
+            self.tx_control = CONTROL_SLOTS;
+            self.told_ring = Some(ring);
+        }
         self
     }
 
@@ -806,9 +846,20 @@ impl Session {
         self.tx_limit.saturating_sub(self.tx_started)
     }
 
-    /// Frame credits (`None`: the peer has no ring).
+    /// Data frame credits (`None`: the peer has no ring).
     pub fn frame_credits(&self) -> Option<u32> {
-        self.tx_frames
+        self.tx_frames.filter(|_| RING)
+    }
+
+    /// Receive slots reposted and not yet returned to the peer, data and
+    /// control (ring wires).
+    pub fn owed_slots(&self) -> (u32, u32) {
+        (self.owed_frames, self.owed_control)
+    }
+
+    /// Control frame credits (`None`: the peer has no ring).
+    pub fn control_credits(&self) -> Option<u32> {
+        self.frame_credits().map(|_| self.tx_control)
     }
 
     /// Whether [`next_frame`](Self::next_frame) gives the first fragment of
@@ -819,11 +870,21 @@ impl Session {
         self.is_open() && self.hello_sent && self.host_settled() && self.may_post_data()
     }
 
-    /// Whether a data frame (or a Want, or the Close) may be posted now:
-    /// on a ring wire it needs two frame credits, since only a Credit frame
-    /// may take the last one (see [`poll_control`](Self::poll_control)).
+    /// Whether a data frame may be posted now: on a ring wire, one of the
+    /// peer's data slots is free.
     pub fn may_post_data(&self) -> bool {
-        self.tx_frames.is_none_or(|n| n >= 2)
+        !RING || self.tx_frames.is_none_or(|n| n >= 1)
+    }
+
+    /// Whether a control frame may be posted now: on a ring wire, one of
+    /// the peer's control slots is free, and the last goes only with a
+    /// Credit frame (`credit`) that returns control slots (see
+    /// [`CONTROL_SLOTS`]).
+    fn may_post_control(&self, credit: bool) -> bool {
+        !RING
+            || self.tx_frames.is_none()
+            || self.tx_control >= 2
+            || (self.tx_control == 1 && credit && self.owed_control > 0)
     }
 
     /// Message bytes received and not yet [consumed](Self::consumed): what
@@ -940,9 +1001,19 @@ impl Session {
     }
 
     /// Ring wires: `n` receive slots were posted again; the peer learns it
-    /// with the next frame (or a Credit frame once a quarter of the ring is owed).
+    /// with the next frame (or a Credit frame, see [`CONTROL_SLOTS`]). The
+    /// slots control frames took are refilled first: any posted receive
+    /// takes any frame, so which buffer went where does not matter, but a
+    /// driver should repost a control frame's buffer at once (nothing of it
+    /// is kept), so that control slots never wait for the application.
     pub fn reposted(&mut self, n: u32) {
-        self.owed_frames = self.owed_frames.saturating_add(n);
+        if !RING {
+            return;
+        }
+        let control = n.min(self.unposted_control);
+        self.unposted_control -= control;
+        self.owed_control += control;
+        self.owed_frames = self.owed_frames.saturating_add(n - control);
     }
 
     /// Lets the peer send the message longer than the window it waits to
@@ -961,8 +1032,7 @@ impl Session {
 
     /// The next fragment of `msg` (started by [`send`](Self::send), and the
     /// oldest message not yet all handed out), or `None` while the peer's
-    /// ring has no room (two frame credits: the last is kept for credit
-    /// frames) or once it is all out. `message` is the whole message, where
+    /// ring has no room or once it is all out. `message` is the whole message, where
     /// the CPU can read it: its fragments are checksummed when the
     /// configuration says so. `placement` is where the wire puts the
     /// payload: [`DataFlags::STRIPED`] (split over two connections),
@@ -997,14 +1067,17 @@ impl Session {
         let last = offset + len == msg.len;
         let striped = placement.contains(DataFlags::STRIPED);
         let device = SAME_HOST && placement.contains(DataFlags::DEVICE);
-        let headerless = self.config.sends_headerless
+        let headerless = RING
+            && self.config.sends_headerless
             && peer.takes_headerless
             && msg.first
             && last
             && !striped
             && !device;
-        // Headers and immediate data have room for 16 bits of credits; the rest wait.
-        let credits = self.take_owed(IMM_CREDITS);
+        // Headers and immediate data have room for 14 bits of data credits
+        // (the rest wait) and 2 of control credits (all of them).
+        let credits = self.take_owed(u32::from(MAX_FRAME_CREDITS));
+        let control = self.take_owed_control();
         let header = if headerless {
             None
         } else {
@@ -1026,10 +1099,13 @@ impl Session {
                 len,
                 offset,
                 credits: credits as u16,
+                control: control as u8,
             });
             Some(frame.encode(payload.unwrap_or(&[])))
         };
-        self.spend_frame();
+        if let (true, Some(n)) = (RING, self.tx_frames.as_mut()) {
+            *n -= 1;
+        }
         self.frame_stall_counted = false;
         msg.first = false;
         msg.framed += len;
@@ -1038,7 +1114,7 @@ impl Session {
         }
         Some(DataFrame {
             header,
-            imm: (u32::from(msg.seq as u16) << 16) | credits,
+            imm: (u32::from(msg.seq as u16) << 16) | (control << 14) | credits,
             offset: offset as usize,
             len: len as usize,
             last,
@@ -1052,17 +1128,12 @@ impl Session {
     /// can go ([`next_frame`](Self::next_frame)) before it asks: they carry
     /// the credit owed for free.
     ///
-    /// On a ring wire every frame takes one of the peer's slots. A Want or
-    /// the Close needs two frame credits, as data does; only a Credit frame
-    /// that returns slots may take the last one (its `waiting` flag set).
-    /// A Credit frame goes when a quarter of the ring (at least 2 slots) is
-    /// owed, when the peer has fewer than two slots left by this side's
-    /// count (it cannot post data: every slot reposted goes at once), or
-    /// when the byte limit moved. So two sides never both end with no
-    /// credit while owing each other, and credit frames answering credit
-    /// frames (one slot each) die out.
+    /// On a ring wire every control frame takes one of the peer's control
+    /// slots; a Hello, Host, Want or Close needs two, and only a Credit
+    /// frame that returns control slots may take the last (see
+    /// [`CONTROL_SLOTS`] for when Credit frames go).
     pub fn poll_control(&mut self) -> Option<Control> {
-        if self.failed.is_some() || self.tx_frames == Some(0) || self.is_moved() {
+        if self.failed.is_some() || !self.may_post_control(true) || self.is_moved() {
             return None;
         }
         let frame = if !self.hello_sent {
@@ -1071,13 +1142,19 @@ impl Session {
                 window: self.config.window,
                 max_message: self.config.max_message,
                 frame_max: self.config.frame_max,
-                ring: self.config.ring,
+                ring: if RING { self.config.ring } else { 0 },
                 lane: 0,
                 takes: Takes::NONE
-                    .with(Takes::HEADERLESS, self.config.takes_headerless)
+                    .with(Takes::HEADERLESS, RING && self.config.takes_headerless)
                     .with(Takes::DEVICE, SAME_HOST && self.takes_device),
                 token: self.token,
             })
+        } else if !self.may_post_control(false) {
+            // The last control slot: only a Credit frame that returns some.
+            if !self.credit_due() {
+                return None;
+            }
+            self.credit_frame()
         } else if let (true, HostRole::Offer(offer), false) =
             (SAME_HOST, self.config.host, self.host_sent)
         {
@@ -1121,17 +1198,16 @@ impl Session {
                 return None;
             }
             self.credit_frame()
-        } else if let (Some(len), false, true) =
-            (self.want_due, self.close_sent, self.may_post_data())
-        {
+        } else if let (Some(len), false, 0) = (self.want_due, self.close_sent, self.tx_unframed) {
+            // After every fragment started: the peer checks the Want's
+            // offset against the messages it has seen begin.
             self.want_due = None;
             self.want_sent = Some((self.tx_started, len));
             Frame::Want(Want {
                 offset: self.tx_started,
                 len,
             })
-        } else if self.closing && !self.close_sent && self.tx_unframed == 0 && self.may_post_data()
-        {
+        } else if self.closing && !self.close_sent && self.tx_unframed == 0 {
             self.close_sent = true;
             Frame::Close(Close { seq: self.tx_seq })
         } else if self.credit_due() {
@@ -1139,7 +1215,9 @@ impl Session {
         } else {
             return None;
         };
-        self.spend_frame();
+        if RING && self.tx_frames.is_some() {
+            self.tx_control -= 1;
+        }
         Some(Control {
             kind: frame.kind(),
             header: frame.encode(&[]),
@@ -1152,18 +1230,8 @@ impl Session {
         Frame::Credit(Credit {
             frames: self.take_owed(u32::MAX),
             limit: self.rx_limit,
-            waiting: self.stalled(),
+            control: self.take_owed_control() as u8,
         })
-    }
-
-    /// Something of this side's waits for frame credits: a data frame, a
-    /// Want, the Close.
-    fn stalled(&self) -> bool {
-        self.tx_frames.is_some()
-            && !self.may_post_data()
-            && (self.frame_stall_counted
-                || self.want_due.is_some()
-                || (self.closing && !self.close_sent && self.tx_unframed == 0))
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) must be called: while
@@ -1441,74 +1509,76 @@ impl Session {
         e
     }
 
-    /// Reports up to `max` owed slots: they are the peer's again.
+    /// Reports up to `max` owed data slots: they are the peer's again.
     fn take_owed(&mut self, max: u32) -> u32 {
+        if !RING {
+            return 0;
+        }
         let n = self.owed_frames.min(max);
         self.owed_frames -= n;
-        self.echo_frames = self.echo_frames.saturating_sub(n);
         self.rx_frames_allowed = self.rx_frames_allowed.saturating_add(n);
         n
     }
 
-    fn spend_frame(&mut self) {
-        if let Some(n) = self.tx_frames.as_mut() {
-            *n -= 1;
+    /// Reports every owed control slot (at most [`CONTROL_SLOTS`]).
+    fn take_owed_control(&mut self) -> u32 {
+        if !RING {
+            return 0;
         }
+        let n = core::mem::take(&mut self.owed_control);
+        self.rx_control_allowed += n;
+        n
     }
 
-    /// Whether a Credit frame should go (see [`poll_control`](Self::poll_control)).
+    /// Whether a Credit frame should go (see [`CONTROL_SLOTS`]).
     fn credit_due(&self) -> bool {
+        let ring = RING && self.config.ring != 0;
+        // Data slots: every one at once to a peer that can post no data
+        // (this side's count, what is in flight included), else a quarter
+        // of the ring at a time.
         let owed = self.owed_frames;
-        // The peer can post no data (it needs two slots, one to use and one
-        // kept): what is owed goes at once. This side's count says so, what
-        // is in flight included; no frame of the peer's need say it.
-        // Slots Credit frames took go at once only where something waits
-        // for them: else two sides low on credits would answer each other's
-        // answers for ever. A peer left with none cannot return what it
-        // owes: it gets one if it waits, or if this side does.
-        // Where both wait (each on its last credit), one gives and the other
-        // keeps: two that both gave would cross and stand where they were,
-        // for ever. The side with the lower token gives.
-        let fresh = owed > self.echo_frames;
-        let gives = !self.stalled() || self.peer.is_some_and(|p| self.token < p.token);
-        let starved = match self.rx_frames_allowed {
-            0 => self.peer_waiting || self.stalled(),
-            1 => fresh || (self.peer_waiting && gives),
-            _ => false,
-        };
-        let frames = self.config.ring != 0
+        let data = ring
             && owed > 0
-            && (owed >= u32::from(self.config.ring / 4).max(2) || starved);
+            && (self.rx_frames_allowed == 0 || owed >= u32::from(self.config.ring / 4).max(1));
+        // Control slots: once the peer is down to its last. A Credit frame
+        // takes one of the peer's: it never owes CONTROL_SLOTS - 1 (two) for
+        // one such frame alone, so frames answering frames die out.
+        let control = ring && self.owed_control >= CONTROL_SLOTS - 1;
         let moved = self.rx_limit - self.rx_limit_sent;
         let bytes = moved > 0
             && (moved >= u64::from(self.config.window / 4).max(1)
                 || self.rx_want.is_some_and(|(offset, len)| {
                     offset.saturating_add(u64::from(len)) <= self.rx_limit
                 }));
-        // The last credit goes only with slots for the peer: two sides each
-        // spending its last on news alone would both be left with none,
-        // owing each other the slots those frames took, for good.
-        (frames || bytes) && (self.tx_frames != Some(1) || owed > 0)
+        (data || control || bytes) && self.may_post_control(true)
     }
 
-    /// One more frame arrived (ring wires count it against the slots granted).
-    fn count_frame(&mut self) -> Result<(), ProtocolError> {
-        if self.config.ring != 0 {
-            self.rx_frames_allowed = self
-                .rx_frames_allowed
-                .checked_sub(1)
-                .ok_or(ProtocolError::RingOverrun)?;
+    /// One more frame arrived: ring wires count it against the data or
+    /// control slots granted.
+    fn count_frame(&mut self, data: bool) -> Result<(), ProtocolError> {
+        if !RING || self.config.ring == 0 {
+            return Ok(());
         }
+        let allowed = if data {
+            &mut self.rx_frames_allowed
+        } else {
+            self.unposted_control += 1;
+            &mut self.rx_control_allowed
+        };
+        *allowed = allowed.checked_sub(1).ok_or(ProtocolError::RingOverrun)?;
         Ok(())
     }
 
-    fn take_credits(&mut self, credits: u32) -> Result<(), ProtocolError> {
-        if let (Some(n), Some(peer)) = (self.tx_frames.as_mut(), self.peer) {
-            let sum = n.saturating_add(credits);
-            if sum > u32::from(peer.ring) {
+    /// Data and control slots the peer returned.
+    fn take_credits(&mut self, data: u32, control: u32) -> Result<(), ProtocolError> {
+        if let (true, Some(n), Some(peer)) = (RING, self.tx_frames.as_mut(), self.peer) {
+            let data = n.saturating_add(data);
+            let control = self.tx_control.saturating_add(control);
+            if data > u32::from(peer.ring) || control > CONTROL_SLOTS {
                 return Err(ProtocolError::TooManyCredits);
             }
-            *n = sum;
+            *n = data;
+            self.tx_control = control;
         }
         Ok(())
     }
@@ -1520,7 +1590,7 @@ impl Session {
         if h.window == 0 || h.max_message == 0 || h.frame_max == 0 {
             return Err(ProtocolError::BadHello);
         }
-        if self.config.ring != 0 {
+        if RING && self.config.ring != 0 {
             if h.ring < MIN_RING {
                 return Err(ProtocolError::ShallowPeer { ring: h.ring });
             }
@@ -1528,8 +1598,13 @@ impl Session {
                 // Told at connection setup: the Hello must agree.
                 Some(told) if told != h.ring => return Err(ProtocolError::BadHello),
                 Some(_) => {}
-                // Learned now: our Hello, already sent, took one of its slots.
-                None => self.tx_frames = Some(u32::from(h.ring) - u32::from(self.hello_sent)),
+                // Learned now: our Hello (and Host offer), already sent,
+                // took control slots.
+                None => {
+                    self.tx_frames = Some(u32::from(h.ring));
+                    let early = u32::from(self.hello_sent) + u32::from(self.host_sent);
+                    self.tx_control = CONTROL_SLOTS.saturating_sub(early);
+                }
             }
         }
         if SAME_HOST {
@@ -1539,7 +1614,11 @@ impl Session {
             window: h.window,
             max_message: h.max_message,
             frame_max: h.frame_max,
-            ring: if self.config.ring != 0 { h.ring } else { 0 },
+            ring: if RING && self.config.ring != 0 {
+                h.ring
+            } else {
+                0
+            },
             takes_headerless: h.takes.contains(Takes::HEADERLESS),
             takes_device: SAME_HOST && h.takes.contains(Takes::DEVICE),
             token: h.token,
@@ -1553,7 +1632,7 @@ impl Session {
         if self.peer.is_none() {
             return match frame {
                 Frame::Hello(h) => {
-                    self.count_frame()?;
+                    self.count_frame(false)?;
                     self.take_hello(h)
                 }
                 other => Err(ProtocolError::HelloExpected { got: other.kind() }),
@@ -1562,7 +1641,7 @@ impl Session {
         if (self.peer_closed || self.is_moved()) && !matches!(frame, Frame::Credit(_)) {
             return Err(ProtocolError::AfterClose);
         }
-        self.count_frame()?;
+        self.count_frame(matches!(frame, Frame::Data(_)))?;
         if let Frame::Host(h) = frame {
             return match SAME_HOST {
                 true => self.take_host(h),
@@ -1579,11 +1658,7 @@ impl Session {
         match frame {
             Frame::Hello(_) => Err(ProtocolError::UnexpectedHello),
             Frame::Credit(c) => {
-                if self.config.ring != 0 {
-                    self.echo_frames = self.echo_frames.saturating_add(1);
-                }
-                self.peer_waiting = c.waiting;
-                self.take_credits(c.frames)?;
+                self.take_credits(c.frames, u32::from(c.control))?;
                 self.tx_limit = self.tx_limit.max(c.limit);
                 Ok(Inbound::Control)
             }
@@ -1695,7 +1770,7 @@ impl Session {
         if SAME_HOST && d.flags.contains(DataFlags::DEVICE) && !self.takes_device {
             return Err(ProtocolError::DeviceRefused);
         }
-        self.take_credits(u32::from(d.credits))?;
+        self.take_credits(u32::from(d.credits), u32::from(d.control))?;
         self.check_seq(d.seq)?;
         let more = d.flags.contains(DataFlags::MORE);
         let first = match self.assembly {
@@ -1755,11 +1830,12 @@ impl Session {
     }
 
     fn take_headerless(&mut self, len: usize, imm: u32) -> Result<Delivered, ProtocolError> {
-        let (seq16, credits) = ((imm >> 16) as u16, imm & IMM_CREDITS);
+        let seq16 = (imm >> 16) as u16;
+        let (control, credits) = ((imm >> 14) & 3, imm & u32::from(MAX_FRAME_CREDITS));
         // The sequence number, rebuilt from its low bits around the one expected.
         let delta = i64::from(seq16.wrapping_sub(self.rx_next as u16) as i16);
         let seq = self.rx_next.wrapping_add_signed(delta);
-        if !self.config.takes_headerless || self.assembly.is_some() {
+        if !RING || !self.config.takes_headerless || self.assembly.is_some() {
             return Err(ProtocolError::HeaderlessRefused);
         }
         if self.peer.is_none() {
@@ -1777,8 +1853,8 @@ impl Session {
                 max: self.config.frame_max as usize,
             }));
         };
-        self.count_frame()?;
-        self.take_credits(credits)?;
+        self.count_frame(true)?;
+        self.take_credits(credits, control)?;
         self.check_seq(seq)?;
         self.start_message(len32)?;
         self.advance_rx()?;

@@ -400,6 +400,10 @@ pub struct SimPeer {
     pub holding: bool,
     /// Slots of data frames held so.
     held: u32,
+    /// Ring wires: slots are reposted only by [`repost`](Self::repost), so
+    /// frames go out before the slots of what came in are posted again (the
+    /// verbs driver's order), rather than at the start of each transmit.
+    pub repost_late: bool,
     /// How this side answers a same-host offer (default: decline).
     pub accept_offers: bool,
 }
@@ -414,6 +418,7 @@ impl SimPeer {
             slots_used: 0,
             holding: false,
             held: 0,
+            repost_late: false,
             accept_offers: false,
         }
     }
@@ -424,6 +429,14 @@ impl SimPeer {
         let n = n.min(self.held);
         self.held -= n;
         self.slots_used += n;
+        n
+    }
+
+    /// Posts again the slots of what came in (and of buffers given back);
+    /// returns how many.
+    pub fn repost(&mut self) -> u32 {
+        let n = core::mem::take(&mut self.slots_used);
+        self.session.reposted(n);
         n
     }
 
@@ -449,8 +462,9 @@ impl SimPeer {
     /// peer's ring has room.
     pub fn transmit(&mut self) -> Vec<SimFrame> {
         // A ring driver reposts each slot once its frame is handled.
-        let n = core::mem::take(&mut self.slots_used);
-        self.session.reposted(n);
+        if !self.repost_late {
+            self.repost();
+        }
         let mut out = Vec::new();
         loop {
             if let Some((msg, bytes)) = self.queue.front_mut() {
@@ -571,7 +585,8 @@ pub fn exchange(
     for _ in 0..EXCHANGE_ROUNDS {
         let to_b = a.transmit();
         let to_a = b.transmit();
-        if to_a.is_empty() && to_b.is_empty() {
+        let reposted = a.repost() + b.repost();
+        if to_a.is_empty() && to_b.is_empty() && reposted == 0 {
             return Ok(seen);
         }
         for f in &to_b {

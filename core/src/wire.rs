@@ -11,8 +11,8 @@
 //!
 //! | kind | fields |
 //! | --- | --- |
-//! | Data | `credits` u16 @6, `seq` u64 @8, `msg_len` u32 @16, `len` u32 @20, `offset` u32 @24; flags [`DataFlags`] |
-//! | Credit | `frames` u32 @8, `limit` u64 @12; flag [`WAITING`](Credit::waiting) |
+//! | Data | `credits` (low 14 bits) and `control` (high 2) u16 @6, `seq` u64 @8, `msg_len` u32 @16, `len` u32 @20, `offset` u32 @24; flags [`DataFlags`] |
+//! | Credit | `frames` u32 @8, `limit` u64 @12, `control` u8 @20 |
 //! | Hello | `window` u32 @8, `max_message` u32 @12, `frame_max` u32 @16, `ring` u16 @20, `lane` u8 @22, `takes` u8 @23, `token` u32 @24 |
 //! | Close | `seq` u64 @8 |
 //! | Want | `offset` u64 @8, `len` u32 @16 |
@@ -31,12 +31,12 @@ use crate::crc::crc32c;
 pub const HEADER_LEN: usize = 32;
 /// `"ZH"` little-endian.
 pub const MAGIC: u16 = 0x485A;
-/// The protocol version this code speaks. Version 1 (one header layout
-/// whose fields meant different things per wire), version 2 (no Host
-/// frame) and version 3 (a side on its last frame credit said it waited
-/// with a frame that returned nothing, and was answered only if it said
-/// so) are refused by name.
-pub const VERSION: u8 = 4;
+/// The protocol version this code speaks. Older versions are refused by
+/// name: 1 (one header layout whose fields meant different things per
+/// wire), 2 (no Host frame), 3 and 4 (control frames took the same ring
+/// slots as data, and a side said when it waited for them), 5 (a notice
+/// slot, reverted before any release).
+pub const VERSION: u8 = 6;
 
 /// What a frame carries: its kind byte.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,30 +157,39 @@ pub struct Data {
     pub len: u32,
     /// Where this fragment's payload starts in the message.
     pub offset: u32,
-    /// Receive slots the sender reposted since its last report (ring wires; 0 elsewhere).
+    /// Data slots the sender reposted since its last report (ring wires; 0
+    /// elsewhere). At most [`MAX_FRAME_CREDITS`]: the rest wait for the
+    /// next frame.
     pub credits: u16,
+    /// Control slots the sender reposted since its last report (ring
+    /// wires), at most [`MAX_CONTROL_CREDITS`].
+    pub control: u8,
 }
+
+/// The most data slots one data frame returns (14 bits, beside the control
+/// slots in the same 16-bit word and in a headerless frame's immediate data).
+pub const MAX_FRAME_CREDITS: u16 = 0x3FFF;
+/// The most control slots a frame returns (2 bits): a ring wire's peer has
+/// [`CONTROL_SLOTS`](crate::session::CONTROL_SLOTS) of them.
+pub const MAX_CONTROL_CREDITS: u8 = 3;
 
 /// A credit frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 pub struct Credit {
-    /// Receive slots reposted since the last report.
+    /// Data slots reposted since the last report.
     pub frames: u32,
     /// Message bytes the receiver takes in all, counted from the first
     /// message: the sender may start a message that ends at or below it.
     pub limit: u64,
-    /// Something of the sender's (a data frame, a Want, the Close) waits for
-    /// frame credits (flag bit 0): the receiver returns the slots credit
-    /// frames took at once to it where it is short of two (see
-    /// `Session::credit_due`).
-    pub waiting: bool,
+    /// Control slots reposted since the last report (ring wires), at most
+    /// [`MAX_CONTROL_CREDITS`].
+    pub control: u8,
 }
 
 impl Credit {
     /// One credit frame that says what `self` and then `later` say: the
-    /// slots of both, `later`'s limit (limits only grow) and `later`'s
-    /// waiting flag. A stream driver that could not write a credit frame
+    /// slots of both and the higher limit (limits only grow). A stream driver that could not write a credit frame
     /// yet folds the next into it, so a peer that reads nothing cannot grow
     /// the queue of frames for it. Stream wires only: on a ring wire each
     /// frame the engine handed out already spent one of the peer's slots,
@@ -189,13 +198,10 @@ impl Credit {
         Credit {
             frames: self.frames.saturating_add(later.frames),
             limit: self.limit.max(later.limit),
-            waiting: later.waiting,
+            control: self.control.saturating_add(later.control),
         }
     }
 }
-
-/// [`Credit::waiting`]'s flag bit.
-const CREDIT_WAITING: u16 = 1;
 
 /// What a Hello's sender takes (the `takes` byte).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -377,17 +383,17 @@ impl Frame {
         match *self {
             Frame::Data(d) => {
                 b[4..6].copy_from_slice(&d.flags.0.to_le_bytes());
-                b[6..8].copy_from_slice(&d.credits.to_le_bytes());
+                let slots = (d.credits & MAX_FRAME_CREDITS) | (u16::from(d.control) << 14);
+                b[6..8].copy_from_slice(&slots.to_le_bytes());
                 b[8..16].copy_from_slice(&d.seq.to_le_bytes());
                 b[16..20].copy_from_slice(&d.msg_len.to_le_bytes());
                 b[20..24].copy_from_slice(&d.len.to_le_bytes());
                 b[24..28].copy_from_slice(&d.offset.to_le_bytes());
             }
             Frame::Credit(c) => {
-                let flags = if c.waiting { CREDIT_WAITING } else { 0 };
-                b[4..6].copy_from_slice(&flags.to_le_bytes());
                 b[8..12].copy_from_slice(&c.frames.to_le_bytes());
                 b[12..20].copy_from_slice(&c.limit.to_le_bytes());
+                b[20] = c.control;
             }
             Frame::Hello(h) => {
                 b[8..12].copy_from_slice(&h.window.to_le_bytes());
@@ -449,27 +455,29 @@ impl Frame {
         let flags = u16_at(4);
         let flags_known = match kind {
             FrameKind::Data => DataFlags::KNOWN,
-            FrameKind::Credit => CREDIT_WAITING,
             _ => 0,
         };
         // Each kind names its bytes; any other set byte is a frame from a
         // version this code does not speak, or garbage.
         let unused = match kind {
             FrameKind::Data | FrameKind::Hello => 0..0,
-            FrameKind::Credit => 20..28,
+            FrameKind::Credit => 21..28,
             FrameKind::Close => 16..28,
             FrameKind::Want => 20..28,
             FrameKind::Host => 25..28,
         };
         // Bytes 6..8 belong to the data kind only.
         let word6 = kind != FrameKind::Data && u16_at(6) != 0;
-        if flags & !flags_known != 0 || word6 || b[unused].iter().any(|&x| x != 0) {
+        // A Credit frame's control byte holds 0..=3; its high bits are reserved.
+        let control = kind == FrameKind::Credit && b[20] > MAX_CONTROL_CREDITS;
+        if flags & !flags_known != 0 || word6 || control || b[unused].iter().any(|&x| x != 0) {
             return Err(DecodeError::ReservedBits);
         }
         let frame = match kind {
             FrameKind::Data => Frame::Data(Data {
                 flags: DataFlags(flags),
-                credits: u16_at(6),
+                credits: u16_at(6) & MAX_FRAME_CREDITS,
+                control: (u16_at(6) >> 14) as u8,
                 seq: u64_at(8),
                 msg_len: u32_at(16),
                 len: u32_at(20),
@@ -478,7 +486,7 @@ impl Frame {
             FrameKind::Credit => Frame::Credit(Credit {
                 frames: u32_at(8),
                 limit: u64_at(12),
-                waiting: flags & CREDIT_WAITING != 0,
+                control: b[20],
             }),
             FrameKind::Hello => {
                 let takes = b[23];
@@ -645,33 +653,34 @@ mod tests {
         }
     }
 
-    /// Two credit frames folded into one return the slots of both, the
-    /// higher limit and the later frame's waiting flag; slots saturate.
+    /// Two credit frames folded into one return the slots of both and the
+    /// higher limit; slots saturate.
     #[test]
     fn a_credit_folded_into_another_says_what_both_said() {
         let a = Credit {
             frames: 3,
             limit: 1000,
-            waiting: true,
+            control: 1,
         };
         let b = Credit {
             frames: 4,
             limit: 5000,
-            waiting: false,
+            control: 2,
         };
         let both = Credit {
             frames: 7,
             limit: 5000,
-            waiting: false,
+            control: 3,
         };
         assert_eq!(a.then(b), both);
         assert_eq!(b.then(a).limit, 5000, "a limit never goes back");
-        assert!(b.then(a).waiting);
         let full = Credit {
             frames: u32::MAX,
+            control: u8::MAX,
             ..a
         };
         assert_eq!(full.then(b).frames, u32::MAX);
+        assert_eq!(full.then(b).control, u8::MAX);
     }
 
     /// Every kind's bytes, field by field: the layout in the module docs.
@@ -684,14 +693,19 @@ mod tests {
             len: 2,
             offset: 0x0100,
             credits: 0x0211,
+            control: 2,
         })
         .encode(b"hi");
         assert_eq!(
             &data[..4],
-            &[0x5A, 0x48, 4, 1],
-            "magic 'ZH', version 4, data"
+            &[0x5A, 0x48, 6, 1],
+            "magic 'ZH', version 6, data"
         );
-        assert_eq!(&data[4..8], &[3, 0, 0x11, 0x02], "checked + more; credits");
+        assert_eq!(
+            &data[4..8],
+            &[3, 0, 0x11, 0x82],
+            "checked + more; credits, control in the top 2 bits"
+        );
         assert_eq!(&data[8..16], &[8, 7, 6, 5, 4, 3, 2, 1], "seq");
         assert_eq!(&data[16..20], &[0x0D, 0x0C, 0x0B, 0x0A], "msg_len");
         assert_eq!(&data[20..28], &[2, 0, 0, 0, 0, 1, 0, 0], "len, offset");
@@ -699,16 +713,17 @@ mod tests {
         let credit = Frame::Credit(Credit {
             frames: 5,
             limit: 0x0102_0304_0506_0708,
-            waiting: true,
+            control: 3,
         })
         .encode(&[]);
-        assert_eq!(&credit[2..6], &[4, 2, 1, 0], "waiting flag");
+        assert_eq!(&credit[2..8], &[6, 2, 0, 0, 0, 0], "no flags");
         assert_eq!(&credit[8..12], &[5, 0, 0, 0], "frames");
         assert_eq!(&credit[12..20], &[8, 7, 6, 5, 4, 3, 2, 1], "limit");
-        assert_eq!(&credit[20..28], &[0; 8]);
+        assert_eq!(credit[20], 3, "control");
+        assert_eq!(&credit[21..28], &[0; 7]);
 
         let h = Frame::Hello(hello()).encode(&[]);
-        assert_eq!(&h[2..4], &[4, 3]);
+        assert_eq!(&h[2..4], &[6, 3]);
         assert_eq!(&h[8..12], &[0, 0, 0, 1], "window");
         assert_eq!(&h[12..16], &[0, 0, 0, 4], "max_message");
         assert_eq!(&h[16..20], &[0, 0, 1, 0], "frame_max");
@@ -716,7 +731,7 @@ mod tests {
         assert_eq!(&h[24..28], &[0xD4, 0xC3, 0xB2, 0xA1], "token");
 
         let close = Frame::Close(Close { seq: 9 }).encode(&[]);
-        assert_eq!(&close[2..4], &[4, 4]);
+        assert_eq!(&close[2..4], &[6, 4]);
         assert_eq!(
             &close[8..28],
             &[9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
@@ -727,7 +742,7 @@ mod tests {
             len: 0x0200_0000,
         })
         .encode(&[]);
-        assert_eq!(&want[2..4], &[4, 5]);
+        assert_eq!(&want[2..4], &[6, 5]);
         assert_eq!(&want[8..20], &[0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
 
         let host = Frame::Host(Host {
@@ -737,7 +752,7 @@ mod tests {
             step: HostStep::Offer,
         })
         .encode(&[]);
-        assert_eq!(&host[2..8], &[4, 6, 0, 0, 0, 0], "host, no flags");
+        assert_eq!(&host[2..8], &[6, 6, 0, 0, 0, 0], "host, no flags");
         assert_eq!(&host[8..16], &[8, 7, 6, 5, 4, 3, 2, 1], "host");
         assert_eq!(&host[16..20], &[0x34, 0x12, 0, 0], "pid");
         assert_eq!(&host[20..24], &[0xD4, 0xC3, 0xB2, 0xA1], "nonce");
@@ -759,17 +774,18 @@ mod tests {
                 msg_len: 7,
                 len: 7,
                 offset: u32::MAX,
-                credits: u16::MAX,
+                credits: MAX_FRAME_CREDITS,
+                control: MAX_CONTROL_CREDITS,
             }),
             Frame::Credit(Credit {
                 frames: 3,
                 limit: u64::MAX,
-                waiting: false,
+                control: 0,
             }),
             Frame::Credit(Credit {
                 frames: 0,
                 limit: 0,
-                waiting: true,
+                control: MAX_CONTROL_CREDITS,
             }),
             Frame::Hello(hello()),
             Frame::Close(Close { seq: 42 }),
@@ -820,6 +836,7 @@ mod tests {
             len: 2,
             offset: 0,
             credits: 0,
+            control: 0,
         });
         let d = Frame::decode(&f.encode(b"hi"), 16).unwrap();
         assert_eq!(d.verify(b"hi"), Ok(()));
@@ -852,14 +869,14 @@ mod tests {
             Frame::decode(&[0xAB; 32], 0),
             Err(DecodeError::BadMagic(0xABAB))
         );
-        for old in [1, 2, 3] {
+        for old in [1, 2, 3, 4, 5] {
             let mut v = good;
             v[2] = old;
             assert_eq!(
                 Frame::decode(&v, 0),
                 Err(DecodeError::UnsupportedVersion {
                     theirs: old,
-                    ours: 4
+                    ours: 6
                 })
             );
         }
@@ -913,14 +930,19 @@ mod tests {
         let mut b = Frame::Want(Want { offset: 1, len: 1 }).encode(&[]);
         b[7] = 1;
         assert_eq!(Frame::decode(&resum(b), 0), Err(DecodeError::ReservedBits));
-        // A credit frame with a flag beyond its one.
-        let mut b = Frame::Credit(Credit {
+        // A credit frame with a flag (it has none), or more control slots
+        // than two bits hold.
+        let credit = Frame::Credit(Credit {
             frames: 0,
             limit: 0,
-            waiting: true,
+            control: 3,
         })
         .encode(&[]);
-        b[4] = 3;
+        let mut b = credit;
+        b[4] = 1;
+        assert_eq!(Frame::decode(&resum(b), 0), Err(DecodeError::ReservedBits));
+        let mut b = credit;
+        b[20] = 4;
         assert_eq!(Frame::decode(&resum(b), 0), Err(DecodeError::ReservedBits));
         // A data frame with a flag no version defines.
         let mut b = Frame::Data(Data {
@@ -930,6 +952,7 @@ mod tests {
             len: 0,
             offset: 0,
             credits: 0,
+            control: 0,
         })
         .encode(&[]);
         b[4] = 16;
@@ -941,9 +964,9 @@ mod tests {
                 Frame::Credit(Credit {
                     frames: 1,
                     limit: 1,
-                    waiting: false,
+                    control: 0,
                 }),
-                20,
+                21,
             ),
             (Frame::Want(Want { offset: 1, len: 1 }), 20),
         ] {
@@ -973,6 +996,7 @@ mod tests {
             len: u32::MAX,
             offset: 0,
             credits: 0,
+            control: 0,
         });
         assert_eq!(
             Frame::decode(&f.encode(&[]), 64 << 20),
@@ -989,6 +1013,7 @@ mod tests {
             len: 64,
             offset: 0,
             credits: 0,
+            control: 0,
         });
         assert!(Frame::decode(&f.encode(&[]), 64).is_ok());
     }
@@ -1002,6 +1027,7 @@ mod tests {
             len: 0,
             offset: 0,
             credits: 0,
+            control: 0,
         });
         let mut b = f.encode(&[]);
         assert_eq!(Frame::decode(&b, 0).map(|d| d.frame), Ok(f));

@@ -10,7 +10,11 @@
 //! - on ring wires the applications may hold the buffers data arrives in
 //!   (`Op::Hold`, `Op::GiveBack`): with no fault, the two fall quiet while
 //!   they still hold them (no credit frames traded for ever), and everything
-//!   arrives once they give them back (no side left with no credit for good).
+//!   arrives once they give them back (no side left with no credit for good);
+//!   and quiet never sits on room: no side holds a message that the peer's
+//!   reposted, unreported slots would let go;
+//! - a side may repost the slots of what came in late (`Op::Late`,
+//!   `Op::Repost`), after its frames went out, as the verbs driver does.
 //!
 //! The same-host exchange runs in three of four setups (no offer, an offer
 //! declined, an offer taken): no data crosses before it is settled, and once
@@ -31,6 +35,7 @@ use zerohop_core::session::{
     HostOffer, HostRole, Instant, SendError, SessionConfig, MIN_RATE, MIN_RING,
 };
 use zerohop_core::testing::{SimEvent, SimFrame, SimPeer};
+use zerohop_core::wire::FrameKind;
 
 #[derive(Arbitrary, Debug)]
 struct Setup {
@@ -61,6 +66,8 @@ enum Op {
     Tick { side: bool, ms: u16 },
     Hold { side: bool, on: bool },
     GiveBack { side: bool, n: u8 },
+    Late { side: bool, on: bool },
+    Repost { side: bool },
 }
 
 struct Side {
@@ -170,14 +177,24 @@ fn deliver(from: &mut Side, to: &mut Side, now: Instant) {
 }
 
 /// Moves every frame either side has to send to the other until neither
-/// has any (true), or 10 000 rounds (false); with `take`, the applications
-/// consume every message and grant every want after each round.
+/// has any (true), or 1 000 rounds go by with no data frame (false: control
+/// frames answering control frames); with `take`, the applications consume
+/// every message and grant every want after each round. A side that
+/// reposts late does so after it transmits. (Data frames are bounded: by
+/// the messages sent, and while buffers are held by the slots they take.)
 fn settle(a: &mut Side, b: &mut Side, now: Instant, take: bool) -> bool {
-    for _ in 0..10_000 {
+    let data = |f: &SimFrame| match f {
+        SimFrame::Headerless { .. } => true,
+        SimFrame::Framed(bytes) => bytes.get(3) == Some(&(FrameKind::Data as u8)),
+    };
+    let mut idle = 0;
+    while idle < 1_000 {
         let (fa, fb) = (a.peer.transmit(), b.peer.transmit());
+        idle = if fa.iter().chain(&fb).any(data) { 0 } else { idle + 1 };
         a.wire.extend(fa);
         b.wire.extend(fb);
-        if a.wire.is_empty() && b.wire.is_empty() {
+        let reposted = a.peer.repost() + b.peer.repost();
+        if a.wire.is_empty() && b.wire.is_empty() && reposted == 0 {
             return true;
         }
         while !a.wire.is_empty() {
@@ -344,6 +361,14 @@ fuzz_target!(|setup: Setup| {
                 let (s, _) = side_mut(&mut a, &mut b, side);
                 s.peer.give_back(u32::from(n % 8));
             }
+            Op::Late { side, on } => {
+                let (s, _) = side_mut(&mut a, &mut b, side);
+                s.peer.repost_late = on;
+            }
+            Op::Repost { side } => {
+                let (s, _) = side_mut(&mut a, &mut b, side);
+                s.peer.repost();
+            }
             Op::Tick { side, ms } => {
                 now = now.after(Duration::from_millis(u64::from(ms % 100)));
                 let (s, _) = side_mut(&mut a, &mut b, side);
@@ -372,6 +397,14 @@ fuzz_target!(|setup: Setup| {
         settle(&mut a, &mut b, now, false),
         "frames traded for ever while buffers were held: a livelock"
     );
+    assert!(!a.failed && !b.failed, "a fault-free run failed");
+    for (x, y) in [(&a, &b), (&b, &a)] {
+        let room = x.peer.session.frame_credits().unwrap_or(0) + y.peer.session.owed_slots().0;
+        assert!(
+            x.peer.queued() == 0 || room == 0,
+            "quiet on room: a message waits while {room} slots are free for it"
+        );
+    }
     // Then every buffer back: everything in flight arrives, every message is
     // consumed, and the two fall quiet with every message across.
     for s in [&mut a, &mut b] {

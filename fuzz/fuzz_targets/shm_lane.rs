@@ -185,6 +185,7 @@ fuzz_target!(|ops: Vec<Op>| {
                     len: payload.len() as u32,
                     offset: 0,
                     credits: 0,
+                    control: 0,
                 })
                 .encode(&payload);
                 head = head.wrapping_add(rig.peer_write(&f) as u64);

@@ -1128,6 +1128,7 @@ fn second_frame(payload: &[u8]) -> Vec<u8> {
         len: payload.len() as u32,
         offset: 0,
         credits: 0,
+        control: 0,
     })
     .encode(payload);
     let mut frame = header.to_vec();

@@ -182,7 +182,7 @@ impl Raw {
         Frame::Credit(Credit {
             frames: 0,
             limit: 1 << 30,
-            waiting: false,
+            control: 0,
         })
         .encode(&[])
     }
@@ -210,6 +210,7 @@ impl Raw {
             len,
             offset: 0,
             credits: 0,
+            control: 0,
         })
         .encode(&[])
     }
@@ -1159,6 +1160,7 @@ fn a_peer_flooding_control_frames_mid_message_is_dropped_at_the_minimum_rate() {
         len: 1,
         offset: 0,
         credits: 0,
+        control: 0,
     });
     raw.send(&first.encode(&[]));
     raw.send(&[7]);
@@ -1360,11 +1362,14 @@ fn a_listener_of_another_version_is_refused_by_name() {
         e,
         Error::Protocol {
             peer,
-            error: ProtocolError::Decode(DecodeError::UnsupportedVersion { theirs: 2, ours: 4 })
+            error: ProtocolError::Decode(DecodeError::UnsupportedVersion {
+                theirs: 2,
+                ours: zerohop_core::wire::VERSION
+            })
         }
     );
     assert!(
-        e.to_string().contains("version 2, this side speaks 4"),
+        e.to_string().contains("version 2, this side speaks 6"),
         "{e}"
     );
 }

@@ -301,6 +301,7 @@ fn forged(seq: u64, payload: &[u8]) -> Vec<u8> {
         len: payload.len() as u32,
         offset: 0,
         credits: 0,
+        control: 0,
     });
     let mut v = f.encode(payload).to_vec();
     v.extend_from_slice(payload);

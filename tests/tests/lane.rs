@@ -52,6 +52,7 @@ fn data(flags: DataFlags, seq: u64, len: u32) -> [u8; 32] {
         len,
         offset: 0,
         credits: 0,
+        control: 0,
     })
     .encode(&[])
 }

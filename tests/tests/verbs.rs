@@ -196,7 +196,7 @@ fn ten_thousand_messages_of_random_sizes_arrive_intact_and_in_order() {
     let st = b_pool.stats();
     // Only the posted receive ring still holds buffers (header rings have
     // their own pool): nothing delivered is leaked.
-    assert_eq!(st.leases, config.recv_depth as usize, "{st:?}");
+    assert_eq!(st.leases, posted(&config), "{st:?}");
     eprintln!("10000 messages over RDMA RC: intact, in order; receive pool {st:?}");
 }
 
@@ -324,6 +324,12 @@ fn small_ring() -> RdmaConfig {
     }
 }
 
+/// Receives a connection of `config` keeps posted: its data ring and the
+/// control slots.
+fn posted(config: &RdmaConfig) -> usize {
+    config.recv_depth as usize + zerohop_core::session::CONTROL_SLOTS as usize
+}
+
 /// Two transports connected by hand, without endpoints (so no progress
 /// thread moves anything behind a test's back): `a`, `b`, and the peer id
 /// `a` has for `b`. `b` gives its first connection the first slot.
@@ -391,7 +397,7 @@ fn a_delivered_receive_is_reposted_after_the_reply_leaves_or_at_the_next_poll() 
     let Some((mut a, mut b, peer)) = raw_pair(19_007, config) else {
         return;
     };
-    let depth = config.recv_depth as usize;
+    let depth = posted(&config);
     let leases = |b: &RdmaTransport| b.pool().stats().leases;
     assert_eq!(leases(&b), depth, "the ring is posted");
 
@@ -462,7 +468,7 @@ fn a_peer_mid_message_while_this_side_was_away_is_read_not_timed_out() {
         );
     }
     assert!(
-        b.pool().stats().leases > config.recv_depth as usize,
+        b.pool().stats().leases > posted(&config),
         "mid-message: the message's buffer is leased beside the ring's"
     );
     // The sender goes on; this side is away for ten idle timeouts: longer
@@ -505,7 +511,7 @@ fn a_small_lease_goes_inline_and_back_to_its_pool_once_posted() {
     assert!(b.try_send_lease(r.peer, r.lease).is_ok());
     assert_eq!(
         b.pool().stats().leases,
-        config.recv_depth as usize,
+        posted(&config),
         "the echoed buffer went back and its slot was refilled"
     );
     assert_eq!(host_bytes(&next(&mut a).lease), &want[..]);
@@ -513,18 +519,18 @@ fn a_small_lease_goes_inline_and_back_to_its_pool_once_posted() {
 
 #[test]
 fn two_peers_out_of_credits_with_data_queued_still_return_credits() {
-    // Both sides post a ring's worth before either polls: each is left
-    // with one credit, owed a ring's worth, and a data frame queued (a data
-    // frame needs two credits). The last credit must carry a credit frame,
-    // or neither queue ever moves. Driven by hand, without progress threads,
-    // so the stall is certain rather than a race.
+    // Both sides post a ring's worth and one more before either polls:
+    // each spends every data slot of the other's, owes a ring's worth, and
+    // has a data frame queued. The slots must go back in credit frames on
+    // the control slots, or neither queue ever moves. Driven by hand,
+    // without progress threads, so the stall is certain rather than a race.
     let config = small_ring();
     let Some((mut a, mut b, peer)) = raw_pair(19_004, config) else {
         return;
     };
     // The listener's table gives its first connection the first slot.
     let back = zerohop_core::PeerId(0);
-    let n = u64::from(config.recv_depth);
+    let n = u64::from(config.recv_depth) + 1;
     for i in 0..n {
         a.try_send(peer, &message(i, 100)).unwrap();
     }
@@ -877,7 +883,7 @@ fn an_accepted_connection_its_peer_refuses_goes_quietly_and_leaks_nothing() {
     }
     assert_eq!(
         pool.stats().leases,
-        small_ring().recv_depth as usize,
+        posted(&small_ring()),
         "the accepted connection posted its receive ring"
     );
     go.send(()).unwrap();
@@ -899,8 +905,8 @@ fn an_accepted_connection_its_peer_refuses_goes_quietly_and_leaks_nothing() {
 
 #[test]
 fn a_listener_refuses_a_peer_whose_ring_cannot_take_a_data_frame() {
-    // A data frame needs two credits: a peer announcing a ring of 1, of 0,
-    // or nothing zerohop can read could never be sent a message (it was
+    // A data frame needs a data slot: a peer announcing a ring of 0, or
+    // nothing zerohop can read, could never be sent a message (it was
     // accepted, and data frames to it would have waited for credits that
     // cannot come). It is refused at the request, before a ring is posted.
     let Some(dev) = device_or_skip() else {
@@ -910,7 +916,7 @@ fn a_listener_refuses_a_peer_whose_ring_cannot_take_a_data_frame() {
     let mut b = RdmaTransport::new(dev, small_ring()).unwrap();
     b.listen(addr).unwrap();
     let pool = Arc::clone(b.pool());
-    for private in [cm_peer::ring(1), cm_peer::ring(0), Vec::new()] {
+    for private in [cm_peer::ring(0), Vec::new()] {
         let shown = format!("{private:?}");
         let client = std::thread::spawn(move || {
             cm_peer::Peer::connect(addr, &private).and_then(|p| p.next())
@@ -938,10 +944,10 @@ fn connecting_to_a_peer_whose_ring_cannot_take_a_data_frame_is_refused_and_leaks
     };
     let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
     let pools = [Arc::clone(a.pool()), Arc::clone(a.send_pool())];
-    // A ring of 1, and no private data at all; a port each (the CM may
+    // A ring of 0, and no private data at all; a port each (the CM may
     // hold a port a little while after its last connection went).
     for (port, private, announced) in [
-        (19_132, cm_peer::ring(1), Some(1)),
+        (19_132, cm_peer::ring(0), Some(0)),
         (19_135, Vec::new(), None),
     ] {
         let addr = rdma_addr(port).expect("an RDMA address");
@@ -960,7 +966,7 @@ fn connecting_to_a_peer_whose_ring_cannot_take_a_data_frame_is_refused_and_leaks
         let err = a.connect(addr).unwrap_err();
         match (&err, announced) {
             // The CM pads private data with zeros: "nothing" reads as 0 on IB and RoCE.
-            (VerbsError::ShallowPeer { depth: Some(1) }, Some(1)) => {}
+            (VerbsError::ShallowPeer { depth: Some(0) }, Some(0)) => {}
             (
                 VerbsError::ShallowPeer {
                     depth: Some(0) | None,
@@ -1026,7 +1032,8 @@ fn connecting_where_nobody_listens_is_a_typed_error_and_leaks_nothing() {
 #[test]
 fn a_listener_out_of_receive_buffers_refuses_the_next_peer_and_keeps_the_first() {
     // One 2 MiB chunk of 64 KiB (+ header) receive buffers holds 31: a
-    // ring of 16 for the first peer, not a second. The second is refused
+    // ring of 16 (19 posted, with the control slots) for the first peer,
+    // not a second. The second is refused
     // at its request (its ring's partial post undone, its id rejected once:
     // it was destroyed twice, by the failed setup and then by the reject
     // path), and the first keeps working.
@@ -1076,7 +1083,7 @@ fn a_listener_out_of_receive_buffers_refuses_the_next_peer_and_keeps_the_first()
     }
     assert_eq!(
         pool.stats().leases,
-        16,
+        posted(&config),
         "the first ring only: {:?}",
         pool.stats()
     );
@@ -1221,21 +1228,17 @@ fn a_buffer_given_back_by_another_thread_wakes_a_receiver_whose_ring_ran_dry() {
         a.flush(Deadline::after(WAIT)).unwrap();
         a
     });
-    // Hold what arrives until nothing comes for 2 s: the pool dry, its last
-    // buffer posted for the sender's last credit (30 held). Version 4's open
-    // hole (RELIABILITY.md, "Ring credits with the receive pools dry") can
-    // stop the sender sooner, with a slot free here that it cannot learn
-    // of; with more held than the ring's 16 the pool is dry then too, and a
-    // buffer given back mends both.
+    // Hold what arrives until nothing comes for 2 s: the pool dry, its
+    // other buffers posted in the control slots (28 held). Wire version 4
+    // could stop the sender sooner, with a slot free here that it could not
+    // learn of (RELIABILITY.md, "Ring credits with the receive pools dry").
     let mut held = Vec::new();
     while let Ok(r) = b.recv(Deadline::after(Duration::from_secs(2)), None) {
         held.push(r);
     }
     let next = held.len();
-    if next < 30 {
-        eprintln!("the sender stopped after {next} messages (version 4's hole)");
-    }
-    assert!(next > 16, "the sender stopped after {next} messages");
+    let control = zerohop_core::session::CONTROL_SLOTS as usize;
+    assert_eq!(next, 31 - control, "the sender stopped short");
     assert_eq!(pool.stats().budget, pool.stats().reserved_bytes);
     let first = held.remove(0);
     let giver = std::thread::spawn(move || {

@@ -6,8 +6,9 @@
 //!
 //! Each connection has an RC queue pair with one completion queue (and its
 //! completion channel, so a thread can sleep in `poll(2)`), and a ring of
-//! `recv_depth` posted receives: the engine's frame credits count it, so
-//! the peer never meets a receiver without a buffer. A frame leaves as its
+//! `recv_depth` posted receives for data frames and a few more for control
+//! frames: the engine's frame credits count both, so the peer never meets a
+//! receiver without a buffer. A frame leaves as its
 //! header (from a registered header slot) then its payload, or *headerless*
 //! (a one-fragment message to a peer whose Hello says it takes them): its
 //! bytes alone, with a send-with-immediate carrying its sequence number's
@@ -61,8 +62,9 @@ type HeaderLease = Lease<Arc<HeaderPool>>;
 /// Settings of the verbs wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RdmaConfig {
-    /// Receives kept posted per connection (the peer's frame credits); at
-    /// least [`MIN_RECV_DEPTH`].
+    /// Receives kept posted per connection for data frames (the peer's
+    /// frame credits), besides [`CONTROL_SLOTS`](zerohop_core::session::CONTROL_SLOTS)
+    /// more for control frames; at least [`MIN_RECV_DEPTH`].
     pub recv_depth: u32,
     /// Largest payload of one frame; longer messages are fragmented.
     pub fragment: usize,

@@ -49,8 +49,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             .map_err(at)?;
         let ring = usable_depth(ev.peer_depth)?;
         // Tokens tell the two ends of a connection apart: the accepting
-        // side's is the lower, so it is the one that yields where both wait
-        // for ring credits (see `Session::credit_due`).
+        // side's is 0, the connecting side's 1.
         conn.session = Session::new(self.session_config(), 1, self.now()).with_peer_ring(ring);
         conn.established = true;
         conn.addr = Some(addr);
@@ -96,7 +95,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             );
             return Err((VerbsError::Connect(why), Some(id)));
         }
-        let depth = self.config.recv_depth as usize;
+        let config = self.session_config();
+        // The data ring and the control slots (see `CONTROL_SLOTS`).
+        let depth = config.posted_slots() as usize;
         let send_depth = depth + 8;
         let headers = match Lease::take(
             Arc::clone(&self.header_pool),
@@ -113,7 +114,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         let qp = Qp::create(id, self.device.pd(), shape).map_err(|(e, id)| (e, Some(id)))?;
         let mut conn = Conn {
             qp,
-            session: Session::new(self.session_config(), 0, self.now()),
+            session: Session::new(config, 0, self.now()),
             headers,
             recv: (0..depth).map(|_| None).collect(),
             unposted: Vec::with_capacity(depth),

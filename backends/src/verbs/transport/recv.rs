@@ -33,6 +33,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         slot: usize,
     ) -> Result<(), Error> {
         let lease = Lease::take(Arc::clone(pool), Self::receive_buffer_len(fragment))?;
+        Self::post_lease(conn, slot, lease)
+    }
+
+    /// Posts `lease` (a receive buffer of the ring's size) into `slot`.
+    fn post_lease(conn: &mut Conn<M>, slot: usize, lease: PayloadLease<M>) -> Result<(), Error> {
         let payload = ffi::ibv_sge {
             addr: lease.device_ptr(),
             length: lease.len() as u32,
@@ -152,30 +157,23 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         // be read against the stale bytes of the buffer's last frame.
         let header = &header[..byte_len.min(header.len())];
         let carried = Some(byte_len.saturating_sub(HEADER_LEN));
-        let d = match conn
+        let inbound = conn
             .session
             .handle_header(now, header, carried)
-            .map_err(protocol)?
-        {
+            .map_err(protocol)?;
+        let d = match inbound {
             Inbound::Data(d) => d,
-            Inbound::Closed => {
-                self.arrivals.push_back(Err(Error::PeerClosed(peer)));
+            _ => {
+                // A control frame keeps nothing of its buffer: it goes
+                // straight back into its slot, so the peer's control slots
+                // never wait for a buffer the application holds (see
+                // `CONTROL_SLOTS`).
+                conn.unposted.pop();
+                Self::post_lease(conn, slot, lease)?;
+                conn.session.reposted(1);
+                self.control(conn, peer, inbound);
                 return Ok(());
             }
-            Inbound::Want => {
-                // The receive pool's budget is what a grant can cost.
-                conn.session.grant(now);
-                return Ok(());
-            }
-            Inbound::Opened => {
-                if let (true, Some(addr)) = (conn.accepted, conn.addr) {
-                    self.accepted.push_back((peer, addr));
-                }
-                return Ok(());
-            }
-            // Without the same-host exchange (`HostRole::None`) the engine
-            // refuses Host frames itself: these never come.
-            Inbound::Control | Inbound::HostOffer(_) | Inbound::HostAnswer { .. } => return Ok(()),
         };
         let skip = if in_place { HEADER_LEN } else { 0 };
         if d.first && d.last {
@@ -205,6 +203,26 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             return self.deliver(conn, peer, whole, d.msg_len);
         }
         Ok(())
+    }
+
+    /// What a control frame brings.
+    fn control(&mut self, conn: &mut Conn<M>, peer: PeerId, inbound: Inbound) {
+        match inbound {
+            Inbound::Closed => self.arrivals.push_back(Err(Error::PeerClosed(peer))),
+            // The receive pool's budget is what a grant can cost.
+            Inbound::Want => conn.session.grant(self.now()),
+            Inbound::Opened => {
+                if let (true, Some(addr)) = (conn.accepted, conn.addr) {
+                    self.accepted.push_back((peer, addr));
+                }
+            }
+            // Without the same-host exchange (`HostRole::None`) the engine
+            // refuses Host frames itself: these never come.
+            Inbound::Control
+            | Inbound::Data(_)
+            | Inbound::HostOffer(_)
+            | Inbound::HostAnswer { .. } => {}
+        }
     }
 
     /// Hands a whole message to the application; its bytes come back to the
