@@ -1530,9 +1530,14 @@ impl Session {
         n
     }
 
+    /// This side counts frames: a ring wire, in a build that has them.
+    fn ring_wire(&self) -> bool {
+        RING && self.config.ring != 0
+    }
+
     /// Whether a Credit frame should go (see [`CONTROL_SLOTS`]).
     fn credit_due(&self) -> bool {
-        let ring = RING && self.config.ring != 0;
+        let ring = self.ring_wire();
         // Data slots: every one at once to a peer that can post no data
         // (this side's count, what is in flight included), else a quarter
         // of the ring at a time.
@@ -1556,7 +1561,7 @@ impl Session {
     /// One more frame arrived: ring wires count it against the data or
     /// control slots granted.
     fn count_frame(&mut self, data: bool) -> Result<(), ProtocolError> {
-        if !RING || self.config.ring == 0 {
+        if !self.ring_wire() {
             return Ok(());
         }
         let allowed = if data {
@@ -1590,7 +1595,7 @@ impl Session {
         if h.window == 0 || h.max_message == 0 || h.frame_max == 0 {
             return Err(ProtocolError::BadHello);
         }
-        if RING && self.config.ring != 0 {
+        if self.ring_wire() {
             if h.ring < MIN_RING {
                 return Err(ProtocolError::ShallowPeer { ring: h.ring });
             }
@@ -1614,11 +1619,7 @@ impl Session {
             window: h.window,
             max_message: h.max_message,
             frame_max: h.frame_max,
-            ring: if RING && self.config.ring != 0 {
-                h.ring
-            } else {
-                0
-            },
+            ring: if self.ring_wire() { h.ring } else { 0 },
             takes_headerless: h.takes.contains(Takes::HEADERLESS),
             takes_device: SAME_HOST && h.takes.contains(Takes::DEVICE),
             token: h.token,

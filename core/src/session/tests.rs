@@ -1439,6 +1439,7 @@ fn credit_frames_go_at_a_quarter_of_the_ring() {
         feed(&mut s, &data(seq, 1, 1, false)).unwrap().unwrap();
     }
     s.reposted(3);
+    assert_eq!(s.owed_slots(), (3, 1));
     assert_eq!(control_frame(&mut s), None, "3 of 16 owed: not yet");
     s.reposted(1);
     assert_eq!(control_frame(&mut s), credit(4, 1 << 20, 1));
@@ -1474,6 +1475,7 @@ fn a_peer_without_data_slots_is_answered_slot_by_slot() {
 #[test]
 fn control_slots_go_back_once_the_peer_is_down_to_its_last() {
     let mut s = opened_ring(8);
+    assert_eq!(s.owed_slots(), (0, 1));
     assert_eq!(control_frame(&mut s), None, "one owed: the hello's");
     s.handle_header(T0, &credit_frame(0, 1 << 20, 0), None)
         .unwrap();
@@ -2052,6 +2054,43 @@ const OFFER: HostOffer = HostOffer {
     pid: 77,
     nonce: 5,
 };
+
+/// A side that learns the peer's ring from its Hello counts the control
+/// slots its own frames took before (its Hello, and a Host offer right
+/// after it); one that was told the ring at connection setup counted them
+/// as they went. And a ring wire keeps its data ring and the control slots
+/// posted.
+#[test]
+fn control_slots_taken_before_the_peers_hello_are_counted() {
+    let cfg = SessionConfig {
+        host: HostRole::Offer(Some(OFFER)),
+        ..ring(4, 10)
+    };
+    let peer = Frame::Hello(hello(1 << 20, 4)).encode(&[]);
+    let mut s = Session::new(cfg, 1, T0);
+    assert_eq!(
+        control_frame(&mut s).map(|f| f.kind()),
+        Some(FrameKind::Hello)
+    );
+    assert_eq!(
+        control_frame(&mut s).map(|f| f.kind()),
+        Some(FrameKind::Host)
+    );
+    assert_eq!(
+        s.control_credits(),
+        None,
+        "the peer's ring is not known yet"
+    );
+    s.handle_header(T0, &peer, None).unwrap();
+    assert_eq!(s.control_credits(), Some(CONTROL_SLOTS - 2));
+    let mut t = Session::new(cfg, 1, T0).with_peer_ring(4);
+    control_frame(&mut t).unwrap();
+    control_frame(&mut t).unwrap();
+    t.handle_header(T0, &peer, None).unwrap();
+    assert_eq!(t.control_credits(), Some(CONTROL_SLOTS - 2));
+    assert_eq!(cfg.posted_slots(), 4 + CONTROL_SLOTS);
+    assert_eq!(stream().posted_slots(), 0);
+}
 
 fn host_frame(step: HostStep) -> [u8; HEADER_LEN] {
     Frame::Host(Host {
