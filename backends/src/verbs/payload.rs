@@ -173,10 +173,11 @@ mod gpu {
     use super::{span_check, PayloadLease, PayloadMemory};
     use crate::cuda::{DeviceMemory, DmaBuf, Gpu};
     use crate::verbs::Registry;
-    use crate::HeapTables;
+    use crate::{HeapTables, HostBell};
 
-    /// A pool of GPU device memory registered with the NIC.
-    pub type GpuPool = SlabPool<GpuChunks, HeapTables>;
+    /// A pool of GPU device memory registered with the NIC, with the host
+    /// pool's bell: a receiver whose ring it left short sleeps on it.
+    pub type GpuPool = SlabPool<GpuChunks, HeapTables, HostBell>;
 
     /// GPU memory chunks, each registered once with the NIC: exported as a
     /// DMA-buf and registered with `ibv_reg_dmabuf_mr` (iova = the device
@@ -283,6 +284,10 @@ mod gpu {
         type Pool = GpuPool;
         const HOST_VISIBLE: bool = false;
 
+        fn bell(pool: &GpuPool) -> Option<&HostBell> {
+            Some(pool.bell())
+        }
+
         fn kind(&self) -> Kind {
             Kind::Gpudirect
         }
@@ -300,10 +305,11 @@ mod gpu {
             // DMA-buf export wants host-page-aligned ranges; chunks are 2 MiB.
             config.chunk_align = config.chunk_align.max(4096);
             let config = config.fitted();
-            Ok(Arc::new(SlabPool::new(
+            Ok(Arc::new(SlabPool::with_bell(
                 GpuChunks::new(&self.gpu, registry.clone()),
                 config,
                 HeapTables::for_config(&config),
+                HostBell::default(),
             )?))
         }
 
