@@ -80,6 +80,8 @@ struct Side {
     inbox: VecDeque<usize>,
     delivered: usize,
     failed: bool,
+    /// This side's application closed.
+    closing: bool,
     closed_by_peer: bool,
     /// The session moved to shared memory (an offer taken).
     moved: bool,
@@ -257,6 +259,7 @@ fuzz_target!(|setup: Setup| {
         inbox: VecDeque::new(),
         delivered: 0,
         failed: false,
+        closing: false,
         closed_by_peer: false,
         moved: false,
     };
@@ -351,6 +354,7 @@ fuzz_target!(|setup: Setup| {
             Op::Close { side } => {
                 let (s, _) = side_mut(&mut a, &mut b, side);
                 s.peer.session.close();
+                s.closing = true;
                 closed = true;
             }
             Op::Hold { side, on } => {
@@ -403,6 +407,17 @@ fuzz_target!(|setup: Setup| {
         assert!(
             x.peer.queued() == 0 || room == 0,
             "quiet on room: a message waits while {room} slots are free for it"
+        );
+        // Nothing queued, so the Close has nothing to wait behind: quiet
+        // means it went (a side short of control slots is owed them, and
+        // the peer returns them unasked). A session that moved to shared
+        // memory sends nothing more.
+        let closing = (x.closing || x.closed_by_peer) && !x.moved;
+        assert!(
+            x.peer.queued() > 0 || !closing || x.peer.session.close_sent(),
+            "quiet with a Close held: control credits {:?}, the peer owes {:?}",
+            x.peer.session.control_credits(),
+            y.peer.session.owed_slots()
         );
     }
     // Then every buffer back: everything in flight arrives, every message is

@@ -64,7 +64,9 @@ type HeaderLease = Lease<Arc<HeaderPool>>;
 pub struct RdmaConfig {
     /// Receives kept posted per connection for data frames (the peer's
     /// frame credits), besides [`CONTROL_SLOTS`](zerohop_core::session::CONTROL_SLOTS)
-    /// more for control frames; at least [`MIN_RECV_DEPTH`].
+    /// more for control frames; at least [`MIN_RECV_DEPTH`]. Each holds a
+    /// receive buffer of `fragment` bytes and a header from the receive
+    /// pool (any frame may land in any posted buffer).
     pub recv_depth: u32,
     /// Largest payload of one frame; longer messages are fragmented.
     pub fragment: usize,
