@@ -192,7 +192,11 @@ fn settle(a: &mut Side, b: &mut Side, now: Instant, take: bool) -> bool {
     let mut idle = 0;
     while idle < 1_000 {
         let (fa, fb) = (a.peer.transmit(), b.peer.transmit());
-        idle = if fa.iter().chain(&fb).any(data) { 0 } else { idle + 1 };
+        idle = if fa.iter().chain(&fb).any(data) {
+            0
+        } else {
+            idle + 1
+        };
         a.wire.extend(fa);
         b.wire.extend(fb);
         let reposted = a.peer.repost() + b.peer.repost();
