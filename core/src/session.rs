@@ -873,7 +873,7 @@ impl Session {
     /// Whether a data frame may be posted now: on a ring wire, one of the
     /// peer's data slots is free.
     pub fn may_post_data(&self) -> bool {
-        !RING || self.tx_frames.is_none_or(|n| n >= 1)
+        self.frame_credits().is_none_or(|n| n >= 1)
     }
 
     /// Whether a control frame may be posted now: on a ring wire, one of
@@ -881,8 +881,7 @@ impl Session {
     /// Credit frame (`credit`) that returns control slots (see
     /// [`CONTROL_SLOTS`]).
     fn may_post_control(&self, credit: bool) -> bool {
-        !RING
-            || self.tx_frames.is_none()
+        self.frame_credits().is_none()
             || self.tx_control >= 2
             || (self.tx_control == 1 && credit && self.owed_control > 0)
     }

@@ -189,11 +189,12 @@ pub struct Credit {
 
 impl Credit {
     /// One credit frame that says what `self` and then `later` say: the
-    /// slots of both and the higher limit (limits only grow). A stream driver that could not write a credit frame
-    /// yet folds the next into it, so a peer that reads nothing cannot grow
-    /// the queue of frames for it. Stream wires only: on a ring wire each
-    /// frame the engine handed out already spent one of the peer's slots,
-    /// and posting one for two would lose a slot.
+    /// slots of both and the higher limit (limits only grow). A stream
+    /// driver that could not write a credit frame yet folds the next into
+    /// it, so a peer that reads nothing cannot grow the queue of frames for
+    /// it. Stream wires only: on a ring wire each frame the engine handed
+    /// out already spent one of the peer's slots, and posting one for two
+    /// would lose a slot.
     pub fn then(self, later: Credit) -> Credit {
         Credit {
             frames: self.frames.saturating_add(later.frames),

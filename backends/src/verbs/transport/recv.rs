@@ -6,7 +6,7 @@ use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use rdma_sys as ffi;
-use zerohop_core::session::Inbound;
+use zerohop_core::session::{Inbound, Instant};
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{Error, Lease, PeerId, Received, SizeClasses};
 
@@ -171,7 +171,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 conn.unposted.pop();
                 Self::post_lease(conn, slot, lease)?;
                 conn.session.reposted(1);
-                self.control(conn, peer, inbound);
+                self.control(conn, peer, now, inbound);
                 return Ok(());
             }
         };
@@ -206,11 +206,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     }
 
     /// What a control frame brings.
-    fn control(&mut self, conn: &mut Conn<M>, peer: PeerId, inbound: Inbound) {
+    fn control(&mut self, conn: &mut Conn<M>, peer: PeerId, now: Instant, inbound: Inbound) {
         match inbound {
             Inbound::Closed => self.arrivals.push_back(Err(Error::PeerClosed(peer))),
             // The receive pool's budget is what a grant can cost.
-            Inbound::Want => conn.session.grant(self.now()),
+            Inbound::Want => conn.session.grant(now),
             Inbound::Opened => {
                 if let (true, Some(addr)) = (conn.accepted, conn.addr) {
                     self.accepted.push_back((peer, addr));
