@@ -49,6 +49,18 @@ pub enum Error {
         /// The rule.
         rule: &'static str,
     },
+    /// A message of `len` bytes from `peer` can never get a receive
+    /// buffer: the pool refused it (`why`) while the wire's own receive
+    /// buffers were all it had out, so none could come back. Its connection
+    /// was closed; a larger receive pool holds it.
+    NoReceiveBuffer {
+        /// The peer.
+        peer: PeerId,
+        /// The message's length.
+        len: usize,
+        /// The pool's refusal.
+        why: PoolError,
+    },
     /// The slab pool could not serve a lease.
     Pool(PoolError),
     /// The registration cache could not take an entry.
@@ -118,6 +130,11 @@ impl fmt::Display for Error {
                     "peer {peer} broke the wire's rule: {rule}; connection closed"
                 )
             }
+            Error::NoReceiveBuffer { peer, len, why } => write!(
+                f,
+                "peer {peer}'s message of {len} bytes can never get a receive buffer \
+                 (pool: {why}); connection closed"
+            ),
             Error::Pool(e) => write!(f, "pool: {e}"),
             Error::Mr(e) => write!(f, "registration cache: {e}"),
             Error::Register(e) => write!(f, "registration: {e}"),

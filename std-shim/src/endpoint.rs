@@ -212,7 +212,7 @@ pub enum Event<L> {
     Lost {
         /// The peer.
         peer: PeerId,
-        /// How: `PeerLost`, `Protocol`, `WireRule`.
+        /// How: `PeerLost`, `Protocol`, `WireRule`, `NoReceiveBuffer`.
         error: Error,
     },
 }
@@ -228,7 +228,8 @@ impl<L> Event<L> {
             Err(
                 error @ (Error::PeerLost(peer)
                 | Error::Protocol { peer, .. }
-                | Error::WireRule { peer, .. }),
+                | Error::WireRule { peer, .. }
+                | Error::NoReceiveBuffer { peer, .. }),
             ) => Ok(Some(Event::Lost { peer, error })),
             Err(e) => Err(e),
         }

@@ -12,8 +12,8 @@ use zerohop_backends::verbs::{
     Device, RdmaConfig, RdmaTransport, Registry, VerbsError, MIN_RECV_DEPTH,
 };
 use zerohop_core::{
-    crc32c, pick, Access, Error, Kind, MemKind, PeerId, Preference, Prereq, Received, Region,
-    RegisterError, Registrar, Status, Transport,
+    crc32c, pick, Access, Error, Kind, MemKind, PeerId, PoolError, Preference, Prereq, Received,
+    Region, RegisterError, Registrar, Status, Transport,
 };
 use zerohop_std::{probe_host, Deadline, Endpoint, EndpointConfig};
 use zerohop_tests::harness::rdma_addr;
@@ -1264,6 +1264,118 @@ fn a_buffer_given_back_by_another_thread_wakes_a_receiver_whose_ring_ran_dry() {
         let r = b.recv(Deadline::after(WAIT), None).unwrap();
         assert_eq!(host_bytes(&r.lease), &m(i)[..], "message {i}");
     }
+    drop(sender.join().unwrap());
+}
+
+/// A message longer than a fragment whose first fragment comes while the
+/// application holds every buffer of its size waits in the receive buffers
+/// its fragments landed in, and what comes after it waits behind it: once
+/// a buffer comes back it arrives whole, then the rest, in order. (Before,
+/// the failed lease failed the connection.)
+#[test]
+fn a_long_message_into_a_dry_pool_waits_for_a_buffer_and_keeps_its_place() {
+    let Some(dev) = device_or_skip() else {
+        return;
+    };
+    let addr = rdma_addr(19_142).expect("an RDMA address");
+    // Two 2 MiB chunks: the receive ring's buffers (31 of 64 KiB, 19
+    // posted), and eight of 256 KiB for messages of four fragments.
+    let config = RdmaConfig {
+        recv_depth: 16,
+        recv_pool_bytes: 4 << 20,
+        ..small_ring()
+    };
+    let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
+    b.listen(addr).unwrap();
+    let pool = Arc::clone(b.pool());
+    let b = Endpoint::new(b, EndpointConfig::default()).unwrap();
+    let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
+    let peer = a.connect(addr).unwrap();
+    let a = Endpoint::new(a, EndpointConfig::default()).unwrap();
+    let long = |i: usize| (0..200_000).map(|k| (k * 7 + i) as u8).collect::<Vec<u8>>();
+    let short = || vec![0xA5; 100];
+    let sender = std::thread::spawn(move || {
+        for i in 0..10 {
+            a.send(peer, &long(i), Deadline::after(WAIT), None).unwrap();
+        }
+        a.send(peer, &short(), Deadline::after(WAIT), None).unwrap();
+        a.flush(Deadline::after(WAIT)).unwrap();
+        a
+    });
+    let mut held = Vec::new();
+    for i in 0..8 {
+        let r = b.recv(Deadline::after(WAIT), None).unwrap();
+        assert_eq!(host_bytes(&r.lease), &long(i)[..], "message {i}");
+        held.push(r);
+    }
+    // Every 256 KiB buffer held: the ninth waits, the connection stays.
+    match b.recv(Deadline::after(Duration::from_secs(1)), None) {
+        Err(Error::Timeout) => {}
+        other => panic!("the ninth message had no buffer: {other:?}"),
+    }
+    assert_eq!(pool.stats().budget, pool.stats().reserved_bytes);
+    held.remove(0);
+    let r = b.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(
+        host_bytes(&r.lease),
+        &long(8)[..],
+        "the ninth, once a buffer came back"
+    );
+    drop((r, held));
+    let tenth = b.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&tenth.lease), &long(9)[..], "the tenth");
+    let r = b.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), &short()[..], "the short one, last");
+    drop((tenth, r));
+    drop((sender.join().unwrap(), b));
+    assert_eq!(pool.stats().leases, 0, "every buffer back");
+}
+
+/// Where the receive ring's own buffers are all the pool has out, a buffer
+/// for a long message can never come (their chunk never falls idle for a
+/// larger class): the connection fails at once with the pool's error, not
+/// after a stall.
+#[test]
+fn a_long_message_no_buffer_can_ever_hold_fails_its_connection_at_once() {
+    let Some(dev) = device_or_skip() else {
+        return;
+    };
+    let addr = rdma_addr(19_143).expect("an RDMA address");
+    // One 2 MiB chunk, all of it the ring's class.
+    let config = RdmaConfig {
+        recv_depth: 16,
+        recv_pool_bytes: 2 << 20,
+        ..small_ring()
+    };
+    let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
+    b.listen(addr).unwrap();
+    let pool = Arc::clone(b.pool());
+    let b = Endpoint::new(b, EndpointConfig::default()).unwrap();
+    let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
+    let peer = a.connect(addr).unwrap();
+    let a = Endpoint::new(a, EndpointConfig::default()).unwrap();
+    let sender = std::thread::spawn(move || {
+        a.send(peer, &vec![1u8; 200_000], Deadline::after(WAIT), None)
+            .unwrap();
+        // Driven until the receiver's failure reaches it.
+        let _ = a.flush(Deadline::after(WAIT));
+        a
+    });
+    let t0 = std::time::Instant::now();
+    match b.recv(Deadline::after(WAIT), None) {
+        Err(Error::NoReceiveBuffer {
+            len: 200_000,
+            why: PoolError::Exhausted { cap, .. },
+            ..
+        }) => assert_eq!(cap, 2 << 20),
+        other => panic!("no buffer could come: {other:?}"),
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "failed after {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(pool.stats().leases, 0, "the ring's buffers back");
     drop(sender.join().unwrap());
 }
 

@@ -74,6 +74,9 @@ pub trait PayloadMemory: Send + Sync + 'static {
         let _ = pool;
         None
     }
+
+    /// Leases of `pool` outstanding, whoever holds them.
+    fn outstanding(pool: &Self::Pool) -> usize;
 }
 
 fn span_check(at: usize, len: usize, cap: usize) -> Result<(), Error> {
@@ -96,6 +99,10 @@ impl PayloadMemory for HostPayload {
 
     fn bell(pool: &Self::Pool) -> Option<&HostBell> {
         Some(pool.bell())
+    }
+
+    fn outstanding(pool: &Self::Pool) -> usize {
+        pool.stats().leases
     }
 
     fn kind(&self) -> Kind {
@@ -286,6 +293,10 @@ mod gpu {
 
         fn bell(pool: &GpuPool) -> Option<&HostBell> {
             Some(pool.bell())
+        }
+
+        fn outstanding(pool: &GpuPool) -> usize {
+            pool.stats().leases
         }
 
         fn kind(&self) -> Kind {

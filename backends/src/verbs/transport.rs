@@ -52,7 +52,7 @@ mod connect;
 mod recv;
 mod slots;
 
-use recv::receive_classes;
+use recv::{receive_classes, Held};
 use slots::SendSlots;
 
 /// Frame headers live in host memory whatever the payloads' memory: the CPU parses them.
@@ -149,6 +149,8 @@ struct Conn<M: PayloadMemory> {
     queue: VecDeque<OutMsg<M>>,
     /// A message being reassembled from its fragments.
     assembling: Option<PayloadLease<M>>,
+    /// What waits for a buffer for a message ahead, in order (see `Held`).
+    held: VecDeque<Held<M>>,
     /// The connection is up: the CM said so, or (accepting side) a frame
     /// from the peer arrived first.
     established: bool,
@@ -682,7 +684,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
 
     /// A ring left short by a dry pool waits for the pool's bell.
     fn recv_dry(&self) -> bool {
-        self.peers.iter().any(|(_, c)| c.recv_dry)
+        self.peers
+            .iter()
+            .any(|(_, c)| c.recv_dry || !c.held.is_empty())
     }
 
     /// Takes the receive pool's rings before the refills look at it again,
@@ -732,7 +736,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                     // Receive slots left empty by a dry pool (the
                     // application holds the buffers) hold the peer back;
                     // time nobody drove this wire is not the peer's slowness.
-                    if !conn.unposted.is_empty() {
+                    if !conn.unposted.is_empty() || !conn.held.is_empty() {
                         conn.session.handle_held(t);
                     }
                     if came_back {
@@ -796,7 +800,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
 impl<M: PayloadMemory> Conn<M> {
     /// Nothing queued and nothing in flight.
     fn idle(&self) -> bool {
-        self.queue.is_empty() && self.send.in_flight() == 0
+        self.queue.is_empty() && self.send.in_flight() == 0 && self.held.is_empty()
     }
 }
 

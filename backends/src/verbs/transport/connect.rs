@@ -122,6 +122,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             send: SendSlots::new(send_depth),
             queue: VecDeque::new(),
             assembling: None,
+            held: VecDeque::new(),
             established: false,
             addr: None,
             accepted: false,

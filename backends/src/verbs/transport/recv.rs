@@ -89,6 +89,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     }
 
     pub(super) fn drain_cq(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<usize, Error> {
+        if !conn.held.is_empty() {
+            self.release_held(conn, peer)?;
+        }
         Self::refill(&self.recv_pool, self.config.fragment, conn);
         let mut wcs = [const { MaybeUninit::<ffi::ibv_wc>::uninit() }; POLL_BATCH];
         let n = conn.qp.cq().poll(&mut wcs)?;
@@ -184,23 +187,104 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             conn.session.handle_payload(now, view).map_err(protocol)?;
             return self.deliver(conn, peer, lease, d.len);
         }
-        if d.first {
-            conn.assembling = Some(Lease::take(Arc::clone(&self.recv_pool), d.msg_len.max(1))?);
+        if d.first && conn.held.is_empty() {
+            conn.assembling = self.whole(conn, peer, d.msg_len, 1)?;
         }
-        let whole = conn
-            .assembling
-            .as_mut()
-            .ok_or(Error::Backend("verbs: a fragment without its message"))?;
-        self.memory.copy(whole, d.offset, &lease, skip, d.len)?;
-        if conn
+        if d.first && conn.assembling.is_none() {
+            conn.held.push_back(Held::Fragments {
+                len: d.msg_len,
+                parts: Vec::new(),
+                done: false,
+            });
+        }
+        let last = conn
             .session
             .handle_payload(now, None)
             .map_err(protocol)?
-            .is_some()
-        {
-            let mut whole = conn.assembling.take().expect("assembling");
-            whole.set_len(d.msg_len)?;
-            return self.deliver(conn, peer, whole, d.msg_len);
+            .is_some();
+        if let Some(whole) = conn.assembling.as_mut() {
+            self.memory.copy(whole, d.offset, &lease, skip, d.len)?;
+            if last {
+                let mut whole = conn.assembling.take().expect("assembling");
+                whole.set_len(d.msg_len)?;
+                return self.deliver(conn, peer, whole, d.msg_len);
+            }
+            return Ok(());
+        }
+        match conn.held.back_mut() {
+            Some(Held::Fragments { parts, done, .. }) if !*done => {
+                parts.push((lease, d.offset, skip, d.len));
+                *done = last;
+                Ok(())
+            }
+            _ => Err(Error::Backend("verbs: a fragment without its message")),
+        }
+    }
+
+    /// A buffer for a whole message of `len` bytes, or `None` where the
+    /// pool has none now but one can come back: while anyone but this wire's
+    /// receive side (the application, a send, the arrival queue) holds one
+    /// of the pool's buffers. The message's fragments then wait in their
+    /// receive buffers (see `Held`), the pool's bell waking the wire. Where
+    /// this wire's own buffers are all the pool has out, none ever comes
+    /// (their chunks never fall idle for a larger class): the connection
+    /// fails now ([`Error::NoReceiveBuffer`]), not after a stall.
+    /// `in_hand`: receive buffers the caller holds outside `conn`.
+    fn whole(
+        &self,
+        conn: &Conn<M>,
+        peer: PeerId,
+        len: usize,
+        in_hand: usize,
+    ) -> Result<Option<PayloadLease<M>>, Error> {
+        let take = || Lease::take(Arc::clone(&self.recv_pool), len.max(1));
+        let why = match take() {
+            Ok(whole) => return Ok(Some(whole)),
+            Err(Error::Pool(why)) => why,
+            Err(e) => return Err(e),
+        };
+        let ours = |c: &Conn<M>| {
+            c.recv.iter().flatten().count()
+                + usize::from(c.assembling.is_some())
+                + c.held.iter().map(Held::leases).sum::<usize>()
+        };
+        let ours = in_hand + ours(conn) + self.peers.iter().map(|(_, c)| ours(c)).sum::<usize>();
+        if M::outstanding(&self.recv_pool) > ours {
+            return Ok(None);
+        }
+        // Nothing else out: one more look, for a buffer given back since.
+        take()
+            .map(Some)
+            .map_err(|_| Error::NoReceiveBuffer { peer, len, why })
+    }
+
+    /// Hands on what waited for a buffer (see `Held`), in order, as far as
+    /// the pool now has buffers for it.
+    pub(super) fn release_held(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<(), Error> {
+        while let Some(front) = conn.held.front() {
+            let &Held::Fragments { len, done, .. } = front else {
+                if let Some(Held::Arrival(a)) = conn.held.pop_front() {
+                    self.arrivals.push_back(a);
+                }
+                continue;
+            };
+            let Some(mut whole) = self.whole(conn, peer, len, 0)? else {
+                return Ok(());
+            };
+            if let Some(Held::Fragments { parts, .. }) = conn.held.pop_front() {
+                for (part, at, skip, n) in parts {
+                    self.memory.copy(&mut whole, at, &part, skip, n)?;
+                }
+            }
+            if !done {
+                // The message under way, always the last held: its other
+                // fragments go straight into the buffer.
+                conn.assembling = Some(whole);
+                continue;
+            }
+            whole.set_len(len)?;
+            conn.session.consumed(len);
+            self.arrivals.push_back(Ok(Received { peer, lease: whole }));
         }
         Ok(())
     }
@@ -208,7 +292,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// What a control frame brings.
     fn control(&mut self, conn: &mut Conn<M>, peer: PeerId, now: Instant, inbound: Inbound) {
         match inbound {
-            Inbound::Closed => self.arrivals.push_back(Err(Error::PeerClosed(peer))),
+            Inbound::Closed => self.arrive(conn, Err(Error::PeerClosed(peer))),
             // The receive pool's budget is what a grant can cost.
             Inbound::Want => conn.session.grant(now),
             Inbound::Opened => {
@@ -235,8 +319,47 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         len: usize,
     ) -> Result<(), Error> {
         conn.session.consumed(len);
-        self.arrivals.push_back(Ok(Received { peer, lease }));
+        self.arrive(conn, Ok(Received { peer, lease }));
         Ok(())
+    }
+
+    /// Queues what the application is to learn, behind what waits for a buffer.
+    fn arrive(&mut self, conn: &mut Conn<M>, a: Result<Received<PayloadLease<M>>, Error>) {
+        if conn.held.is_empty() {
+            self.arrivals.push_back(a);
+        } else {
+            conn.held.push_back(Held::Arrival(a));
+        }
+    }
+}
+
+/// What a connection cannot hand on yet because a message ahead of it had
+/// no buffer: the receive pool was dry (the application holds its buffers)
+/// when the message's first fragment came. Its fragments wait in the
+/// receive buffers they landed in, and whatever comes after it waits
+/// behind it, in order; the engine takes every frame meanwhile, so credit
+/// and control frames keep moving, and a held message's bytes are not
+/// returned to the peer as credit until it is handed on.
+pub(super) enum Held<M: PayloadMemory> {
+    /// A message of `len` bytes: its fragments so far, each (receive buffer,
+    /// offset in the message, offset in the buffer, length); `done` once the
+    /// last came.
+    Fragments {
+        len: usize,
+        parts: Vec<(PayloadLease<M>, usize, usize, usize)>,
+        done: bool,
+    },
+    /// A whole message behind it, or the peer's Close.
+    Arrival(Result<Received<PayloadLease<M>>, Error>),
+}
+
+impl<M: PayloadMemory> Held<M> {
+    /// The pool's buffers it holds.
+    fn leases(&self) -> usize {
+        match self {
+            Held::Fragments { parts, .. } => parts.len(),
+            Held::Arrival(a) => usize::from(a.is_ok()),
+        }
     }
 }
 
