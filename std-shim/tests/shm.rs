@@ -1117,6 +1117,123 @@ fn a_device_sender_dropped_unclosed_is_lost_not_read_out_of_its_reused_buffer() 
     assert!(child.wait().unwrap().success(), "the sender failed");
 }
 
+/// Device messages the streamer sends, and the most of them the receiver's
+/// device pool holds at once (one 64 MiB chunk of 16 MiB buffers).
+#[cfg(feature = "cuda-uma")]
+const STREAMED: usize = 6;
+#[cfg(feature = "cuda-uma")]
+const DEVICE_HELD: usize = 4;
+
+/// The sender of the device bell test: `STREAMED` device messages, message
+/// `i` filled with byte `i`, then it stays until its stdin closes.
+#[cfg(feature = "cuda-uma")]
+#[test]
+#[ignore = "a helper process for the device bell test"]
+fn child_device_streamer() {
+    use std::io::Read;
+    let Ok(addr) = std::env::var("ZEROHOP_TEST_CONNECT") else {
+        return;
+    };
+    let gpu = zerohop_backends::cuda::Gpu::open(0).unwrap();
+    let device = zerohop_backends::cuda::device_pool(&gpu, 512 << 20).unwrap();
+    let e = Endpoint::new(device_wire(&device), EndpointConfig::default()).unwrap();
+    let d = TcpTransport::dial(addr.parse().unwrap(), WAIT, true).unwrap();
+    let p = e.with(|t| t.attach(d)).unwrap();
+    let peer = e.wait_open(p, Deadline::after(WAIT)).unwrap();
+    assert!(peer.0 & LANE_BIT != 0, "the peer moved to shared memory");
+    for i in 0..STREAMED {
+        let l = zerohop_core::Lease::take(Arc::clone(&device), DEVICE_LEN).unwrap();
+        zerohop_backends::cuda::write_lease(&l, &vec![i as u8; DEVICE_LEN]).unwrap();
+        e.send_lease(peer, ShmLease::Device(l), Deadline::after(WAIT * 3), None)
+            .unwrap();
+    }
+    let _ = std::io::stdin().read_to_end(&mut Vec::new());
+    e.close(Deadline::after(WAIT)).unwrap();
+}
+
+/// A receiver whose device pool ran dry (the application holds every
+/// device buffer) sleeps until a buffer comes back, and wakes when another
+/// thread gives one back (the device pool's bell), not at its next look:
+/// with a poll interval of an hour, the waiting message still comes long
+/// before the deadline, without spinning. Two processes: CUDA IPC opens no
+/// handle in the process that made it. Without a GPU it prints SKIPPED.
+#[cfg(feature = "cuda-uma")]
+#[test]
+fn a_device_buffer_given_back_wakes_a_receiver_whose_device_pool_ran_dry() {
+    let _one = serial();
+    let gpu = match zerohop_backends::cuda::Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED a_device_buffer_given_back_wakes_...: {e}");
+            return;
+        }
+    };
+    let device = zerohop_backends::cuda::device_pool(&gpu, 64 << 20).unwrap();
+    let mut t = device_wire(&device);
+    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let slow_looks = EndpointConfig {
+        progress_thread: false,
+        poll_interval: Duration::from_secs(3600),
+        ..EndpointConfig::default()
+    };
+    let server = Endpoint::new(t, slow_looks).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "child_device_streamer",
+            "--nocapture",
+        ])
+        .env("ZEROHOP_TEST_CONNECT", addr.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _peer = accepted(&server);
+    let first_byte = |r: &Received<ShmLease>| {
+        let ShmLease::Device(l) = &r.lease else {
+            panic!("a host message of {} bytes", r.lease.len())
+        };
+        assert_eq!(l.len(), DEVICE_LEN);
+        let mut b = [0u8];
+        zerohop_backends::cuda::read_lease(l, &mut b).unwrap();
+        b[0]
+    };
+    let mut held = Vec::new();
+    for i in 0..DEVICE_HELD {
+        let r = server.recv(Deadline::after(WAIT), None).unwrap();
+        assert_eq!(first_byte(&r), i as u8, "message {i}");
+        held.push(r);
+    }
+    match server.recv(Deadline::after(Duration::from_secs(1)), None) {
+        Err(Error::Timeout) => {}
+        Ok(r) => panic!("a message beyond the device pool: {}", first_byte(&r)),
+        Err(e) => panic!("{e}"),
+    }
+    let first = held.remove(0);
+    let giver = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200)); // the receiver asleep by then
+        drop(first);
+    });
+    let (cpu, t0) = (thread_cpu(), Instant::now());
+    let next = server.recv(Deadline::after(WAIT), None);
+    let (cpu, waited) = (thread_cpu() - cpu, t0.elapsed());
+    giver.join().unwrap();
+    // Unwoken, it sleeps out the deadline (its poll's only bound).
+    assert!(
+        waited < Duration::from_secs(5),
+        "asleep {waited:?} after the buffer came back"
+    );
+    assert!(cpu < waited / 3, "recv spun: {cpu:?} of CPU in {waited:?}");
+    assert_eq!(first_byte(&next.unwrap()), DEVICE_HELD as u8, "in order");
+    drop(held);
+    let last = server.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(first_byte(&last), DEVICE_HELD as u8 + 1, "the last");
+    drop(last);
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success(), "the streamer failed");
+}
+
 /// The second data frame of a lane (its payload too), to write by hand.
 #[cfg(feature = "testing")]
 fn second_frame(payload: &[u8]) -> Vec<u8> {

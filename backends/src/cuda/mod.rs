@@ -33,9 +33,14 @@ pub use memory::{DeviceMemory, HostCudaMemory};
 
 /// A pool of GPU device memory registered with no NIC: what same-host peers
 /// send from and receive into, by CUDA IPC (each chunk exported once, on
-/// its first message: [`DeviceMemory::export`]).
-pub type DevicePool =
-    zerohop_core::SlabPool<zerohop_core::pool::Chunks<DeviceMemory, crate::Nic>, crate::HeapTables>;
+/// its first message: [`DeviceMemory::export`]). Its bell rings when a
+/// buffer comes back after it refused one: a lane stopped for a device
+/// buffer sleeps on it.
+pub type DevicePool = zerohop_core::SlabPool<
+    zerohop_core::pool::Chunks<DeviceMemory, crate::Nic>,
+    crate::HeapTables,
+    crate::HostBell,
+>;
 
 /// A buffer of a [`DevicePool`]: device memory, read by a kernel through
 /// its `device_ptr()`, never as `&[u8]`.
@@ -71,10 +76,11 @@ pub fn device_pool(gpu: &Gpu, budget: usize) -> Result<Arc<DevicePool>, zerohop_
     config.chunk_bytes = 256 << 20;
     config.chunk_align = 2 << 20;
     let config = config.fitted();
-    Ok(Arc::new(DevicePool::new(
+    Ok(Arc::new(DevicePool::with_bell(
         source,
         config,
         crate::HeapTables::for_config(&config),
+        crate::HostBell::default(),
     )?))
 }
 

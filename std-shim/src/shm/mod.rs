@@ -250,8 +250,9 @@ pub struct LocalWire {
     first_lane: usize,
     /// A sleeper asked the peers to ring: the next call tells them it is awake.
     slept: bool,
-    /// A lane stopped for want of a buffer at the last read: a sleeper that
-    /// reads waits on the pool's bell too (see `look_at_pool`).
+    /// A lane stopped for want of a buffer (host or device) at the last
+    /// read: a sleeper that reads waits on the pools' bells too (see
+    /// `look_at_pool`).
     dry: bool,
     closed: bool,
     /// Where device messages from same-host peers land (and what lets this
@@ -743,6 +744,10 @@ impl LocalWire {
         if self.dry || self.tcp.pool_dry() {
             self.pool.bell().clear();
         }
+        #[cfg(feature = "cuda-uma")]
+        if let (true, Some(device)) = (self.dry, &self.device_pool) {
+            device.bell().clear();
+        }
     }
 
     /// One lane's read and flush at `now`: whether it took, moved or
@@ -1023,11 +1028,17 @@ impl Wire for LocalWire {
             l.poll_fds(out);
         }
         if (self.dry || self.tcp.pool_dry()) && waiter.reads() {
-            out.extend(self.pool.bell().fd().map(|fd| libc::pollfd {
+            let bell = |fd| libc::pollfd {
                 fd,
                 events: libc::POLLIN,
                 revents: 0,
-            }));
+            };
+            out.extend(self.pool.bell().fd().map(bell));
+            // A lane stopped for a device buffer: the device pool's bell.
+            #[cfg(feature = "cuda-uma")]
+            if let (true, Some(device)) = (self.dry, &self.device_pool) {
+                out.extend(device.bell().fd().map(bell));
+            }
         }
     }
 
