@@ -8,8 +8,8 @@
 //! - **handle** what arrived: [`handle_header`](Session::handle_header) (32
 //!   header bytes), then [`handle_payload`](Session::handle_payload) once the
 //!   frame's payload is where the engine said it goes;
-//!   [`handle_headerless`](Session::handle_headerless) for a verbs frame sent
-//!   as its bytes alone; [`handle_timeout`](Session::handle_timeout) for the clock;
+//!   [`handle_headerless`](Session::handle_headerless) for a frame sent as
+//!   its bytes alone (verbs' immediate data, a lane's short record); [`handle_timeout`](Session::handle_timeout) for the clock;
 //! - **commands** from the application: [`send`](Session::send) (a message's
 //!   length: its sequence number and byte credit), [`close`](Session::close),
 //!   [`consumed`](Session::consumed) (the application took a message: its
@@ -87,8 +87,10 @@ pub struct SessionConfig {
     /// frames ([`posted_slots`](Self::posted_slots) in all); 0 on a stream
     /// wire, where frames are not counted.
     pub ring: u16,
-    /// This side takes headerless frames (a ring wire whose payloads land in
-    /// host memory, and whose frames carry immediate data).
+    /// This side takes headerless frames: a wire whose frames carry
+    /// immediate data (verbs, its payloads in host memory) or a short
+    /// record (a same-host lane). Not a ring rule: stream wires (lanes)
+    /// take them in builds without `ring-credits` too.
     pub takes_headerless: bool,
     /// This wire can send headerless frames (it carries immediate data).
     pub sends_headerless: bool,
@@ -1066,8 +1068,7 @@ impl Session {
         let last = offset + len == msg.len;
         let striped = placement.contains(DataFlags::STRIPED);
         let device = SAME_HOST && placement.contains(DataFlags::DEVICE);
-        let headerless = RING
-            && self.config.sends_headerless
+        let headerless = self.config.sends_headerless
             && peer.takes_headerless
             && msg.first
             && last
@@ -1144,7 +1145,7 @@ impl Session {
                 ring: if RING { self.config.ring } else { 0 },
                 lane: 0,
                 takes: Takes::NONE
-                    .with(Takes::HEADERLESS, RING && self.config.takes_headerless)
+                    .with(Takes::HEADERLESS, self.config.takes_headerless)
                     .with(Takes::DEVICE, SAME_HOST && self.takes_device),
                 token: self.token,
             })
@@ -1474,7 +1475,7 @@ impl Session {
         Ok(Some(done))
     }
 
-    /// A headerless frame arrived (ring wires): a whole message of `len`
+    /// A headerless frame arrived (verbs, or a lane's short record): a whole message of `len`
     /// bytes at the start of its receive buffer, and the immediate data it
     /// carried (see [`DataFrame::imm`]): its sequence number is checked like
     /// any other's, modulo 2^16.
@@ -1835,7 +1836,7 @@ impl Session {
         // The sequence number, rebuilt from its low bits around the one expected.
         let delta = i64::from(seq16.wrapping_sub(self.rx_next as u16) as i16);
         let seq = self.rx_next.wrapping_add_signed(delta);
-        if !RING || !self.config.takes_headerless || self.assembly.is_some() {
+        if !self.config.takes_headerless || self.assembly.is_some() {
             return Err(ProtocolError::HeaderlessRefused);
         }
         if self.peer.is_none() {
