@@ -346,6 +346,11 @@ where
         }
     }
 
+    /// The pool's ticket for this buffer (what [`SlabPool::could_serve_later`] takes).
+    pub fn ticket(&self) -> &SlotTicket {
+        &self.ticket
+    }
+
     /// The message length (at most [`capacity`](Self::capacity)).
     pub fn len(&self) -> usize {
         self.len
@@ -468,6 +473,8 @@ pub struct Chunk {
     carved: usize,
     /// Leases outstanding in this chunk: a chunk with none can be reclaimed.
     in_use: u32,
+    /// Of those, a caller's (scratch for `could_serve_later`).
+    kept: u32,
     /// The size class it is carved for (`OVERSIZE` for an oversize buffer).
     class: u8,
     /// Free-list link for unused chunk descriptors.
@@ -529,6 +536,7 @@ const EMPTY_CHUNK: Chunk = Chunk {
     mem: None,
     carved: 0,
     in_use: 0,
+    kept: 0,
     class: 0,
     next_free: NONE,
 };
@@ -987,6 +995,7 @@ impl<S: ChunkSource, T: PoolTables, B: Bell> SlabPool<S, T, B> {
             }),
             carved: 0,
             in_use: 0,
+            kept: 0,
             class: class.map_or(OVERSIZE as u8, |c| c as u8),
             next_free: NONE,
         };
@@ -1104,6 +1113,56 @@ impl<S: ChunkSource, T: PoolTables, B: Bell> SlabPool<S, T, B> {
 }
 
 impl<S: ChunkSource, T: PoolTables, B: Bell> SlabPool<S, T, B> {
+    /// Whether a lease of `len` bytes that this pool refuses now could be
+    /// served once every buffer but `kept` (leases of this pool) came back:
+    /// a holder of `kept` (a receive ring, and what waits in it) asks
+    /// whether waiting for the others can help, or would wait for good. It
+    /// can where another's buffer of the class that serves `len` (or of a
+    /// larger one it may borrow) is out, or where chunks that hold none of
+    /// `kept` would fall idle and, reclaimed, make room for it.
+    pub fn could_serve_later<'a>(
+        &self,
+        len: usize,
+        kept: impl IntoIterator<Item = &'a SlotTicket>,
+    ) -> bool {
+        let want = self.config.classes.class_for(len);
+        let grow_len = match want {
+            Some(_) => self.config.chunk_bytes,
+            None => len.next_multiple_of(self.config.chunk_align.max(1)),
+        };
+        let mut st = self.state.lock();
+        for c in st.tables.chunks().iter_mut() {
+            c.kept = 0;
+        }
+        for t in kept {
+            if t.index == NONE {
+                continue;
+            }
+            let chunk = st.tables.slots()[t.index as usize].chunk as usize;
+            let c = &mut st.tables.chunks()[chunk];
+            c.kept = c.kept.saturating_add(1);
+        }
+        let serves = |class: usize| match want {
+            Some(w) => class == w || (BORROW_LARGER && class > w && class < OVERSIZE),
+            None => false,
+        };
+        // Room the budget has, and what chunks without any of `kept` would give.
+        let mut room = self.config.budget.saturating_sub(st.stats.reserved_bytes);
+        let mut falls_idle = false;
+        for c in st.tables.chunks().iter() {
+            let Some(mem) = c.mem else { continue };
+            let others = c.in_use.saturating_sub(c.kept);
+            if others > 0 && serves(c.class as usize) {
+                return true;
+            }
+            if c.kept == 0 {
+                room = room.saturating_add(mem.region.len);
+                falls_idle |= others > 0;
+            }
+        }
+        falls_idle && room >= grow_len
+    }
+
     /// The size class of a ticket's buffer, `None` for an oversize one.
     pub(crate) fn class_of(&self, ticket: &SlotTicket) -> Option<usize> {
         let c = ticket.class as usize;
@@ -1632,6 +1691,56 @@ pub(crate) mod tests {
             256,
             "idle again: reclaimable again"
         );
+    }
+
+    /// A holder of some of a pool's buffers (a receive ring) asks whether
+    /// waiting can bring a lease it was refused: yes while another's buffer
+    /// of the class that serves it is out, or while a chunk holding none of
+    /// its own would fall idle and make room; no where its own buffers keep
+    /// every chunk that could.
+    #[test]
+    fn a_refused_lease_can_come_later_only_where_others_hold_what_would_serve_it() {
+        use std::vec::Vec;
+        let p = pool(128 << 10); // two 64 KiB chunks
+                                 // Chunk 1, the 4 KiB class: 15 buffers "ours", one the application's.
+        let ring: Vec<_> = (0..15).map(|_| p.lease(4000).unwrap()).collect();
+        let app_small = p.lease(4000).unwrap();
+        // Chunk 2, the 16 KiB class: three ours, one the application's.
+        let mut ours_big: Vec<_> = (0..3).map(|_| p.lease(10_000).unwrap()).collect();
+        let app_big = p.lease(10_000).unwrap();
+        assert!(p.lease(10_000).is_err(), "the budget is all carved");
+        let kept = |big: &[Lease<&TestPool>]| -> Vec<SlotTicket> {
+            ring.iter().chain(big).map(|l| *l.ticket()).collect()
+        };
+        // Another's 16 KiB buffer is out: it can come back.
+        assert!(p.could_serve_later(10_000, &kept(&ours_big)));
+        // Ours all: the application's 4 KiB buffer coming back frees no
+        // chunk (the ring's are in it), so nothing can.
+        ours_big.push(app_big);
+        assert!(!p.could_serve_later(10_000, &kept(&ours_big)));
+        // A 4 KiB lease borrows no smaller class, and the application's
+        // 4 KiB buffer serves it.
+        assert!(p.could_serve_later(4000, &kept(&ours_big)));
+        // Nothing is out but ours: nothing can come.
+        let all: Vec<SlotTicket> = kept(&ours_big)
+            .into_iter()
+            .chain([*app_small.ticket()])
+            .collect();
+        assert!(!p.could_serve_later(4000, &all));
+        drop((ring, app_small, ours_big));
+
+        // A chunk with none of ours falls idle once the application's
+        // buffers come back, and is reclaimed for any class.
+        let small: Vec<_> = (0..16).map(|_| p.lease(4000).unwrap()).collect(); // ours, chunk 1
+        let app_tiny = p.lease(100).unwrap(); // the application's, chunk 2 (256 B class)
+        assert!(p.lease(10_000).is_err());
+        let ours: Vec<SlotTicket> = small.iter().map(|l| *l.ticket()).collect();
+        assert!(p.could_serve_later(10_000, &ours));
+        // An oversize lease (100 KiB) needs both chunks' room: one chunk
+        // falling idle is not enough, and with none of ours both are.
+        assert!(!p.could_serve_later(100 << 10, &ours));
+        assert!(p.could_serve_later(100 << 10, &[]));
+        drop((small, app_tiny));
     }
 
     /// Fake memory whose answers a test sets: `fail` refuses, `skew_len`

@@ -1379,6 +1379,214 @@ fn a_long_message_no_buffer_can_ever_hold_fails_its_connection_at_once() {
     drop(sender.join().unwrap());
 }
 
+/// Drives `t` until `done` says so, or fails the test after `WAIT`.
+fn drive_until(
+    t: &mut RdmaTransport,
+    what: &str,
+    mut done: impl FnMut(&mut RdmaTransport) -> bool,
+) {
+    let until = std::time::Instant::now() + WAIT;
+    while !done(t) {
+        t.progress().unwrap();
+        assert!(std::time::Instant::now() < until, "never: {what}");
+    }
+}
+
+/// What `t` hands on within `within`, driving it.
+fn arrivals_within(
+    t: &mut RdmaTransport,
+    within: Duration,
+) -> Vec<Result<Received<<RdmaTransport as Transport>::Lease>, Error>> {
+    let (mut got, t0) = (Vec::new(), std::time::Instant::now());
+    while t0.elapsed() < within {
+        t.progress().unwrap();
+        match t.try_recv() {
+            Err(Error::WouldBlock) => {}
+            r => got.push(r),
+        }
+    }
+    got
+}
+
+/// A peer that sends, closes and goes while its messages wait behind one
+/// that has no buffer: they are still handed on once a buffer comes back,
+/// in order, its Close last. (Before, the connection's going dropped them
+/// and the Close, silently: a reviewer's probe.)
+#[test]
+fn messages_waiting_for_a_buffer_outlive_their_connection_and_its_close_comes_last() {
+    let Some(dev) = device_or_skip() else {
+        return;
+    };
+    let addr = rdma_addr(19_150).expect("an RDMA address");
+    // The ring's chunk, and one of the 1 MiB class: two buffers.
+    let config = RdmaConfig {
+        recv_depth: 8,
+        recv_pool_bytes: 4 << 20,
+        ..small_ring()
+    };
+    let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
+    b.listen(addr).unwrap();
+    let long = |i: usize| (0..600_000).map(|k| (k * 7 + i) as u8).collect::<Vec<u8>>();
+    let sender = std::thread::spawn(move || {
+        let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
+        let peer = a.connect(addr).unwrap();
+        for m in [long(0), long(1), long(2), vec![0xA5; 100]] {
+            loop {
+                match a.try_send(peer, &m) {
+                    Ok(()) => break,
+                    Err(Error::WouldBlock) => drop(a.progress().unwrap()),
+                    Err(e) => panic!("send: {e}"),
+                }
+            }
+        }
+        while a.pending_frames() > 0 {
+            a.progress().unwrap();
+        }
+        a.close().unwrap();
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < Duration::from_millis(500) {
+            a.progress().unwrap();
+        }
+    });
+    let mut held = Vec::new();
+    drive_until(&mut b, "two messages", |b| {
+        if let Ok(r) = b.try_recv() {
+            held.push(r);
+        }
+        held.len() == 2
+    });
+    assert_eq!(host_bytes(&held[0].lease), &long(0)[..]);
+    assert_eq!(host_bytes(&held[1].lease), &long(1)[..]);
+    drive_until(&mut b, "the sender gone", |_| sender.is_finished());
+    sender.join().unwrap();
+    let early = arrivals_within(&mut b, Duration::from_secs(1));
+    assert!(early.is_empty(), "handed on without a buffer: {early:?}");
+    assert_eq!(b.peers_left(), 0, "the connection went");
+    drop(held);
+    let after = arrivals_within(&mut b, Duration::from_secs(2));
+    let shown: Vec<_> = after
+        .iter()
+        .map(|r| r.as_ref().map(|m| m.lease.len()))
+        .collect();
+    assert!(
+        matches!(&after[..], [Ok(m), Ok(s), Err(Error::PeerClosed(_))]
+            if host_bytes(&m.lease) == &long(2)[..] && host_bytes(&s.lease) == &[0xA5; 100][..]),
+        "the held message, the short one and the Close: {shown:?}"
+    );
+    drop(after);
+    assert_eq!(b.pool().stats().leases, 0, "every buffer back");
+}
+
+/// Another peer's message being reassembled will give its buffer back:
+/// a second peer's long message that finds the pool dry waits for it, and
+/// is not failed as one no buffer could ever hold (a reviewer's probe).
+#[test]
+fn a_long_message_waits_for_the_buffer_another_peers_message_will_give_back() {
+    let Some(dev) = device_or_skip() else {
+        return;
+    };
+    let addr = rdma_addr(19_151).expect("an RDMA address");
+    // The ring's 2 MiB chunk, and room for one 1.5 MB (oversize) buffer.
+    let config = RdmaConfig {
+        recv_depth: 8,
+        recv_pool_bytes: 3840 << 10,
+        ..small_ring()
+    };
+    let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
+    b.listen(addr).unwrap();
+    let connect = || {
+        let dev = Arc::clone(&dev);
+        std::thread::spawn(move || {
+            let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
+            let peer = a.connect(addr).unwrap();
+            (a, peer)
+        })
+    };
+    let c1 = connect();
+    drive_until(&mut b, "the first peer", |b| {
+        c1.is_finished() && b.peer_count() == 1
+    });
+    let (mut a1, p1) = c1.join().unwrap();
+    let c2 = connect();
+    drive_until(&mut b, "the second peer", |b| {
+        c2.is_finished() && b.peer_count() == 2
+    });
+    let (mut a2, p2) = c2.join().unwrap();
+    let len = 1_500_000;
+    a1.try_send(p1, &vec![1u8; len]).unwrap();
+    drive_until(&mut b, "the first's buffer", |b| {
+        b.pool().stats().oversize == 1
+    });
+    a2.try_send(p2, &vec![2u8; len]).unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let driver = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                a1.progress().unwrap();
+                a2.progress().unwrap();
+            }
+            (a1, a2)
+        })
+    };
+    for i in [1u8, 2] {
+        let mut got = None;
+        drive_until(&mut b, "a message", |b| match b.try_recv() {
+            Err(Error::WouldBlock) => false,
+            r => {
+                got = Some(r);
+                true
+            }
+        });
+        match got.unwrap() {
+            Ok(m) => assert_eq!(host_bytes(&m.lease), &vec![i; len][..], "message {i}"),
+            Err(e) => panic!("message {i}: {e}"),
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    drop(driver.join().unwrap());
+}
+
+/// Where the only buffer out but the ring's is one whose return cannot
+/// serve a long message (a short message the application keeps, in the
+/// ring's own chunk), no buffer can ever come: the connection fails at
+/// once, not after waiting for good (a reviewer's probe).
+#[test]
+fn a_long_message_fails_at_once_where_only_a_buffer_that_cannot_serve_it_is_out() {
+    let config = RdmaConfig {
+        recv_depth: 16,
+        recv_pool_bytes: 2 << 20,
+        ..small_ring()
+    };
+    let Some((mut a, mut b, peer)) = raw_pair(19_152, config) else {
+        return;
+    };
+    a.try_send(peer, &[7u8; 100]).unwrap();
+    let short = next(&mut b);
+    a.try_send(peer, &vec![1u8; 200_000]).unwrap();
+    let (t0, mut got) = (std::time::Instant::now(), None);
+    while got.is_none() && t0.elapsed() < Duration::from_secs(10) {
+        a.progress().unwrap();
+        b.progress().unwrap();
+        match b.try_recv() {
+            Err(Error::WouldBlock) => {}
+            r => got = Some(r),
+        }
+    }
+    assert!(
+        matches!(got, Some(Err(Error::NoReceiveBuffer { len: 200_000, .. }))),
+        "{:?} after {:?}",
+        got.map(|r| r.map(|m| m.lease.len())),
+        t0.elapsed()
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "after {:?}",
+        t0.elapsed()
+    );
+    drop(short);
+}
+
 /// CPU time this thread has used.
 fn thread_cpu() -> Duration {
     // SAFETY: getrusage writes the struct it is given, which is plain data.

@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use zerohop_core::pool::SlotTicket;
 use zerohop_core::{Access, Error, Kind, Lease, Pool, PoolConfig, SizeClasses};
 
 use super::Registry;
@@ -75,8 +76,10 @@ pub trait PayloadMemory: Send + Sync + 'static {
         None
     }
 
-    /// Leases of `pool` outstanding, whoever holds them.
-    fn outstanding(pool: &Self::Pool) -> usize;
+    /// Whether `pool` could serve a lease of `len` bytes that it refuses
+    /// now once every buffer but `kept` came back (see
+    /// [`SlabPool::could_serve_later`](zerohop_core::SlabPool::could_serve_later)).
+    fn could_serve_later(pool: &Self::Pool, len: usize, kept: &[SlotTicket]) -> bool;
 }
 
 fn span_check(at: usize, len: usize, cap: usize) -> Result<(), Error> {
@@ -101,8 +104,8 @@ impl PayloadMemory for HostPayload {
         Some(pool.bell())
     }
 
-    fn outstanding(pool: &Self::Pool) -> usize {
-        pool.stats().leases
+    fn could_serve_later(pool: &Self::Pool, len: usize, kept: &[SlotTicket]) -> bool {
+        pool.could_serve_later(len, kept)
     }
 
     fn kind(&self) -> Kind {
@@ -172,7 +175,7 @@ mod gpu {
     use std::os::fd::AsFd;
     use std::sync::Arc;
 
-    use zerohop_core::pool::{ChunkSource, Registered};
+    use zerohop_core::pool::{ChunkSource, Registered, SlotTicket};
     use zerohop_core::{
         Access, Error, Kind, PoolConfig, RawMemory, Region, Registrar, SizeClasses, SlabPool,
     };
@@ -295,8 +298,8 @@ mod gpu {
             Some(pool.bell())
         }
 
-        fn outstanding(pool: &GpuPool) -> usize {
-            pool.stats().leases
+        fn could_serve_later(pool: &GpuPool, len: usize, kept: &[SlotTicket]) -> bool {
+            pool.could_serve_later(len, kept)
         }
 
         fn kind(&self) -> Kind {

@@ -172,6 +172,8 @@ pub struct RdmaTransport<M: PayloadMemory = HostPayload> {
     /// Boxed: the fast paths take a connection out of the table and put it back.
     peers: PeerSlots<Box<Conn<M>>>,
     arrivals: VecDeque<Result<Received<PayloadLease<M>>, Error>>,
+    /// What connections that went left waiting for a buffer (see `Held`).
+    orphans: VecDeque<(PeerId, VecDeque<Held<M>>)>,
     /// Peers that connected to the listener and said Hello, not yet taken.
     accepted: VecDeque<(PeerId, SocketAddr)>,
     origin: StdInstant,
@@ -252,6 +254,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             listener: None,
             peers: PeerSlots::new(false),
             arrivals: VecDeque::new(),
+            orphans: VecDeque::new(),
             accepted: VecDeque::new(),
             origin: now,
             next_scan: now,
@@ -629,8 +632,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 any
             }
             Err(e) => {
+                let peer = self.peers.id(i);
                 self.peers.retire(i);
-                self.retire(conn, Some(e));
+                self.retire(conn, peer, Some(e));
                 true
             }
         }
@@ -684,9 +688,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
 
     /// A ring left short by a dry pool waits for the pool's bell.
     fn recv_dry(&self) -> bool {
-        self.peers
-            .iter()
-            .any(|(_, c)| c.recv_dry || !c.held.is_empty())
+        !self.orphans.is_empty()
+            || self
+                .peers
+                .iter()
+                .any(|(_, c)| c.recv_dry || !c.held.is_empty())
     }
 
     /// Takes the receive pool's rings before the refills look at it again,
@@ -700,6 +706,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// One pass: CM events, completions (arming the channels), timers.
     fn poll_all(&mut self) -> bool {
         self.clear_bell();
+        if !self.orphans.is_empty() {
+            self.release_orphans();
+        }
         let mut any = self.accept_all();
         let now = StdInstant::now();
         let timers = now >= self.next_scan;
@@ -736,7 +745,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                     // Receive slots left empty by a dry pool (the
                     // application holds the buffers) hold the peer back;
                     // time nobody drove this wire is not the peer's slowness.
-                    if !conn.unposted.is_empty() || !conn.held.is_empty() {
+                    if !conn.unposted.is_empty() {
                         conn.session.handle_held(t);
                     }
                     if came_back {
@@ -843,6 +852,9 @@ impl<M: PayloadMemory> Transport for RdmaTransport<M> {
     }
 
     fn try_recv(&mut self) -> Result<Received<PayloadLease<M>>, Error> {
+        if !self.orphans.is_empty() {
+            self.release_orphans();
+        }
         if self.arrivals.is_empty() {
             // Completions only: no system call where the CQ lives in user
             // memory; CM events and channel arming are progress's.

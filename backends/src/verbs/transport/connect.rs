@@ -219,7 +219,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                         let _ = self.drain_cq(&mut conn, peer);
                     }
                     let lost = !conn.session.peer_closed();
-                    self.retire(conn, lost.then_some(Error::PeerLost(peer)));
+                    self.retire(conn, peer, lost.then_some(Error::PeerLost(peer)));
                 }
             }
             _ => {}
@@ -228,12 +228,25 @@ impl<M: PayloadMemory> RdmaTransport<M> {
 
     /// Takes down a connection that failed (`error`) or ended; the error
     /// reaches `try_recv` only if the application could know the peer (its
-    /// connection came up). Its verbs objects and buffers go as it drops.
-    pub(super) fn retire(&mut self, conn: Box<Conn<M>>, error: Option<Error>) {
+    /// connection came up). Its verbs objects and buffers go as it drops,
+    /// but for the whole messages (and Close) that wait for a buffer for one
+    /// ahead of them: those are still handed on, in order, the error last
+    /// (see `Held`). A message it had not all of is lost.
+    pub(super) fn retire(&mut self, mut conn: Box<Conn<M>>, peer: PeerId, error: Option<Error>) {
+        let mut held = std::mem::take(&mut conn.held);
+        if matches!(held.back(), Some(Held::Fragments { done: false, .. })) {
+            held.pop_back();
+        }
         if let (Some(e), true) = (error, conn.established) {
-            self.arrivals.push_back(Err(e));
+            match held.is_empty() {
+                true => self.arrivals.push_back(Err(e)),
+                false => held.push_back(Held::Arrival(Err(e))),
+            }
         }
         drop(conn);
+        if !held.is_empty() {
+            self.orphans.push_back((peer, held));
+        }
     }
 }
 

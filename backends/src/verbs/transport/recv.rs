@@ -2,6 +2,7 @@
 //! a completion brings — a headerless message, a frame's header for the
 //! engine, a fragment to reassemble — handed on to the application.
 
+use std::collections::VecDeque;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
@@ -188,7 +189,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             return self.deliver(conn, peer, lease, d.len);
         }
         if d.first && conn.held.is_empty() {
-            conn.assembling = self.whole(conn, peer, d.msg_len, 1)?;
+            conn.assembling = self.whole(Some(conn), None, Some(&lease), peer, d.msg_len)?;
         }
         if d.first && conn.assembling.is_none() {
             conn.held.push_back(Held::Fragments {
@@ -222,20 +223,25 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     }
 
     /// A buffer for a whole message of `len` bytes, or `None` where the
-    /// pool has none now but one can come back: while anyone but this wire's
-    /// receive side (the application, a send, the arrival queue) holds one
-    /// of the pool's buffers. The message's fragments then wait in their
-    /// receive buffers (see `Held`), the pool's bell waking the wire. Where
-    /// this wire's own buffers are all the pool has out, none ever comes
-    /// (their chunks never fall idle for a larger class): the connection
-    /// fails now ([`Error::NoReceiveBuffer`]), not after a stall.
-    /// `in_hand`: receive buffers the caller holds outside `conn`.
+    /// pool has none now but one can come back: where buffers that this
+    /// wire's receive side does not hold (the application's, a send's, the
+    /// arrival queue's) would serve it once given back, or free a chunk
+    /// that would (`SlabPool::could_serve_later`). The message's fragments
+    /// then wait in their receive buffers (see `Held`), the pool's bell
+    /// waking the wire. Where only this wire's own buffers could, none ever
+    /// comes: the connection fails now ([`Error::NoReceiveBuffer`]), not
+    /// after a stall. The receive side's buffers are every connection's
+    /// ring and what waits: `lent` (the connection being served, out of the
+    /// table), `held` (a queue out of its place), `in_hand` (a buffer just
+    /// taken out of its ring slot), the rest of the table and the queues of
+    /// connections that went.
     fn whole(
         &self,
-        conn: &Conn<M>,
+        lent: Option<&Conn<M>>,
+        held: Option<&VecDeque<Held<M>>>,
+        in_hand: Option<&PayloadLease<M>>,
         peer: PeerId,
         len: usize,
-        in_hand: usize,
     ) -> Result<Option<PayloadLease<M>>, Error> {
         let take = || Lease::take(Arc::clone(&self.recv_pool), len.max(1));
         let why = match take() {
@@ -243,56 +249,105 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             Err(Error::Pool(why)) => why,
             Err(e) => return Err(e),
         };
-        let ours = |c: &Conn<M>| {
-            c.recv.iter().flatten().count()
-                + usize::from(c.assembling.is_some())
-                + c.held.iter().map(Held::leases).sum::<usize>()
-        };
-        let ours = in_hand + ours(conn) + self.peers.iter().map(|(_, c)| ours(c)).sum::<usize>();
-        if M::outstanding(&self.recv_pool) > ours {
+        let mut kept = Vec::new();
+        let mut keep = |l: &PayloadLease<M>| kept.push(*l.ticket());
+        let conns = lent.into_iter().chain(self.peers.iter().map(|(_, c)| &**c));
+        for c in conns {
+            c.recv.iter().flatten().for_each(&mut keep);
+            c.held.iter().for_each(|h| h.leases(&mut keep));
+        }
+        let queues = held.into_iter().chain(self.orphans.iter().map(|(_, h)| h));
+        for h in queues.flatten() {
+            h.leases(&mut keep);
+        }
+        in_hand.into_iter().for_each(&mut keep);
+        if M::could_serve_later(&self.recv_pool, len.max(1), &kept) {
             return Ok(None);
         }
-        // Nothing else out: one more look, for a buffer given back since.
+        // None can come: one more look, for a buffer given back since.
         take()
             .map(Some)
             .map_err(|_| Error::NoReceiveBuffer { peer, len, why })
     }
 
-    /// Hands on what waited for a buffer (see `Held`), in order, as far as
-    /// the pool now has buffers for it.
+    /// Hands on what waited for a buffer on a live connection (see `Held`),
+    /// in order, as far as the pool now has buffers for it.
     pub(super) fn release_held(&mut self, conn: &mut Conn<M>, peer: PeerId) -> Result<(), Error> {
-        while let Some(front) = conn.held.front() {
+        let mut held = std::mem::take(&mut conn.held);
+        let under_way = self.hand_on(&mut held, Some(conn), peer);
+        conn.held = held;
+        conn.assembling = under_way?;
+        Ok(())
+    }
+
+    /// Hands on what connections that went left waiting (their outcome last).
+    pub(super) fn release_orphans(&mut self) {
+        for _ in 0..self.orphans.len() {
+            let Some((peer, mut held)) = self.orphans.pop_front() else {
+                break;
+            };
+            if let Err(e) = self.hand_on(&mut held, None, peer) {
+                // No buffer can ever come: the rest is lost, and said so.
+                held.clear();
+                self.arrivals.push_back(Err(e));
+            }
+            if !held.is_empty() {
+                self.orphans.push_back((peer, held));
+            }
+        }
+    }
+
+    /// Hands on the front of `held`, in order, as far as the pool has
+    /// buffers for it. Returns the buffer of the message still under way
+    /// (only the last held can be), its bytes so far copied in, once it has
+    /// one. `conn`: the live connection, which returns each message's bytes
+    /// to the peer as credit as it goes.
+    fn hand_on(
+        &mut self,
+        held: &mut VecDeque<Held<M>>,
+        mut conn: Option<&mut Conn<M>>,
+        peer: PeerId,
+    ) -> Result<Option<PayloadLease<M>>, Error> {
+        while let Some(front) = held.front() {
             let &Held::Fragments { len, done, .. } = front else {
-                if let Some(Held::Arrival(a)) = conn.held.pop_front() {
+                if let Some(Held::Arrival(a)) = held.pop_front() {
+                    if let (Ok(r), Some(c)) = (&a, conn.as_deref_mut()) {
+                        c.session.consumed(r.lease.len());
+                    }
                     self.arrivals.push_back(a);
                 }
                 continue;
             };
-            let Some(mut whole) = self.whole(conn, peer, len, 0)? else {
-                return Ok(());
+            let Some(mut whole) = self.whole(conn.as_deref(), Some(held), None, peer, len)? else {
+                return Ok(None);
             };
-            if let Some(Held::Fragments { parts, .. }) = conn.held.pop_front() {
+            if let Some(Held::Fragments { parts, .. }) = held.pop_front() {
                 for (part, at, skip, n) in parts {
                     self.memory.copy(&mut whole, at, &part, skip, n)?;
                 }
             }
             if !done {
-                // The message under way, always the last held: its other
-                // fragments go straight into the buffer.
-                conn.assembling = Some(whole);
-                continue;
+                return Ok(Some(whole));
             }
             whole.set_len(len)?;
-            conn.session.consumed(len);
+            if let Some(c) = conn.as_deref_mut() {
+                c.session.consumed(len);
+            }
             self.arrivals.push_back(Ok(Received { peer, lease: whole }));
         }
-        Ok(())
+        Ok(None)
     }
 
     /// What a control frame brings.
     fn control(&mut self, conn: &mut Conn<M>, peer: PeerId, now: Instant, inbound: Inbound) {
         match inbound {
-            Inbound::Closed => self.arrive(conn, Err(Error::PeerClosed(peer))),
+            Inbound::Closed => {
+                let closed = Err(Error::PeerClosed(peer));
+                match conn.held.is_empty() {
+                    true => self.arrivals.push_back(closed),
+                    false => conn.held.push_back(Held::Arrival(closed)),
+                }
+            }
             // The receive pool's budget is what a grant can cost.
             Inbound::Want => conn.session.grant(now),
             Inbound::Opened => {
@@ -310,7 +365,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     }
 
     /// Hands a whole message to the application; its bytes come back to the
-    /// peer as credit (the arrival queue is the application's).
+    /// peer as credit (the arrival queue is the application's). Behind a
+    /// message that waits for a buffer it waits too, its bytes not yet
+    /// returned: a peer stops at its window while this side holds it back.
     fn deliver(
         &mut self,
         conn: &mut Conn<M>,
@@ -318,18 +375,14 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         lease: PayloadLease<M>,
         len: usize,
     ) -> Result<(), Error> {
-        conn.session.consumed(len);
-        self.arrive(conn, Ok(Received { peer, lease }));
-        Ok(())
-    }
-
-    /// Queues what the application is to learn, behind what waits for a buffer.
-    fn arrive(&mut self, conn: &mut Conn<M>, a: Result<Received<PayloadLease<M>>, Error>) {
+        let message = Received { peer, lease };
         if conn.held.is_empty() {
-            self.arrivals.push_back(a);
+            conn.session.consumed(len);
+            self.arrivals.push_back(Ok(message));
         } else {
-            conn.held.push_back(Held::Arrival(a));
+            conn.held.push_back(Held::Arrival(Ok(message)));
         }
+        Ok(())
     }
 }
 
@@ -337,9 +390,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
 /// no buffer: the receive pool was dry (the application holds its buffers)
 /// when the message's first fragment came. Its fragments wait in the
 /// receive buffers they landed in, and whatever comes after it waits
-/// behind it, in order; the engine takes every frame meanwhile, so credit
-/// and control frames keep moving, and a held message's bytes are not
-/// returned to the peer as credit until it is handed on.
+/// behind it, in order. The engine takes every frame meanwhile, so credit
+/// and control frames keep moving; what waits is not returned to the peer
+/// as credit until it is handed on. A connection that goes leaves its
+/// queue, its outcome last, to be handed on still (the transport's
+/// `orphans`).
 pub(super) enum Held<M: PayloadMemory> {
     /// A message of `len` bytes: its fragments so far, each (receive buffer,
     /// offset in the message, offset in the buffer, length); `done` once the
@@ -349,16 +404,17 @@ pub(super) enum Held<M: PayloadMemory> {
         parts: Vec<(PayloadLease<M>, usize, usize, usize)>,
         done: bool,
     },
-    /// A whole message behind it, or the peer's Close.
+    /// A whole message behind it, the peer's Close, or how its connection ended.
     Arrival(Result<Received<PayloadLease<M>>, Error>),
 }
 
 impl<M: PayloadMemory> Held<M> {
-    /// The pool's buffers it holds.
-    fn leases(&self) -> usize {
+    /// Calls `f` on each pool buffer it holds.
+    fn leases(&self, f: &mut impl FnMut(&PayloadLease<M>)) {
         match self {
-            Held::Fragments { parts, .. } => parts.len(),
-            Held::Arrival(a) => usize::from(a.is_ok()),
+            Held::Fragments { parts, .. } => parts.iter().for_each(|(l, ..)| f(l)),
+            Held::Arrival(Ok(r)) => f(&r.lease),
+            Held::Arrival(Err(_)) => {}
         }
     }
 }
