@@ -1230,7 +1230,14 @@ fn a_device_buffer_given_back_wakes_a_receiver_whose_device_pool_ran_dry() {
     let last = server.recv(Deadline::after(WAIT), None).unwrap();
     assert_eq!(first_byte(&last), DEVICE_HELD as u8 + 1, "the last");
     drop(last);
+    // The streamer closes once its stdin does: driven here, this side
+    // answers its Close.
     drop(child.stdin.take());
+    match server.recv(Deadline::after(WAIT), None) {
+        Err(Error::PeerClosed(_)) => {}
+        Ok(r) => panic!("a message beyond the stream: {}", first_byte(&r)),
+        Err(e) => panic!("{e}"),
+    }
     assert!(child.wait().unwrap().success(), "the streamer failed");
 }
 
