@@ -1152,12 +1152,12 @@ impl<S: ChunkSource, T: PoolTables, B: Bell> SlabPool<S, T, B> {
         for c in st.tables.chunks().iter() {
             let Some(mem) = c.mem else { continue };
             let others = c.in_use.saturating_sub(c.kept);
-            if others > 0 && serves(c.class as usize) {
+            if others != 0 && serves(c.class as usize) {
                 return true;
             }
             if c.kept == 0 {
                 room = room.saturating_add(mem.region.len);
-                falls_idle |= others > 0;
+                falls_idle |= c.in_use != 0;
             }
         }
         falls_idle && room >= grow_len
@@ -1741,6 +1741,32 @@ pub(crate) mod tests {
         assert!(!p.could_serve_later(100 << 10, &ours));
         assert!(p.could_serve_later(100 << 10, &[]));
         drop((small, app_tiny));
+
+        // A smaller class may borrow another's buffer of a larger one.
+        let small: Vec<_> = (0..16).map(|_| p.lease(4000).unwrap()).collect(); // ours, chunk 1
+        let big: Vec<_> = (0..4).map(|_| p.lease(10_000).unwrap()).collect(); // chunk 2
+        assert!(p.lease(4000).is_err());
+        let ours: Vec<SlotTicket> = small.iter().chain(&big[..3]).map(|l| *l.ticket()).collect();
+        assert!(
+            p.could_serve_later(4000, &ours),
+            "the application's 16 KiB buffer"
+        );
+        drop((small, big));
+
+        // An oversize buffer serves no class: only the room it frees counts.
+        let p = pool(96 << 10);
+        let small: Vec<_> = (0..16).map(|_| p.lease(4000).unwrap()).collect(); // ours, 64 KiB
+        let oversize = p.lease(20 << 10).unwrap(); // the application's, 20 KiB
+        assert!(
+            p.lease(10_000).is_err(),
+            "a chunk needs 64 KiB, 12 KiB are left"
+        );
+        let ours: Vec<SlotTicket> = small.iter().map(|l| *l.ticket()).collect();
+        assert!(
+            !p.could_serve_later(10_000, &ours),
+            "20 KiB back and 12 KiB left make no 64 KiB chunk"
+        );
+        drop((small, oversize));
     }
 
     /// Fake memory whose answers a test sets: `fail` refuses, `skew_len`
