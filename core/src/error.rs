@@ -101,6 +101,22 @@ pub enum Error {
     BadConfig(&'static str),
 }
 
+impl Error {
+    /// The peer a failure of its connection alone names: that peer is lost,
+    /// and the transport serves the others on. `None` for a failure of the
+    /// call or of the whole transport (a clean close, `PeerClosed`, is not a
+    /// loss).
+    pub fn lost_peer(&self) -> Option<PeerId> {
+        match *self {
+            Error::PeerLost(peer)
+            | Error::Protocol { peer, .. }
+            | Error::WireRule { peer, .. }
+            | Error::NoReceiveBuffer { peer, .. } => Some(peer),
+            _ => None,
+        }
+    }
+}
+
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -303,5 +319,44 @@ impl From<MrError> for Error {
 impl From<RegisterError> for Error {
     fn from(e: RegisterError) -> Self {
         Error::Register(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What names one lost peer, and what does not: a clean close, a
+    /// failure of the call, of the whole transport.
+    #[test]
+    fn a_failure_of_one_connection_names_its_peer_and_nothing_else_does() {
+        let p = PeerId(7);
+        for e in [
+            Error::PeerLost(p),
+            Error::Protocol {
+                peer: p,
+                error: crate::session::ProtocolError::RingOverrun,
+            },
+            Error::WireRule { peer: p, rule: "r" },
+            Error::NoReceiveBuffer {
+                peer: p,
+                len: 1,
+                why: PoolError::ZeroLength,
+            },
+        ] {
+            assert_eq!(e.lost_peer(), Some(p), "{e}");
+        }
+        for e in [
+            Error::PeerClosed(p),
+            Error::UnknownPeer(p),
+            Error::Pool(PoolError::ZeroLength),
+            Error::Call {
+                call: "ibv_post_send",
+                code: 12,
+            },
+            Error::Closed,
+        ] {
+            assert_eq!(e.lost_peer(), None, "{e}");
+        }
     }
 }

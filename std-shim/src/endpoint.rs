@@ -225,13 +225,10 @@ impl<L> Event<L> {
             Ok(m) => Ok(Some(Event::Message(m))),
             Err(Error::WouldBlock | Error::Pool(_)) => Ok(None),
             Err(Error::PeerClosed(peer)) => Ok(Some(Event::Closed(peer))),
-            Err(
-                error @ (Error::PeerLost(peer)
-                | Error::Protocol { peer, .. }
-                | Error::WireRule { peer, .. }
-                | Error::NoReceiveBuffer { peer, .. }),
-            ) => Ok(Some(Event::Lost { peer, error })),
-            Err(e) => Err(e),
+            Err(error) => match error.lost_peer() {
+                Some(peer) => Ok(Some(Event::Lost { peer, error })),
+                None => Err(error),
+            },
         }
     }
 }

@@ -564,9 +564,8 @@ impl TcpTransport {
             return (p.session.is_open() && p.session.host_settled()).then_some(Ok(peer));
         }
         let about = |e: &Error| match *e {
-            Error::PeerLost(p) | Error::PeerClosed(p) => p == peer,
-            Error::Protocol { peer: p, .. } | Error::WireRule { peer: p, .. } => p == peer,
-            _ => false,
+            Error::PeerClosed(p) => p == peer,
+            ref e => e.lost_peer() == Some(peer),
         };
         let at = self
             .arrivals

@@ -238,6 +238,17 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             held.pop_back();
         }
         if let (Some(e), true) = (error, conn.established) {
+            // A failure of this connection alone (a post or a poll refused,
+            // a broken invariant) is this peer's loss, not the transport's:
+            // the others are served on. Its cause goes to the log.
+            let e = match e {
+                e @ Error::PeerClosed(_) => e,
+                e if e.lost_peer().is_some() => e,
+                e => {
+                    warn!("verbs: peer {peer} lost: {e}");
+                    Error::PeerLost(peer)
+                }
+            };
             match held.is_empty() {
                 true => self.arrivals.push_back(Err(e)),
                 false => held.push_back(Held::Arrival(Err(e))),
