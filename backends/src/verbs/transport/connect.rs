@@ -245,7 +245,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 e @ Error::PeerClosed(_) => e,
                 e if e.lost_peer().is_some() => e,
                 e => {
-                    warn!("verbs: peer {peer} lost: {e}");
+                    warn!("verbs: peer {} lost: {}", peer, e);
                     Error::PeerLost(peer)
                 }
             };
