@@ -1008,6 +1008,67 @@ fn device_wire(device: &Arc<zerohop_backends::cuda::DevicePool>) -> LocalWire {
     t
 }
 
+/// A device test's listening side: a device pool of `budget` bytes and a
+/// caller-driven endpoint (`looks`), or `None` (SKIPPED) without a GPU.
+#[cfg(feature = "cuda-uma")]
+fn device_server(
+    test: &str,
+    budget: usize,
+    looks: EndpointConfig,
+) -> Option<(
+    Endpoint<LocalWire>,
+    SocketAddr,
+    Arc<zerohop_backends::cuda::DevicePool>,
+)> {
+    let gpu = match zerohop_backends::cuda::Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED {test}: {e}");
+            return None;
+        }
+    };
+    let device = zerohop_backends::cuda::device_pool(&gpu, budget).unwrap();
+    let mut t = device_wire(&device);
+    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let looks = EndpointConfig {
+        progress_thread: false,
+        ..looks
+    };
+    Some((Endpoint::new(t, looks).unwrap(), addr, device))
+}
+
+/// This binary's helper test `child` as the other process, told `addr`,
+/// its stdin a pipe (it stays until that closes).
+#[cfg(feature = "cuda-uma")]
+fn device_child(child: &str, addr: SocketAddr) -> Command {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--ignored", "--exact", child, "--nocapture"])
+        .env("ZEROHOP_TEST_CONNECT", addr.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null());
+    c
+}
+
+/// A device test's helper process: its endpoint (device pool 512 MiB),
+/// connected to `ZEROHOP_TEST_CONNECT` and moved to a lane; `None` when
+/// run as a test of its own.
+#[cfg(feature = "cuda-uma")]
+fn device_client() -> Option<(
+    Endpoint<LocalWire>,
+    PeerId,
+    Arc<zerohop_backends::cuda::DevicePool>,
+)> {
+    let addr = std::env::var("ZEROHOP_TEST_CONNECT").ok()?;
+    let gpu = zerohop_backends::cuda::Gpu::open(0).unwrap();
+    let device = zerohop_backends::cuda::device_pool(&gpu, 512 << 20).unwrap();
+    let e = Endpoint::new(device_wire(&device), EndpointConfig::default()).unwrap();
+    let d = TcpTransport::dial(addr.parse().unwrap(), WAIT, true).unwrap();
+    let p = e.with(|t| t.attach(d)).unwrap();
+    let peer = e.wait_open(p, Deadline::after(WAIT)).unwrap();
+    assert!(peer.0 & LANE_BIT != 0, "the peer moved to shared memory");
+    Some((e, peer, device))
+}
+
 /// The sender of the device `ended` test: one device message out, then its
 /// endpoint dropped without `close`, and the message's buffer leased again
 /// from its pool (kept alive here, so the peer's mapping still reads it)
@@ -1017,16 +1078,9 @@ fn device_wire(device: &Arc<zerohop_backends::cuda::DevicePool>) -> LocalWire {
 #[ignore = "a helper process for the device ended test"]
 fn child_device_dropper() {
     use std::io::Read;
-    let Ok(addr) = std::env::var("ZEROHOP_TEST_CONNECT") else {
+    let Some((e, peer, device)) = device_client() else {
         return;
     };
-    let gpu = zerohop_backends::cuda::Gpu::open(0).unwrap();
-    let device = zerohop_backends::cuda::device_pool(&gpu, 512 << 20).unwrap();
-    let e = Endpoint::new(device_wire(&device), EndpointConfig::default()).unwrap();
-    let d = TcpTransport::dial(addr.parse().unwrap(), WAIT, true).unwrap();
-    let p = e.with(|t| t.attach(d)).unwrap();
-    let peer = e.wait_open(p, Deadline::after(WAIT)).unwrap();
-    assert!(peer.0 & LANE_BIT != 0, "the peer moved to shared memory");
     // The receiver stops driving its endpoint once it has answered this.
     e.send(peer, b"ready", Deadline::after(WAIT), None).unwrap();
     let go = e.recv(Deadline::after(WAIT), None).unwrap();
@@ -1056,31 +1110,12 @@ fn child_device_dropper() {
 fn a_device_sender_dropped_unclosed_is_lost_not_read_out_of_its_reused_buffer() {
     use std::io::BufRead;
     let _one = serial();
-    let gpu = match zerohop_backends::cuda::Gpu::open(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED a_device_sender_dropped_unclosed_...: {e}");
-            return;
-        }
+    let test = "a_device_sender_dropped_unclosed_is_lost_not_read_out_of_its_reused_buffer";
+    let Some((server, addr, device)) = device_server(test, 512 << 20, EndpointConfig::default())
+    else {
+        return;
     };
-    let device = zerohop_backends::cuda::device_pool(&gpu, 512 << 20).unwrap();
-    let mut t = device_wire(&device);
-    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
-    let driven = EndpointConfig {
-        progress_thread: false,
-        ..EndpointConfig::default()
-    };
-    let server = Endpoint::new(t, driven).unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "child_device_dropper",
-            "--nocapture",
-        ])
-        .env("ZEROHOP_TEST_CONNECT", addr.to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
+    let mut child = device_child("child_device_dropper", addr)
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
@@ -1131,16 +1166,9 @@ const DEVICE_HELD: usize = 4;
 #[ignore = "a helper process for the device bell test"]
 fn child_device_streamer() {
     use std::io::Read;
-    let Ok(addr) = std::env::var("ZEROHOP_TEST_CONNECT") else {
+    let Some((e, peer, device)) = device_client() else {
         return;
     };
-    let gpu = zerohop_backends::cuda::Gpu::open(0).unwrap();
-    let device = zerohop_backends::cuda::device_pool(&gpu, 512 << 20).unwrap();
-    let e = Endpoint::new(device_wire(&device), EndpointConfig::default()).unwrap();
-    let d = TcpTransport::dial(addr.parse().unwrap(), WAIT, true).unwrap();
-    let p = e.with(|t| t.attach(d)).unwrap();
-    let peer = e.wait_open(p, Deadline::after(WAIT)).unwrap();
-    assert!(peer.0 & LANE_BIT != 0, "the peer moved to shared memory");
     for i in 0..STREAMED {
         let l = zerohop_core::Lease::take(Arc::clone(&device), DEVICE_LEN).unwrap();
         zerohop_backends::cuda::write_lease(&l, &vec![i as u8; DEVICE_LEN]).unwrap();
@@ -1161,34 +1189,15 @@ fn child_device_streamer() {
 #[test]
 fn a_device_buffer_given_back_wakes_a_receiver_whose_device_pool_ran_dry() {
     let _one = serial();
-    let gpu = match zerohop_backends::cuda::Gpu::open(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED a_device_buffer_given_back_wakes_...: {e}");
-            return;
-        }
-    };
-    let device = zerohop_backends::cuda::device_pool(&gpu, 64 << 20).unwrap();
-    let mut t = device_wire(&device);
-    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let test = "a_device_buffer_given_back_wakes_a_receiver_whose_device_pool_ran_dry";
     let slow_looks = EndpointConfig {
-        progress_thread: false,
         poll_interval: Duration::from_secs(3600),
         ..EndpointConfig::default()
     };
-    let server = Endpoint::new(t, slow_looks).unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "child_device_streamer",
-            "--nocapture",
-        ])
-        .env("ZEROHOP_TEST_CONNECT", addr.to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
+    let Some((server, addr, _device)) = device_server(test, 64 << 20, slow_looks) else {
+        return;
+    };
+    let mut child = device_child("child_device_streamer", addr).spawn().unwrap();
     let _peer = accepted(&server);
     let first_byte = |r: &Received<ShmLease>| {
         let ShmLease::Device(l) = &r.lease else {

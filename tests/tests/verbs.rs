@@ -132,11 +132,21 @@ fn pair(port: u16, config: RdmaConfig) -> Option<Pair> {
 
 /// `a` (with `a_config`) connected to a listening `b` (with `b_config`).
 fn pair_with(port: u16, a_config: RdmaConfig, b_config: RdmaConfig) -> Option<Pair> {
+    pair_looking(port, a_config, b_config, EndpointConfig::default())
+}
+
+/// The same, `b`'s endpoint with `b_looks`.
+fn pair_looking(
+    port: u16,
+    a_config: RdmaConfig,
+    b_config: RdmaConfig,
+    b_looks: EndpointConfig,
+) -> Option<Pair> {
     let dev = device_or_skip()?;
     let addr = rdma_addr(port).expect("an RDMA address");
     let mut b = RdmaTransport::new(Arc::clone(&dev), b_config).unwrap();
     b.listen(addr).unwrap();
-    let b = Endpoint::new(b, EndpointConfig::default()).unwrap();
+    let b = Endpoint::new(b, b_looks).unwrap();
     let mut a = RdmaTransport::new(dev, a_config).unwrap();
     let peer = a.connect(addr).unwrap();
     Some((
@@ -1199,10 +1209,6 @@ mod cm_peer {
 /// before the deadline.
 #[test]
 fn a_buffer_given_back_by_another_thread_wakes_a_receiver_whose_ring_ran_dry() {
-    let Some(dev) = device_or_skip() else {
-        return;
-    };
-    let addr = rdma_addr(19_140).expect("an RDMA address");
     // One 2 MiB chunk of receive buffers holds 31 (see above): a ring of 16.
     let config = RdmaConfig {
         recv_depth: 16,
@@ -1213,13 +1219,10 @@ fn a_buffer_given_back_by_another_thread_wakes_a_receiver_whose_ring_ran_dry() {
         poll_interval: Duration::from_secs(3600),
         ..EndpointConfig::default()
     };
-    let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
-    b.listen(addr).unwrap();
-    let pool = Arc::clone(b.pool());
-    let b = Endpoint::new(b, slow_looks).unwrap();
-    let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
-    let peer = a.connect(addr).unwrap();
-    let a = Endpoint::new(a, EndpointConfig::default()).unwrap();
+    let Some((a, b, peer)) = pair_looking(19_140, small_ring(), config, slow_looks) else {
+        return;
+    };
+    let pool = b.with(|t| Arc::clone(t.pool()));
     let m = |i: usize| vec![i as u8; 4000];
     let sender = std::thread::spawn(move || {
         for i in 0..31 {
@@ -1274,10 +1277,6 @@ fn a_buffer_given_back_by_another_thread_wakes_a_receiver_whose_ring_ran_dry() {
 /// the failed lease failed the connection.)
 #[test]
 fn a_long_message_into_a_dry_pool_waits_for_a_buffer_and_keeps_its_place() {
-    let Some(dev) = device_or_skip() else {
-        return;
-    };
-    let addr = rdma_addr(19_142).expect("an RDMA address");
     // Two 2 MiB chunks: the receive ring's buffers (31 of 64 KiB, 19
     // posted), and eight of 256 KiB for messages of four fragments.
     let config = RdmaConfig {
@@ -1285,13 +1284,10 @@ fn a_long_message_into_a_dry_pool_waits_for_a_buffer_and_keeps_its_place() {
         recv_pool_bytes: 4 << 20,
         ..small_ring()
     };
-    let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
-    b.listen(addr).unwrap();
-    let pool = Arc::clone(b.pool());
-    let b = Endpoint::new(b, EndpointConfig::default()).unwrap();
-    let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
-    let peer = a.connect(addr).unwrap();
-    let a = Endpoint::new(a, EndpointConfig::default()).unwrap();
+    let Some((a, b, peer)) = pair_with(19_142, small_ring(), config) else {
+        return;
+    };
+    let pool = b.with(|t| Arc::clone(t.pool()));
     let long = |i: usize| (0..200_000).map(|k| (k * 7 + i) as u8).collect::<Vec<u8>>();
     let short = || vec![0xA5; 100];
     let sender = std::thread::spawn(move || {
@@ -1337,23 +1333,16 @@ fn a_long_message_into_a_dry_pool_waits_for_a_buffer_and_keeps_its_place() {
 /// after a stall.
 #[test]
 fn a_long_message_no_buffer_can_ever_hold_fails_its_connection_at_once() {
-    let Some(dev) = device_or_skip() else {
-        return;
-    };
-    let addr = rdma_addr(19_143).expect("an RDMA address");
     // One 2 MiB chunk, all of it the ring's class.
     let config = RdmaConfig {
         recv_depth: 16,
         recv_pool_bytes: 2 << 20,
         ..small_ring()
     };
-    let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
-    b.listen(addr).unwrap();
-    let pool = Arc::clone(b.pool());
-    let b = Endpoint::new(b, EndpointConfig::default()).unwrap();
-    let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
-    let peer = a.connect(addr).unwrap();
-    let a = Endpoint::new(a, EndpointConfig::default()).unwrap();
+    let Some((a, b, peer)) = pair_with(19_143, small_ring(), config) else {
+        return;
+    };
+    let pool = b.with(|t| Arc::clone(t.pool()));
     let sender = std::thread::spawn(move || {
         a.send(peer, &vec![1u8; 200_000], Deadline::after(WAIT), None)
             .unwrap();
