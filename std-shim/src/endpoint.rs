@@ -1114,7 +1114,8 @@ impl<M: zerohop_backends::verbs::PayloadMemory> Wire for zerohop_backends::verbs
     }
 
     fn lease_bell(&self) -> Option<HostBell> {
-        M::bell(self.send_pool()).and_then(HostBell::try_clone)
+        use zerohop_backends::verbs::PayloadPool;
+        self.send_pool().bell().try_clone()
     }
 
     fn read_lease(&self, lease: &Self::Lease, out: &mut [u8]) -> Result<(), Error> {

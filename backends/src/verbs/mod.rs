@@ -25,7 +25,7 @@ use zerohop_core::{
 
 #[cfg(feature = "cuda-uma")]
 pub use payload::{GpuChunks, GpuPayload, GpuPool};
-pub use payload::{HostPayload, PayloadLease, PayloadMemory};
+pub use payload::{HostPayload, PayloadLease, PayloadMemory, PayloadPool};
 pub use transport::{RdmaConfig, RdmaTransport, MIN_RECV_DEPTH};
 
 /// The environment variable naming the RDMA device to use (e.g. `rxe0`, `mlx5_0`).

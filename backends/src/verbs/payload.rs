@@ -6,8 +6,8 @@
 
 use std::sync::Arc;
 
-use zerohop_core::pool::SlotTicket;
-use zerohop_core::{Access, Error, Kind, Lease, Pool, PoolConfig, SizeClasses};
+use zerohop_core::pool::{ChunkSource, PoolTables, SlotTicket};
+use zerohop_core::{Access, Error, Kind, Lease, Pool, PoolConfig, SizeClasses, SlabPool};
 
 use super::Registry;
 use crate::{
@@ -17,10 +17,36 @@ use crate::{
 /// A buffer of a [`PayloadMemory`]'s pool.
 pub type PayloadLease<M> = Lease<Arc<<M as PayloadMemory>::Pool>>;
 
+/// What the wire asks of a payload pool beside its leases: every payload
+/// pool is a slab pool with a bell (see [`SlabPool`]).
+pub trait PayloadPool: Pool + Send + Sync + 'static {
+    /// The bell it rings when a buffer comes back after it refused one: a
+    /// receiver whose ring a dry pool left short sleeps on it.
+    fn bell(&self) -> &HostBell;
+
+    /// Whether it could serve a lease of `len` bytes that it refuses now
+    /// once every buffer but `kept` came back
+    /// ([`SlabPool::could_serve_later`]).
+    fn could_serve_later(&self, len: usize, kept: &[SlotTicket]) -> bool;
+}
+
+impl<S: ChunkSource, T: PoolTables> PayloadPool for SlabPool<S, T, HostBell>
+where
+    SlabPool<S, T, HostBell>: Pool + Send + Sync + 'static,
+{
+    fn bell(&self) -> &HostBell {
+        SlabPool::bell(self)
+    }
+
+    fn could_serve_later(&self, len: usize, kept: &[SlotTicket]) -> bool {
+        SlabPool::could_serve_later(self, len, kept)
+    }
+}
+
 /// Where payloads live and how the wire moves bytes there.
 pub trait PayloadMemory: Send + Sync + 'static {
     /// The registered slab pool payload buffers come from.
-    type Pool: Pool + Send + Sync + 'static;
+    type Pool: PayloadPool;
 
     /// Whether the CPU can read the pool's buffers (host memory): only then
     /// may a frame from them go inline, copied by the CPU at posting.
@@ -67,19 +93,6 @@ pub trait PayloadMemory: Send + Sync + 'static {
     fn read(&self, src: &PayloadLease<Self>, out: &mut [u8]) -> Result<(), Error>
     where
         Self: Sized;
-
-    /// The bell `pool` rings when a buffer comes back after it refused one,
-    /// if it has one: a receiver whose ring a dry pool left short sleeps on
-    /// it (see [`HostBell`]).
-    fn bell(pool: &Self::Pool) -> Option<&HostBell> {
-        let _ = pool;
-        None
-    }
-
-    /// Whether `pool` could serve a lease of `len` bytes that it refuses
-    /// now once every buffer but `kept` came back (see
-    /// [`SlabPool::could_serve_later`](zerohop_core::SlabPool::could_serve_later)).
-    fn could_serve_later(pool: &Self::Pool, len: usize, kept: &[SlotTicket]) -> bool;
 }
 
 fn span_check(at: usize, len: usize, cap: usize) -> Result<(), Error> {
@@ -99,14 +112,6 @@ pub struct HostPayload;
 impl PayloadMemory for HostPayload {
     type Pool = HostPool<HeapTables>;
     const HOST_VISIBLE: bool = true;
-
-    fn bell(pool: &Self::Pool) -> Option<&HostBell> {
-        Some(pool.bell())
-    }
-
-    fn could_serve_later(pool: &Self::Pool, len: usize, kept: &[SlotTicket]) -> bool {
-        pool.could_serve_later(len, kept)
-    }
 
     fn kind(&self) -> Kind {
         Kind::Rdma
@@ -175,7 +180,7 @@ mod gpu {
     use std::os::fd::AsFd;
     use std::sync::Arc;
 
-    use zerohop_core::pool::{ChunkSource, Registered, SlotTicket};
+    use zerohop_core::pool::{ChunkSource, Registered};
     use zerohop_core::{
         Access, Error, Kind, PoolConfig, RawMemory, Region, Registrar, SizeClasses, SlabPool,
     };
@@ -293,14 +298,6 @@ mod gpu {
     impl PayloadMemory for GpuPayload {
         type Pool = GpuPool;
         const HOST_VISIBLE: bool = false;
-
-        fn bell(pool: &GpuPool) -> Option<&HostBell> {
-            Some(pool.bell())
-        }
-
-        fn could_serve_later(pool: &GpuPool, len: usize, kept: &[SlotTicket]) -> bool {
-            pool.could_serve_later(len, kept)
-        }
 
         fn kind(&self) -> Kind {
             Kind::Gpudirect

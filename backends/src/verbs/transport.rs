@@ -44,15 +44,15 @@ use zerohop_core::{
 };
 
 use super::cm::{CmEvent, CmId, EventChannel, Qp, QpShape, CM_TIMEOUT_MS};
-use super::payload::{HostPayload, PayloadLease, PayloadMemory};
+use super::payload::{HostPayload, PayloadLease, PayloadMemory, PayloadPool};
 use super::{Device, Registry, VerbsError};
-use crate::{host_bytes_mut, HeapTables, HostBell, HostPool, PeerSlots};
+use crate::{host_bytes_mut, HeapTables, HostPool, PeerSlots};
 
 mod connect;
 mod recv;
 mod slots;
 
-use recv::{receive_classes, Held};
+use recv::{arrive, receive_classes, Held};
 use slots::SendSlots;
 
 /// Frame headers live in host memory whatever the payloads' memory: the CPU parses them.
@@ -178,6 +178,8 @@ pub struct RdmaTransport<M: PayloadMemory = HostPayload> {
     accepted: VecDeque<(PeerId, SocketAddr)>,
     origin: StdInstant,
     next_scan: StdInstant,
+    /// When a message waiting for a buffer may next be judged (see `whole`).
+    next_judge: StdInstant,
     /// The timers' looks: a long gap is the application's absence.
     looks: crate::Looks,
     closed: bool,
@@ -258,6 +260,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             accepted: VecDeque::new(),
             origin: now,
             next_scan: now,
+            next_judge: now,
             looks: crate::Looks::default(),
             closed: false,
         })
@@ -698,8 +701,8 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// Takes the receive pool's rings before the refills look at it again,
     /// where a ring was left short: a buffer back after the look rings anew.
     fn clear_bell(&self) {
-        if let (true, Some(bell)) = (self.recv_dry(), M::bell(&self.recv_pool)) {
-            bell.clear();
+        if self.recv_dry() {
+            self.recv_pool.bell().clear();
         }
     }
 
@@ -768,7 +771,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             out.push(l.channel().fd());
         }
         if completions && self.recv_dry() {
-            out.extend(M::bell(&self.recv_pool).and_then(HostBell::fd));
+            out.extend(self.recv_pool.bell().fd());
         }
         for (_, c) in self.peers.iter() {
             if completions {

@@ -249,10 +249,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                     Error::PeerLost(peer)
                 }
             };
-            match held.is_empty() {
-                true => self.arrivals.push_back(Err(e)),
-                false => held.push_back(Held::Arrival(Err(e))),
-            }
+            arrive(&mut self.arrivals, &mut held, Err(e));
         }
         drop(conn);
         if !held.is_empty() {

@@ -5,15 +5,16 @@
 use std::collections::VecDeque;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
+use std::time::Instant as StdInstant;
 
 use rdma_sys as ffi;
 use zerohop_core::session::{Inbound, Instant};
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{Error, Lease, PeerId, Received, SizeClasses};
 
-use super::{Conn, RdmaTransport, POLL_BATCH, SEND_TAG};
+use super::{Conn, RdmaTransport, POLL_BATCH, SEND_TAG, TIMER_SCAN};
 use crate::host_bytes;
-use crate::verbs::payload::{PayloadLease, PayloadMemory};
+use crate::verbs::payload::{PayloadLease, PayloadMemory, PayloadPool};
 
 impl<M: PayloadMemory> RdmaTransport<M> {
     /// A receive buffer's size: a whole frame where the header lands in the
@@ -189,7 +190,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             return self.deliver(conn, peer, lease, d.len);
         }
         if d.first && conn.held.is_empty() {
-            conn.assembling = self.whole(Some(conn), None, Some(&lease), peer, d.msg_len)?;
+            conn.assembling = self.whole(Some(conn), None, Some(&lease), peer, d.msg_len, true)?;
         }
         if d.first && conn.assembling.is_none() {
             conn.held.push_back(Held::Fragments {
@@ -234,21 +235,32 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// ring and what waits: `lent` (the connection being served, out of the
     /// table), `held` (a queue out of its place), `in_hand` (a buffer just
     /// taken out of its ring slot), the rest of the table and the queues of
-    /// connections that went.
+    /// connections that went. Reading them all is judged at a message's
+    /// `first` refusal, and then at most once a timer scan while it waits:
+    /// the wire looks again at every receive call, a lease being cheap.
     fn whole(
-        &self,
+        &mut self,
         lent: Option<&Conn<M>>,
         held: Option<&VecDeque<Held<M>>>,
         in_hand: Option<&PayloadLease<M>>,
         peer: PeerId,
         len: usize,
+        first: bool,
     ) -> Result<Option<PayloadLease<M>>, Error> {
-        let take = || Lease::take(Arc::clone(&self.recv_pool), len.max(1));
+        let pool = Arc::clone(&self.recv_pool);
+        let take = || Lease::take(Arc::clone(&pool), len.max(1));
         let why = match take() {
             Ok(whole) => return Ok(Some(whole)),
             Err(Error::Pool(why)) => why,
             Err(e) => return Err(e),
         };
+        if !first {
+            let now = StdInstant::now();
+            if now < self.next_judge {
+                return Ok(None);
+            }
+            self.next_judge = now + TIMER_SCAN;
+        }
         let mut kept = Vec::new();
         let mut keep = |l: &PayloadLease<M>| kept.push(*l.ticket());
         let conns = lent.into_iter().chain(self.peers.iter().map(|(_, c)| &**c));
@@ -261,7 +273,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             h.leases(&mut keep);
         }
         in_hand.into_iter().for_each(&mut keep);
-        if M::could_serve_later(&self.recv_pool, len.max(1), &kept) {
+        if pool.could_serve_later(len.max(1), &kept) {
             return Ok(None);
         }
         // None can come: one more look, for a buffer given back since.
@@ -318,7 +330,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 }
                 continue;
             };
-            let Some(mut whole) = self.whole(conn.as_deref(), Some(held), None, peer, len)? else {
+            let Some(mut whole) =
+                self.whole(conn.as_deref(), Some(held), None, peer, len, false)?
+            else {
                 return Ok(None);
             };
             if let Some(Held::Fragments { parts, .. }) = held.pop_front() {
@@ -341,13 +355,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// What a control frame brings.
     fn control(&mut self, conn: &mut Conn<M>, peer: PeerId, now: Instant, inbound: Inbound) {
         match inbound {
-            Inbound::Closed => {
-                let closed = Err(Error::PeerClosed(peer));
-                match conn.held.is_empty() {
-                    true => self.arrivals.push_back(closed),
-                    false => conn.held.push_back(Held::Arrival(closed)),
-                }
-            }
+            Inbound::Closed => arrive(
+                &mut self.arrivals,
+                &mut conn.held,
+                Err(Error::PeerClosed(peer)),
+            ),
             // The receive pool's budget is what a grant can cost.
             Inbound::Want => conn.session.grant(now),
             Inbound::Opened => {
@@ -375,14 +387,28 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         lease: PayloadLease<M>,
         len: usize,
     ) -> Result<(), Error> {
-        let message = Received { peer, lease };
         if conn.held.is_empty() {
             conn.session.consumed(len);
-            self.arrivals.push_back(Ok(message));
-        } else {
-            conn.held.push_back(Held::Arrival(Ok(message)));
         }
+        arrive(
+            &mut self.arrivals,
+            &mut conn.held,
+            Ok(Received { peer, lease }),
+        );
         Ok(())
+    }
+}
+
+/// Queues what the application is to learn of a connection (a message, its
+/// Close, how it ended), behind what waits for a buffer (`held`) if any.
+pub(super) fn arrive<M: PayloadMemory>(
+    arrivals: &mut VecDeque<Result<Received<PayloadLease<M>>, Error>>,
+    held: &mut VecDeque<Held<M>>,
+    a: Result<Received<PayloadLease<M>>, Error>,
+) {
+    match held.is_empty() {
+        true => arrivals.push_back(a),
+        false => held.push_back(Held::Arrival(a)),
     }
 }
 
