@@ -378,14 +378,21 @@ fn listen_and_connect(
 /// Drives `t` until `thread` (which waits on `t`'s side of a connection)
 /// ends, for at most `WAIT`.
 fn drive_until_finished<R>(t: &mut RdmaTransport, thread: &std::thread::JoinHandle<R>) {
-    let until = std::time::Instant::now() + WAIT;
-    while !thread.is_finished() {
-        t.progress().unwrap();
-        assert!(
-            std::time::Instant::now() < until,
-            "the other side never finished"
-        );
-    }
+    drive_until(t, "the other side to finish", |_| thread.is_finished());
+}
+
+/// A thread connecting a transport of `small_ring()` to `addr`: it ends
+/// with that transport and what its connect said.
+fn connecting(
+    dev: &Arc<Device>,
+    addr: std::net::SocketAddr,
+) -> std::thread::JoinHandle<(RdmaTransport, Result<PeerId, VerbsError>)> {
+    let dev = Arc::clone(dev);
+    std::thread::spawn(move || {
+        let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
+        let peer = a.connect(addr);
+        (a, peer)
+    })
 }
 
 /// Polls `t` until a message arrives.
@@ -1059,19 +1066,11 @@ fn a_listener_out_of_receive_buffers_refuses_the_next_peer_and_keeps_the_first()
     let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
     b.listen(addr).unwrap();
     let pool = Arc::clone(b.pool());
-    let connect = |dev: &Arc<Device>| {
-        let dev = Arc::clone(dev);
-        std::thread::spawn(move || {
-            let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
-            let peer = a.connect(addr);
-            (a, peer)
-        })
-    };
-    let first = connect(&dev);
+    let first = connecting(&dev, addr);
     drive_until_finished(&mut b, &first);
     let (mut a1, to_b) = first.join().unwrap();
     let to_b = to_b.expect("the first peer connects");
-    let second = connect(&dev);
+    let second = connecting(&dev, addr);
     drive_until_finished(&mut b, &second);
     let (a2, refused) = second.join().unwrap();
     match refused {
@@ -1483,24 +1482,18 @@ fn a_long_message_waits_for_the_buffer_another_peers_message_will_give_back() {
     };
     let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
     b.listen(addr).unwrap();
-    let connect = || {
-        let dev = Arc::clone(&dev);
-        std::thread::spawn(move || {
-            let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
-            let peer = a.connect(addr).unwrap();
-            (a, peer)
-        })
-    };
-    let c1 = connect();
+    let c1 = connecting(&dev, addr);
     drive_until(&mut b, "the first peer", |b| {
         c1.is_finished() && b.peer_count() == 1
     });
     let (mut a1, p1) = c1.join().unwrap();
-    let c2 = connect();
+    let p1 = p1.expect("the first peer connects");
+    let c2 = connecting(&dev, addr);
     drive_until(&mut b, "the second peer", |b| {
         c2.is_finished() && b.peer_count() == 2
     });
     let (mut a2, p2) = c2.join().unwrap();
+    let p2 = p2.expect("the second peer connects");
     let len = 1_500_000;
     a1.try_send(p1, &vec![1u8; len]).unwrap();
     drive_until(&mut b, "the first's buffer", |b| {
