@@ -72,9 +72,13 @@ enum Op {
     /// side pass runs: a due lane's read, then its timers.
     Tend(u32),
     Send(u16),
-    /// A message of a single-copy length (32 KiB and up) from the caller's
-    /// slice: copied into the pool and placed once the peer maps its file.
-    SendLarge(u16),
+    /// A message of a single-copy length (32 KiB and up): from the caller's
+    /// slice (by the claim word), or a pool buffer (`lease`: placed once
+    /// the peer maps the pool's file).
+    SendLarge {
+        len: u16,
+        lease: bool,
+    },
     /// The peer says it maps a pool file: this side's (`ours`), or any.
     Maps {
         ours: bool,
@@ -108,7 +112,7 @@ impl Op {
             Op::Read
                 | Op::Tend(_)
                 | Op::Send(_)
-                | Op::SendLarge(_)
+                | Op::SendLarge { .. }
                 | Op::Flush
                 | Op::Take
                 | Op::Pass
@@ -222,10 +226,19 @@ fuzz_target!(|ops: Vec<Op>| {
                 judge(rig.tend_at(now), &mut broke, ended);
             }
             Op::Send(len) => sent(rig.send(usize::from(*len) % 5000), &mut broke),
-            Op::SendLarge(len) => sent(
-                rig.send((32 << 10) + usize::from(*len) % (32 << 10)),
-                &mut broke,
-            ),
+            Op::SendLarge { len, lease } => {
+                let len = (32 << 10) + usize::from(*len) % (32 << 10);
+                let r = if *lease {
+                    // A full lane or a dry pool is back-pressure.
+                    match rig.send_lease(len) {
+                        Err(Error::WouldBlock | Error::Pool(_)) => Ok(()),
+                        r => r,
+                    }
+                } else {
+                    rig.send(len)
+                };
+                sent(r, &mut broke);
+            }
             Op::Maps { ours, ino } => rig.peer_maps(if *ours { file } else { *ino }),
             Op::Copied(t) => rig.peer_copied(*t),
             Op::PlacedDone(t) => rig.peer_placed_done(*t),

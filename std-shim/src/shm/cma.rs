@@ -9,9 +9,10 @@
 //!
 //! A message from a pool buffer, once the receiver has said it maps the
 //! sender's pool file, goes *placed* (see `lane`): no claim, its own
-//! tickets, its done in the ring's `placed_done` word; so does a caller's
-//! slice below 256 KiB, copied into such a buffer first
-//! (`Lane::place_copy`). Every other one is handed over as follows.
+//! tickets, its done in the ring's `placed_done` word. Every other one (a
+//! caller's slice always: copying it into the pool first costs a second
+//! copy that crosses between the two cores, BENCHMARKS.md) is handed over
+//! as follows.
 //!
 //! The handover is one word per direction in the segment, the *claim*:
 //! `ticket << 2 | state`. After ticket `t - 1` is done it reads

@@ -185,26 +185,6 @@ impl Incoming {
 /// on the build VM, two at 15–16, any number at 9–11 (BENCHMARKS.md).
 const PLACED_MAX: usize = 1;
 
-/// Placed messages in flight at most before `payload` goes: a caller's
-/// slice copied into the pool may go while the peer copies the one before
-/// out (two small buffers, in the caches), so that the two copies overlap;
-/// a pool buffer of the caller's waits for the one before.
-fn placed_max(payload: &Source<'_>) -> usize {
-    match payload {
-        Source::Slice(b) if b.len() < PLACE_COPIES_BELOW => 2,
-        _ => PLACED_MAX,
-    }
-}
-
-/// A caller's slice is copied into the pool and placed below this size
-/// (see [`Lane::place_copy`]); larger ones go by the claim word. Both
-/// copies of a placed slice stay in the caches below it; above, on a
-/// host whose two cores sit far apart (the build VM at times), bytes the
-/// sender has just written cross at 5–7 GB/s where `process_vm_readv`
-/// of the caller's slice reads 14 (1 MiB), while 64 KiB placed read 12–13
-/// there against 10 (BENCHMARKS.md).
-const PLACE_COPIES_BELOW: usize = 256 << 10;
-
 /// Whether claim word `v` says the handover of ticket `t` is still to come
 /// or under way: the message before is done, or was withdrawn (the peer has
 /// not reset the word yet), or the peer is reading `t`.
@@ -425,12 +405,6 @@ pub(crate) struct Lane {
     placed: VecDeque<(u64, StdLease)>,
     /// The last placed ticket this side issued.
     tx_placed: u64,
-    /// A slice copied into the pool has shown the peer where the pool's
-    /// file is (see [`Lane::place_copy`]).
-    place_shown: bool,
-    /// The inode of this side's pool file, once a lease for a slice has
-    /// shown it (`Some(None)`: the pool is not one file).
-    pool_file: Option<Option<u64>>,
     /// Messages at least this long go by a single copy (the segment says).
     single_min: usize,
     /// Large messages go by a single copy (until the peer refuses one).
@@ -496,8 +470,6 @@ impl Lane {
             },
             placed: VecDeque::new(),
             tx_placed: 0,
-            place_shown: false,
-            pool_file: None,
             cma_tx: true,
             handover: None,
             tx_ticket: 0,
@@ -892,51 +864,11 @@ impl Lane {
         }
     }
 
-    /// A large slice (below [`PLACE_COPIES_BELOW`]), copied into a buffer
-    /// of `pool` (one shared-memory file) so that it goes placed: the
-    /// caller goes on at once and the peer `memcpy`s out of the file while
-    /// this side copies the next message in (two copies, on two cores at
-    /// once), where the claim word has the peer read the caller's slice by
-    /// `process_vm_readv` while the caller waits (on the build VM 64 KiB
-    /// streamed 2x faster so: BENCHMARKS.md). Once the peer maps the file
-    /// (`maps`, its inode); and once before, claimed, so that the peer
-    /// learns where the file is and maps it. Only while the pool is at most
-    /// half used and has a buffer of the slice's size to spare: the
-    /// receives of every lane lease from it too. `None`: the slice goes by
-    /// the claim word (too large, the peer did not map the file it was
-    /// shown or names another, the pool is not one file, or it is short).
-    fn place_copy(&mut self, pool: &Arc<StdPool>, bytes: &[u8], maps: u64) -> Option<StdLease> {
-        // The pool is one file, and the one the peer maps if it maps any.
-        let fits = |file: Option<u64>| file.is_some() && (maps == 0 || file == Some(maps));
-        if bytes.len() >= PLACE_COPIES_BELOW
-            || (maps == 0 && self.place_shown)
-            || self.pool_file.is_some_and(|f| !fits(f))
-        {
-            return None;
-        }
-        let mut l = Lease::take(Arc::clone(pool), bytes.len()).ok()?;
-        let file = shared_place(&l).map(|p| p.ino);
-        self.pool_file = Some(file);
-        if !fits(file) {
-            return None;
-        }
-        // Receives lease from this pool too: a copy leaves half of it, and a
-        // buffer of its own size (the pool is carved in chunks a class
-        // each, so bytes in use alone do not say a buffer is left).
-        let half_used = pool.used_bytes() > pool.config().budget / 2;
-        if half_used || Lease::take(Arc::clone(pool), bytes.len()).is_err() {
-            return None;
-        }
-        l.set_len(bytes.len()).ok()?;
-        host_bytes_mut(&mut l).copy_from_slice(bytes);
-        self.place_shown |= maps == 0;
-        Some(l)
-    }
-
     /// Starts a message: written into the ring as far as it fits, the rest
     /// copied (a slice) or kept (a lease) until the ring has room. A large
-    /// slice to a peer that maps this side's pool file is copied into a
-    /// buffer of `pool` and goes placed (see [`Lane::place_copy`]).
+    /// one goes by a single copy: a pool buffer placed where the peer maps
+    /// this side's pool file, else (a caller's slice always) by the claim
+    /// word, the caller waiting until the peer has read it.
     // A refused lease comes back whole (as `Transport::try_send_lease`'s does).
     #[allow(clippy::result_large_err)]
     pub(crate) fn send(
@@ -945,7 +877,6 @@ impl Lane {
         payload: Source<'_>,
         direct: bool,
         queue_limit: usize,
-        pool: &Arc<StdPool>,
     ) -> Result<bool, Refused> {
         let len = payload.bytes().len();
         // A handover that ended since the last look is not in the way (one
@@ -970,7 +901,7 @@ impl Lane {
         if single {
             match self.tx.room() {
                 _ if behind => return Err(payload.refused(Error::WouldBlock)),
-                _ if self.placed.len() >= placed_max(&payload) => {
+                _ if self.placed.len() >= PLACED_MAX => {
                     return Err(payload.refused(Error::WouldBlock))
                 }
                 Ok(room) if room < HEADER_LEN + cma::DESC_BYTES => {
@@ -1000,13 +931,6 @@ impl Lane {
                 .mem_ctl()
                 .maps_file()
                 .load(std::sync::atomic::Ordering::Acquire);
-            let payload = match payload {
-                Source::Slice(b) => match self.place_copy(pool, b, maps) {
-                    Some(l) => Source::Lease(l),
-                    None => Source::Slice(b),
-                },
-                lease => lease,
-            };
             let (held, addr) = match payload {
                 Source::Slice(b) if direct => (Held::Caller(Caller::of(b)), b.as_ptr() as u64),
                 Source::Slice(b) => {

@@ -887,7 +887,7 @@ impl Transport for LocalWire {
         }
         let limit = self.config.send_queue_bytes;
         let l = self.lanes.get_mut(peer).ok_or(Error::UnknownPeer(peer))?;
-        l.send(peer, Source::Slice(bytes), false, limit, &self.pool)
+        l.send(peer, Source::Slice(bytes), false, limit)
             .map(|_| ())
             .map_err(|r| r.error)
     }
@@ -917,7 +917,7 @@ impl Transport for LocalWire {
         };
         match lease {
             ShmLease::Host(lease) => l
-                .send(peer, Source::Lease(lease), false, limit, &self.pool)
+                .send(peer, Source::Lease(lease), false, limit)
                 .map(|_| ())
                 .map_err(|r| Rejected {
                     error: r.error,
@@ -1072,7 +1072,7 @@ impl Wire for LocalWire {
         }
         let limit = self.config.send_queue_bytes;
         let l = self.lanes.get_mut(peer).ok_or(Error::UnknownPeer(peer))?;
-        l.send(peer, Source::Slice(bytes), true, limit, &self.pool)
+        l.send(peer, Source::Slice(bytes), true, limit)
             .map_err(|r| r.error)
     }
 

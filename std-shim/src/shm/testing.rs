@@ -216,45 +216,51 @@ impl LaneRig {
 
     /// The lane sends `bytes` from the caller's slice (as `send`).
     pub fn send_slice(&mut self, bytes: &[u8]) -> Result<(), Error> {
+        match self.send_source(Source::Slice(bytes)) {
+            Err(Error::WouldBlock) => Ok(()),
+            r => r,
+        }
+    }
+
+    /// The lane sends `payload`; a failure that ends the lane (not a full
+    /// lane, a message too large or a closed session) drops it, as the
+    /// wire drops a lane whose send failed.
+    fn send_source(&mut self, payload: Source<'_>) -> Result<(), Error> {
         let Some(lane) = self.lane.as_mut() else {
             return Err(Error::Closed);
         };
-        match lane.send(PEER, Source::Slice(bytes), false, 1 << 20, &self.pool) {
-            Ok(_) => Ok(()),
-            Err(r) if r.error == Error::WouldBlock => Ok(()),
-            Err(r) => {
-                if !matches!(r.error, Error::TooLarge { .. } | Error::Closed) {
-                    self.lane = None;
-                }
-                Err(r.error)
-            }
+        let Err(r) = lane.send(PEER, payload, false, 1 << 20) else {
+            return Ok(());
+        };
+        if !matches!(
+            r.error,
+            Error::WouldBlock | Error::TooLarge { .. } | Error::Closed
+        ) {
+            self.lane = None;
         }
+        Err(r.error)
     }
 
     /// The lane sends a buffer of `len` bytes leased from the pool (from
     /// 32 KiB up by a single copy: the lease stays out until the peer says
     /// it has the bytes, [`peer_copied`](Self::peer_copied)).
     pub fn send_lease(&mut self, len: usize) -> Result<(), Error> {
-        let Some(lane) = self.lane.as_mut() else {
+        if self.lane.is_none() {
             return Err(Error::Closed);
-        };
+        }
         let lease = zerohop_core::Lease::take(Arc::clone(&self.pool), len)?;
-        lane.send(PEER, Source::Lease(lease), false, 1 << 20, &self.pool)
-            .map(|_| ())
-            .map_err(|r| r.error)
+        self.send_source(Source::Lease(lease))
     }
 
     /// The lane sends `bytes` in a buffer leased from the pool (as
     /// [`send_lease`](Self::send_lease)).
     pub fn send_lease_of(&mut self, bytes: &[u8]) -> Result<(), Error> {
-        let Some(lane) = self.lane.as_mut() else {
+        if self.lane.is_none() {
             return Err(Error::Closed);
-        };
+        }
         let mut lease = zerohop_core::Lease::take(Arc::clone(&self.pool), bytes.len())?;
         zerohop_backends::host_bytes_mut(&mut lease).copy_from_slice(bytes);
-        lane.send(PEER, Source::Lease(lease), false, 1 << 20, &self.pool)
-            .map(|_| ())
-            .map_err(|r| r.error)
+        self.send_source(Source::Lease(lease))
     }
 
     /// Leases `len` bytes from the lane's pool, fills them with `byte` and
@@ -371,7 +377,7 @@ impl LaneRig {
         let Some(lane) = self.lane.as_mut() else {
             return Err(Error::Closed);
         };
-        lane.send(PEER, Source::Slice(bytes), true, 1 << 20, &self.pool)
+        lane.send(PEER, Source::Slice(bytes), true, 1 << 20)
             .map_err(|r| r.error)
     }
 
