@@ -734,6 +734,31 @@ fn a_large_slice_goes_by_the_claim_word_even_to_a_peer_that_maps_the_pool_file()
 /// of delivering the new bytes as the old message.
 #[test]
 fn a_message_copied_after_its_sender_dropped_the_lane_is_lost_not_delivered_with_reused_bytes() {
+    copied_after_the_sender_ended(|sender, _| sender.drop_lane());
+}
+
+/// The same where the lane ends on its own side's error (the peer's word
+/// about the message in flight is impossible: a done past what was sent),
+/// and the wire drops it as it drops any lane whose flush failed.
+#[test]
+fn a_message_copied_after_its_sender_failed_the_lane_is_lost_not_delivered_with_reused_bytes() {
+    copied_after_the_sender_ended(|sender, placed| {
+        if placed {
+            sender.peer_placed_done(99);
+        } else {
+            sender.peer_copied(99);
+        }
+        assert!(
+            matches!(sender.flush(), Err(Error::WireRule { .. })),
+            "{placed}: an impossible word ends the lane"
+        );
+        sender.drop_lane(); // the rig dropped it already, as the wire does
+    });
+}
+
+/// A claimed and then a placed 48 KiB message in flight when `end` ends the
+/// sending lane; the receiver's copy ends after that.
+fn copied_after_the_sender_ended(end: impl Fn(&mut LaneRig, bool)) {
     for placed in [false, true] {
         let mut sender = LaneRig::new_shared(1 << 16, 4 << 20).unwrap();
         greet(&mut sender, hello_taking(Takes::HEADERLESS));
@@ -758,10 +783,10 @@ fn a_message_copied_after_its_sender_dropped_the_lane_is_lost_not_delivered_with
         let desc = descriptors(&out)[0];
         assert_eq!(desc.placed, placed);
         assert!(!sender.lane_ended(), "a lane that stands has not ended");
-        sender.drop_lane();
+        end(&mut sender, placed);
         assert!(
             sender.lane_ended(),
-            "{placed}: dropped unfinished, it says so"
+            "{placed}: ended unfinished, it says so"
         );
         assert_eq!(
             sender.scribble(48 << 10, 0xEE).unwrap(),
