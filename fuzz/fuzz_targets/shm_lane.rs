@@ -122,8 +122,8 @@ impl Op {
 }
 
 fuzz_target!(|ops: Vec<Op>| {
-    // The pool one shared-memory file, as an endpoint's: large slices go
-    // placed once the peer says it maps it.
+    // The pool one shared-memory file, as an endpoint's: large pool
+    // buffers (`SendLarge { lease }`) go placed once the peer says it maps it.
     let Ok(mut rig) = LaneRig::new_shared(4096, 1 << 20) else {
         return;
     };

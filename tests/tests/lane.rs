@@ -652,17 +652,11 @@ fn a_placed_message_arrives_whole_out_of_the_senders_pool_file() {
     assert_eq!(receiver.single_copies().mapped, 2, "both out of the file");
 }
 
-/// A large slice (the caller's bytes, as `Endpoint::send` gives them) is
-/// copied into a buffer of a pool that is one shared-memory file: the
-/// first goes claimed out of that buffer, naming its place, so that the
-/// peer maps the file; once it has, the ones after go placed (the caller
-/// goes on at once, and the peer copies out of the file while this side
-/// copies the next one in). They arrive whole and in order. A peer that
-/// was shown the file and did not map it, or a pool too small for the
-/// message, has its slices go by the claim word, read out of the slice.
-/// A caller's slice goes by the claim word, read out of the slice, even to
-/// a peer that maps this side's pool file: no pool buffer is taken for it,
-/// and nothing passes it until the peer has copied it. (Copied into the
+/// A caller's slice (as `Endpoint::send` gives it, the caller waiting) goes
+/// by the claim word, read out of the slice itself, even to a peer that
+/// maps this side's pool file: no pool buffer is taken for it, the caller
+/// is not done until the peer has copied it, and nothing passes it
+/// meanwhile. (Copied into the
 /// pool and placed instead, its bytes crossed between the two cores twice,
 /// written in and read out: BENCHMARKS.md.) A pool buffer after it goes
 /// placed. All arrive whole and in order.
@@ -689,13 +683,13 @@ fn a_large_slice_goes_by_the_claim_word_even_to_a_peer_that_maps_the_pool_file()
     assert!(sender.flush().unwrap());
     let base = sender.pool_used();
 
-    sender.send_slice(&b).unwrap();
+    assert_eq!(sender.send_direct(&b), Ok(false), "the caller waits");
     let out = sender.peer_take();
     let d = descriptors(&out)[0];
     assert_eq!(
-        (d.placed, d.place, d.ticket),
-        (false, None, 2),
-        "by the claim word, out of the slice"
+        (d.placed, d.place, d.ticket, d.addr),
+        (false, None, 2, b.as_ptr() as u64),
+        "by the claim word, out of the caller's slice"
     );
     assert_eq!(sender.pool_used(), base, "no pool buffer for it");
     assert_eq!(
@@ -703,10 +697,16 @@ fn a_large_slice_goes_by_the_claim_word_even_to_a_peer_that_maps_the_pool_file()
         Err(Error::WouldBlock),
         "nothing passes a claimed message"
     );
+    assert_eq!(sender.continue_send(&b), Ok(false), "not copied yet");
     receiver.peer_write(&out);
     receiver.read().unwrap();
     sender.peer_copied(2);
-    assert!(sender.flush().unwrap());
+    assert_eq!(
+        sender.continue_send(&b),
+        Ok(true),
+        "copied: the caller goes"
+    );
+    assert!(sender.flush().is_ok());
 
     sender.send_lease_of(&c).unwrap();
     let out = sender.peer_take();
@@ -743,6 +743,7 @@ fn a_message_copied_after_its_sender_dropped_the_lane_is_lost_not_delivered_with
 #[test]
 fn a_message_copied_after_its_sender_failed_the_lane_is_lost_not_delivered_with_reused_bytes() {
     copied_after_the_sender_ended(|sender, placed| {
+        let held = sender.pool_used();
         if placed {
             sender.peer_placed_done(99);
         } else {
@@ -752,7 +753,9 @@ fn a_message_copied_after_its_sender_failed_the_lane_is_lost_not_delivered_with_
             matches!(sender.flush(), Err(Error::WireRule { .. })),
             "{placed}: an impossible word ends the lane"
         );
-        sender.drop_lane(); // the rig dropped it already, as the wire does
+        assert!(!sender.lane_ended(), "{placed}: not until the lane goes");
+        assert_eq!(sender.pool_used(), held, "{placed}: its buffer still held");
+        sender.drop_lane(); // as the wire drops a lane whose flush failed
     });
 }
 

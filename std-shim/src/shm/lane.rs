@@ -868,7 +868,8 @@ impl Lane {
     /// copied (a slice) or kept (a lease) until the ring has room. A large
     /// one goes by a single copy: a pool buffer placed where the peer maps
     /// this side's pool file, else (a caller's slice always) by the claim
-    /// word, the caller waiting until the peer has read it.
+    /// word: out of the caller's slice (`direct`, the caller waiting until
+    /// the peer has read it), or out of an owned copy (`try_send`).
     // A refused lease comes back whole (as `Transport::try_send_lease`'s does).
     #[allow(clippy::result_large_err)]
     pub(crate) fn send(

@@ -178,9 +178,9 @@ pub struct ShmConfig {
     /// shared memory (what an explicit `shm` asks). Off, it stays on TCP.
     pub required: bool,
     /// Messages of this many bytes and up are read by the receiver straight
-    /// out of the sender's memory: out of the sender's pool file, which it
-    /// maps (`memcpy`; a caller's slice is first copied into a buffer of
-    /// that pool, and the sender goes on at once), or else by
+    /// out of the sender's memory: a buffer of the sender's pool file out of
+    /// the receiver's mapping of that file (`memcpy`; the sender goes on at
+    /// once), anything else (a caller's slice always) by
     /// `process_vm_readv`, one message handed over at a time; smaller ones
     /// are copied through the ring (two copies, pipelined). The side that
     /// sets a lane up decides for both (default 32 KiB; at least 4 KiB).
