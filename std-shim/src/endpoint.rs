@@ -130,14 +130,10 @@ pub trait Wire: Transport<Lease: Send> + Send + 'static {
         0
     }
 
-    /// Whether a send to `peer` just taken leaves work for the progress
-    /// thread (bytes queued behind a full socket or ring, or waiting for
-    /// credits): a send rings it only then, so the common send wakes no
-    /// other thread. A wire may look at `peer`'s own queue alone, where
-    /// another peer's queued bytes rang the thread at their own send and
-    /// that peer's room rings it after. Defaults to `pending_sends() > 0`.
-    fn needs_progress(&self, peer: PeerId) -> bool {
-        let _ = peer;
+    /// Whether accepted sends need the progress thread to move (queued behind
+    /// a full socket, or waiting for credits): a send rings it only then, so
+    /// the common send wakes no other thread. Defaults to `pending_sends() > 0`.
+    fn needs_progress(&self) -> bool {
         self.pending_sends() > 0
     }
 
@@ -723,7 +719,7 @@ impl<T: Wire> Endpoint<T> {
             }
             done = t.continue_send(peer, bytes)?;
         }
-        if t.needs_progress(peer) {
+        if t.needs_progress() {
             self.shared.wake_progress();
         }
         Ok(())
@@ -749,7 +745,7 @@ impl<T: Wire> Endpoint<T> {
                 r.error
             })
         })?;
-        if t.needs_progress(peer) {
+        if t.needs_progress() {
             self.shared.wake_progress();
         }
         Ok(())
@@ -1163,7 +1159,7 @@ impl<M: zerohop_backends::verbs::PayloadMemory> Wire for zerohop_backends::verbs
         }
     }
 
-    fn needs_progress(&self, _peer: PeerId) -> bool {
+    fn needs_progress(&self) -> bool {
         // Posted frames complete without help (their completions are reaped
         // by whoever polls next); only frames waiting for credits need the
         // progress thread.

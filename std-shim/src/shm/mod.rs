@@ -1056,14 +1056,8 @@ impl Wire for LocalWire {
         self.tcp.pending_sends() + lanes
     }
 
-    fn needs_progress(&self, peer: PeerId) -> bool {
-        // The lane of this send alone, not every lane's queue: a send's cost
-        // would grow with the number of same-host peers (one_thread with 64
-        // idle peers: ~11 instructions each a one-way message).
-        let lane_unsent =
-            peer.0 & LANE_BIT != 0 && self.lanes.get(peer).is_some_and(|l| l.unsent_bytes() > 0);
-        lane_unsent
-            || self.tcp.pending_sends() > 0
+    fn needs_progress(&self) -> bool {
+        self.pending_sends() > 0
             || !self.awaiting.is_empty()
             || !self.links.is_empty()
             || !self.redials.is_empty()
