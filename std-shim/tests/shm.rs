@@ -617,6 +617,52 @@ fn a_buffer_handed_over_is_pending_until_the_peer_has_it() {
     assert_eq!(client_pool.used_bytes(), 0, "the sender's buffer back");
 }
 
+/// Bytes queued for one same-host peer (its ring full while it was held)
+/// go out once it reads again, while the application only sends to another
+/// peer: each send rings the progress thread while any lane has bytes
+/// left, since nothing else wakes it for a pass while the application
+/// keeps calling. (A send that asked only its own lane, tried and not
+/// kept, left them queued for as long as the sends to the other peer went
+/// on: 599 152 bytes for 600 ms, where they went at once before.)
+#[test]
+fn bytes_queued_for_one_peer_go_while_the_application_sends_only_to_another() {
+    let _one = serial();
+    let (x, x_addr, _x_pool) = listener_in(pool(false));
+    let (y, y_addr, _y_pool) = listener_in(pool(false));
+    let a_pool = pool(false);
+    let (a, to_x) = connect_in(x_addr, Arc::clone(&a_pool));
+    let _from_a = accepted(&x);
+    let d = TcpTransport::dial(y_addr, WAIT, true).unwrap();
+    let to_y = a.with(|t| t.attach(d)).unwrap();
+    let to_y = a.wait_open(to_y, Deadline::after(WAIT)).unwrap();
+    assert!(to_y.0 & LANE_BIT != 0, "the peer moved to shared memory");
+    let _from_a_too = accepted(&y);
+    let m = vec![7u8; 16 << 10];
+    x.with(|_held| {
+        for _ in 0..100 {
+            send_leased(&a, to_x, &m).unwrap();
+        }
+    });
+    assert!(
+        a.pending_sends() > 0,
+        "more than the ring holds waits in the queue"
+    );
+    let t0 = Instant::now();
+    while a.pending_sends() > 0 && t0.elapsed() < Duration::from_secs(5) {
+        a.send(to_y, b"ping", Deadline::after(WAIT), None).unwrap();
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    assert_eq!(
+        a.pending_sends(),
+        0,
+        "the queue for the first peer went while the sends to the other did"
+    );
+    for _ in 0..100 {
+        let r = x.recv(Deadline::after(WAIT), None).unwrap();
+        assert!(host_bytes(&r.lease) == m);
+    }
+}
+
 /// The `i`-th message of [`dry_server`]'s client: one 4 KiB buffer each.
 fn dry_msg(i: usize) -> Vec<u8> {
     vec![i as u8; 4000]
