@@ -533,44 +533,18 @@ fn copied_slices_go_by_the_claim_word() {
 /// the peer lost it.)
 #[test]
 fn a_slice_send_took_is_pending_until_the_peer_has_it() {
-    let _one = serial();
-    let (server, addr, _server_pool) = listener_in(pool(true));
-    let (client, peer) = connect_in(addr, pool(true));
-    let _from = accepted(&server);
     // Twice the ring: half of it must wait for the peer to read.
     let m: Vec<u8> = (0..2 << 20).map(|i| (i % 251) as u8).collect();
-    server.with(|_held| {
+    pending_until_the_peer_has_it(true, m, 1 << 20, |client, peer, m| {
         let t0 = Instant::now();
         client
-            .send(peer, &m, Deadline::after(Duration::from_millis(200)), None)
+            .send(peer, m, Deadline::after(Duration::from_millis(200)), None)
             .unwrap();
         assert!(
             t0.elapsed() >= Duration::from_millis(200),
             "send waited for the claim word until its deadline"
         );
-        assert!(
-            client.pending_sends() >= m.len() / 2,
-            "pending while the peer is held: {}",
-            client.pending_sends()
-        );
-        let (cpu, t0) = (thread_cpu(), Instant::now());
-        assert_eq!(
-            client.flush(Deadline::after(Duration::from_millis(300))),
-            Err(Error::Timeout),
-            "flush waits for the peer"
-        );
-        // Asleep, not spinning: it waits for room the peer's read makes.
-        let (cpu, wall) = (thread_cpu() - cpu, t0.elapsed());
-        assert!(cpu < wall / 3, "flush spun: {cpu:?} of CPU in {wall:?}");
     });
-    let reader = std::thread::spawn(move || {
-        let r = server.recv(Deadline::after(WAIT), None).unwrap();
-        host_bytes(&r.lease) == m
-    });
-    client.flush(Deadline::after(WAIT)).unwrap();
-    assert_eq!(client.pending_sends(), 0);
-    drop(client);
-    assert!(reader.join().unwrap(), "intact");
 }
 
 /// A pool buffer of a heap pool (no file the peer could map) goes by the
@@ -582,16 +556,34 @@ fn a_slice_send_took_is_pending_until_the_peer_has_it() {
 /// 2046ecb: a handed-over buffer did not, and `flush` returned at once.)
 #[test]
 fn a_buffer_handed_over_is_pending_until_the_peer_has_it() {
+    let m: Vec<u8> = (0..64 << 10).map(|i| (i % 251) as u8).collect();
+    let len = m.len();
+    let client_pool = pending_until_the_peer_has_it(false, m, len, |client, peer, m| {
+        send_leased(client, peer, m).unwrap();
+    });
+    assert_eq!(client_pool.used_bytes(), 0, "the sender's buffer back");
+}
+
+/// A client (pools of shared-memory files or of the heap: `shared`) whose
+/// server is held while `send` gives it `m`: at least `pending` bytes of
+/// it count as pending, and `flush` waits for the peer, asleep; once the
+/// server reads, `flush` ends, the client may go and the message arrives
+/// intact. The client's pool.
+fn pending_until_the_peer_has_it(
+    shared: bool,
+    m: Vec<u8>,
+    pending: usize,
+    send: impl FnOnce(&Endpoint<LocalWire>, PeerId, &[u8]),
+) -> Arc<StdPool> {
     let _one = serial();
-    let (server, addr, _server_pool) = listener_in(pool(false));
-    let client_pool = pool(false);
+    let (server, addr, _server_pool) = listener_in(pool(shared));
+    let client_pool = pool(shared);
     let (client, peer) = connect_in(addr, Arc::clone(&client_pool));
     let _from = accepted(&server);
-    let m: Vec<u8> = (0..64 << 10).map(|i| (i % 251) as u8).collect();
     server.with(|_held| {
-        send_leased(&client, peer, &m).unwrap();
+        send(&client, peer, &m);
         assert!(
-            client.pending_sends() >= m.len(),
+            client.pending_sends() >= pending,
             "pending while the peer is held: {}",
             client.pending_sends()
         );
@@ -602,7 +594,7 @@ fn a_buffer_handed_over_is_pending_until_the_peer_has_it() {
             "flush waits for the peer"
         );
         // Asleep, not spinning: behind a handover it waits for the claim
-        // word, not for room.
+        // word, behind queued bytes for the room the peer's read makes.
         let (cpu, wall) = (thread_cpu() - cpu, t0.elapsed());
         assert!(cpu < wall / 3, "flush spun: {cpu:?} of CPU in {wall:?}");
     });
@@ -614,7 +606,7 @@ fn a_buffer_handed_over_is_pending_until_the_peer_has_it() {
     assert_eq!(client.pending_sends(), 0);
     drop(client);
     assert!(reader.join().unwrap(), "intact");
-    assert_eq!(client_pool.used_bytes(), 0, "the sender's buffer back");
+    client_pool
 }
 
 /// Bytes queued for one same-host peer (its ring full while it was held)
