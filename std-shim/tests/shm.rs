@@ -74,11 +74,17 @@ fn connect(addr: SocketAddr) -> (Endpoint<LocalWire>, PeerId) {
 
 fn connect_in(addr: SocketAddr, pool: Arc<StdPool>) -> (Endpoint<LocalWire>, PeerId) {
     let e = Endpoint::new(wire(&pool), EndpointConfig::default()).unwrap();
+    let p = connect_also(&e, addr);
+    (e, p)
+}
+
+/// `e` connects to `addr` too; the peer moves to shared memory.
+fn connect_also(e: &Endpoint<LocalWire>, addr: SocketAddr) -> PeerId {
     let d = TcpTransport::dial(addr, WAIT, true).unwrap();
     let p = e.with(|t| t.attach(d)).unwrap();
     let p = e.wait_open(p, Deadline::after(WAIT)).unwrap();
     assert!(p.0 & LANE_BIT != 0, "the peer moved to shared memory");
-    (e, p)
+    p
 }
 
 /// The tests count this process's descriptors: one at a time.
@@ -320,11 +326,8 @@ fn strangers_on_the_lane_sockets_cost_them_their_connection_and_peers_still_move
     }
     let _ = c.progress();
     let _ = server.progress();
-    // A real peer still moves to shared memory.
-    let d = TcpTransport::dial(addr, WAIT, true).unwrap();
-    let p = c.with(|t| t.attach(d)).unwrap();
-    let peer = c.wait_open(p, Deadline::after(WAIT)).unwrap();
-    assert!(peer.0 & LANE_BIT != 0, "moved despite the strangers");
+    // A real peer still moves to shared memory, despite the strangers.
+    let peer = connect_also(&c, addr);
     exchange(&c, peer, &server, accepted(&server));
     drop(strangers);
 }
@@ -624,10 +627,7 @@ fn bytes_queued_for_one_peer_go_while_the_application_sends_only_to_another() {
     let a_pool = pool(false);
     let (a, to_x) = connect_in(x_addr, Arc::clone(&a_pool));
     let _from_a = accepted(&x);
-    let d = TcpTransport::dial(y_addr, WAIT, true).unwrap();
-    let to_y = a.with(|t| t.attach(d)).unwrap();
-    let to_y = a.wait_open(to_y, Deadline::after(WAIT)).unwrap();
-    assert!(to_y.0 & LANE_BIT != 0, "the peer moved to shared memory");
+    let to_y = connect_also(&a, y_addr);
     let _from_a_too = accepted(&y);
     let m = vec![7u8; 16 << 10];
     x.with(|_held| {
@@ -1144,10 +1144,7 @@ fn device_client() -> Option<(
     let gpu = zerohop_backends::cuda::Gpu::open(0).unwrap();
     let device = zerohop_backends::cuda::device_pool(&gpu, 512 << 20).unwrap();
     let e = Endpoint::new(device_wire(&device), EndpointConfig::default()).unwrap();
-    let d = TcpTransport::dial(addr.parse().unwrap(), WAIT, true).unwrap();
-    let p = e.with(|t| t.attach(d)).unwrap();
-    let peer = e.wait_open(p, Deadline::after(WAIT)).unwrap();
-    assert!(peer.0 & LANE_BIT != 0, "the peer moved to shared memory");
+    let peer = connect_also(&e, addr.parse().unwrap());
     Some((e, peer, device))
 }
 
