@@ -384,6 +384,9 @@ pub(crate) struct Lane {
     incoming: Option<Incoming>,
     queue: VecDeque<Out>,
     pub(crate) queued_bytes: usize,
+    /// Counted in its wire's lanes with bytes unsent, as of the last
+    /// [`tally`](super::tally).
+    pub(crate) tallied: bool,
     /// The frame a blocked caller is writing from its slice: it goes first.
     direct: Option<Direct>,
     /// This side said it waits for room (the peer rings when it reads).
@@ -454,6 +457,7 @@ impl Lane {
             incoming: None,
             queue: VecDeque::new(),
             queued_bytes: 0,
+            tallied: false,
             direct: None,
             waiting_room: false,
             broken: false,
