@@ -21,6 +21,8 @@ mod poller;
 pub mod shm;
 mod sync;
 pub mod tcp;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use config::{parse_bytes, Config, ConfigError};
 // What a driver implements beyond `Wire` (`Waiter`, `Leaser`) stays in `endpoint`.

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use zerohop_core::{Error, Kind, PeerId, Received};
 use zerohop_std::shm::{LocalWire, ShmConfig, ShmLease, LANE_BIT};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
+use zerohop_std::testing::thread_cpu;
 use zerohop_std::{
     heap_pool, shared_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool, Wire,
 };
@@ -747,17 +748,6 @@ fn a_buffer_given_back_by_another_thread_wakes_a_receiver_asleep_on_a_dry_pool()
         host_bytes(&last.lease) == dry_msg(64),
         "the waiting one, intact"
     );
-}
-
-/// CPU time this thread has used.
-fn thread_cpu() -> Duration {
-    // SAFETY: getrusage writes the struct it is given, which is plain data.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: as above; RUSAGE_THREAD measures the calling thread.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) };
-    assert_eq!(rc, 0, "getrusage");
-    let us = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
-    Duration::from_micros(us(u.ru_utime) + us(u.ru_stime))
 }
 
 /// Two endpoints with small pools, each holding messages it received,

@@ -15,6 +15,7 @@ use zerohop_core::{
     crc32c, pick, Access, Error, Kind, MemKind, PeerId, PoolError, Preference, Prereq, Received,
     Region, RegisterError, Registrar, Status, Transport,
 };
+use zerohop_std::testing::thread_cpu;
 use zerohop_std::{probe_host, Deadline, Endpoint, EndpointConfig};
 use zerohop_tests::harness::rdma_addr;
 
@@ -1567,15 +1568,4 @@ fn a_long_message_fails_at_once_where_only_a_buffer_that_cannot_serve_it_is_out(
         t0.elapsed()
     );
     drop(short);
-}
-
-/// CPU time this thread has used.
-fn thread_cpu() -> Duration {
-    // SAFETY: getrusage writes the struct it is given, which is plain data.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: as above; RUSAGE_THREAD measures the calling thread.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) };
-    assert_eq!(rc, 0, "getrusage");
-    let us = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
-    Duration::from_micros(us(u.ru_utime) + us(u.ru_stime))
 }
