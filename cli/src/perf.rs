@@ -4,7 +4,8 @@
 //!
 //! Client and server speak a small control protocol over the endpoint: a
 //! session starts with the client's [`START`] (answered by the server), then
-//! one [`LATENCY`] and one [`STREAM`] command per size, then [`QUIT`]. Only
+//! one latency command ([`LATENCY`] or [`LATENCY_COPYING`]) and one
+//! [`STREAM`] command per size, then [`QUIT`]. Only
 //! the peer that started a session controls it: others' messages are
 //! dropped, and a peer that connects, sends garbage or leaves costs the
 //! server nothing but a log line.
@@ -152,8 +153,17 @@ impl Plan {
 
 // The control protocol. A session starts with START (answered by START
 // itself); commands are 17 bytes: tag, size, count.
-const START: &[u8; 8] = b"zhperf\x02S";
+const START: &[u8; 8] = b"zhperf\x03S";
+/// Round trips whose echo is the buffer received, sent back as it is (a
+/// zero-copy client's: no byte copied on either side).
 const LATENCY: u8 = b'L';
+/// Round trips whose echo is the server's own bytes, sent by copy, as a
+/// copying client sends its own: what ucx_perftest's and perftest's
+/// servers do, each side sending from its buffer and receiving into one.
+/// (An echo of the buffer just received sends lines the server's copy in
+/// has just written: the client's copy out takes each from the server's
+/// core, which an unchanged buffer's do not.)
+const LATENCY_COPYING: u8 = b'C';
 const STREAM: u8 = b'B';
 const QUIT: u8 = b'Q';
 const WARMUP: usize = 100;
@@ -284,6 +294,13 @@ fn session(ep: &Endpoint, owner: Peer) -> Result<(), zerohop::Error> {
                     ep.send_buffer(owner, m.into_buffer())?; // zero-copy echo
                 }
             }
+            LATENCY_COPYING => {
+                let own = vec![0x5Au8; size];
+                for _ in 0..count {
+                    drop(next_from(ep, owner, LONG)?);
+                    ep.send(owner, &own)?;
+                }
+            }
             STREAM => {
                 let mut bytes = 0u64;
                 for _ in 0..count {
@@ -336,7 +353,12 @@ fn client(
         };
         bar.set_message(format!("{}: latency", human(size)));
         let n = plan.round_trips(size);
-        ep.send(peer, &command(LATENCY, size, n + WARMUP))?;
+        let echo = if plan.zero_copy {
+            LATENCY
+        } else {
+            LATENCY_COPYING
+        };
+        ep.send(peer, &command(echo, size, n + WARMUP))?;
         // One clock read per round trip, as perftest's latency tests take
         // one cycle-counter read per iteration: a round trip is the time
         // from one send to the next, the receive and its bookkeeping included.

@@ -455,7 +455,7 @@ fn only_the_peer_that_started_a_session_controls_it() {
     };
     stray.send(p, &cmd(b'Q', 0, 0)).unwrap();
     stray.send(p, &cmd(b'B', 64, 1 << 63)).unwrap();
-    stray.send(p, b"zhperf\x02S").unwrap();
+    stray.send(p, b"zhperf\x03S").unwrap();
     let out = honest.wait_with_output().unwrap();
     assert!(
         out.status.success(),
