@@ -130,8 +130,33 @@ fn child_peer() {
     }
 }
 
-fn spawn_in(addr: SocketAddr, role: &str, shared: bool) -> Child {
-    Command::new(std::env::current_exe().unwrap())
+/// A helper process, killed and reaped when dropped: a test that fails
+/// with one running leaves none behind (it would hold the test's output
+/// open, and a pipe read to its end would wait for ever).
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl std::ops::Deref for Reaped {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Reaped {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+fn spawn_in(addr: SocketAddr, role: &str, shared: bool) -> Reaped {
+    let child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--ignored",
             "--exact",
@@ -144,7 +169,8 @@ fn spawn_in(addr: SocketAddr, role: &str, shared: bool) -> Child {
         .env("ZEROHOP_TEST_POOL", if shared { "shared" } else { "heap" })
         .stdout(Stdio::null())
         .spawn()
-        .unwrap()
+        .unwrap();
+    Reaped(child)
 }
 
 fn accepted(server: &Endpoint<LocalWire>) -> PeerId {
@@ -1184,10 +1210,12 @@ fn a_device_sender_dropped_unclosed_is_lost_not_read_out_of_its_reused_buffer() 
     else {
         return;
     };
-    let mut child = device_child("child_device_dropper", addr)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = Reaped(
+        device_child("child_device_dropper", addr)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let peer = accepted(&server);
     let ready = server.recv(Deadline::after(WAIT), None).unwrap();
     assert_eq!(host_bytes(&ready.lease), b"ready");
@@ -1266,7 +1294,7 @@ fn a_device_buffer_given_back_wakes_a_receiver_whose_device_pool_ran_dry() {
     let Some((server, addr, _device)) = device_server(test, 64 << 20, slow_looks) else {
         return;
     };
-    let mut child = device_child("child_device_streamer", addr).spawn().unwrap();
+    let mut child = Reaped(device_child("child_device_streamer", addr).spawn().unwrap());
     let _peer = accepted(&server);
     let first_byte = |r: &Received<ShmLease>| {
         let ShmLease::Device(l) = &r.lease else {
@@ -1563,4 +1591,75 @@ fn a_lane_socket_full_for_a_while_is_dialled_again() {
     assert!(peer.0 & LANE_BIT != 0, "moved once there was room");
     exchange(&c, peer, &server, from);
     drop(strangers);
+}
+
+/// A caller that leaves mid ring frame (its deadline passed while the rest
+/// waited in its slice): the rest goes to the queue — the one call in which
+/// a lane's unsent bytes go from none to some (a frame written from the
+/// caller's slice is not counted) — and goes out without the application
+/// calling again. Debug builds check the wire's count of lanes with bytes
+/// unsent at each send: a tally left out of `abandon_send` fails here.
+#[test]
+fn the_rest_of_a_ring_frame_its_caller_left_goes_without_the_application() {
+    let _one = serial();
+    let (server, addr, _pool) = listener();
+    let (client, peer) = connect(addr);
+    let _from = accepted(&server);
+    const SMALL: usize = 24 << 10; // through the ring (1 MiB here)
+    let m = vec![3u8; SMALL];
+    let mut sent = 0;
+    server.with(|_held| {
+        // The server reads nothing meanwhile: the ring fills, one frame
+        // is begun from the caller's slice, and its caller leaves.
+        for _ in 0..((1 << 20) / SMALL + 2) {
+            client
+                .send(peer, &m, Deadline::after(Duration::from_millis(50)), None)
+                .unwrap();
+            sent += 1;
+        }
+    });
+    assert!(
+        client.pending_sends() > 0,
+        "an abandoned frame's rest is queued"
+    );
+    let t0 = Instant::now();
+    while client.pending_sends() > 0 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(client.pending_sends(), 0, "the rest went, unasked");
+    for _ in 0..sent {
+        let r = server.recv(Deadline::after(WAIT), None).unwrap();
+        assert!(host_bytes(&r.lease) == m);
+    }
+}
+
+/// A lane dropped with bytes queued (its peer went) leaves the wire's count
+/// of lanes with bytes unsent: else every send would ring the progress
+/// thread for good (debug builds check the count at each send).
+#[test]
+fn a_lane_dropped_with_bytes_queued_leaves_the_count_of_lanes_with_bytes_unsent() {
+    let _one = serial();
+    let (x, x_addr, _x_pool) = listener_in(pool(false));
+    let (y, y_addr, _y_pool) = listener_in(pool(false));
+    let (a, to_x) = connect_in(x_addr, pool(false));
+    let _from_a = accepted(&x);
+    let to_y = connect_also(&a, y_addr);
+    let _from_a_too = accepted(&y);
+    let m = vec![7u8; 16 << 10];
+    x.with(|_held| {
+        for _ in 0..100 {
+            send_leased(&a, to_x, &m).unwrap();
+        }
+    });
+    assert!(a.pending_sends() > 0, "queued for x");
+    drop(x); // its lane hangs up: a's drops it, bytes queued and all
+    let t0 = Instant::now();
+    while a.pending_sends() > 0 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(a.pending_sends(), 0, "x's lane went");
+    // Each send asks whether work is left (debug: checked against every lane).
+    a.send(to_y, b"ping", Deadline::after(WAIT), None).unwrap();
+    let got = y.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&got.lease), b"ping");
 }
