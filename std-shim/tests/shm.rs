@@ -3,14 +3,14 @@
 //! behind — no segment mapped, no descriptor open, no file anywhere.
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zerohop_core::{Error, Kind, PeerId, Received};
 use zerohop_std::shm::{LocalWire, ShmConfig, ShmLease, LANE_BIT};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
-use zerohop_std::testing::thread_cpu;
+use zerohop_std::testing::{thread_cpu, Reaped};
 use zerohop_std::{
     heap_pool, shared_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool, Wire,
 };
@@ -127,31 +127,6 @@ fn child_peer() {
         _ => loop {
             drop(e.recv(Deadline::after(Duration::from_secs(60)), None));
         },
-    }
-}
-
-/// A helper process, killed and reaped when dropped: a test that fails
-/// with one running leaves none behind (it would hold the test's output
-/// open, and a pipe read to its end would wait for ever).
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl std::ops::Deref for Reaped {
-    type Target = Child;
-    fn deref(&self) -> &Child {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for Reaped {
-    fn deref_mut(&mut self) -> &mut Child {
-        &mut self.0
     }
 }
 

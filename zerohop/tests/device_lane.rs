@@ -9,12 +9,13 @@
 #![cfg(feature = "cuda-uma")]
 
 use std::io::BufRead;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use zerohop::{Config, Endpoint, Error, Event, Kind, MemKind};
 use zerohop_backends::cuda::{cpu_checksum, Checksum, CopyQueue, DeviceMemory, Gpu};
 use zerohop_core::RawMemory;
+use zerohop_std::testing::Reaped;
 
 const MIB: usize = 1 << 20;
 const SIZES: [usize; 9] = [
@@ -76,13 +77,15 @@ fn count(size: usize) -> usize {
 }
 
 /// Starts this test binary's `child` test as the other process, told `addr`.
-fn spawn(child: &str, addr: std::net::SocketAddr) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args([child, "--exact", "--ignored", "--nocapture"])
-        .env("ZEROHOP_DEVICE_LANE_PEER", addr.to_string())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap()
+fn spawn(child: &str, addr: std::net::SocketAddr) -> Reaped {
+    Reaped(
+        Command::new(std::env::current_exe().unwrap())
+            .args([child, "--exact", "--ignored", "--nocapture"])
+            .env("ZEROHOP_DEVICE_LANE_PEER", addr.to_string())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
 }
 
 fn peer_addr() -> Option<std::net::SocketAddr> {
@@ -284,14 +287,16 @@ fn kill_mid_stream(role: &str, moving: impl Fn(&Endpoint, zerohop::Peer) -> bool
     let e = Endpoint::open(config()).unwrap();
     let addr = e.listen("127.0.0.1:0").unwrap();
     let before = held();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["device_victim", "--exact", "--ignored", "--nocapture"])
-        .env("ZEROHOP_DEVICE_LANE_PEER", addr.to_string())
-        .env("ZEROHOP_DEVICE_LANE_ROLE", role)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = Reaped(
+        Command::new(std::env::current_exe().unwrap())
+            .args(["device_victim", "--exact", "--ignored", "--nocapture"])
+            .env("ZEROHOP_DEVICE_LANE_PEER", addr.to_string())
+            .env("ZEROHOP_DEVICE_LANE_ROLE", role)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let ready = std::io::BufReader::new(child.stderr.take().unwrap())
         .lines()
         .any(|l| l.is_ok_and(|l| l == "ready"));
