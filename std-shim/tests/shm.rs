@@ -624,23 +624,13 @@ fn pending_until_the_peer_has_it(
 #[test]
 fn bytes_queued_for_one_peer_go_while_the_application_sends_only_to_another() {
     let _one = serial();
-    let (x, x_addr, _x_pool) = listener_in(pool(false));
-    let (y, y_addr, _y_pool) = listener_in(pool(false));
-    let a_pool = pool(false);
-    let (a, to_x) = connect_in(x_addr, Arc::clone(&a_pool));
-    let _from_a = accepted(&x);
-    let to_y = connect_also(&a, y_addr);
-    let _from_a_too = accepted(&y);
-    let m = vec![7u8; 16 << 10];
-    x.with(|_held| {
-        for _ in 0..100 {
-            send_leased(&a, to_x, &m).unwrap();
-        }
-    });
-    assert!(
-        a.pending_sends() > 0,
-        "more than the ring holds waits in the queue"
-    );
+    let QueuedForX {
+        x,
+        y: _y,
+        a,
+        to_y,
+        m,
+    } = queued_for_x();
     let t0 = Instant::now();
     while a.pending_sends() > 0 && t0.elapsed() < Duration::from_secs(5) {
         a.send(to_y, b"ping", Deadline::after(WAIT), None).unwrap();
@@ -651,10 +641,45 @@ fn bytes_queued_for_one_peer_go_while_the_application_sends_only_to_another() {
         0,
         "the queue for the first peer went while the sends to the other did"
     );
-    for _ in 0..100 {
+    for _ in 0..QUEUED {
         let r = x.recv(Deadline::after(WAIT), None).unwrap();
         assert!(host_bytes(&r.lease) == m);
     }
+}
+
+/// Messages [`queued_for_x`] sends to x while x is held.
+const QUEUED: usize = 100;
+
+/// Two listening endpoints, x and y, and `a` connected to both.
+struct QueuedForX {
+    x: Endpoint<LocalWire>,
+    y: Endpoint<LocalWire>,
+    a: Endpoint<LocalWire>,
+    to_y: PeerId,
+    /// What went to x, [`QUEUED`] times.
+    m: Vec<u8>,
+}
+
+/// [`QueuedForX`], with more than x's ring holds queued for x: `QUEUED`
+/// buffers of 16 KiB sent while x was held.
+fn queued_for_x() -> QueuedForX {
+    let (x, x_addr, _x_pool) = listener_in(pool(false));
+    let (y, y_addr, _y_pool) = listener_in(pool(false));
+    let (a, to_x) = connect_in(x_addr, pool(false));
+    let _from_a = accepted(&x);
+    let to_y = connect_also(&a, y_addr);
+    let _from_a_too = accepted(&y);
+    let m = vec![7u8; 16 << 10];
+    x.with(|_held| {
+        for _ in 0..QUEUED {
+            send_leased(&a, to_x, &m).unwrap();
+        }
+    });
+    assert!(
+        a.pending_sends() > 0,
+        "more than the ring holds waits in the queue"
+    );
+    QueuedForX { x, y, a, to_y, m }
 }
 
 /// The `i`-th message of [`dry_server`]'s client: one 4 KiB buffer each.
@@ -1614,19 +1639,7 @@ fn the_rest_of_a_ring_frame_its_caller_left_goes_without_the_application() {
 #[test]
 fn a_lane_dropped_with_bytes_queued_leaves_the_count_of_lanes_with_bytes_unsent() {
     let _one = serial();
-    let (x, x_addr, _x_pool) = listener_in(pool(false));
-    let (y, y_addr, _y_pool) = listener_in(pool(false));
-    let (a, to_x) = connect_in(x_addr, pool(false));
-    let _from_a = accepted(&x);
-    let to_y = connect_also(&a, y_addr);
-    let _from_a_too = accepted(&y);
-    let m = vec![7u8; 16 << 10];
-    x.with(|_held| {
-        for _ in 0..100 {
-            send_leased(&a, to_x, &m).unwrap();
-        }
-    });
-    assert!(a.pending_sends() > 0, "queued for x");
+    let QueuedForX { x, y, a, to_y, .. } = queued_for_x();
     drop(x); // its lane hangs up: a's drops it, bytes queued and all
     let t0 = Instant::now();
     while a.pending_sends() > 0 && t0.elapsed() < Duration::from_secs(5) {
