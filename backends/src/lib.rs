@@ -27,6 +27,8 @@ mod nic;
 mod peers;
 #[cfg(all(feature = "std", target_os = "linux"))]
 mod shared;
+#[cfg(all(feature = "std", feature = "testing"))]
+pub mod testing;
 #[cfg(feature = "gpudirect-verbs")]
 pub mod verbs;
 

@@ -10,12 +10,13 @@
 
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use zerohop_backends::cuda::{
     cpu_checksum, Checksum, CopyQueue, DeviceMemory, Gpu, IpcCache, IpcError, IpcHandle, IpcRegion,
 };
+use zerohop_backends::testing::Reaped;
 use zerohop_core::{RawMemory, Region};
 
 const MIB: usize = 1 << 20;
@@ -262,16 +263,18 @@ fn write_all_blocking(s: &mut UnixStream, mut b: &[u8]) {
     }
 }
 
-fn spawn_receiver(tag: &str) -> (Child, UnixStream) {
+fn spawn_receiver(tag: &str) -> (Reaped, UnixStream) {
     let path = std::env::temp_dir().join(format!("zerohop-ipc-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).unwrap();
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "receiver_process", "--ignored", "--nocapture"])
-        .env("ZEROHOP_IPC_SOCKET", &path)
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
+    let child = Reaped(
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "receiver_process", "--ignored", "--nocapture"])
+            .env("ZEROHOP_IPC_SOCKET", &path)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let (s, _) = listener.accept().unwrap();
     let _ = std::fs::remove_file(&path);
     (child, s)
@@ -530,12 +533,14 @@ fn a_sender_killed_while_its_memory_is_read_costs_the_receiver_nothing() {
     let path = std::env::temp_dir().join(format!("zerohop-ipc-{}-sender", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "sender_process", "--ignored", "--nocapture"])
-        .env("ZEROHOP_IPC_SENDER", &path)
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = Reaped(
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "sender_process", "--ignored", "--nocapture"])
+            .env("ZEROHOP_IPC_SENDER", &path)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let (mut s, _) = listener.accept().unwrap();
     let _ = std::fs::remove_file(&path);
     let mut b = [0u8; REGION_MSG];

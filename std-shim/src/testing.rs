@@ -1,6 +1,5 @@
 //! What the tests of more than one crate use (feature `testing`).
 
-use std::process::Child;
 use std::time::Duration;
 
 /// CPU time the calling thread has used: a test that something waits
@@ -15,28 +14,4 @@ pub fn thread_cpu() -> Duration {
     Duration::from_micros(us(u.ru_utime) + us(u.ru_stime))
 }
 
-/// A helper process, killed and reaped when dropped: a test that fails
-/// with one running leaves none behind (it would hold the test's output
-/// open, and a pipe read to its end would wait for ever).
-#[derive(Debug)]
-pub struct Reaped(pub Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl std::ops::Deref for Reaped {
-    type Target = Child;
-    fn deref(&self) -> &Child {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for Reaped {
-    fn deref_mut(&mut self) -> &mut Child {
-        &mut self.0
-    }
-}
+pub use zerohop_backends::testing::Reaped;
