@@ -329,8 +329,9 @@ impl<M: RingMem> Producer<M> {
     /// that sees the head sees the stamp.
     pub(crate) fn write(&mut self, parts: &[&[u8]]) -> Result<Moved, Corrupt> {
         let want: usize = parts.iter().map(|p| p.len()).sum();
+        let cap = self.mem.cap();
         // `seen_tail` passed the checks when read: head - seen_tail <= cap.
-        let mut room = data_room(self.mem.cap() - (self.head - self.seen_tail) as usize);
+        let mut room = data_room(cap - (self.head - self.seen_tail) as usize);
         if room < want {
             room = self.room()?;
         }
@@ -338,7 +339,49 @@ impl<M: RingMem> Producer<M> {
         if total == 0 {
             return Ok(Moved { n: 0, wake: false });
         }
+        let at = self.head as usize & (cap - 1);
+        if total == want && total <= PUBLISH_EVERY && at + STAMP_BYTES + total <= cap {
+            // The common case (a frame, a short message): every part whole
+            // in one chunk whose bytes do not wrap.
+            let mut to = at + STAMP_BYTES;
+            for p in parts {
+                self.mem.copy_in(to, p);
+                to += p.len();
+            }
+            self.seal(at, total);
+        } else {
+            self.write_chunks(parts, total);
+        }
         let ctl = self.mem.ctl();
+        // Release: the chunks are visible to a consumer that acquires this
+        // head (one that sleeps looks at it).
+        ctl.head.store(self.head, Ordering::Release);
+        // SeqCst fence: orders the head store before the load of the
+        // consumer's `reader_waits` (see the module docs: no lost wake-up).
+        fence(Ordering::SeqCst);
+        // Relaxed: the fence orders it; a stale 1 costs one spurious wake-up.
+        let wake = ctl.waits.reader.load(Ordering::Relaxed) != 0;
+        Ok(Moved { n: total, wake })
+    }
+
+    /// The chunk at ring byte `at` (the head's), its `size` bytes copied
+    /// in: its length, then its stamp (Release: a consumer that acquires
+    /// the stamp sees the bytes and the length); the head moves past it.
+    fn seal(&mut self, at: usize, size: usize) {
+        // A chunk starts on a line, so its stamp and length never wrap.
+        let mut len = [0u8; 8];
+        len[..4].copy_from_slice(&(size as u32).to_le_bytes());
+        self.mem.copy_in(at + 8, &len);
+        self.mem
+            .stamp(at)
+            .store(stamp_of(self.head, self.key), Ordering::Release);
+        self.head += chunk_bytes(size) as u64;
+    }
+
+    /// Writes the first `total` bytes of `parts` as chunks of at most
+    /// [`PUBLISH_EVERY`] bytes each, wrapping where the ring does, and
+    /// publishes the head after each but the last (the caller's store).
+    fn write_chunks(&mut self, parts: &[&[u8]], total: usize) {
         let cap = self.mem.cap();
         let (mut part, mut from) = (0, 0);
         let mut done = 0;
@@ -362,31 +405,13 @@ impl<M: RingMem> Producer<M> {
                     from = 0;
                 }
             }
-            // A chunk starts on a line, so its stamp and length never wrap.
-            let mut len = [0u8; 8];
-            len[..4].copy_from_slice(&(size as u32).to_le_bytes());
-            self.mem.copy_in(at + 8, &len);
-            // Release: the bytes and the length copied in are visible to a
-            // consumer that acquires this stamp.
-            self.mem
-                .stamp(at)
-                .store(stamp_of(self.head, self.key), Ordering::Release);
-            self.head += chunk_bytes(size) as u64;
+            self.seal(at, size);
             done += size;
             if done < total {
-                // Release: as the final store below, for the chunks so far.
-                ctl.head.store(self.head, Ordering::Release);
+                // Release: as the caller's final store, for the chunks so far.
+                self.mem.ctl().head.store(self.head, Ordering::Release);
             }
         }
-        // Release: the chunks are visible to a consumer that acquires this
-        // head (one that sleeps looks at it).
-        ctl.head.store(self.head, Ordering::Release);
-        // SeqCst fence: orders the head store before the load of the
-        // consumer's `reader_waits` (see the module docs: no lost wake-up).
-        fence(Ordering::SeqCst);
-        // Relaxed: the fence orders it; a stale 1 costs one spurious wake-up.
-        let wake = ctl.waits.reader.load(Ordering::Relaxed) != 0;
-        Ok(Moved { n: total, wake })
     }
 
     /// About to wait for room: says so, then looks again. `Ok(true)`:
@@ -544,6 +569,18 @@ impl<M: RingMem> Consumer<M> {
     /// way through a long read. By the stamps alone: the head is not read.
     pub(crate) fn read(&mut self, out: &mut [u8]) -> Result<usize, Corrupt> {
         let cap = self.mem.cap();
+        let n = out.len();
+        if n == 0 || self.tail == self.end && !self.next(false)? {
+            return Ok(0);
+        }
+        let at = self.tail as usize & (cap - 1);
+        if n <= (self.end - self.tail) as usize && n <= RELEASE_EVERY && at + n <= cap {
+            // The common case (a header, a short message): all of `out`
+            // inside the current chunk, unwrapped.
+            self.mem.copy_out(at, out);
+            self.took(n);
+            return Ok(n);
+        }
         let mut to = 0;
         while to < out.len() {
             if self.tail == self.end && !self.next(false)? {
@@ -556,23 +593,28 @@ impl<M: RingMem> Consumer<M> {
                 self.mem.copy_out(at, &mut out[to..to + len]);
                 to += len;
             }
-            self.tail += step as u64;
-            self.taken += step as u64;
-            if self.tail == self.end {
-                // The chunk is read: its padding too (the room goes back
-                // whole).
-                self.tail = self.next_chunk();
-                self.end = self.tail;
-            }
-            if self.tail - self.stored >= RELEASE_EVERY as u64 {
-                // Release: our reads of those bytes happen before the
-                // producer, acquiring this tail, writes over them. The
-                // look at `waits` comes at `publish`.
-                self.mem.ctl().tail.store(self.tail, Ordering::Release);
-                self.stored = self.tail;
-            }
+            self.took(step);
         }
         Ok(to)
+    }
+
+    /// `n` bytes of the current chunk were copied out: past them, and past
+    /// the chunk's padding once it is read (the room goes back whole);
+    /// its room goes back on the way through a long read.
+    fn took(&mut self, n: usize) {
+        self.tail += n as u64;
+        self.taken += n as u64;
+        if self.tail == self.end {
+            self.tail = self.next_chunk();
+            self.end = self.tail;
+        }
+        if self.tail - self.stored >= RELEASE_EVERY as u64 {
+            // Release: our reads of those bytes happen before the
+            // producer, acquiring this tail, writes over them. The look
+            // at `waits` comes at `publish`.
+            self.mem.ctl().tail.store(self.tail, Ordering::Release);
+            self.stored = self.tail;
+        }
     }
 
     /// Gives the room of every byte read back to the producer. `true`: the
