@@ -430,6 +430,10 @@ struct Shared<T: Wire> {
     /// message, or its end): held for the next look, so `next_event` reports
     /// the peer before anything from it. Taken with the transport locked.
     early: Mutex<Option<Result<Received<T::Lease>, Error>>>,
+    /// Whether `early` holds one: every look asks, and a load is cheaper
+    /// than the two locked instructions of taking `early`'s lock.
+    /// Changed under the transport mutex only.
+    early_held: AtomicBool,
 }
 
 impl<T: Wire> Shared<T> {
@@ -512,6 +516,7 @@ impl<T: Wire> Endpoint<T> {
             doorbell: Doorbell::new()?,
             config,
             early: Mutex::new(None),
+            early_held: AtomicBool::new(false),
         });
         let thread = match config.progress_thread {
             true => {
@@ -816,7 +821,7 @@ impl<T: Wire> Endpoint<T> {
         cancel: Option<&CancelToken>,
     ) -> Result<Received<T::Lease>, Error> {
         self.wait_for(&mut deadline, cancel, |t| {
-            match self.early().take().unwrap_or_else(|| t.try_recv()) {
+            match self.take_early(t).unwrap_or_else(|| t.try_recv()) {
                 Ok(r) => Ok(Some(r)),
                 // An empty wire, or a dry pool (waits for leases to come back).
                 Err(Error::WouldBlock | Error::Pool(_)) => Ok(None),
@@ -849,7 +854,7 @@ impl<T: Wire> Endpoint<T> {
             if let Some((peer, addr)) = t.take_accepted() {
                 return Ok(Some(Event::Accepted { peer, addr }));
             }
-            if let Some(r) = self.early().take() {
+            if let Some(r) = self.take_early(t) {
                 return Event::from_recv(r);
             }
             let r = t.try_recv();
@@ -857,12 +862,30 @@ impl<T: Wire> Endpoint<T> {
                 // The same pass may have accepted the peer this came from:
                 // news of the peer goes first.
                 if let Some((peer, addr)) = t.take_accepted() {
-                    *self.early() = Some(r);
+                    self.hold_early(r, t);
                     return Ok(Some(Event::Accepted { peer, addr }));
                 }
             }
             Event::from_recv(r)
         })
+    }
+
+    /// What a pass held back for the next look, if anything (`_locked`:
+    /// the transport, which the caller has locked).
+    fn take_early(&self, _locked: &T) -> Option<Result<Received<T::Lease>, Error>> {
+        // Relaxed: the transport mutex orders every change (as `adjust`'s).
+        if !self.shared.early_held.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.shared.early_held.store(false, Ordering::Relaxed);
+        self.early().take()
+    }
+
+    /// Holds `r` for the next look (`_locked`: as in `take_early`).
+    fn hold_early(&self, r: Result<Received<T::Lease>, Error>, _locked: &T) {
+        *self.early() = Some(r);
+        // Relaxed: as in `take_early`.
+        self.shared.early_held.store(true, Ordering::Relaxed);
     }
 
     fn early(&self) -> MutexGuard<'_, Option<Result<Received<T::Lease>, Error>>> {

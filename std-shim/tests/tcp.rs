@@ -1538,6 +1538,38 @@ fn events_say_who_connected_from_where_what_crossed_and_how_each_peer_ended() {
     );
 }
 
+/// A peer whose Hello and first message are read in one pass: the message
+/// waits for the next look, so that the application hears of the peer
+/// first, and then it comes.
+#[test]
+fn a_message_read_with_its_peers_hello_comes_right_after_the_peer() {
+    let mut t = transport(64 << 20, TcpConfig::default());
+    let addr = t.listen("127.0.0.1:0").unwrap();
+    // No progress thread: the first pass is the application's call, after
+    // everything the peer sent is in the socket.
+    let config = EndpointConfig {
+        progress_thread: false,
+        ..EndpointConfig::default()
+    };
+    let server = Endpoint::new(t, config).unwrap();
+    let mut raw = Raw::connect(addr);
+    raw.send(&[&Raw::data(0, 5, DataFlags::NONE)[..], b"first"].concat());
+    std::thread::sleep(Duration::from_millis(100));
+    let wait = || Deadline::after(5 * SECOND);
+    let Event::Accepted { peer, .. } = server.next_event(wait(), None).unwrap() else {
+        panic!("the first event is the connection");
+    };
+    let held = server.with(|t| t.try_recv());
+    assert!(
+        matches!(held, Err(Error::WouldBlock)),
+        "the pass took the message in with the Hello: {held:?}"
+    );
+    match server.next_event(wait(), None).unwrap() {
+        Event::Message(m) => assert_eq!((m.peer, host_bytes(&m.lease)), (peer, &b"first"[..])),
+        e => panic!("then its message, held from that pass: {e:?}"),
+    }
+}
+
 #[test]
 fn a_peer_that_dies_mid_message_is_reported_and_leaks_nothing() {
     let (server, addr, pool) = listener(64 << 20, TcpConfig::default());
