@@ -263,14 +263,16 @@ fn write_all_blocking(s: &mut UnixStream, mut b: &[u8]) {
     }
 }
 
-fn spawn_receiver(tag: &str) -> (Reaped, UnixStream) {
+/// Runs this binary's ignored test `role` as a child process, telling it
+/// a Unix socket's path in the variable `var`, and takes its connection.
+fn spawn_child(role: &str, var: &str, tag: &str) -> (Reaped, UnixStream) {
     let path = std::env::temp_dir().join(format!("zerohop-ipc-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).unwrap();
     let child = Reaped(
         Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "receiver_process", "--ignored", "--nocapture"])
-            .env("ZEROHOP_IPC_SOCKET", &path)
+            .args(["--exact", role, "--ignored", "--nocapture"])
+            .env(var, &path)
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),
@@ -278,6 +280,10 @@ fn spawn_receiver(tag: &str) -> (Reaped, UnixStream) {
     let (s, _) = listener.accept().unwrap();
     let _ = std::fs::remove_file(&path);
     (child, s)
+}
+
+fn spawn_receiver(tag: &str) -> (Reaped, UnixStream) {
+    spawn_child("receiver_process", "ZEROHOP_IPC_SOCKET", tag)
 }
 
 /// Bytes with a pattern that differs per position and per size.
@@ -530,19 +536,7 @@ fn a_sender_killed_while_its_memory_is_read_costs_the_receiver_nothing() {
     else {
         return;
     };
-    let path = std::env::temp_dir().join(format!("zerohop-ipc-{}-sender", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).unwrap();
-    let mut child = Reaped(
-        Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "sender_process", "--ignored", "--nocapture"])
-            .env("ZEROHOP_IPC_SENDER", &path)
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let (mut s, _) = listener.accept().unwrap();
-    let _ = std::fs::remove_file(&path);
+    let (mut child, mut s) = spawn_child("sender_process", "ZEROHOP_IPC_SENDER", "sender");
     let mut b = [0u8; REGION_MSG];
     s.read_exact(&mut b).unwrap();
     let r = parse_region(&b);
