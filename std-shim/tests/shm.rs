@@ -1228,6 +1228,20 @@ fn a_device_sender_dropped_unclosed_is_lost_not_read_out_of_its_reused_buffer() 
         .lines()
         .any(|l| l.is_ok_and(|l| l == "dropped"));
     assert!(dropped, "the sender failed");
+    lost_not_delivered(&server, peer, &device, child);
+}
+
+/// The receiver's side of the device `ended` tests, once the sender's lane
+/// has ended and its buffer holds other bytes: its next `recv` loses the
+/// peer (it does not deliver the message), holds no device buffer, and the
+/// sender (`child`) exits well once its stdin closes.
+#[cfg(feature = "cuda-uma")]
+fn lost_not_delivered(
+    server: &Endpoint<LocalWire>,
+    peer: PeerId,
+    device: &zerohop_backends::cuda::DevicePool,
+    mut child: Reaped,
+) {
     match server.recv(Deadline::after(WAIT), None) {
         Err(Error::PeerLost(p)) => assert_eq!(p, peer),
         Ok(r) => {
@@ -1247,6 +1261,92 @@ fn a_device_sender_dropped_unclosed_is_lost_not_read_out_of_its_reused_buffer() 
     assert_eq!(device.used_bytes(), 0, "the receive buffer back");
     drop(child.stdin.take());
     assert!(child.wait().unwrap().success(), "the sender failed");
+}
+
+/// The sender of the device own-error test: one device message out; then,
+/// told on its stdin that the receiver has said something impossible (that
+/// it copied a device message never sent), its endpoint's next `recv`
+/// reports that peer's rule broken (the wire drops the lane, and the
+/// message's buffer goes back to the pool), and the buffer is leased again
+/// and written over (kept alive here, so the peer's mapping still reads it).
+/// It stays until its stdin closes.
+#[cfg(feature = "cuda-uma")]
+#[test]
+#[ignore = "a helper process for the device own-error test"]
+fn child_device_sender_told_the_impossible() {
+    use std::io::{BufRead, Read};
+    let Some((e, peer, device)) = device_client() else {
+        return;
+    };
+    e.send(peer, b"ready", Deadline::after(WAIT), None).unwrap();
+    let go = e.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&go.lease), b"go");
+    let l = zerohop_core::Lease::take(Arc::clone(&device), DEVICE_LEN).unwrap();
+    zerohop_backends::cuda::write_lease(&l, &vec![DEVICE_SENT; DEVICE_LEN]).unwrap();
+    let at = l.device_ptr();
+    e.send_lease(peer, ShmLease::Device(l), Deadline::after(WAIT), None)
+        .unwrap();
+    eprintln!("sent");
+    let mut stdin = std::io::stdin().lock();
+    let mut told = String::new();
+    stdin.read_line(&mut told).unwrap();
+    assert_eq!(told, "told\n");
+    match e.recv(Deadline::after(WAIT), None) {
+        Err(Error::WireRule { peer: p, rule }) => {
+            assert_eq!(p, peer);
+            assert!(rule.contains("never sent"), "{rule}");
+        }
+        Err(e) => panic!("{e}"),
+        Ok(r) => panic!("a message of {} bytes", r.lease.len()),
+    }
+    let again = zerohop_core::Lease::take(Arc::clone(&device), DEVICE_LEN).unwrap();
+    assert_eq!(again.device_ptr(), at, "the message's buffer, leased again");
+    zerohop_backends::cuda::write_lease(&again, &vec![DEVICE_REUSED; DEVICE_LEN]).unwrap();
+    eprintln!("reused");
+    let _ = stdin.read_to_end(&mut Vec::new());
+}
+
+/// The device path of a lane that ends on its own side's error while the
+/// peer is still to copy (RELIABILITY.md, the `ended` word): the receiver
+/// tells the sender it copied a device message the sender never sent; the
+/// sender's wire drops the lane for it, its buffer goes back to the pool and
+/// is leased and written again; the receiver's copy by CUDA IPC then must
+/// lose the peer, not deliver the rewritten bytes as the message. Two
+/// processes: CUDA IPC opens no handle in the process that made it. Without
+/// a GPU it prints SKIPPED.
+#[cfg(feature = "cuda-uma")]
+#[test]
+fn a_device_sender_whose_lane_failed_on_its_own_is_lost_not_read_out_of_its_reused_buffer() {
+    use std::io::{BufRead, Write};
+    let _one = serial();
+    let test =
+        "a_device_sender_whose_lane_failed_on_its_own_is_lost_not_read_out_of_its_reused_buffer";
+    let Some((server, addr, device)) = device_server(test, 512 << 20, EndpointConfig::default())
+    else {
+        return;
+    };
+    let mut child = Reaped(
+        device_child("child_device_sender_told_the_impossible", addr)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let peer = accepted(&server);
+    let ready = server.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&ready.lease), b"ready");
+    drop(ready);
+    server
+        .send(peer, b"go", Deadline::after(WAIT), None)
+        .unwrap();
+    // Not driven from here until the sender has failed and written over.
+    let mut said = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut wait_for = |word: &str| said.any(|l| l.is_ok_and(|l| l == word));
+    assert!(wait_for("sent"), "the sender failed");
+    // Ticket 99: the sender has sent one device message.
+    server.with(|t| t.say_device_done(peer, 99)).unwrap();
+    child.stdin.as_mut().unwrap().write_all(b"told\n").unwrap();
+    assert!(wait_for("reused"), "the sender failed");
+    lost_not_delivered(&server, peer, &device, child);
 }
 
 /// Device messages the streamer sends, and the most of them the receiver's

@@ -1167,6 +1167,19 @@ impl Lane {
         }
     }
 
+    /// Says to the peer, in the word where this side says which of the
+    /// peer's device messages it has copied, that it copied through
+    /// `ticket`, whatever it did: what a broken peer says, for tests.
+    #[cfg(all(feature = "testing", feature = "cuda-uma"))]
+    pub(crate) fn say_device_done(&self, ticket: u64) {
+        // Release: as the honest word is stored (`deliver_copies`).
+        self.rx
+            .mem_ctl()
+            .device_done()
+            .store(ticket, std::sync::atomic::Ordering::Release);
+        handshake::ring(&self.link);
+    }
+
     /// Writes `frame` into the ring as it is, past the session (nothing may
     /// be queued): what a broken peer sends, for tests.
     #[cfg(feature = "testing")]

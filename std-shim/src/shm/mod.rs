@@ -472,6 +472,16 @@ impl LocalWire {
         r
     }
 
+    /// Tells a lane's peer that its device messages were copied through
+    /// `ticket`, whether or not they were, past this side's reads: what a
+    /// broken peer says, for tests.
+    #[cfg(all(feature = "testing", feature = "cuda-uma"))]
+    pub fn say_device_done(&mut self, peer: PeerId, ticket: u64) -> Result<(), Error> {
+        let l = self.lanes.get_mut(peer).ok_or(Error::UnknownPeer(peer))?;
+        l.say_device_done(ticket);
+        Ok(())
+    }
+
     /// Same-host peers, in shared memory now.
     pub fn lane_count(&self) -> usize {
         self.lanes.count()
