@@ -1164,19 +1164,19 @@ fn device_client() -> Option<(
     Some((e, peer, device))
 }
 
-/// The sender of the device `ended` test: one device message out, then its
-/// endpoint dropped without `close`, and the message's buffer leased again
-/// from its pool (kept alive here, so the peer's mapping still reads it)
-/// and written over. It stays until its stdin closes.
+/// A device `ended` test's sender, up to its one device message: the
+/// ready/go exchange (the receiver stops driving its endpoint once it has
+/// answered), then an 8 MiB device message of `DEVICE_SENT`. The endpoint,
+/// the peer, the device pool and the message buffer's address; `None` when
+/// run as a test of its own.
 #[cfg(feature = "cuda-uma")]
-#[test]
-#[ignore = "a helper process for the device ended test"]
-fn child_device_dropper() {
-    use std::io::Read;
-    let Some((e, peer, device)) = device_client() else {
-        return;
-    };
-    // The receiver stops driving its endpoint once it has answered this.
+fn device_sender_sent() -> Option<(
+    Endpoint<LocalWire>,
+    PeerId,
+    Arc<zerohop_backends::cuda::DevicePool>,
+    u64,
+)> {
+    let (e, peer, device) = device_client()?;
     e.send(peer, b"ready", Deadline::after(WAIT), None).unwrap();
     let go = e.recv(Deadline::after(WAIT), None).unwrap();
     assert_eq!(host_bytes(&go.lease), b"go");
@@ -1185,12 +1185,77 @@ fn child_device_dropper() {
     let at = l.device_ptr();
     e.send_lease(peer, ShmLease::Device(l), Deadline::after(WAIT), None)
         .unwrap();
-    drop(e); // no close: its lane ends, the message's buffer goes back
-    let again = zerohop_core::Lease::take(Arc::clone(&device), DEVICE_LEN).unwrap();
+    Some((e, peer, device, at))
+}
+
+/// Once the sender's lane has ended: the message's buffer (at `at`) leased
+/// again from `device` and written over with `DEVICE_REUSED`, returned to
+/// be kept alive (so the peer's mapping still reads it).
+#[cfg(feature = "cuda-uma")]
+fn reuse_sent_buffer(
+    device: &Arc<zerohop_backends::cuda::DevicePool>,
+    at: u64,
+) -> zerohop_backends::cuda::DeviceLease {
+    let again = zerohop_core::Lease::take(Arc::clone(device), DEVICE_LEN).unwrap();
     assert_eq!(again.device_ptr(), at, "the message's buffer, leased again");
     zerohop_backends::cuda::write_lease(&again, &vec![DEVICE_REUSED; DEVICE_LEN]).unwrap();
+    again
+}
+
+/// The sender of the device `ended` test: one device message out, then its
+/// endpoint dropped without `close`, and the message's buffer leased again
+/// and written over. It stays until its stdin closes.
+#[cfg(feature = "cuda-uma")]
+#[test]
+#[ignore = "a helper process for the device ended test"]
+fn child_device_dropper() {
+    use std::io::Read;
+    let Some((e, _peer, device, at)) = device_sender_sent() else {
+        return;
+    };
+    drop(e); // no close: its lane ends, the message's buffer goes back
+    let _kept = reuse_sent_buffer(&device, at);
     eprintln!("dropped");
     let _ = std::io::stdin().read_to_end(&mut Vec::new());
+}
+
+/// A device `ended` test's receiving side, up to the sender's device
+/// message: a caller-driven endpoint, the sender `child` spawned (its
+/// stderr piped, where it says how far it got), accepted, and the ready/go
+/// exchange; the endpoint is not driven again until the test says so.
+/// `None` (SKIPPED) without a GPU.
+#[cfg(feature = "cuda-uma")]
+fn device_ended_receiver(
+    test: &str,
+    child: &str,
+) -> Option<(
+    Endpoint<LocalWire>,
+    PeerId,
+    Arc<zerohop_backends::cuda::DevicePool>,
+    Reaped,
+)> {
+    let (server, addr, device) = device_server(test, 512 << 20, EndpointConfig::default())?;
+    let child = Reaped(
+        device_child(child, addr)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let peer = accepted(&server);
+    let ready = server.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&ready.lease), b"ready");
+    drop(ready);
+    server
+        .send(peer, b"go", Deadline::after(WAIT), None)
+        .unwrap();
+    Some((server, peer, device, child))
+}
+
+/// Reads a child's stderr lines (`said`) until one is `word`: `false` if
+/// the child ended first.
+#[cfg(feature = "cuda-uma")]
+fn child_says(said: &mut impl Iterator<Item = std::io::Result<String>>, word: &str) -> bool {
+    said.any(|l| l.is_ok_and(|l| l == word))
 }
 
 /// The device path of the ring's `ended` word (RELIABILITY.md item 17): a
@@ -1206,28 +1271,14 @@ fn a_device_sender_dropped_unclosed_is_lost_not_read_out_of_its_reused_buffer() 
     use std::io::BufRead;
     let _one = serial();
     let test = "a_device_sender_dropped_unclosed_is_lost_not_read_out_of_its_reused_buffer";
-    let Some((server, addr, device)) = device_server(test, 512 << 20, EndpointConfig::default())
+    let Some((server, peer, device, mut child)) =
+        device_ended_receiver(test, "child_device_dropper")
     else {
         return;
     };
-    let mut child = Reaped(
-        device_child("child_device_dropper", addr)
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let peer = accepted(&server);
-    let ready = server.recv(Deadline::after(WAIT), None).unwrap();
-    assert_eq!(host_bytes(&ready.lease), b"ready");
-    drop(ready);
-    server
-        .send(peer, b"go", Deadline::after(WAIT), None)
-        .unwrap();
     // Not driven until the sender has sent, dropped and written over.
-    let dropped = std::io::BufReader::new(child.stderr.take().unwrap())
-        .lines()
-        .any(|l| l.is_ok_and(|l| l == "dropped"));
-    assert!(dropped, "the sender failed");
+    let mut said = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    assert!(child_says(&mut said, "dropped"), "the sender failed");
     lost_not_delivered(&server, peer, &device, child);
 }
 
@@ -1268,24 +1319,15 @@ fn lost_not_delivered(
 /// it copied a device message never sent), its endpoint's next `recv`
 /// reports that peer's rule broken (the wire drops the lane, and the
 /// message's buffer goes back to the pool), and the buffer is leased again
-/// and written over (kept alive here, so the peer's mapping still reads it).
-/// It stays until its stdin closes.
+/// and written over. It stays until its stdin closes.
 #[cfg(feature = "cuda-uma")]
 #[test]
 #[ignore = "a helper process for the device own-error test"]
 fn child_device_sender_told_the_impossible() {
     use std::io::{BufRead, Read};
-    let Some((e, peer, device)) = device_client() else {
+    let Some((e, peer, device, at)) = device_sender_sent() else {
         return;
     };
-    e.send(peer, b"ready", Deadline::after(WAIT), None).unwrap();
-    let go = e.recv(Deadline::after(WAIT), None).unwrap();
-    assert_eq!(host_bytes(&go.lease), b"go");
-    let l = zerohop_core::Lease::take(Arc::clone(&device), DEVICE_LEN).unwrap();
-    zerohop_backends::cuda::write_lease(&l, &vec![DEVICE_SENT; DEVICE_LEN]).unwrap();
-    let at = l.device_ptr();
-    e.send_lease(peer, ShmLease::Device(l), Deadline::after(WAIT), None)
-        .unwrap();
     eprintln!("sent");
     let mut stdin = std::io::stdin().lock();
     let mut told = String::new();
@@ -1299,9 +1341,7 @@ fn child_device_sender_told_the_impossible() {
         Err(e) => panic!("{e}"),
         Ok(r) => panic!("a message of {} bytes", r.lease.len()),
     }
-    let again = zerohop_core::Lease::take(Arc::clone(&device), DEVICE_LEN).unwrap();
-    assert_eq!(again.device_ptr(), at, "the message's buffer, leased again");
-    zerohop_backends::cuda::write_lease(&again, &vec![DEVICE_REUSED; DEVICE_LEN]).unwrap();
+    let _kept = reuse_sent_buffer(&device, at);
     eprintln!("reused");
     let _ = stdin.read_to_end(&mut Vec::new());
 }
@@ -1321,31 +1361,18 @@ fn a_device_sender_whose_lane_failed_on_its_own_is_lost_not_read_out_of_its_reus
     let _one = serial();
     let test =
         "a_device_sender_whose_lane_failed_on_its_own_is_lost_not_read_out_of_its_reused_buffer";
-    let Some((server, addr, device)) = device_server(test, 512 << 20, EndpointConfig::default())
+    let Some((server, peer, device, mut child)) =
+        device_ended_receiver(test, "child_device_sender_told_the_impossible")
     else {
         return;
     };
-    let mut child = Reaped(
-        device_child("child_device_sender_told_the_impossible", addr)
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let peer = accepted(&server);
-    let ready = server.recv(Deadline::after(WAIT), None).unwrap();
-    assert_eq!(host_bytes(&ready.lease), b"ready");
-    drop(ready);
-    server
-        .send(peer, b"go", Deadline::after(WAIT), None)
-        .unwrap();
     // Not driven from here until the sender has failed and written over.
     let mut said = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
-    let mut wait_for = |word: &str| said.any(|l| l.is_ok_and(|l| l == word));
-    assert!(wait_for("sent"), "the sender failed");
+    assert!(child_says(&mut said, "sent"), "the sender failed");
     // Ticket 99: the sender has sent one device message.
     server.with(|t| t.say_device_done(peer, 99)).unwrap();
     child.stdin.as_mut().unwrap().write_all(b"told\n").unwrap();
-    assert!(wait_for("reused"), "the sender failed");
+    assert!(child_says(&mut said, "reused"), "the sender failed");
     lost_not_delivered(&server, peer, &device, child);
 }
 
