@@ -28,15 +28,40 @@ pub enum HostMemory {
     /// The process heap.
     #[cfg(feature = "std")]
     Heap(HeapMemory),
-    /// One shared-memory file, which a same-host peer may map.
+    /// One mapping made up front: a shared-memory file a same-host peer
+    /// may map, or private memory.
     #[cfg(all(feature = "std", target_os = "linux"))]
-    Shared(crate::shared::SharedMemory),
+    Mapped(crate::mapped::MappedMemory),
     /// CUDA managed or pinned host memory.
     #[cfg(feature = "cuda-uma")]
     Cuda(crate::cuda::HostCudaMemory),
 }
 
 impl HostMemory {
+    /// Private memory for a pool of `budget` bytes: one mapping reserved up
+    /// front, so that a view of a lease is a range check, not a lookup under
+    /// a lock (every received message is viewed at least once); the heap
+    /// where no such mapping can be made.
+    #[cfg(feature = "std")]
+    pub fn private(budget: usize) -> HostMemory {
+        #[cfg(target_os = "linux")]
+        match crate::mapped::MappedMemory::private(pool_room(budget)) {
+            Ok(m) => return HostMemory::Mapped(m),
+            Err(e) => info!(
+                "zerohop: no private mapping for a pool ({}); the heap instead",
+                e
+            ),
+        }
+        HostMemory::Heap(HeapMemory::new())
+    }
+
+    /// A shared-memory file for a pool of `budget` bytes, which a same-host
+    /// peer may map (see [`crate::MappedMemory::shared`]).
+    #[cfg(all(feature = "std", target_os = "linux"))]
+    pub fn shared(budget: usize) -> Result<HostMemory, Error> {
+        crate::mapped::MappedMemory::shared(pool_room(budget)).map(HostMemory::Mapped)
+    }
+
     /// What memory it hands out: `Host`, or CUDA's `Managed` or `Pinned`.
     pub fn kind(&self) -> zerohop_core::MemKind {
         match self {
@@ -56,7 +81,7 @@ impl HostMemory {
             #[cfg(feature = "std")]
             HostMemory::Heap(m) => m.pointer(region),
             #[cfg(all(feature = "std", target_os = "linux"))]
-            HostMemory::Shared(m) => m.pointer(region),
+            HostMemory::Mapped(m) => m.pointer(region),
             #[cfg(feature = "cuda-uma")]
             HostMemory::Cuda(m) => m.pointer(region),
             #[allow(unreachable_patterns)]
@@ -76,7 +101,7 @@ impl RawMemory for HostMemory {
             #[cfg(feature = "std")]
             HostMemory::Heap(m) => m.alloc(len, align),
             #[cfg(all(feature = "std", target_os = "linux"))]
-            HostMemory::Shared(m) => m.alloc(len, align),
+            HostMemory::Mapped(m) => m.alloc(len, align),
             #[cfg(feature = "cuda-uma")]
             HostMemory::Cuda(m) => m.alloc(len, align),
             #[allow(unreachable_patterns)]
@@ -97,7 +122,7 @@ impl RawMemory for HostMemory {
             #[cfg(feature = "std")]
             HostMemory::Heap(m) => m.free(region),
             #[cfg(all(feature = "std", target_os = "linux"))]
-            HostMemory::Shared(m) => m.free(region),
+            HostMemory::Mapped(m) => m.free(region),
             #[cfg(feature = "cuda-uma")]
             HostMemory::Cuda(m) => m.free(region),
             #[allow(unreachable_patterns)]
@@ -111,6 +136,14 @@ impl RawMemory for HostMemory {
     fn host_visible(&self) -> bool {
         true
     }
+}
+
+/// Address space for a pool of `budget` bytes in one mapping: it is only
+/// reserved until written, and twice the budget leaves ranges to spare
+/// however the pool's buffers fall.
+#[cfg(all(feature = "std", target_os = "linux"))]
+fn pool_room(budget: usize) -> usize {
+    budget.saturating_mul(2).max(4 << 20)
 }
 
 /// A slab pool of host-visible memory, optionally registered with a NIC,
@@ -163,16 +196,16 @@ where
 }
 
 /// Where a lease's bytes lie in a shared-memory file, when its pool's
-/// memory is one ([`HostMemory::Shared`]): what a same-host peer needs to
-/// read them out of its own mapping of the file.
+/// memory is one (a shared [`HostMemory::Mapped`]): what a same-host peer
+/// needs to read them out of its own mapping of the file.
 #[cfg(all(feature = "std", target_os = "linux"))]
-pub fn shared_place<P>(lease: &Lease<P>) -> Option<crate::shared::SharedPlace>
+pub fn shared_place<P>(lease: &Lease<P>) -> Option<crate::mapped::SharedPlace>
 where
     P: Deref,
     P::Target: HostBacked,
 {
     match lease.pool().host_memory() {
-        HostMemory::Shared(m) => m.place(lease.region().addr, lease.region().len),
+        HostMemory::Mapped(m) => m.place(lease.region().addr, lease.region().len),
         #[allow(unreachable_patterns)]
         _ => None,
     }
@@ -190,8 +223,8 @@ where
 {
     let (p, len) = view(lease);
     // SAFETY: `p..p+len` lies inside a live allocation of `HostMemory`, or
-    // inside the one mapping of a shared file, which stays whole while it
-    // lives (checked by `pointer`): real, host-visible memory of this
+    // inside one mapping made up front (a shared file's or private), which
+    // stays whole while it lives (checked by `pointer`): real, host-visible memory of this
     // process (device memory is refused at allocation). A process that may
     // fetch a shared file may as well write any memory of this one
     // (`process_vm_writev`): it is outside what this can promise. The

@@ -20,13 +20,13 @@ pub mod cuda;
 #[cfg(feature = "std")]
 mod heap;
 mod host;
+#[cfg(all(feature = "std", target_os = "linux"))]
+mod mapped;
 #[cfg(feature = "mock")]
 pub mod mock;
 mod nic;
 #[cfg(feature = "std")]
 mod peers;
-#[cfg(all(feature = "std", target_os = "linux"))]
-mod shared;
 #[cfg(all(feature = "std", feature = "testing"))]
 pub mod testing;
 #[cfg(feature = "gpudirect-verbs")]
@@ -42,8 +42,8 @@ pub use host::{host_bytes, host_bytes_mut, HostBacked, HostMemory, HostPool};
 /// A pool that no thread waits on rings no bell (no OS to wake one with).
 #[cfg(not(all(feature = "std", target_os = "linux")))]
 pub type HostBell = zerohop_core::NoBell;
+#[cfg(all(feature = "std", target_os = "linux"))]
+pub use mapped::{MappedMemory, SharedPlace};
 pub use nic::Nic;
 #[cfg(feature = "std")]
 pub use peers::{absence, Looks, PeerSlots, MAX_PEER_SLOTS, TAG_BIT};
-#[cfg(all(feature = "std", target_os = "linux"))]
-pub use shared::{SharedMemory, SharedPlace};

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use zerohop_backends::{HeapMemory, HeapTables, HostBell, HostMemory, HostPool, Nic, SharedMemory};
+use zerohop_backends::{HeapTables, HostBell, HostMemory, HostPool, Nic};
 use zerohop_core::pool::Chunks;
 use zerohop_core::{Error, Lease, PoolConfig, Probe};
 
@@ -18,10 +18,14 @@ pub type StdLease = Lease<Arc<StdPool>>;
 /// all (every other lease then fails until they go out).
 pub(crate) const QUEUED_MESSAGES: usize = 4096;
 
-/// A heap-backed pool of `budget` bytes with the default size classes
-/// (fitted to a budget under one chunk: see [`PoolConfig::fitted`]).
+/// A pool of `budget` bytes of this process's private memory, with the
+/// default size classes (fitted to a budget under one chunk: see
+/// [`PoolConfig::fitted`]): one mapping reserved up front, so that a view of
+/// a lease is a range check, not a lookup under a lock (every received
+/// message is viewed at least once). Where no mapping can be made, the heap
+/// ([`HostMemory::private`]).
 pub fn heap_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
-    pool_in(HostMemory::Heap(HeapMemory::new()), budget)
+    pool_in(HostMemory::private(budget), budget)
 }
 
 /// A pool of `budget` bytes carved from `memory`, the default size classes
@@ -42,20 +46,17 @@ fn pool_in(memory: HostMemory, budget: usize) -> Result<Arc<StdPool>, Error> {
 
 /// A pool of `budget` bytes in one shared-memory file, for the shm wire: a
 /// same-host peer reads a large message out of its own mapping of the file
-/// instead of by the kernel's cross-memory copy (`zerohop_backends::SharedMemory`).
+/// instead of by the kernel's cross-memory copy (`zerohop_backends::MappedMemory`).
 /// Where no such file can be made, a heap pool.
 pub fn shared_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
-    // The file is only address space until written: room for twice the
-    // budget leaves ranges to spare however the pool's buffers fall.
-    let room = budget.saturating_mul(2).max(4 << 20);
-    let memory = match SharedMemory::new(room) {
+    let memory = match HostMemory::shared(budget) {
         Ok(m) => m,
         Err(e) => {
             log::info!("zerohop: no shared-memory pool ({e}); a heap pool instead");
             return heap_pool(budget);
         }
     };
-    pool_in(HostMemory::Shared(memory), budget)
+    pool_in(memory, budget)
 }
 
 /// A pool of `budget` bytes of CUDA memory on GPU 0, for the `uma` transport:

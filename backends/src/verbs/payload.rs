@@ -10,9 +10,7 @@ use zerohop_core::pool::{ChunkSource, PoolTables, SlotTicket};
 use zerohop_core::{Access, Error, Kind, Lease, Pool, PoolConfig, SizeClasses, SlabPool};
 
 use super::Registry;
-use crate::{
-    host_bytes, host_bytes_mut, HeapMemory, HeapTables, HostBell, HostMemory, HostPool, Nic,
-};
+use crate::{host_bytes, host_bytes_mut, HeapTables, HostBell, HostMemory, HostPool, Nic};
 
 /// A buffer of a [`PayloadMemory`]'s pool.
 pub type PayloadLease<M> = Lease<Arc<<M as PayloadMemory>::Pool>>;
@@ -105,7 +103,7 @@ fn span_check(at: usize, len: usize, cap: usize) -> Result<(), Error> {
     }
 }
 
-/// Heap memory registered with `ibv_reg_mr`: the `rdma` kind.
+/// Private host memory registered with `ibv_reg_mr`: the `rdma` kind.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HostPayload;
 
@@ -125,7 +123,7 @@ impl PayloadMemory for HostPayload {
         classes: SizeClasses,
     ) -> Result<Arc<Self::Pool>, Error> {
         let source = zerohop_core::pool::Chunks {
-            memory: HostMemory::Heap(HeapMemory::new()),
+            memory: HostMemory::private(budget),
             registrar: Some(Nic::Verbs(registry.clone())),
         };
         let mut config = PoolConfig::with_budget(budget);

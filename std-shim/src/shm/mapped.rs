@@ -1,5 +1,5 @@
 //! Large messages out of the peer's pool file: the sender's pool is one
-//! shared-memory file (`zerohop_backends::SharedMemory`), its descriptor
+//! shared-memory file (`zerohop_backends::MappedMemory::shared`), its descriptor
 //! names where a message lies in it, and this side copies the bytes out of
 //! its own read-only mapping of the file with `memcpy` — several times the
 //! kernel's cross-memory copy (`process_vm_readv`, [`cma`](super::cma)),
