@@ -5,7 +5,7 @@ use std::net::ToSocketAddrs;
 use std::time::{Duration, Instant};
 
 use zerohop_core::{Kind, Transport};
-use zerohop_std::heap_pool;
+use zerohop_std::private_pool;
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 
 /// `n` connections to the listener at `addr` (one each: no second
@@ -20,7 +20,7 @@ pub fn peers(addr: &str, n: usize) -> Result<TcpTransport, Box<dyn std::error::E
         stripe_min: None,
         ..TcpConfig::default()
     };
-    let mut t = TcpTransport::new(heap_pool(n.max(1) << 12)?, config, Kind::Tcp)?;
+    let mut t = TcpTransport::new(private_pool(n.max(1) << 12)?, config, Kind::Tcp)?;
     for i in 0..n {
         t.connect(to, Duration::from_secs(10))
             .map_err(|e| format!("idle connection {i} of {n} to {addr}: {e}"))?;

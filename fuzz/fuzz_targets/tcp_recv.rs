@@ -14,7 +14,7 @@ use libfuzzer_sys::fuzz_target;
 use zerohop_core::wire::{Frame, Hello, Host, HostStep, Takes};
 use zerohop_core::{Error, Kind, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
-use zerohop_std::{heap_pool, StdPool};
+use zerohop_std::{private_pool, StdPool};
 
 const MAX: usize = 64 << 10;
 
@@ -27,7 +27,7 @@ struct Rig {
 fn rig() -> &'static Mutex<Rig> {
     static RIG: OnceLock<Mutex<Rig>> = OnceLock::new();
     RIG.get_or_init(|| {
-        let pool = heap_pool(8 << 20).unwrap();
+        let pool = private_pool(8 << 20).unwrap();
         let config = TcpConfig {
             max_message: MAX,
             ..TcpConfig::default()

@@ -24,7 +24,7 @@ pub(crate) const QUEUED_MESSAGES: usize = 4096;
 /// a lease is a range check, not a lookup under a lock (every received
 /// message is viewed at least once). Where no mapping can be made, the heap
 /// ([`HostMemory::private`]).
-pub fn heap_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
+pub fn private_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
     pool_in(HostMemory::private(budget), budget)
 }
 
@@ -47,13 +47,13 @@ fn pool_in(memory: HostMemory, budget: usize) -> Result<Arc<StdPool>, Error> {
 /// A pool of `budget` bytes in one shared-memory file, for the shm wire: a
 /// same-host peer reads a large message out of its own mapping of the file
 /// instead of by the kernel's cross-memory copy (`zerohop_backends::MappedMemory`).
-/// Where no such file can be made, a heap pool.
+/// Where no such file can be made, a private pool.
 pub fn shared_pool(budget: usize) -> Result<Arc<StdPool>, Error> {
     let memory = match HostMemory::shared(budget) {
         Ok(m) => m,
         Err(e) => {
-            log::info!("zerohop: no shared-memory pool ({e}); a heap pool instead");
-            return heap_pool(budget);
+            log::info!("zerohop: no shared-memory pool ({e}); a private pool instead");
+            return private_pool(budget);
         }
     };
     pool_in(memory, budget)
@@ -110,7 +110,7 @@ mod tests {
     /// (`borrow-larger`) rather than fail while that buffer sits idle.
     #[test]
     fn a_small_host_pool_serves_a_third_class_from_a_larger_ones_free_buffer() {
-        let pool = heap_pool(4 << 20).unwrap(); // two 2 MiB chunks
+        let pool = private_pool(4 << 20).unwrap(); // two 2 MiB chunks
         let big = Lease::take(Arc::clone(&pool), 1 << 20).unwrap();
         let small = Lease::take(Arc::clone(&pool), 64).unwrap();
         let block = Lease::take(Arc::clone(&pool), 100 << 10).unwrap();

@@ -29,4 +29,4 @@ pub use config::{parse_bytes, Config, ConfigError};
 pub use endpoint::{CancelToken, Deadline, Endpoint, EndpointConfig, Event, Wire};
 #[cfg(feature = "cuda-uma")]
 pub use host::{cuda_pool, managed_pool};
-pub use host::{heap_pool, probe_host, shared_pool, StdLease, StdPool};
+pub use host::{private_pool, probe_host, shared_pool, StdLease, StdPool};

@@ -12,7 +12,7 @@ use zerohop_std::shm::{LocalWire, ShmConfig, ShmLease, LANE_BIT};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 use zerohop_std::testing::{thread_cpu, Reaped};
 use zerohop_std::{
-    heap_pool, shared_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool, Wire,
+    private_pool, shared_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool, Wire,
 };
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -42,7 +42,7 @@ fn send_leased(e: &Endpoint<LocalWire>, peer: PeerId, bytes: &[u8]) -> Result<()
 fn pool(shared: bool) -> Arc<StdPool> {
     match shared {
         true => shared_pool(64 << 20).unwrap(),
-        false => heap_pool(64 << 20).unwrap(),
+        false => private_pool(64 << 20).unwrap(),
     }
 }
 
@@ -289,7 +289,7 @@ fn endpoint_and_its_lane_socket() -> (Endpoint<LocalWire>, std::os::unix::net::S
     use std::os::linux::net::SocketAddrExt;
     let before = lane_sockets();
     let c = Endpoint::new(
-        wire(&heap_pool(16 << 20).unwrap()),
+        wire(&private_pool(16 << 20).unwrap()),
         EndpointConfig::default(),
     )
     .unwrap();
@@ -308,7 +308,7 @@ fn strangers_on_the_lane_sockets_cost_them_their_connection_and_peers_still_move
     use std::os::linux::net::SocketAddrExt;
     use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
     let (server, addr, _pool) = listener();
-    let pool = heap_pool(64 << 20).unwrap();
+    let pool = private_pool(64 << 20).unwrap();
     let c = Endpoint::new(wire(&pool), EndpointConfig::default()).unwrap();
     let names = lane_sockets();
     assert!(
@@ -348,7 +348,7 @@ fn two_peers_with_a_backlog_share_a_small_inbox() {
         ..ShmConfig::default()
     };
     let mut t = LocalWire::new(
-        heap_pool(16 << 20).unwrap(),
+        private_pool(16 << 20).unwrap(),
         TcpConfig::default(),
         shm,
         Kind::Shm,
@@ -552,7 +552,7 @@ fn a_slice_send_took_is_pending_until_the_peer_has_it() {
     });
 }
 
-/// A pool buffer of a heap pool (no file the peer could map) goes by the
+/// A pool buffer of a private pool (no file the peer could map) goes by the
 /// claim word, and `send_lease` returns at once: until the peer has read
 /// it, its bytes count as pending and `flush` waits for the claim word,
 /// asleep (it spun before e88c2b2, counting a handover as waiting for
@@ -697,7 +697,7 @@ fn dry_server(
     Endpoint<LocalWire>,
     Vec<Received<ShmLease>>,
 ) {
-    let pool = heap_pool(256 << 10).unwrap();
+    let pool = private_pool(256 << 10).unwrap();
     let mut t = wire(&pool);
     let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let server = Endpoint::new(t, config).unwrap();
@@ -958,11 +958,11 @@ fn a_zero_copy_sender_of_small_messages_never_holds_every_buffer() {
 fn a_wire_with_lanes_is_of_kind_shm_or_uma_and_says_so() {
     use zerohop_core::Transport;
     let _one = serial(); // its wires' descriptors would count in a kill test's
-    let pool = heap_pool(8 << 20).unwrap();
+    let pool = private_pool(8 << 20).unwrap();
     let t = wire(&pool);
     assert_eq!(t.kind(), Kind::Shm);
     assert!(!t.caps().gpu_resident, "heap memory: no kernel reads it");
-    // `uma` receives into managed memory, which a heap pool is not.
+    // `uma` receives into managed memory, which a private pool is not.
     for other in [
         Kind::Uma,
         Kind::Tcp,
@@ -1000,7 +1000,7 @@ fn a_wire_with_lanes_is_of_kind_shm_or_uma_and_says_so() {
 /// the id `a` has for `b`.
 #[cfg(feature = "testing")]
 fn caller_driven_lane(idle: Duration) -> (Endpoint<LocalWire>, Endpoint<LocalWire>, PeerId) {
-    caller_driven_lane_from(idle, heap_pool(16 << 20).unwrap())
+    caller_driven_lane_from(idle, private_pool(16 << 20).unwrap())
 }
 
 /// As [`caller_driven_lane`], `a` sending from `a_pool`.
@@ -1018,7 +1018,7 @@ fn caller_driven_lane_from(
         required: true,
         ..ShmConfig::default()
     };
-    let b_pool = heap_pool(16 << 20).unwrap();
+    let b_pool = private_pool(16 << 20).unwrap();
     let mut b = LocalWire::new(b_pool, tcp, shm, Kind::Shm).unwrap();
     let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let driven = EndpointConfig {
@@ -1064,7 +1064,7 @@ fn caller_driven_lane_from(
 #[test]
 fn a_sender_dropped_unclosed_with_a_message_out_is_lost_not_read_out_of_its_reused_buffer() {
     let _one = serial();
-    let a_pool = heap_pool(16 << 20).unwrap();
+    let a_pool = private_pool(16 << 20).unwrap();
     let (a, b, to_b) = caller_driven_lane_from(Duration::from_secs(5), Arc::clone(&a_pool));
     let mut l = a.lease(SINGLE).unwrap();
     let buf = l.host_mut().expect("a host buffer");
@@ -1101,7 +1101,7 @@ const DEVICE_LEN: usize = 8 << 20;
 /// A wire whose lanes carry device messages from and into `device`.
 #[cfg(feature = "cuda-uma")]
 fn device_wire(device: &Arc<zerohop_backends::cuda::DevicePool>) -> LocalWire {
-    let mut t = wire(&heap_pool(16 << 20).unwrap());
+    let mut t = wire(&private_pool(16 << 20).unwrap());
     t.carry_device(Arc::clone(device));
     t
 }
@@ -1638,7 +1638,7 @@ fn a_connect_given_up_leaves_no_peer_behind() {
     let _g = serial();
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = silent.local_addr().unwrap();
-    let pool = heap_pool(8 << 20).unwrap();
+    let pool = private_pool(8 << 20).unwrap();
     let e = Endpoint::new(wire(&pool), EndpointConfig::default()).unwrap();
     let d = TcpTransport::dial(addr, WAIT, false).unwrap();
     let (_held, _) = silent.accept().unwrap();
@@ -1663,7 +1663,7 @@ fn a_lane_socket_full_for_a_while_is_dialled_again() {
     let _one = serial();
     let (server, addr, _pool) = listener();
     let theirs = lane_sockets();
-    let pool = heap_pool(64 << 20).unwrap();
+    let pool = private_pool(64 << 20).unwrap();
     let mut w = wire(&pool);
     // Until the taker has found the socket full (resumed below).
     w.pause_lane_accepts(WAIT);

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use zerohop_core::Kind;
 use zerohop_std::shm::{LocalWire, ShmConfig, LANE_BIT};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
-use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, StdPool};
+use zerohop_std::{private_pool, Deadline, Endpoint, EndpointConfig, StdPool};
 
 const WAIT: Duration = Duration::from_secs(10);
 /// How long the offering side has no descriptor free, then one: enough to
@@ -68,7 +68,7 @@ fn child_listener() {
     if std::env::var("ZEROHOP_TEST_CHILD").is_err() {
         return;
     }
-    let pool = heap_pool(16 << 20).unwrap();
+    let pool = private_pool(16 << 20).unwrap();
     let mut t = wire(&pool);
     let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let e = Endpoint::new(t, EndpointConfig::default()).unwrap();
@@ -125,7 +125,7 @@ fn an_offering_side_out_of_descriptors_sets_its_lane_up_once_they_are_back() {
 
     // The dialing side offers the lane: the listener creates the segment and
     // connects to this process's lane socket, which must accept it.
-    let pool = heap_pool(16 << 20).unwrap();
+    let pool = private_pool(16 << 20).unwrap();
     let e = Endpoint::new(wire(&pool), EndpointConfig::default()).unwrap();
     // Every descriptor number below a limit is taken, then the limit set
     // there: the connections dialed next get numbers above it, so the

@@ -14,12 +14,12 @@ use zerohop_core::wire::{
 };
 use zerohop_core::{crc32c, Error, Kind, PeerId, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport, STRIPE_MIN};
-use zerohop_std::{heap_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool, Wire};
+use zerohop_std::{private_pool, Deadline, Endpoint, EndpointConfig, Event, StdPool, Wire};
 
 const SECOND: Duration = Duration::from_secs(1);
 
 fn transport(budget: usize, config: TcpConfig) -> TcpTransport {
-    TcpTransport::new(heap_pool(budget).unwrap(), config, Kind::Tcp).unwrap()
+    TcpTransport::new(private_pool(budget).unwrap(), config, Kind::Tcp).unwrap()
 }
 
 fn listener(
@@ -912,7 +912,7 @@ fn a_stripe_threshold_below_8_kib_is_refused() {
             stripe_min: Some(min),
             ..TcpConfig::default()
         };
-        let r = TcpTransport::new(heap_pool(1 << 20).unwrap(), config, Kind::Tcp);
+        let r = TcpTransport::new(private_pool(1 << 20).unwrap(), config, Kind::Tcp);
         match r {
             Ok(_) => assert!(ok, "{min} taken"),
             Err(e) => {

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use zerohop_core::{Kind, Transport};
-use zerohop_std::heap_pool;
+use zerohop_std::private_pool;
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 
 /// How long no descriptor is free; the listener's pause is 100 ms.
@@ -44,7 +44,7 @@ fn transport() -> TcpTransport {
         stripe_min: None, // one connection a peer: one descriptor to find
         ..TcpConfig::default()
     };
-    TcpTransport::new(heap_pool(8 << 20).unwrap(), config, Kind::Tcp).unwrap()
+    TcpTransport::new(private_pool(8 << 20).unwrap(), config, Kind::Tcp).unwrap()
 }
 
 #[test]

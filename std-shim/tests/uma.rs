@@ -8,7 +8,7 @@ use zerohop_backends::cuda::{cpu_checksum, Checksum, Gpu};
 use zerohop_backends::host_bytes;
 use zerohop_core::{pick, Kind, Preference, Prereq, Status};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
-use zerohop_std::{heap_pool, managed_pool, probe_host, Deadline, Endpoint, EndpointConfig};
+use zerohop_std::{managed_pool, private_pool, probe_host, Deadline, Endpoint, EndpointConfig};
 
 #[test]
 fn without_a_driver_uma_is_refused_by_name_and_auto_falls_to_tcp() {
@@ -37,7 +37,7 @@ fn messages_land_in_managed_memory_and_the_gpu_checksums_them_in_place() {
     let addr = rx.listen("127.0.0.1:0").unwrap();
     let rx = Endpoint::new(rx, EndpointConfig::default()).unwrap();
     let mut tx = TcpTransport::new(
-        heap_pool(256 << 20).unwrap(),
+        private_pool(256 << 20).unwrap(),
         TcpConfig::default(),
         Kind::Tcp,
     )

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use zerohop_core::{Kind, PeerId};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
-use zerohop_std::{heap_pool, Endpoint, EndpointConfig};
+use zerohop_std::{private_pool, Endpoint, EndpointConfig};
 
 use crate::{Forge, Harness, Pair};
 
@@ -61,8 +61,8 @@ impl Harness for Shm {
             ..ShmConfig::default()
         };
         let (a_pool, b_pool) = (
-            heap_pool(64 << 20).map_err(|e| e.to_string())?,
-            heap_pool(64 << 20).map_err(|e| e.to_string())?,
+            private_pool(64 << 20).map_err(|e| e.to_string())?,
+            private_pool(64 << 20).map_err(|e| e.to_string())?,
         );
         let mut b = LocalWire::new(Arc::clone(&b_pool), config, shm, Kind::Shm)
             .map_err(|e| e.to_string())?;
@@ -137,7 +137,9 @@ pub fn tcp_pair(
 impl Harness for Tcp {
     type T = TcpTransport;
     fn pair() -> Result<Pair<TcpTransport>, String> {
-        tcp_pair(Kind::Tcp, || heap_pool(64 << 20).map_err(|e| e.to_string()))
+        tcp_pair(Kind::Tcp, || {
+            private_pool(64 << 20).map_err(|e| e.to_string())
+        })
     }
     fn max_message() -> usize {
         4 << 20
@@ -179,8 +181,8 @@ impl Harness for Mock {
     fn pair() -> Result<Pair<Self::T>, String> {
         use zerohop_backends::mock::MockTransport;
         let (a, b) = mock_links::next()?.ends();
-        let a_pool = heap_pool(64 << 20).map_err(|e| e.to_string())?;
-        let b_pool = heap_pool(64 << 20).map_err(|e| e.to_string())?;
+        let a_pool = private_pool(64 << 20).map_err(|e| e.to_string())?;
+        let b_pool = private_pool(64 << 20).map_err(|e| e.to_string())?;
         let ta = MockTransport::new(a, Arc::clone(&a_pool), Self::max_message());
         let tb = MockTransport::new(b, Arc::clone(&b_pool), Self::max_message());
         let ep = |t| Endpoint::new(t, EndpointConfig::default()).map_err(|e| e.to_string());

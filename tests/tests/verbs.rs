@@ -309,8 +309,8 @@ fn a_lease_from_a_foreign_pool_is_copied_not_trusted() {
     let Some((a, b, peer)) = pair(19_003, config) else {
         return;
     };
-    // A heap pool with no registration: its lease has no keys for this NIC.
-    let foreign = zerohop_std::heap_pool(4 << 20).unwrap();
+    // A private pool with no registration: its lease has no keys for this NIC.
+    let foreign = zerohop_std::private_pool(4 << 20).unwrap();
     let mut lease = zerohop_core::Lease::take(Arc::clone(&foreign), 300).unwrap();
     zerohop_backends::host_bytes_mut(&mut lease).fill(0x5A);
     a.send_lease(peer, lease, Deadline::after(WAIT), None)

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use zerohop_core::{Kind, PeerId};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
-use zerohop_std::{heap_pool, Deadline, Endpoint as Driven, EndpointConfig};
+use zerohop_std::{private_pool, Deadline, Endpoint as Driven, EndpointConfig};
 
 const PINGS: usize = 20_000;
 const STREAM: usize = 20_000;
@@ -34,7 +34,7 @@ fn direct_round() -> Figures {
         ..EndpointConfig::default()
     };
     let mut st = TcpTransport::new(
-        heap_pool(256 << 20).unwrap(),
+        private_pool(256 << 20).unwrap(),
         TcpConfig::default(),
         Kind::Tcp,
     )
@@ -49,7 +49,7 @@ fn direct_round() -> Figures {
     )
     .unwrap();
     let mut ct = TcpTransport::new(
-        heap_pool(256 << 20).unwrap(),
+        private_pool(256 << 20).unwrap(),
         TcpConfig::default(),
         Kind::Tcp,
     )

@@ -218,7 +218,7 @@ impl Endpoint {
         let mut device_pool = None;
         let wire = match kind {
             Kind::Tcp => {
-                let pool = zerohop_std::heap_pool(config.pool_bytes)
+                let pool = zerohop_std::private_pool(config.pool_bytes)
                     .map_err(|e| setup(format!("the receive pool: {e}")))?;
                 let t = TcpTransport::new(pool, tcp_config(&config, max_message), kind)
                     .map_err(|e| setup(format!("the tcp wire: {e}")))?;

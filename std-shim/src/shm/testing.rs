@@ -65,7 +65,7 @@ impl LaneRig {
     /// to 64 KiB, a receive pool of `pool_bytes`.
     pub fn new(ring_bytes: usize, pool_bytes: usize) -> std::io::Result<LaneRig> {
         let pool =
-            crate::heap_pool(pool_bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
+            crate::private_pool(pool_bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
         Self::with_pool(ring_bytes, pool)
     }
 
@@ -273,7 +273,7 @@ impl LaneRig {
         Ok(bytes.as_ptr() as u64)
     }
 
-    /// The inode of the pool's shared-memory file (`None`: a heap pool).
+    /// The inode of the pool's shared-memory file (`None`: a private pool).
     pub fn pool_file(&self) -> Option<u64> {
         let l = zerohop_core::Lease::take(Arc::clone(&self.pool), 1).ok()?;
         zerohop_backends::shared_place(&l).map(|p| p.ino)
