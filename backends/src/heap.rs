@@ -1,4 +1,5 @@
-//! Host memory from the process heap (the tcp transport's receive buffers).
+//! Host memory from the process heap: what a [`crate::MappedMemory`] cannot
+//! place, and pools where no mapping can be made (`HostMemory::private`).
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;

@@ -138,9 +138,10 @@ impl RawMemory for HostMemory {
     }
 }
 
-/// Address space for a pool of `budget` bytes in one mapping: it is only
-/// reserved until written, and twice the budget leaves ranges to spare
-/// however the pool's buffers fall.
+/// Address space for a pool of `budget` bytes in one mapping: reserved, not
+/// committed, until ranges of it are handed out. Twice the budget leaves
+/// room to spare for most ways the pool's buffers can fall; a buffer that
+/// finds none comes from the heap ([`crate::MappedMemory`]).
 #[cfg(all(feature = "std", target_os = "linux"))]
 fn pool_room(budget: usize) -> usize {
     budget.saturating_mul(2).max(4 << 20)
@@ -224,15 +225,17 @@ where
     let (p, len) = view(lease);
     // SAFETY: `p..p+len` lies inside a live allocation of `HostMemory`, or
     // inside one mapping made up front (a shared file's or private), which
-    // stays whole while it lives (checked by `pointer`): real, host-visible memory of this
+    // stays whole while it lives, in a range it handed out, which stays
+    // accessible (checked by `pointer`): real, host-visible memory of this
     // process (device memory is refused at allocation). A process that may
     // fetch a shared file may as well write any memory of this one
     // (`process_vm_writev`): it is outside what this can promise. The
     // memory stays allocated while the lease lives: the
     // lease holds `P`, which keeps the pool alive (a `LocalPool` borrows its
     // shared pool, so that one lives too), and the pool gives memory
-    // back only when it drops or, for an oversize buffer, when that buffer's
-    // one lease is released. The pool never hands out overlapping buffers, so
+    // back only when it drops, or for a chunk or oversize buffer in which
+    // no lease is left (an idle chunk reclaimed, an oversize buffer's one
+    // lease released). The pool never hands out overlapping buffers, so
     // the only other view of these bytes comes through this same lease (a
     // `LocalPool` caches only released buffers), and
     // the shared borrow of `lease` excludes a mutable one.

@@ -2,8 +2,8 @@
 //!
 //! One cargo feature per backend: `mock` (no_std, no alloc: arena memory, a
 //! software NIC, a loopback link, fault injectors), `cuda-uma` (CUDA memory via
-//! cudarc) and `gpudirect-verbs` (RDMA verbs via rdma-sys). `std` adds heap
-//! memory. Every backend's memory that the CPU can read is a variant of
+//! cudarc) and `gpudirect-verbs` (RDMA verbs via rdma-sys). `std` adds mapped
+//! and heap memory. Every backend's memory that the CPU can read is a variant of
 //! [`HostMemory`], so received bytes are viewed through one safe function,
 //! [`host_bytes`].
 #![cfg_attr(not(feature = "std"), no_std)]

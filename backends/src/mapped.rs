@@ -13,7 +13,14 @@
 //!   end. It gives such a peer no access it did not have: the same right
 //!   reads and writes any memory of this process.
 //! - **private** ([`MappedMemory::private`]), for pools no peer maps (tcp's,
-//!   the verbs wire's): anonymous memory, reserved, not committed.
+//!   the verbs wire's): anonymous memory, reserved inaccessible (so that it
+//!   is not committed, nor charged where overcommit is strict) and made
+//!   readable and writable a range at a time as ranges are first handed out.
+//!
+//! Ranges are whole pages of the host's size. A range the mapping cannot
+//! place (it is full, or too cut up) comes from the heap instead: the
+//! mapping never refuses what the heap would serve, and only such overflow
+//! ranges pay a lookup under a lock to be viewed.
 //!
 //! Freed ranges stay committed for the next allocation (a stream of large
 //! messages would otherwise fault every page in again, on both sides)
@@ -29,7 +36,8 @@ use std::sync::Mutex;
 
 use zerohop_core::{Error, MemKind, RawMemory, Region};
 
-const PAGE: usize = 4096;
+use crate::heap::HeapMemory;
+
 /// Freed bytes kept committed at most (see the module's text).
 pub const WARM_MAX: usize = 64 << 20;
 
@@ -53,8 +61,12 @@ pub struct MappedMemory {
     file: Option<File>,
     base: NonNull<u8>,
     cap: usize,
+    /// The host's page size: every range is made of whole pages.
+    page: usize,
     /// Free and live ranges, as (offset, length), each sorted by offset.
     ranges: Mutex<Ranges>,
+    /// What the mapping could not place.
+    overflow: HeapMemory,
 }
 
 /// A shared mapping's file.
@@ -68,6 +80,9 @@ struct File {
 struct Ranges {
     free: Vec<(usize, usize)>,
     live: Vec<(usize, usize)>,
+    /// Private memory: the bytes from the mapping's start that are
+    /// accessible (made so as ranges are first handed out; never taken back).
+    opened: usize,
     /// Bytes freed since every free range was last punched: at least the
     /// free bytes still committed. Past `WARM_MAX`, every free range is
     /// punched again.
@@ -76,7 +91,8 @@ struct Ranges {
 
 // SAFETY: the mapping is this value's own and lives until it drops; the
 // pointer is only dereferenced through views whose aliasing the pool's
-// leases govern, and the range tables are behind a mutex.
+// leases govern, and the range tables are behind a mutex (the overflow heap
+// is `Send` and `Sync` itself).
 unsafe impl Send for MappedMemory {}
 // SAFETY: as above; `&self` methods touch only the mutex-guarded tables.
 unsafe impl Sync for MappedMemory {}
@@ -88,11 +104,24 @@ fn os_error(what: &'static str) -> Error {
     }
 }
 
+/// `capacity` rounded up to whole pages of the host's, and that page size.
+fn pages(capacity: usize) -> Result<(usize, usize), Error> {
+    // SAFETY: sysconf only reads a system value.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .unwrap_or(4096)
+        .max(4096);
+    let cap = capacity
+        .max(page)
+        .checked_next_multiple_of(page)
+        .ok_or(Error::OutOfMemory { len: capacity })?;
+    Ok((cap, page))
+}
+
 impl MappedMemory {
     /// A shared file of `capacity` bytes (rounded up to a page), mapped
     /// and empty. Nothing is committed until it is written.
     pub fn shared(capacity: usize) -> Result<Self, Error> {
-        let cap = capacity.max(PAGE).next_multiple_of(PAGE);
+        let (cap, page) = pages(capacity)?;
         // SAFETY: a NUL-terminated name and valid flags.
         let raw = unsafe {
             libc::memfd_create(
@@ -122,20 +151,27 @@ impl MappedMemory {
             return Err(os_error("fstat"));
         }
         let file = File { fd, ino: st.st_ino };
-        Self::map(cap, Some(file))
+        Self::map(cap, page, Some(file))
     }
 
     /// Private memory of `capacity` bytes (rounded up to a page): address
-    /// space only until written, so a large reservation costs nothing.
+    /// space only, inaccessible until a range of it is first handed out.
     pub fn private(capacity: usize) -> Result<Self, Error> {
-        Self::map(capacity.max(PAGE).next_multiple_of(PAGE), None)
+        let (cap, page) = pages(capacity)?;
+        Self::map(cap, page, None)
     }
 
     /// Maps `cap` bytes: the whole of `file`, or anonymous memory.
-    fn map(cap: usize, file: Option<File>) -> Result<Self, Error> {
-        let (flags, fd) = match &file {
-            Some(f) => (libc::MAP_SHARED, f.fd.as_raw_fd()),
-            None => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1),
+    fn map(cap: usize, page: usize, file: Option<File>) -> Result<Self, Error> {
+        let (flags, fd, prot) = match &file {
+            Some(f) => (
+                libc::MAP_SHARED,
+                f.fd.as_raw_fd(),
+                libc::PROT_READ | libc::PROT_WRITE,
+            ),
+            // Inaccessible: strict overcommit charges a private mapping
+            // once it is writable, whatever MAP_NORESERVE says.
+            None => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, libc::PROT_NONE),
         };
         // SAFETY: a new mapping (of the whole file, whose size is sealed, or
         // anonymous), placed by the kernel: it overlaps nothing of ours.
@@ -143,7 +179,7 @@ impl MappedMemory {
             libc::mmap(
                 std::ptr::null_mut(),
                 cap,
-                libc::PROT_READ | libc::PROT_WRITE,
+                prot,
                 flags | libc::MAP_NORESERVE,
                 fd,
                 0,
@@ -153,15 +189,19 @@ impl MappedMemory {
             return Err(os_error("mmap"));
         }
         let base = NonNull::new(p.cast::<u8>()).ok_or(Error::OutOfMemory { len: cap })?;
+        let opened = if file.is_some() { cap } else { 0 };
         Ok(MappedMemory {
             file,
             base,
             cap,
+            page,
             ranges: Mutex::new(Ranges {
                 free: vec![(0, cap)],
                 live: Vec::new(),
+                opened,
                 warm: 0,
             }),
+            overflow: HeapMemory::new(),
         })
     }
 
@@ -170,9 +210,9 @@ impl MappedMemory {
         self.cap
     }
 
-    /// Bytes of live ranges now (whole pages).
+    /// Bytes of live ranges now (whole pages), and of overflow ranges.
     pub fn allocated(&self) -> usize {
-        self.lock().live.iter().map(|&(_, n)| n).sum()
+        self.lock().live.iter().map(|&(_, n)| n).sum::<usize>() + self.overflow.allocated()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Ranges> {
@@ -191,13 +231,17 @@ impl MappedMemory {
         (end <= self.cap as u64).then_some(off as usize)
     }
 
-    /// A pointer to `region`'s first byte, if it lies inside the mapping.
-    /// The mapping stays whole while this value lives, so any range inside
-    /// it is memory; which ranges are whose is the pool's to keep (a lookup
-    /// of the live ranges here, under their lock, would cost every view of
-    /// a lease a lock, for nothing `host_bytes` needs).
+    /// A pointer to `region`'s first byte, if it lies inside the mapping
+    /// or one overflow range. The mapping stays whole while this value
+    /// lives, and a range it handed out stays accessible (never made
+    /// inaccessible again), so a region of one is memory; which ranges are
+    /// whose is the pool's to keep (a lookup of the live ranges here, under
+    /// their lock, would cost every view of a lease a lock, for nothing
+    /// `host_bytes` needs).
     pub fn pointer(&self, region: Region) -> Option<NonNull<u8>> {
-        let off = self.inside(region.addr, region.len)?;
+        let Some(off) = self.inside(region.addr, region.len) else {
+            return self.overflow.pointer(region);
+        };
         // SAFETY: `off + region.len` is inside the mapping (checked above).
         Some(unsafe { self.base.add(off) })
     }
@@ -217,19 +261,89 @@ impl MappedMemory {
 
 impl RawMemory for MappedMemory {
     fn alloc(&self, len: usize, align: usize) -> Result<Region, Error> {
-        let want = len.max(1).next_multiple_of(PAGE);
+        match self.place_range(len, align) {
+            Ok(r) => Ok(r),
+            // Full, or too cut up: the heap serves it, as it would have.
+            Err(Error::OutOfMemory { .. }) => self.overflow.alloc(len, align),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn free(&self, region: Region) -> Result<(), Error> {
+        let Some(off) = self.inside(region.addr, region.len) else {
+            return self.overflow.free(region);
+        };
+        let mut r = self.lock();
+        let i = r
+            .live
+            .binary_search_by_key(&off, |&(o, _)| o)
+            .map_err(|_| Error::Backend("free of memory this mapping did not allocate"))?;
+        let (off, n) = r.live.remove(i);
+        // Back into the free list, joined with its neighbours.
+        let at = r.free.partition_point(|&(o, _)| o < off);
+        r.free.insert(at, (off, n));
+        if at + 1 < r.free.len() && r.free[at].0 + r.free[at].1 == r.free[at + 1].0 {
+            r.free[at].1 += r.free.remove(at + 1).1;
+        }
+        if at > 0 && r.free[at - 1].0 + r.free[at - 1].1 == r.free[at].0 {
+            r.free[at - 1].1 += r.free.remove(at).1;
+        }
+        r.warm += n;
+        if r.warm > WARM_MAX {
+            r.warm = 0;
+            // (Private pages never opened were never committed.)
+            for &(off, n) in &r.free {
+                let end = (off + n).min(r.opened);
+                if end > off {
+                    self.drop_pages(off, end - off);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn host_visible(&self) -> bool {
+        true
+    }
+}
+
+impl MappedMemory {
+    /// A range of the mapping for `len` bytes aligned to `align` (as an
+    /// address), first fit; `OutOfMemory` where none is free.
+    fn place_range(&self, len: usize, align: usize) -> Result<Region, Error> {
+        let oom = Error::OutOfMemory { len };
+        let want = len.max(1).checked_next_multiple_of(self.page).ok_or(oom)?;
         let align = align.max(1);
         let base = self.base_addr() as usize;
         let mut r = self.lock();
         // First fit, the start aligned as an address (the mapping is only
         // page-aligned).
         let fit = r.free.iter().enumerate().find_map(|(i, &(off, n))| {
-            let start = (base + off).next_multiple_of(align) - base;
-            (start + want <= off + n).then_some((i, start))
+            let start = (base + off).checked_next_multiple_of(align)? - base;
+            (start.checked_add(want)? <= off + n).then_some((i, start))
         });
         let Some((i, start)) = fit else {
-            return Err(Error::OutOfMemory { len });
+            return Err(oom);
         };
+        if start + want > r.opened {
+            // Private memory: open the pages up to the range's end (those
+            // between were free, and opening them early harms nothing).
+            let from = r.opened;
+            // SAFETY: pages of our own mapping (`from..start + want` lies
+            // inside it), none of them viewed while inaccessible.
+            let rc = unsafe {
+                libc::mprotect(
+                    self.base.as_ptr().add(from).cast(),
+                    start + want - from,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                )
+            };
+            if rc != 0 {
+                // Strict overcommit refused the charge: the heap may not.
+                return Err(oom);
+            }
+            r.opened = start + want;
+        }
         let (off, n) = r.free.remove(i);
         // What the aligned range leaves either side stays free.
         let mut k = i;
@@ -249,41 +363,6 @@ impl RawMemory for MappedMemory {
         })
     }
 
-    fn free(&self, region: Region) -> Result<(), Error> {
-        let off = self.inside(region.addr, region.len).ok_or(Error::Backend(
-            "free of memory this mapping did not allocate",
-        ))?;
-        let mut r = self.lock();
-        let i = r
-            .live
-            .binary_search_by_key(&off, |&(o, _)| o)
-            .map_err(|_| Error::Backend("free of memory this mapping did not allocate"))?;
-        let (off, n) = r.live.remove(i);
-        // Back into the free list, joined with its neighbours.
-        let at = r.free.partition_point(|&(o, _)| o < off);
-        r.free.insert(at, (off, n));
-        if at + 1 < r.free.len() && r.free[at].0 + r.free[at].1 == r.free[at + 1].0 {
-            r.free[at].1 += r.free.remove(at + 1).1;
-        }
-        if at > 0 && r.free[at - 1].0 + r.free[at - 1].1 == r.free[at].0 {
-            r.free[at - 1].1 += r.free.remove(at).1;
-        }
-        r.warm += n;
-        if r.warm > WARM_MAX {
-            r.warm = 0;
-            for &(off, n) in &r.free {
-                self.drop_pages(off, n);
-            }
-        }
-        Ok(())
-    }
-
-    fn host_visible(&self) -> bool {
-        true
-    }
-}
-
-impl MappedMemory {
     /// Gives the pages of the free range `off..off + n` back to the kernel;
     /// they read zero when next touched.
     fn drop_pages(&self, off: usize, n: usize) {
@@ -322,15 +401,18 @@ mod tests {
     #[test]
     #[cfg_attr(
         miri,
-        ignore = "memfd_create, mmap, fallocate and madvise are system calls miri does not run"
+        ignore = "memfd_create, mmap, mprotect, fallocate and madvise are system calls miri does not run"
     )]
     fn ranges_are_aligned_disjoint_zeroed_and_join_again_when_freed() {
         for (m, shared) in both(1 << 20) {
+            let page = m.page;
             let a = m.alloc(5000, 64).unwrap();
             let b = m.alloc(64 << 10, 64 << 10).unwrap();
             assert_eq!(b.addr % (64 << 10), 0, "aligned as an address");
-            assert!(a.addr + 8192 <= b.addr || b.addr + (64 << 10) <= a.addr);
-            assert_eq!(m.allocated(), 8192 + (64 << 10));
+            let a_len = 5000usize.next_multiple_of(page);
+            let b_len = (64usize << 10).next_multiple_of(page);
+            assert!(a.addr + a_len as u64 <= b.addr || b.addr + b_len as u64 <= a.addr);
+            assert_eq!(m.allocated(), a_len + b_len);
             let p = m.pointer(a).unwrap();
             // SAFETY: a live range of 5000 bytes, viewed only here.
             let bytes = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), a.len) };
@@ -351,6 +433,7 @@ mod tests {
             assert_eq!(m.allocated(), 0);
             // Everything joined into one range again: the whole mapping fits.
             let all = m.alloc(m.capacity(), 1).unwrap();
+            assert!(m.inside(all.addr, all.len).is_some(), "from the mapping");
             m.free(all).unwrap();
         }
     }
@@ -358,24 +441,25 @@ mod tests {
     #[test]
     #[cfg_attr(
         miri,
-        ignore = "memfd_create, mmap, fallocate and madvise are system calls miri does not run"
+        ignore = "memfd_create, mmap, mprotect, fallocate and madvise are system calls miri does not run"
     )]
     fn freed_pages_go_back_to_the_kernel_past_the_warm_bound() {
         for (m, _) in both(4 * WARM_MAX) {
-            let r = m.alloc(WARM_MAX, PAGE).unwrap();
-            let r2 = m.alloc(2 * PAGE, PAGE).unwrap();
+            let page = m.page;
+            let r = m.alloc(WARM_MAX, page).unwrap();
+            let r2 = m.alloc(2 * page, page).unwrap();
             // SAFETY: a live range, viewed only here.
             unsafe { std::slice::from_raw_parts_mut(m.pointer(r).unwrap().as_ptr(), r.len) }
                 .fill(1);
             assert!(committed(&m) >= WARM_MAX);
             m.free(r).unwrap();
             assert!(committed(&m) >= WARM_MAX, "kept warm up to the bound");
-            m.free(r2).unwrap(); // past the bound now: every free range punched
+            m.free(r2).unwrap(); // past the bound now: every free range dropped
             assert_eq!(committed(&m), 0);
-            let again = m.alloc(PAGE, PAGE).unwrap();
+            let again = m.alloc(page, page).unwrap();
             // SAFETY: a live range of a page, viewed only here.
             let bytes =
-                unsafe { std::slice::from_raw_parts(m.pointer(again).unwrap().as_ptr(), PAGE) };
+                unsafe { std::slice::from_raw_parts(m.pointer(again).unwrap().as_ptr(), page) };
             assert!(bytes.iter().all(|&x| x == 0), "a dropped page reads zero");
         }
     }
@@ -385,17 +469,18 @@ mod tests {
     #[test]
     #[cfg_attr(
         miri,
-        ignore = "memfd_create, mmap, fallocate and madvise are system calls miri does not run"
+        ignore = "memfd_create, mmap, mprotect, fallocate and madvise are system calls miri does not run"
     )]
     fn freed_ranges_stay_committed_up_to_the_warm_bound_however_they_alternate() {
         for (m, _) in both(8 * WARM_MAX) {
+            let page = m.page;
             let mut blockers = Vec::new();
             for n in [60usize, 61, 62, 63, 64] {
-                let r = m.alloc(n << 20, PAGE).unwrap();
+                let r = m.alloc(n << 20, page).unwrap();
                 // SAFETY: a live range, viewed only here.
                 unsafe { std::slice::from_raw_parts_mut(m.pointer(r).unwrap().as_ptr(), r.len) }
                     .fill(1);
-                blockers.push(m.alloc(PAGE, PAGE).unwrap()); // the next one cannot reuse it
+                blockers.push(m.alloc(page, page).unwrap()); // the next one cannot reuse it
                 m.free(r).unwrap();
                 assert!(
                     committed(&m) <= m.allocated() + WARM_MAX,
@@ -404,6 +489,43 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Private memory is reserved inaccessible, and opened only as far as
+    /// ranges have been handed out: strict overcommit charges no more.
+    #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "memfd_create, mmap, mprotect, fallocate and madvise are system calls miri does not run"
+    )]
+    fn private_memory_is_opened_only_as_far_as_ranges_were_handed_out() {
+        let m = MappedMemory::private(16 << 20).unwrap();
+        let a = m.alloc(1 << 20, m.page).unwrap();
+        assert_eq!(a.addr, m.base_addr(), "first fit");
+        let base = m.base_addr();
+        let perms = |addr: u64| -> String {
+            let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+            maps.lines()
+                .find_map(|l| {
+                    let (range, rest) = l.split_once(' ')?;
+                    let (lo, hi) = range.split_once('-')?;
+                    let (lo, hi) = (
+                        u64::from_str_radix(lo, 16).ok()?,
+                        u64::from_str_radix(hi, 16).ok()?,
+                    );
+                    (lo <= addr && addr < hi).then(|| rest[..4].to_string())
+                })
+                .unwrap()
+        };
+        assert_eq!(perms(base), "rw-p", "the range handed out");
+        assert_eq!(perms(base + (1 << 20)), "---p", "past it: reserved only");
+        let shared = MappedMemory::shared(16 << 20).unwrap();
+        assert_eq!(
+            perms(shared.base_addr() + (8 << 20)),
+            "rw-s",
+            "a shared file's is whole"
+        );
+        m.free(a).unwrap();
     }
 
     /// A shared and a private mapping of `capacity` bytes, each with
@@ -418,26 +540,40 @@ mod tests {
     /// Bytes of the mapping in memory now (`mincore`: a file's pages in
     /// its page cache, private pages present).
     fn committed(m: &MappedMemory) -> usize {
-        let mut pages = vec![0u8; m.capacity() / PAGE];
+        let mut pages = vec![0u8; m.capacity() / m.page];
         // SAFETY: our own page-aligned mapping of `capacity` bytes, and a
         // vector of one byte per page of it.
         let rc = unsafe { libc::mincore(m.base.as_ptr().cast(), m.capacity(), pages.as_mut_ptr()) };
         assert_eq!(rc, 0, "mincore");
-        pages.iter().filter(|&&p| p & 1 != 0).count() * PAGE
+        pages.iter().filter(|&&p| p & 1 != 0).count() * m.page
     }
 
+    /// What does not fit comes from the heap: viewed, freed and counted as
+    /// the mapping's own ranges are, with no place in a file.
     #[test]
     #[cfg_attr(
         miri,
-        ignore = "memfd_create, mmap, fallocate and madvise are system calls miri does not run"
+        ignore = "memfd_create, mmap, mprotect, fallocate and madvise are system calls miri does not run"
     )]
-    fn a_full_mapping_is_out_of_memory_and_a_foreign_range_is_not_freed() {
+    fn what_the_mapping_cannot_place_comes_from_the_heap() {
         for (m, _) in both(64 << 10) {
-            let a = m.alloc(60 << 10, 1).unwrap();
-            assert!(matches!(
-                m.alloc(8 << 10, 1),
-                Err(Error::OutOfMemory { len }) if len == 8 << 10
-            ));
+            let page = m.page;
+            let a = m.alloc(m.capacity() - page, 1).unwrap();
+            let b = m.alloc(8 << 10, 64).unwrap();
+            assert!(
+                m.inside(b.addr, b.len).is_none(),
+                "beyond the mapping's room"
+            );
+            assert_eq!(m.allocated(), m.capacity() - page + m.overflow.allocated());
+            assert!(m.place(b.addr, b.len).is_none(), "no place in a file");
+            // SAFETY: a live range of 8 KiB, viewed only here.
+            unsafe { std::slice::from_raw_parts_mut(m.pointer(b).unwrap().as_ptr(), b.len) }
+                .fill(3);
+            m.free(b).unwrap();
+            assert!(
+                m.free(b).is_err(),
+                "a second free of an overflow range is refused"
+            );
             let outside = Region {
                 addr: 8,
                 len: 16,
@@ -446,6 +582,16 @@ mod tests {
             assert!(m.free(outside).is_err());
             assert!(m.pointer(outside).is_none());
             m.free(a).unwrap();
+            assert_eq!(m.allocated(), 0);
+            // A length no page count can hold is refused, typed.
+            assert!(matches!(
+                m.alloc(usize::MAX, 1),
+                Err(Error::OutOfMemory { .. })
+            ));
         }
+        assert!(matches!(
+            MappedMemory::private(usize::MAX),
+            Err(Error::OutOfMemory { .. })
+        ));
     }
 }

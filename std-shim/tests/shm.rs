@@ -38,7 +38,7 @@ fn send_leased(e: &Endpoint<LocalWire>, peer: PeerId, bytes: &[u8]) -> Result<()
 }
 
 /// The pool of this test or its child: a shared-memory file (single-copy
-/// messages go placed) or the heap (they go by the claim word).
+/// messages go placed) or private memory (they go by the claim word).
 fn pool(shared: bool) -> Arc<StdPool> {
     match shared {
         true => shared_pool(64 << 20).unwrap(),
@@ -141,7 +141,10 @@ fn spawn_in(addr: SocketAddr, role: &str, shared: bool) -> Reaped {
         ])
         .env("ZEROHOP_TEST_CONNECT", addr.to_string())
         .env("ZEROHOP_TEST_ROLE", role)
-        .env("ZEROHOP_TEST_POOL", if shared { "shared" } else { "heap" })
+        .env(
+            "ZEROHOP_TEST_POOL",
+            if shared { "shared" } else { "private" },
+        )
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
@@ -569,7 +572,7 @@ fn a_buffer_handed_over_is_pending_until_the_peer_has_it() {
     assert_eq!(client_pool.used_bytes(), 0, "the sender's buffer back");
 }
 
-/// A client (pools of shared-memory files or of the heap: `shared`) whose
+/// A client (pools of shared-memory files or of private memory: `shared`) whose
 /// server is held while `send` gives it `m`: at least `pending` bytes of
 /// it count as pending, and `flush` waits for the peer, asleep; once the
 /// server reads, `flush` ends, the client may go and the message arrives
@@ -961,7 +964,10 @@ fn a_wire_with_lanes_is_of_kind_shm_or_uma_and_says_so() {
     let pool = private_pool(8 << 20).unwrap();
     let t = wire(&pool);
     assert_eq!(t.kind(), Kind::Shm);
-    assert!(!t.caps().gpu_resident, "heap memory: no kernel reads it");
+    assert!(
+        !t.caps().gpu_resident,
+        "private host memory: no kernel reads it"
+    );
     // `uma` receives into managed memory, which a private pool is not.
     for other in [
         Kind::Uma,

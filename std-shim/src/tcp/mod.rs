@@ -1,4 +1,4 @@
-//! The TCP wire: kind `tcp` (heap receive pool) and kind `uma` (the same wire
+//! The TCP wire: kind `tcp` (a private receive pool) and kind `uma` (the same wire
 //! receiving into CUDA managed memory). A driver of core's session engine:
 //! sockets, epoll and buffers here; the protocol (Hello, sequence, credit,
 //! Close, timers) is the engine's.
