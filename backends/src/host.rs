@@ -225,8 +225,8 @@ where
     let (p, len) = view(lease);
     // SAFETY: `p..p+len` lies inside a live allocation of `HostMemory`, or
     // inside one mapping made up front (a shared file's or private), which
-    // stays whole while it lives, in a range it handed out, which stays
-    // accessible (checked by `pointer`): real, host-visible memory of this
+    // stays whole while it lives, in its accessible part, which never
+    // shrinks (both checked by `pointer`): real, host-visible memory of this
     // process (device memory is refused at allocation). A process that may
     // fetch a shared file may as well write any memory of this one
     // (`process_vm_writev`): it is outside what this can promise. The

@@ -32,6 +32,7 @@
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use zerohop_core::{Error, MemKind, RawMemory, Region};
@@ -63,6 +64,11 @@ pub struct MappedMemory {
     cap: usize,
     /// The host's page size: every range is made of whole pages.
     page: usize,
+    /// The bytes from the mapping's start that are accessible: all of a
+    /// shared file's; of private memory, as far as ranges were handed out
+    /// (opened under the ranges' lock, never closed again). `pointer` reads
+    /// it without the lock.
+    opened: AtomicUsize,
     /// Free and live ranges, as (offset, length), each sorted by offset.
     ranges: Mutex<Ranges>,
     /// What the mapping could not place.
@@ -80,9 +86,6 @@ struct File {
 struct Ranges {
     free: Vec<(usize, usize)>,
     live: Vec<(usize, usize)>,
-    /// Private memory: the bytes from the mapping's start that are
-    /// accessible (made so as ranges are first handed out; never taken back).
-    opened: usize,
     /// Bytes freed since every free range was last punched: at least the
     /// free bytes still committed. Past `WARM_MAX`, every free range is
     /// punched again.
@@ -195,10 +198,10 @@ impl MappedMemory {
             base,
             cap,
             page,
+            opened: AtomicUsize::new(opened),
             ranges: Mutex::new(Ranges {
                 free: vec![(0, cap)],
                 live: Vec::new(),
-                opened,
                 warm: 0,
             }),
             overflow: HeapMemory::new(),
@@ -231,17 +234,20 @@ impl MappedMemory {
         (end <= self.cap as u64).then_some(off as usize)
     }
 
-    /// A pointer to `region`'s first byte, if it lies inside the mapping
-    /// or one overflow range. The mapping stays whole while this value
-    /// lives, and a range it handed out stays accessible (never made
-    /// inaccessible again), so a region of one is memory; which ranges are
-    /// whose is the pool's to keep (a lookup of the live ranges here, under
-    /// their lock, would cost every view of a lease a lock, for nothing
-    /// `host_bytes` needs).
+    /// A pointer to `region`'s first byte, if it lies inside the
+    /// accessible part of the mapping or one overflow range. The mapping
+    /// stays whole while this value lives, and what was opened stays open,
+    /// so such a region is memory; which ranges are whose is the pool's to
+    /// keep (a lookup of the live ranges here, under their lock, would cost
+    /// every view of a lease a lock, for nothing `host_bytes` needs).
     pub fn pointer(&self, region: Region) -> Option<NonNull<u8>> {
         let Some(off) = self.inside(region.addr, region.len) else {
             return self.overflow.pointer(region);
         };
+        // Acquire: pairs with the store after the `mprotect` that opened it.
+        if off + region.len > self.opened.load(Ordering::Acquire) {
+            return None;
+        }
         // SAFETY: `off + region.len` is inside the mapping (checked above).
         Some(unsafe { self.base.add(off) })
     }
@@ -292,8 +298,10 @@ impl RawMemory for MappedMemory {
         if r.warm > WARM_MAX {
             r.warm = 0;
             // (Private pages never opened were never committed.)
+            // Relaxed: `opened` changes under the lock held here.
+            let opened = self.opened.load(Ordering::Relaxed);
             for &(off, n) in &r.free {
-                let end = (off + n).min(r.opened);
+                let end = (off + n).min(opened);
                 if end > off {
                     self.drop_pages(off, end - off);
                 }
@@ -325,10 +333,11 @@ impl MappedMemory {
         let Some((i, start)) = fit else {
             return Err(oom);
         };
-        if start + want > r.opened {
+        // Relaxed: `opened` changes under the lock held here.
+        let from = self.opened.load(Ordering::Relaxed);
+        if start + want > from {
             // Private memory: open the pages up to the range's end (those
             // between were free, and opening them early harms nothing).
-            let from = r.opened;
             // SAFETY: pages of our own mapping (`from..start + want` lies
             // inside it), none of them viewed while inaccessible.
             let rc = unsafe {
@@ -342,7 +351,8 @@ impl MappedMemory {
                 // Strict overcommit refused the charge: the heap may not.
                 return Err(oom);
             }
-            r.opened = start + want;
+            // Release: a view of the range (`pointer`) sees it open.
+            self.opened.store(start + want, Ordering::Release);
         }
         let (off, n) = r.free.remove(i);
         // What the aligned range leaves either side stays free.
@@ -519,6 +529,12 @@ mod tests {
         };
         assert_eq!(perms(base), "rw-p", "the range handed out");
         assert_eq!(perms(base + (1 << 20)), "---p", "past it: reserved only");
+        let past = Region {
+            addr: base + (1 << 20),
+            len: 16,
+            kind: MemKind::Host,
+        };
+        assert!(m.pointer(past).is_none(), "no view of what is not open");
         let shared = MappedMemory::shared(16 << 20).unwrap();
         assert_eq!(
             perms(shared.base_addr() + (8 << 20)),
@@ -557,14 +573,13 @@ mod tests {
     )]
     fn what_the_mapping_cannot_place_comes_from_the_heap() {
         for (m, _) in both(64 << 10) {
-            let page = m.page;
-            let a = m.alloc(m.capacity() - page, 1).unwrap();
+            let a = m.alloc(m.capacity(), 1).unwrap();
             let b = m.alloc(8 << 10, 64).unwrap();
             assert!(
                 m.inside(b.addr, b.len).is_none(),
                 "beyond the mapping's room"
             );
-            assert_eq!(m.allocated(), m.capacity() - page + m.overflow.allocated());
+            assert_eq!(m.allocated(), m.capacity() + m.overflow.allocated());
             assert!(m.place(b.addr, b.len).is_none(), "no place in a file");
             // SAFETY: a live range of 8 KiB, viewed only here.
             unsafe { std::slice::from_raw_parts_mut(m.pointer(b).unwrap().as_ptr(), b.len) }
