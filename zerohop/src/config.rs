@@ -24,7 +24,7 @@ pub struct Config {
     /// Budget of the receive pool, in bytes (default 4 GiB; it grows in
     /// 2 MiB chunks up to this). A host pool reserves twice this in address
     /// space up front (one mapping, so that viewing a buffer takes no lock)
-    /// and commits only what it uses, strict overcommit included.
+    /// and commits only as far as it has grown, strict overcommit included.
     /// `ZEROHOP_POOL_BYTES`, else `ZAP_UMA_POOL_BYTES` (0: the host's
     /// physical memory).
     pub pool_bytes: usize,
