@@ -263,15 +263,91 @@ impl MappedMemory {
             offset: off as u64,
         })
     }
+
+    /// A range of the mapping for `len` bytes aligned to `align` (as an
+    /// address), first fit; `None` where none is free (or none can be
+    /// opened).
+    fn place_range(&self, len: usize, align: usize) -> Option<Region> {
+        let want = len.max(1).checked_next_multiple_of(self.page)?;
+        let align = align.max(1);
+        let base = self.base_addr() as usize;
+        let mut r = self.lock();
+        // First fit, the start aligned as an address (the mapping is only
+        // page-aligned).
+        let fit = r.free.iter().enumerate().find_map(|(i, &(off, n))| {
+            let start = (base + off).checked_next_multiple_of(align)? - base;
+            (start.checked_add(want)? <= off + n).then_some((i, start))
+        });
+        let (i, start) = fit?;
+        // Relaxed: `opened` changes under the lock held here.
+        let from = self.opened.load(Ordering::Relaxed);
+        if start + want > from {
+            // Private memory: open the pages up to the range's end (those
+            // between were free, and opening them early harms nothing).
+            // SAFETY: pages of our own mapping (`from..start + want` lies
+            // inside it), none of them viewed while inaccessible.
+            let rc = unsafe {
+                libc::mprotect(
+                    self.base.as_ptr().add(from).cast(),
+                    start + want - from,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                )
+            };
+            if rc != 0 {
+                // Strict overcommit refused the charge: the heap may not.
+                return None;
+            }
+            // Release: a view of the range (`pointer`) sees it open.
+            self.opened.store(start + want, Ordering::Release);
+        }
+        let (off, n) = r.free.remove(i);
+        // What the aligned range leaves either side stays free.
+        let mut k = i;
+        if start > off {
+            r.free.insert(k, (off, start - off));
+            k += 1;
+        }
+        if start + want < off + n {
+            r.free.insert(k, (start + want, off + n - start - want));
+        }
+        let at = r.live.partition_point(|&(o, _)| o < start);
+        r.live.insert(at, (start, want));
+        Some(Region {
+            addr: (base + start) as u64,
+            len,
+            kind: MemKind::Host,
+        })
+    }
+
+    /// Gives the pages of the free range `off..off + n` back to the kernel;
+    /// they read zero when next touched.
+    fn drop_pages(&self, off: usize, n: usize) {
+        match &self.file {
+            // SAFETY: a live descriptor; the range is inside the file and
+            // no live range overlaps it.
+            Some(f) => unsafe {
+                libc::fallocate(
+                    f.fd.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    off as libc::off_t,
+                    n as libc::off_t,
+                )
+            },
+            // SAFETY: a range of our own private mapping that no live range
+            // overlaps (the pool holds no view of it).
+            None => unsafe {
+                libc::madvise(self.base.as_ptr().add(off).cast(), n, libc::MADV_DONTNEED)
+            },
+        };
+    }
 }
 
 impl RawMemory for MappedMemory {
     fn alloc(&self, len: usize, align: usize) -> Result<Region, Error> {
         match self.place_range(len, align) {
-            Ok(r) => Ok(r),
+            Some(r) => Ok(r),
             // Full, or too cut up: the heap serves it, as it would have.
-            Err(Error::OutOfMemory { .. }) => self.overflow.alloc(len, align),
-            Err(e) => Err(e),
+            None => self.overflow.alloc(len, align),
         }
     }
 
@@ -312,87 +388,6 @@ impl RawMemory for MappedMemory {
 
     fn host_visible(&self) -> bool {
         true
-    }
-}
-
-impl MappedMemory {
-    /// A range of the mapping for `len` bytes aligned to `align` (as an
-    /// address), first fit; `OutOfMemory` where none is free.
-    fn place_range(&self, len: usize, align: usize) -> Result<Region, Error> {
-        let oom = Error::OutOfMemory { len };
-        let want = len.max(1).checked_next_multiple_of(self.page).ok_or(oom)?;
-        let align = align.max(1);
-        let base = self.base_addr() as usize;
-        let mut r = self.lock();
-        // First fit, the start aligned as an address (the mapping is only
-        // page-aligned).
-        let fit = r.free.iter().enumerate().find_map(|(i, &(off, n))| {
-            let start = (base + off).checked_next_multiple_of(align)? - base;
-            (start.checked_add(want)? <= off + n).then_some((i, start))
-        });
-        let Some((i, start)) = fit else {
-            return Err(oom);
-        };
-        // Relaxed: `opened` changes under the lock held here.
-        let from = self.opened.load(Ordering::Relaxed);
-        if start + want > from {
-            // Private memory: open the pages up to the range's end (those
-            // between were free, and opening them early harms nothing).
-            // SAFETY: pages of our own mapping (`from..start + want` lies
-            // inside it), none of them viewed while inaccessible.
-            let rc = unsafe {
-                libc::mprotect(
-                    self.base.as_ptr().add(from).cast(),
-                    start + want - from,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                )
-            };
-            if rc != 0 {
-                // Strict overcommit refused the charge: the heap may not.
-                return Err(oom);
-            }
-            // Release: a view of the range (`pointer`) sees it open.
-            self.opened.store(start + want, Ordering::Release);
-        }
-        let (off, n) = r.free.remove(i);
-        // What the aligned range leaves either side stays free.
-        let mut k = i;
-        if start > off {
-            r.free.insert(k, (off, start - off));
-            k += 1;
-        }
-        if start + want < off + n {
-            r.free.insert(k, (start + want, off + n - start - want));
-        }
-        let at = r.live.partition_point(|&(o, _)| o < start);
-        r.live.insert(at, (start, want));
-        Ok(Region {
-            addr: (base + start) as u64,
-            len,
-            kind: MemKind::Host,
-        })
-    }
-
-    /// Gives the pages of the free range `off..off + n` back to the kernel;
-    /// they read zero when next touched.
-    fn drop_pages(&self, off: usize, n: usize) {
-        match &self.file {
-            // SAFETY: a live descriptor; the range is inside the file and
-            // no live range overlaps it.
-            Some(f) => unsafe {
-                libc::fallocate(
-                    f.fd.as_raw_fd(),
-                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                    off as libc::off_t,
-                    n as libc::off_t,
-                )
-            },
-            // SAFETY: a range of our own private mapping that no live range
-            // overlaps (the pool holds no view of it).
-            None => unsafe {
-                libc::madvise(self.base.as_ptr().add(off).cast(), n, libc::MADV_DONTNEED)
-            },
-        };
     }
 }
 
@@ -458,9 +453,7 @@ mod tests {
             let page = m.page;
             let r = m.alloc(WARM_MAX, page).unwrap();
             let r2 = m.alloc(2 * page, page).unwrap();
-            // SAFETY: a live range, viewed only here.
-            unsafe { std::slice::from_raw_parts_mut(m.pointer(r).unwrap().as_ptr(), r.len) }
-                .fill(1);
+            fill(&m, r, 1);
             assert!(committed(&m) >= WARM_MAX);
             m.free(r).unwrap();
             assert!(committed(&m) >= WARM_MAX, "kept warm up to the bound");
@@ -487,9 +480,7 @@ mod tests {
             let mut blockers = Vec::new();
             for n in [60usize, 61, 62, 63, 64] {
                 let r = m.alloc(n << 20, page).unwrap();
-                // SAFETY: a live range, viewed only here.
-                unsafe { std::slice::from_raw_parts_mut(m.pointer(r).unwrap().as_ptr(), r.len) }
-                    .fill(1);
+                fill(&m, r, 1);
                 blockers.push(m.alloc(page, page).unwrap()); // the next one cannot reuse it
                 m.free(r).unwrap();
                 assert!(
@@ -553,6 +544,12 @@ mod tests {
         ]
     }
 
+    /// Writes `byte` over `r`, a live range of `m` that nothing else views.
+    fn fill(m: &MappedMemory, r: Region, byte: u8) {
+        // SAFETY: a live range (the caller's), viewed only here.
+        unsafe { std::slice::from_raw_parts_mut(m.pointer(r).unwrap().as_ptr(), r.len) }.fill(byte);
+    }
+
     /// Bytes of the mapping in memory now (`mincore`: a file's pages in
     /// its page cache, private pages present).
     fn committed(m: &MappedMemory) -> usize {
@@ -581,9 +578,7 @@ mod tests {
             );
             assert_eq!(m.allocated(), m.capacity() + m.overflow.allocated());
             assert!(m.place(b.addr, b.len).is_none(), "no place in a file");
-            // SAFETY: a live range of 8 KiB, viewed only here.
-            unsafe { std::slice::from_raw_parts_mut(m.pointer(b).unwrap().as_ptr(), b.len) }
-                .fill(3);
+            fill(&m, b, 3);
             m.free(b).unwrap();
             assert!(
                 m.free(b).is_err(),
