@@ -1,5 +1,5 @@
 //! The pool's concurrent lease and release under every interleaving loom finds.
-//! `LOOM_MAX_PREEMPTIONS=2 RUSTFLAGS="--cfg loom" cargo test -p zerohop-core --test loom --release`
+//! `LOOM_MAX_PREEMPTIONS=2 RUSTFLAGS="--cfg loom" cargo test -p zerohop-core --test loom --profile loom`
 #![cfg(loom)]
 
 use loom::sync::Arc;

@@ -4,7 +4,7 @@
 //! clock, so no wait here can end by timing out: every sleeper must be woken
 //! by the thread that has its work, or loom reports the deadlock.
 //!
-//! `LOOM_MAX_PREEMPTIONS=2 RUSTFLAGS="--cfg loom" cargo test -p zerohop-std --test loom --release`
+//! `LOOM_MAX_PREEMPTIONS=2 RUSTFLAGS="--cfg loom" cargo test -p zerohop-std --test loom --profile loom`
 #![cfg(loom)]
 
 use std::collections::VecDeque;

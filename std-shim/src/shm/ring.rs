@@ -985,7 +985,7 @@ mod tests {
 
 /// Every interleaving of a producer and a consumer, with the sleeps and
 /// doorbells the lane uses, on a ring smaller than what crosses:
-/// `LOOM_MAX_PREEMPTIONS=2 RUSTFLAGS="--cfg loom" cargo test -p zerohop-std --lib --release shm::ring`.
+/// `LOOM_MAX_PREEMPTIONS=2 RUSTFLAGS="--cfg loom" cargo test -p zerohop-std --lib --profile loom shm::ring`.
 /// A lost wake-up leaves a side asleep for ever, which loom reports.
 #[cfg(all(test, loom))]
 mod model {
