@@ -1003,6 +1003,17 @@ fn passes_leaving_reading_until_dropped(
     assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
 }
 
+/// A transport of 64 MiB, `idle` its idle timeout.
+fn with_idle_timeout(idle: Duration) -> TcpTransport {
+    transport(
+        64 << 20,
+        TcpConfig {
+            idle_timeout: idle,
+            ..TcpConfig::default()
+        },
+    )
+}
+
 /// A transport of 64 MiB whose inbox holds one message, `idle` its idle timeout.
 fn one_message_inbox(idle: Duration) -> TcpTransport {
     transport(
@@ -1047,13 +1058,7 @@ fn expect_stalled(t: &mut TcpTransport, during: Stall) {
 #[test]
 fn a_peer_left_mid_frame_while_this_side_was_away_is_read_not_timed_out() {
     let idle = Duration::from_millis(500);
-    let mut t = transport(
-        64 << 20,
-        TcpConfig {
-            idle_timeout: idle,
-            ..TcpConfig::default()
-        },
-    );
+    let mut t = with_idle_timeout(idle);
     let addr = t.listen("127.0.0.1:0").unwrap();
     let mut raw = Raw::connect(addr);
     let payload = sized(5, 4000);
@@ -1065,14 +1070,7 @@ fn a_peer_left_mid_frame_while_this_side_was_away_is_read_not_timed_out() {
     raw.send(&payload[100..]);
     std::thread::sleep(3 * idle);
     t.progress().unwrap();
-    let t0 = Instant::now();
-    let got = loop {
-        match t.try_recv() {
-            Err(Error::WouldBlock) if t0.elapsed() < 5 * SECOND => t.progress().unwrap(),
-            other => break other,
-        };
-    };
-    assert_eq!(host_bytes(&got.unwrap().lease), &payload[..]);
+    assert_eq!(receive(&mut t, 1, Instant::now() + 5 * SECOND), [payload]);
 }
 
 /// The same while the progress thread runs the timers and leaves reading
@@ -1082,13 +1080,7 @@ fn a_peer_left_mid_frame_while_this_side_was_away_is_read_not_timed_out() {
 #[test]
 fn a_peer_whose_bytes_wait_unread_while_the_progress_thread_leaves_reading_is_read_first() {
     let idle = Duration::from_millis(500);
-    let mut t = transport(
-        64 << 20,
-        TcpConfig {
-            idle_timeout: idle,
-            ..TcpConfig::default()
-        },
-    );
+    let mut t = with_idle_timeout(idle);
     let addr = t.listen("127.0.0.1:0").unwrap();
     let mut raw = Raw::connect(addr);
     let payload = sized(7, 4000);
@@ -1098,13 +1090,7 @@ fn a_peer_whose_bytes_wait_unread_while_the_progress_thread_leaves_reading_is_re
     raw.send(&payload[100..]);
     let t0 = Instant::now();
     passes_leaving_reading(&mut t, 3 * idle);
-    let got = loop {
-        match t.try_recv() {
-            Err(Error::WouldBlock) if t0.elapsed() < 10 * idle => t.progress().unwrap(),
-            other => break other,
-        };
-    };
-    assert_eq!(host_bytes(&got.unwrap().lease), &payload[..]);
+    assert_eq!(receive(&mut t, 1, t0 + 10 * idle), [payload]);
 }
 
 /// A peer that drips, while the progress thread leaves reading to the
@@ -1114,13 +1100,7 @@ fn a_peer_whose_bytes_wait_unread_while_the_progress_thread_leaves_reading_is_re
 #[test]
 fn a_dripping_peer_is_dropped_at_the_minimum_rate_while_the_progress_thread_leaves_reading() {
     let idle = Duration::from_millis(500);
-    let mut t = transport(
-        64 << 20,
-        TcpConfig {
-            idle_timeout: idle,
-            ..TcpConfig::default()
-        },
-    );
+    let mut t = with_idle_timeout(idle);
     let addr = t.listen("127.0.0.1:0").unwrap();
     let mut raw = Raw::connect(addr);
     raw.send(&Raw::data(0, 8 << 20, DataFlags::NONE));
@@ -1144,13 +1124,7 @@ fn a_dripping_peer_is_dropped_at_the_minimum_rate_while_the_progress_thread_leav
 #[test]
 fn a_peer_flooding_control_frames_mid_message_is_dropped_at_the_minimum_rate() {
     let idle = Duration::from_millis(500);
-    let mut t = transport(
-        64 << 20,
-        TcpConfig {
-            idle_timeout: idle,
-            ..TcpConfig::default()
-        },
-    );
+    let mut t = with_idle_timeout(idle);
     let addr = t.listen("127.0.0.1:0").unwrap();
     let mut raw = Raw::connect(addr);
     let first = Frame::Data(Data {
