@@ -15,7 +15,8 @@ use zerohop_core::session::{ProtocolError, SessionConfig, Stall};
 use zerohop_core::wire::{Close, Data, DataFlags, DecodeError, Frame, Hello, Takes};
 use zerohop_core::Error;
 use zerohop_std::shm::testing::{
-    short_record, LaneRig, SingleCopyDesc, PEER, SINGLE_COPY_DESC_BYTES,
+    claim_word, help_split, short_record, LaneRig, SingleCopyDesc, HELP_DONE, HELP_IDLE,
+    HELP_OFFERED, PEER, SINGLE_COPY_DESC_BYTES,
 };
 
 fn hello() -> [u8; 32] {
@@ -865,6 +866,112 @@ fn a_bad_placed_descriptor_ends_that_lane_typed() {
     rig.read().unwrap();
     assert_eq!(rig.take_messages(), [Ok(readable.clone())]);
     assert_eq!(rig.told_peer().1, 1, "its done stored");
+}
+
+/// A claimed message from `source` (in this process, as the peer's memory),
+/// ticket `ticket`, written into the rig's ring.
+fn peer_claimed(rig: &mut LaneRig, ticket: u64, seq: u64, source: &[u8]) {
+    rig.peer_write(&data(DataFlags::NONE, seq, source.len() as u32));
+    let desc = SingleCopyDesc {
+        addr: source.as_ptr() as u64,
+        ticket,
+        place: None,
+        placed: false,
+    };
+    rig.peer_write(&desc.encode());
+}
+
+/// A claimed message of 64 KiB or more is copied by both sides: the
+/// receiver offers the tail to the sender before it reads the head. Not
+/// taken, the receiver takes the offer back and reads the tail itself; a
+/// shorter message offers nothing.
+#[test]
+fn a_long_claimed_message_offers_its_tail_and_takes_it_back_unhelped() {
+    let mut rig = LaneRig::new(1 << 16, 4 << 20).unwrap();
+    rig.peer_write(&hello());
+    let short: Vec<u8> = (0..40 << 10).map(|i| (i % 251) as u8).collect();
+    let long: Vec<u8> = (0..64 << 10).map(|i| (i % 241) as u8).collect();
+    assert_eq!(help_split(short.len()), None);
+    assert_eq!(help_split(long.len()), Some(32 << 10));
+    peer_claimed(&mut rig, 1, 0, &short);
+    rig.read().unwrap();
+    assert_eq!(rig.take_messages(), [Ok(short)]);
+    assert_eq!(rig.peer_help_word(), 0, "no offer for a short one");
+    peer_claimed(&mut rig, 2, 1, &long);
+    rig.read().unwrap();
+    assert_eq!(rig.take_messages(), [Ok(long)], "the tail read by the lane");
+    assert_eq!(
+        rig.peer_help_word(),
+        claim_word(2, HELP_IDLE),
+        "offered, and taken back"
+    );
+    assert_eq!(rig.pool_used(), 0);
+}
+
+/// A sender that takes the offer and writes the tail is waited for and
+/// believed: the message is the head the receiver read and the tail the
+/// sender wrote (here other bytes than its source's, to tell them apart).
+#[test]
+fn a_tail_the_sender_wrote_is_the_messages() {
+    let mut rig = LaneRig::new(1 << 16, 4 << 20).unwrap();
+    rig.peer_write(&hello());
+    let source: Vec<u8> = (0..64 << 10).map(|i| (i % 241) as u8).collect();
+    let at = help_split(source.len()).unwrap();
+    let tail = vec![0xA5u8; source.len() - at];
+    rig.peer_helps_during_next_copy(tail.clone(), None);
+    peer_claimed(&mut rig, 1, 0, &source);
+    rig.read().unwrap();
+    let mut expect = source[..at].to_vec();
+    expect.extend_from_slice(&tail);
+    assert_eq!(rig.take_messages(), [Ok(expect)]);
+    assert_eq!(rig.peer_help_word(), claim_word(1, HELP_DONE));
+    assert_eq!(rig.pool_used(), 0);
+}
+
+/// A help word naming another message than the one read ends the lane
+/// typed, nothing delivered and no buffer held.
+#[test]
+fn a_help_word_of_another_message_ends_that_lane_typed() {
+    for word in [claim_word(2, HELP_DONE), claim_word(0, HELP_OFFERED)] {
+        let mut rig = LaneRig::new(1 << 16, 4 << 20).unwrap();
+        rig.peer_write(&hello());
+        let source = vec![3u8; 64 << 10];
+        rig.peer_helps_during_next_copy(Vec::new(), Some(word));
+        peer_claimed(&mut rig, 1, 0, &source);
+        assert!(
+            matches!(rig.read(), Err(Error::WireRule { .. })),
+            "{word:#x}: a typed end"
+        );
+        assert!(!rig.alive());
+        assert!(rig.take_delivered().is_empty(), "{word:#x}: not delivered");
+        assert_eq!(rig.pool_used(), 0, "{word:#x}: no buffer held");
+    }
+}
+
+/// A sender waiting for its claimed message writes the tail it is offered
+/// straight into the receiver's buffer (here this process's), says DONE,
+/// and counts it; an offer for another ticket it leaves alone.
+#[test]
+fn a_waiting_sender_writes_the_tail_it_is_offered() {
+    let mut rig = LaneRig::new(1 << 16, 4 << 20).unwrap();
+    greet(&mut rig, hello_taking(Takes::HEADERLESS));
+    let message: Vec<u8> = (0..64 << 10).map(|i| (i % 239) as u8).collect();
+    let at = help_split(message.len()).unwrap();
+    assert_eq!(rig.send_direct(&message), Ok(false), "waits for the peer");
+    assert_eq!(descriptors(&rig.peer_take())[0].ticket, 1);
+    rig.peer_claims(1);
+    let mut dst = vec![0u8; message.len() - at];
+    rig.peer_offers_tail(2, dst.as_mut_ptr() as u64);
+    assert_eq!(rig.continue_send(&message), Ok(false));
+    assert_eq!(rig.help_word(), claim_word(2, HELP_OFFERED), "not its ticket");
+    assert_eq!(rig.single_copies().helped, 0);
+    rig.peer_offers_tail(1, dst.as_mut_ptr() as u64);
+    assert_eq!(rig.continue_send(&message), Ok(false), "still read by the peer");
+    assert_eq!(rig.help_word(), claim_word(1, HELP_DONE));
+    assert!(dst == message[at..], "the tail written where offered");
+    assert_eq!(rig.single_copies().helped, 1);
+    rig.peer_copied(1);
+    assert_eq!(rig.continue_send(&message), Ok(true), "done");
 }
 
 /// A file of the peer's, sealed (or not) as the test says, `len` bytes.

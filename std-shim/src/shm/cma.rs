@@ -28,6 +28,21 @@
 //! it at that ticket. Whoever swaps first decides; a sender whose
 //! withdrawal lost waits for the copy under way. Any other value is a
 //! peer breaking the lane.
+//!
+//! A claimed message of [`HELP_MIN`] bytes or more is copied by both
+//! cores: the sender, waiting for its done anyway, writes the tail (from
+//! [`help_split`] on) straight into the receiver's buffer
+//! (`process_vm_writev`) while the receiver reads the head. Each ring has
+//! a second word for it, the *help*: `ticket << 2 | state`, beside the
+//! tail's address in the receiver. Having claimed `t`, the receiver stores
+//! the address and then `t << 2 | OFFERED`, and reads the head. The sender
+//! takes the offer by a compare-and-swap to `TAKEN`, writes, and stores
+//! `DONE` — or `IDLE` where it may not write there (it offers no more).
+//! Done with the head, the receiver takes an offer still open back
+//! (`OFFERED` to `IDLE`) and copies the tail itself; one taken it waits
+//! for (a sender that dies meanwhile is a lost peer). The write needs the
+//! ptrace right that the read needs, under which either process could
+//! already rewrite the other: it asks for no trust the read does not.
 
 use std::ffi::c_void;
 
@@ -54,8 +69,30 @@ pub(crate) const READING: u64 = 1;
 pub(crate) const WITHDRAWN: u64 = 2;
 pub(crate) const REFUSED: u64 = 3;
 
-/// The claim word's value for `ticket` in `state`.
-pub(crate) const fn word(ticket: u64, state: u64) -> u64 {
+/// Claimed messages at least this long are copied by both sides (see above).
+pub(crate) const HELP_MIN: usize = 64 << 10;
+
+/// The help word's states (see above): no offer open.
+pub const IDLE: u64 = 0;
+/// The receiver offers the tail.
+pub const OFFERED: u64 = 1;
+/// The sender writes it.
+pub const TAKEN: u64 = 2;
+/// The sender wrote it.
+pub const DONE: u64 = 3;
+
+/// Where a claimed message of `len` bytes splits between the receiver's
+/// head and the sender's tail: half, on a page boundary (`None`: too short
+/// to split).
+pub const fn help_split(len: usize) -> Option<usize> {
+    if len < HELP_MIN {
+        return None;
+    }
+    Some(len / 2 / 4096 * 4096)
+}
+
+/// The claim (or help) word's value for `ticket` in `state`.
+pub const fn word(ticket: u64, state: u64) -> u64 {
     ticket << 2 | state
 }
 
@@ -84,6 +121,18 @@ pub struct Desc {
 }
 
 impl Desc {
+    /// The descriptor of its bytes from `at` on.
+    pub fn skip(&self, at: usize) -> Desc {
+        Desc {
+            addr: self.addr.wrapping_add(at as u64),
+            place: self.place.map(|p| SharedPlace {
+                offset: p.offset.wrapping_add(at as u64),
+                ..p
+            }),
+            ..*self
+        }
+    }
+
     /// Its bytes in the ring.
     pub fn encode(&self) -> [u8; DESC_BYTES] {
         let mut d = [0u8; DESC_BYTES];
@@ -146,6 +195,36 @@ pub(crate) fn read(pid: i32, addr: u64, dst: &mut [u8]) -> bool {
         // length given; `remote` names memory in another process, which the
         // kernel alone touches and checks (EFAULT, EPERM, ESRCH).
         let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+        match usize::try_from(n) {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => done += n,
+        }
+    }
+    true
+}
+
+/// Copies the `len` bytes at `src` in this process to `addr` in process
+/// `pid`. Whether all of them went (the kernel checks the remote range and
+/// the right to write it).
+///
+/// # Safety
+/// `src..src + len` is readable memory of this process that nothing
+/// writes until this returns.
+pub(crate) unsafe fn write(pid: i32, addr: u64, src: *const u8, len: usize) -> bool {
+    let mut done = 0;
+    while done < len {
+        let local = libc::iovec {
+            iov_base: src.wrapping_add(done) as *mut c_void,
+            iov_len: len - done,
+        };
+        let remote = libc::iovec {
+            iov_base: addr.wrapping_add(done as u64) as usize as *mut c_void,
+            iov_len: len - done,
+        };
+        // SAFETY: `local` is this process's memory, readable and unchanged
+        // for the call (the caller's promise); `remote` names memory in
+        // another process, which the kernel alone touches and checks.
+        let n = unsafe { libc::process_vm_writev(pid, &local, 1, &remote, 1, 0) };
         match usize::try_from(n) {
             Ok(0) | Err(_) => return false,
             Ok(n) => done += n,

@@ -211,6 +211,9 @@ pub struct SingleCopies {
     /// Sent by the claim word (the receiver reads them while the sender
     /// waits for its done).
     pub claimed: u64,
+    /// Of the claimed, those whose tail this side wrote into the
+    /// receiver's buffer while the receiver read the head.
+    pub helped: u64,
     /// Sent placed in this side's pool file (the sender goes on at once).
     pub placed: u64,
     /// The peer's, copied out of this side's mapping of its pool file.
@@ -301,6 +304,66 @@ impl SingleIn {
         Ok(true)
     }
 
+    /// Copies a claimed message's bytes into `dst`: a long one's tail
+    /// offered to the sender meanwhile (see [`cma`]), and the offer settled
+    /// before this returns, whether the head came or not (the sender writes
+    /// into `dst` only while it holds it). Whether all of them came.
+    fn copy_claimed(
+        &mut self,
+        peer: PeerId,
+        desc: &cma::Desc,
+        dst: &mut [u8],
+        ring: &Consumer<SegRing>,
+    ) -> Result<bool, Error> {
+        use std::sync::atomic::Ordering;
+        // Offered only where a sender that dies while it writes can be
+        // told from one that is slow (its pidfd).
+        let Some(at) = cma::help_split(dst.len()).filter(|_| self.files.process_alive()) else {
+            return Ok(self.copy(desc, dst, ring));
+        };
+        let t = desc.ticket;
+        let help = ring.mem_ctl().help();
+        let (head, tail) = dst.split_at_mut(at);
+        // Relaxed: published by the offer's Release store.
+        help.dst.store(tail.as_mut_ptr() as u64, Ordering::Relaxed);
+        help.word
+            .store(cma::word(t, cma::OFFERED), Ordering::Release);
+        let head_got = self.copy(desc, head, ring);
+        // AcqRel: against the sender's take; whoever swaps first decides.
+        let mut v = match help.word.compare_exchange(
+            cma::word(t, cma::OFFERED),
+            cma::word(t, cma::IDLE),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => cma::word(t, cma::IDLE),
+            Err(v) => v,
+        };
+        let mut spins = 0u32;
+        // Taken: the sender is writing the tail; its end is waited for.
+        while v == cma::word(t, cma::TAKEN) {
+            spins = spins.wrapping_add(1);
+            if spins % 1024 == 0 && !self.files.process_alive() {
+                return Err(Error::PeerLost(peer));
+            }
+            std::hint::spin_loop();
+            // Acquire: the sender's write of the tail is over before its DONE.
+            v = help.word.load(Ordering::Acquire);
+        }
+        if v == cma::word(t, cma::IDLE) {
+            // Back, or not writable there: the tail is this side's to read
+            // (one message: one read of a mapped file counted).
+            let reads = self.files.reads;
+            let tail_got = head_got && self.copy(&desc.skip(at), tail, ring);
+            self.files.reads = reads;
+            return Ok(tail_got);
+        }
+        if v != cma::word(t, cma::DONE) {
+            return Err(Lane::bad_claim(peer));
+        }
+        Ok(head_got)
+    }
+
     /// Takes a message handed over by the claim word of `ring` (see
     /// [`cma`]): whether its bytes came (else they follow in the ring:
     /// refused here, or withdrawn by the sender).
@@ -326,7 +389,7 @@ impl SingleIn {
             Ordering::Acquire,
         ) {
             Ok(_) => {
-                let got = self.copy(desc, dst, ring);
+                let got = self.copy_claimed(peer, desc, dst, ring)?;
                 if got && !Self::kept(ring) {
                     return Err(Error::PeerLost(peer));
                 }
@@ -417,6 +480,10 @@ pub(crate) struct Lane {
     handover: Option<Handover>,
     /// The last ticket this side issued.
     tx_ticket: u64,
+    /// The peer's offers of a claimed message's tail are taken (until a
+    /// write into its memory fails), and how many were written.
+    help_tx: bool,
+    tx_helped: u64,
     /// Device messages each way (a lane whose wire has a device pool).
     #[cfg(feature = "cuda-uma")]
     gpu: Option<Box<super::device::LaneGpu>>,
@@ -477,6 +544,8 @@ impl Lane {
             cma_tx: true,
             handover: None,
             tx_ticket: 0,
+            help_tx: true,
+            tx_helped: 0,
             #[cfg(feature = "cuda-uma")]
             gpu: None,
             #[cfg(feature = "cuda-uma")]
@@ -505,6 +574,7 @@ impl Lane {
     pub(crate) fn single_copies(&self) -> SingleCopies {
         SingleCopies {
             claimed: self.tx_ticket,
+            helped: self.tx_helped,
             placed: self.tx_placed,
             mapped: self.single_in.files.reads,
         }
@@ -800,6 +870,12 @@ impl Lane {
     /// `caller`: the blocked caller's bytes, when it asks (a refusal then
     /// turns into a direct write of the rest).
     fn poll_handover(&mut self, peer: PeerId, caller: Option<&[u8]>) -> Result<Handed, Error> {
+        if self.handover.is_none() {
+            return Ok(Handed::Done);
+        }
+        if self.help_tx {
+            self.help_peer();
+        }
         let Some(h) = self.handover.as_ref() else {
             return Ok(Handed::Done);
         };
@@ -828,6 +904,57 @@ impl Lane {
             Handed::Waiting => {}
         }
         Ok(state)
+    }
+
+    /// Takes the peer's offer of the handover's tail, if it made one, and
+    /// writes the tail into the peer's buffer (see [`cma`]).
+    fn help_peer(&mut self) {
+        use std::sync::atomic::Ordering;
+        let Some(h) = self.handover.as_ref() else {
+            return;
+        };
+        let help = self.tx.mem_ctl().help();
+        let offer = cma::word(h.ticket, cma::OFFERED);
+        // Relaxed: a look; the swap below acquires.
+        if help.word.load(Ordering::Relaxed) != offer {
+            return;
+        }
+        // AcqRel: against the peer's taking it back; Acquire: its `dst`.
+        if help
+            .word
+            .compare_exchange(
+                offer,
+                cma::word(h.ticket, cma::TAKEN),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            )
+            .is_err()
+        {
+            return;
+        }
+        let dst = help.dst.load(Ordering::Relaxed);
+        let (src, len) = match &h.held {
+            Held::Caller(c) => (c.0 as *const u8, c.1),
+            Held::Owned(v) => (v.as_ptr(), v.len()),
+            Held::Leased(l) => (host_bytes(l).as_ptr(), l.len()),
+        };
+        let wrote = match (cma::help_split(len), self.single_in.peer_pid) {
+            // SAFETY: the handover holds the bytes until the peer's done:
+            // the blocked caller's slice (it waits in `continue_send`, and
+            // leaves only by `withdraw`, which waits for this side's copy
+            // too: it runs on the same thread), or a copy or lease it owns.
+            // Nothing writes them meanwhile.
+            (Some(at), Some(pid)) => unsafe {
+                cma::write(pid, dst, src.wrapping_add(at), len - at)
+            },
+            _ => false,
+        };
+        self.help_tx = wrote;
+        self.tx_helped += u64::from(wrote);
+        let state = if wrote { cma::DONE } else { cma::IDLE };
+        // Release: the write is over before the peer sees DONE.
+        help.word
+            .store(cma::word(h.ticket, state), Ordering::Release);
     }
 
     /// The bytes of a message whose handover failed follow its header and

@@ -75,12 +75,30 @@ pub(crate) struct RingCtl {
     /// then, so what the consumer copies out of the producer's memory
     /// afterwards may be a later message's bytes (see `lane`).
     ended: Line<AtomicU64>,
+    /// The consumer's offer of a claimed message's tail to the producer,
+    /// who may write it straight into the consumer's buffer while the
+    /// consumer reads the head (see `cma`): the word (its ticket and
+    /// state), which both change by compare-and-swap, and where the tail
+    /// goes in the consumer, which only the consumer stores.
+    help: Line<Help>,
+}
+
+#[repr(C)]
+#[derive(Debug, Default)]
+pub(crate) struct Help {
+    pub(crate) word: AtomicU64,
+    pub(crate) dst: AtomicU64,
 }
 
 impl RingCtl {
     /// The claim word of this ring's large messages.
     pub(crate) fn claim(&self) -> &AtomicU64 {
         &self.claim
+    }
+
+    /// The offer of a claimed message's tail (see `cma`).
+    pub(crate) fn help(&self) -> &Help {
+        &self.help
     }
 
     /// The ticket of the last device message copied out of the producer.

@@ -51,7 +51,10 @@ pub struct LaneRig {
     peer_link: Option<UnixStream>,
 }
 
-pub use super::cma::{Desc as SingleCopyDesc, DESC_BYTES as SINGLE_COPY_DESC_BYTES};
+pub use super::cma::{
+    help_split, word as claim_word, Desc as SingleCopyDesc, DESC_BYTES as SINGLE_COPY_DESC_BYTES,
+    DONE as HELP_DONE, IDLE as HELP_IDLE, OFFERED as HELP_OFFERED, TAKEN as HELP_TAKEN,
+};
 
 /// A short record, as a lane writes it ahead of a whole message that the
 /// engine framed headerless: sequence number `seq` (its low 16 bits) and
@@ -316,6 +319,61 @@ impl LaneRig {
     pub fn peer_ends_during_next_copy(&self) {
         let ring = self.peer_tx_ring().clone();
         AFTER_COPY.with(|h| *h.borrow_mut() = Some(Box::new(move || ring.ctl().end())));
+    }
+
+    /// Right after the lane's next copy out of its memory (the head of a
+    /// long claimed message), the peer acts on the lane's offer of the
+    /// tail as a sender does: takes it, writes `tail` there by
+    /// `process_vm_writev` and says DONE; or, given `word`, stores that
+    /// instead of all this (a peer that breaks the help word).
+    pub fn peer_helps_during_next_copy(&self, tail: Vec<u8>, word: Option<u64>) {
+        use super::cma;
+        let ring = self.peer_tx_ring().clone();
+        let help = move || {
+            let h = ring.ctl().help();
+            if let Some(w) = word {
+                h.word.store(w, Ordering::Release);
+                return;
+            }
+            let offer = h.word.load(Ordering::Acquire);
+            assert_eq!(cma::state_of(offer), cma::OFFERED, "an offer open");
+            h.word
+                .store(offer - cma::OFFERED + cma::TAKEN, Ordering::Release);
+            let dst = h.dst.load(Ordering::Relaxed);
+            // SAFETY: `tail` lives and is unchanged for the call.
+            let wrote =
+                unsafe { cma::write(std::process::id() as i32, dst, tail.as_ptr(), tail.len()) };
+            assert!(wrote, "the offered range is writable");
+            h.word
+                .store(offer - cma::OFFERED + cma::DONE, Ordering::Release);
+        };
+        AFTER_COPY.with(|h| *h.borrow_mut() = Some(Box::new(help)));
+    }
+
+    /// The help word of the messages the peer sends (the lane offers there).
+    pub fn peer_help_word(&self) -> u64 {
+        self.peer_tx_ring()
+            .ctl()
+            .help()
+            .word
+            .load(Ordering::Acquire)
+    }
+
+    /// The peer offers the lane the tail of the lane's claimed message
+    /// `ticket`, to be written at `dst` (in this process), as a receiver
+    /// does before reading the head.
+    pub fn peer_offers_tail(&self, ticket: u64, dst: u64) {
+        let h = self.peer_rx.ctl().help();
+        h.dst.store(dst, Ordering::Relaxed);
+        h.word.store(
+            super::cma::word(ticket, super::cma::OFFERED),
+            Ordering::Release,
+        );
+    }
+
+    /// The help word of the lane's own claimed messages.
+    pub fn help_word(&self) -> u64 {
+        self.peer_rx.ctl().help().word.load(Ordering::Acquire)
     }
 
     /// The lane and its peer close cleanly: the lane's Close goes (the
