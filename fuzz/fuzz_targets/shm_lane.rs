@@ -28,7 +28,7 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use zerohop_core::wire::{Data, DataFlags, Frame, Hello, Takes};
 use zerohop_core::Error;
-use zerohop_std::shm::testing::{short_record, LaneRig};
+use zerohop_std::shm::testing::{claim_state, short_record, LaneRig, HELP_DONE, HELP_TAKEN};
 
 #[derive(Arbitrary, Debug)]
 enum Op {
@@ -86,6 +86,14 @@ enum Op {
     },
     /// The peer says it has copied the claimed single-copy message `ticket`.
     Copied(u64),
+    /// The peer offers the tail of the lane's claimed message `ticket`,
+    /// to be written into a buffer of the fuzzer's.
+    Offer(u64),
+    /// Right after the lane's next copy out of the peer, the peer writes
+    /// the tail the lane offered (`None`), or stores `word` in the help
+    /// word (a taken one is read as done: a tail never written only costs
+    /// the lane its wait, which the tests time).
+    Helps(Option<u64>),
     /// The peer says it is done with placed messages up to `ticket`.
     PlacedDone(u64),
     /// The lane writes what it has queued, releases what the peer is done with.
@@ -161,6 +169,8 @@ fuzz_target!(|ops: Vec<Op>| {
     // The last pass found nothing and this side has done nothing since
     // (the peer may have): the wire may look whether to sleep.
     let mut idle = false;
+    // Where the lane writes a tail the peer offers it (as in another process).
+    let mut offer_to = vec![0u8; 32 << 10];
     for op in ops.iter().take(500) {
         let asleep = idle;
         if !op.peers() {
@@ -202,7 +212,10 @@ fuzz_target!(|ops: Vec<Op>| {
                 large,
             } => {
                 let (len, payload) = match large {
-                    Some(desc) => ((32 << 10) + u32::from(*len) % (32 << 10), desc.to_vec()),
+                    Some(desc) => (
+                        (32 << 10) + u32::from(*len) % ((32 << 10) + 1),
+                        desc.to_vec(),
+                    ),
                     None => {
                         let n = usize::from(*len) % 3000;
                         (n as u32, vec![*seq as u8; n])
@@ -227,7 +240,7 @@ fuzz_target!(|ops: Vec<Op>| {
             }
             Op::Send(len) => sent(rig.send(usize::from(*len) % 5000), &mut broke),
             Op::SendLarge { len, lease } => {
-                let len = (32 << 10) + usize::from(*len) % (32 << 10);
+                let len = (32 << 10) + usize::from(*len) % ((32 << 10) + 1);
                 let r = if *lease {
                     // A full lane or a dry pool is back-pressure.
                     match rig.send_lease(len) {
@@ -241,6 +254,14 @@ fuzz_target!(|ops: Vec<Op>| {
             }
             Op::Maps { ours, ino } => rig.peer_maps(if *ours { file } else { *ino }),
             Op::Copied(t) => rig.peer_copied(*t),
+            Op::Offer(t) => rig.peer_offers_tail(*t, offer_to.as_mut_ptr() as u64),
+            Op::Helps(word) => {
+                let word = word.map(|w| match claim_state(w) {
+                    HELP_TAKEN => w - HELP_TAKEN + HELP_DONE,
+                    _ => w,
+                });
+                rig.peer_helps_during_next_copy(vec![0x5A; 32 << 10], word);
+            }
             Op::PlacedDone(t) => rig.peer_placed_done(*t),
             Op::Flush => {
                 let r = rig.flush().map(|_| ());

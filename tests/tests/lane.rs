@@ -16,7 +16,7 @@ use zerohop_core::wire::{Close, Data, DataFlags, DecodeError, Frame, Hello, Take
 use zerohop_core::Error;
 use zerohop_std::shm::testing::{
     claim_word, help_split, short_record, LaneRig, SingleCopyDesc, HELP_DONE, HELP_IDLE,
-    HELP_OFFERED, PEER, SINGLE_COPY_DESC_BYTES,
+    HELP_OFFERED, HELP_TAKEN, PEER, SINGLE_COPY_DESC_BYTES,
 };
 
 fn hello() -> [u8; 32] {
@@ -948,6 +948,27 @@ fn a_help_word_of_another_message_ends_that_lane_typed() {
     }
 }
 
+/// A live sender that takes the tail and never says it wrote it costs the
+/// receiver that lane after half a second, not its thread for good.
+#[test]
+fn a_tail_taken_and_never_written_ends_that_lane_after_a_while() {
+    let mut rig = LaneRig::new(1 << 16, 4 << 20).unwrap();
+    rig.peer_write(&hello());
+    let source = vec![3u8; 64 << 10];
+    rig.peer_helps_during_next_copy(Vec::new(), Some(claim_word(1, HELP_TAKEN)));
+    peer_claimed(&mut rig, 1, 0, &source);
+    let start = std::time::Instant::now();
+    assert!(matches!(rig.read(), Err(Error::WireRule { .. })));
+    let waited = start.elapsed();
+    assert!(
+        waited >= std::time::Duration::from_millis(500),
+        "{waited:?}: the wait's bound"
+    );
+    assert!(!rig.alive());
+    assert!(rig.take_delivered().is_empty());
+    assert_eq!(rig.pool_used(), 0);
+}
+
 /// A sender waiting for its claimed message writes the tail it is offered
 /// straight into the receiver's buffer (here this process's), says DONE,
 /// and counts it; an offer for another ticket it leaves alone.
@@ -963,10 +984,18 @@ fn a_waiting_sender_writes_the_tail_it_is_offered() {
     let mut dst = vec![0u8; message.len() - at];
     rig.peer_offers_tail(2, dst.as_mut_ptr() as u64);
     assert_eq!(rig.continue_send(&message), Ok(false));
-    assert_eq!(rig.help_word(), claim_word(2, HELP_OFFERED), "not its ticket");
+    assert_eq!(
+        rig.help_word(),
+        claim_word(2, HELP_OFFERED),
+        "not its ticket"
+    );
     assert_eq!(rig.single_copies().helped, 0);
     rig.peer_offers_tail(1, dst.as_mut_ptr() as u64);
-    assert_eq!(rig.continue_send(&message), Ok(false), "still read by the peer");
+    assert_eq!(
+        rig.continue_send(&message),
+        Ok(false),
+        "still read by the peer"
+    );
     assert_eq!(rig.help_word(), claim_word(1, HELP_DONE));
     assert!(dst == message[at..], "the tail written where offered");
     assert_eq!(rig.single_copies().helped, 1);

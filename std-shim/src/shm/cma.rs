@@ -40,7 +40,8 @@
 //! `DONE` — or `IDLE` where it may not write there (it offers no more).
 //! Done with the head, the receiver takes an offer still open back
 //! (`OFFERED` to `IDLE`) and copies the tail itself; one taken it waits
-//! for (a sender that dies meanwhile is a lost peer). The write needs the
+//! for (a sender that dies meanwhile is a lost peer; one that has not
+//! written it within [`HELP_WAIT`] breaks the lane). The write needs the
 //! ptrace right that the read needs, under which either process could
 //! already rewrite the other: it asks for no trust the read does not.
 
@@ -72,6 +73,10 @@ pub(crate) const REFUSED: u64 = 3;
 /// Claimed messages at least this long are copied by both sides (see above).
 pub(crate) const HELP_MIN: usize = 64 << 10;
 
+/// How long a receiver waits for a tail the sender took: its write of at
+/// most half a message takes milliseconds; past this the lane ends.
+pub(crate) const HELP_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// The help word's states (see above): no offer open.
 pub const IDLE: u64 = 0;
 /// The receiver offers the tail.
@@ -102,7 +107,7 @@ pub(crate) const fn ticket_of(word: u64) -> u64 {
 }
 
 /// The state a claim word is in.
-pub(crate) const fn state_of(word: u64) -> u64 {
+pub const fn state_of(word: u64) -> u64 {
     word & 3
 }
 

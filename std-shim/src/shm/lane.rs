@@ -340,11 +340,23 @@ impl SingleIn {
             Err(v) => v,
         };
         let mut spins = 0u32;
-        // Taken: the sender is writing the tail; its end is waited for.
+        let mut until = None;
+        // Taken: the sender is writing the tail; its end is waited for, a
+        // bounded time (a live peer that never ends it costs this side its
+        // lane, not its thread).
         while v == cma::word(t, cma::TAKEN) {
             spins = spins.wrapping_add(1);
-            if spins % 1024 == 0 && !self.files.process_alive() {
-                return Err(Error::PeerLost(peer));
+            if spins % 1024 == 0 {
+                if !self.files.process_alive() {
+                    return Err(Error::PeerLost(peer));
+                }
+                let now = std::time::Instant::now();
+                if now > *until.get_or_insert(now + cma::HELP_WAIT) {
+                    return Err(Error::WireRule {
+                        peer,
+                        rule: "a tail taken and never written",
+                    });
+                }
             }
             std::hint::spin_loop();
             // Acquire: the sender's write of the tail is over before its DONE.

@@ -52,8 +52,9 @@ pub struct LaneRig {
 }
 
 pub use super::cma::{
-    help_split, word as claim_word, Desc as SingleCopyDesc, DESC_BYTES as SINGLE_COPY_DESC_BYTES,
-    DONE as HELP_DONE, IDLE as HELP_IDLE, OFFERED as HELP_OFFERED, TAKEN as HELP_TAKEN,
+    help_split, state_of as claim_state, word as claim_word, Desc as SingleCopyDesc,
+    DESC_BYTES as SINGLE_COPY_DESC_BYTES, DONE as HELP_DONE, IDLE as HELP_IDLE,
+    OFFERED as HELP_OFFERED, TAKEN as HELP_TAKEN,
 };
 
 /// A short record, as a lane writes it ahead of a whole message that the
@@ -336,16 +337,18 @@ impl LaneRig {
                 return;
             }
             let offer = h.word.load(Ordering::Acquire);
-            assert_eq!(cma::state_of(offer), cma::OFFERED, "an offer open");
+            if cma::state_of(offer) != cma::OFFERED {
+                return; // that copy was not a head with its tail offered
+            }
             h.word
                 .store(offer - cma::OFFERED + cma::TAKEN, Ordering::Release);
             let dst = h.dst.load(Ordering::Relaxed);
             // SAFETY: `tail` lives and is unchanged for the call.
             let wrote =
                 unsafe { cma::write(std::process::id() as i32, dst, tail.as_ptr(), tail.len()) };
-            assert!(wrote, "the offered range is writable");
+            let state = if wrote { cma::DONE } else { cma::IDLE };
             h.word
-                .store(offer - cma::OFFERED + cma::DONE, Ordering::Release);
+                .store(offer - cma::OFFERED + state, Ordering::Release);
         };
         AFTER_COPY.with(|h| *h.borrow_mut() = Some(Box::new(help)));
     }
