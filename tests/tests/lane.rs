@@ -16,7 +16,7 @@ use zerohop_core::wire::{Close, Data, DataFlags, DecodeError, Frame, Hello, Take
 use zerohop_core::Error;
 use zerohop_std::shm::testing::{
     claim_word, help_split, short_record, LaneRig, SingleCopyDesc, HELP_DONE, HELP_IDLE,
-    HELP_OFFERED, HELP_TAKEN, PEER, SINGLE_COPY_DESC_BYTES,
+    HELP_OFFERED, HELP_TAKEN, PEER, PLACED_TICKET, SINGLE_COPY_DESC_BYTES,
 };
 
 fn hello() -> [u8; 32] {
@@ -1001,6 +1001,44 @@ fn a_waiting_sender_writes_the_tail_it_is_offered() {
     assert_eq!(rig.single_copies().helped, 1);
     rig.peer_copied(1);
     assert_eq!(rig.continue_send(&message), Ok(true), "done");
+}
+
+/// A placed message's tail is offered under its placed ticket: the sender,
+/// looking whether the peer is done with it, writes the tail and says so,
+/// and not for the same number as a claimed ticket.
+#[test]
+fn a_sender_writes_the_tail_of_a_placed_message_it_is_offered() {
+    let mut rig = LaneRig::new_shared(1 << 16, 4 << 20).unwrap();
+    greet(&mut rig, hello_taking(Takes::HEADERLESS));
+    let ino = rig.pool_file().expect("a shared pool");
+    let base = rig.pool_used();
+    let first: Vec<u8> = (0..48 << 10).map(|i| (i % 233) as u8).collect();
+    rig.send_lease_of(&first).unwrap();
+    rig.peer_take();
+    rig.peer_copied(1);
+    rig.peer_maps(ino);
+    assert!(rig.flush().unwrap());
+    let message: Vec<u8> = (0..64 << 10).map(|i| (i % 239) as u8).collect();
+    let at = help_split(message.len()).unwrap();
+    rig.send_lease_of(&message).unwrap();
+    let placed = descriptors(&rig.peer_take());
+    assert_eq!((placed[0].placed, placed[0].ticket), (true, 1));
+    let mut dst = vec![0u8; message.len() - at];
+    rig.peer_offers_tail(1, dst.as_mut_ptr() as u64);
+    rig.flush().unwrap();
+    assert_eq!(
+        rig.help_word(),
+        claim_word(1, HELP_OFFERED),
+        "claimed ticket 1 is not placed ticket 1"
+    );
+    rig.peer_offers_tail(1 | PLACED_TICKET, dst.as_mut_ptr() as u64);
+    rig.flush().unwrap();
+    assert_eq!(rig.help_word(), claim_word(1 | PLACED_TICKET, HELP_DONE));
+    assert!(dst == message[at..], "the tail written where offered");
+    assert_eq!(rig.single_copies().helped, 1);
+    rig.peer_placed_done(1);
+    rig.flush().unwrap();
+    assert_eq!(rig.pool_used(), base, "its buffer back");
 }
 
 /// A file of the peer's, sealed (or not) as the test says, `len` bytes.

@@ -29,12 +29,14 @@
 //! withdrawal lost waits for the copy under way. Any other value is a
 //! peer breaking the lane.
 //!
-//! A claimed message of [`HELP_MIN`] bytes or more is copied by both
-//! cores: the sender, waiting for its done anyway, writes the tail (from
-//! [`help_split`] on) straight into the receiver's buffer
+//! A claimed or placed message of [`HELP_MIN`] bytes or more is copied by
+//! both cores: the sender, waiting for its done anyway, writes the tail
+//! (from [`help_split`] on) straight into the receiver's buffer
 //! (`process_vm_writev`) while the receiver reads the head. Each ring has
-//! a second word for it, the *help*: `ticket << 2 | state`, beside the
-//! tail's address in the receiver. Having claimed `t`, the receiver stores
+//! a second word for it, the *help*: `ticket << 2 | state` (a placed
+//! message's ticket with [`PLACED_TICKET`] set), beside the tail's
+//! address in the receiver. Having claimed `t` (or taken placed `t`), the
+//! receiver stores
 //! the address and then `t << 2 | OFFERED`, and reads the head. The sender
 //! takes the offer by a compare-and-swap to `TAKEN`, writes, and stores
 //! `DONE` — or `IDLE` where it may not write there (it offers no more).
@@ -72,6 +74,10 @@ pub(crate) const REFUSED: u64 = 3;
 
 /// Claimed messages at least this long are copied by both sides (see above).
 pub(crate) const HELP_MIN: usize = 64 << 10;
+
+/// A placed message's ticket in the help word (placed and claimed
+/// messages count their tickets apart; the help word is one for both).
+pub const PLACED_TICKET: u64 = 1 << 60;
 
 /// How long a receiver waits for a tail the sender took: its write of at
 /// most half a message takes milliseconds; past this the lane ends.

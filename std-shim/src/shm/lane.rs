@@ -288,7 +288,8 @@ impl SingleIn {
             return Err(Lane::bad_claim(peer));
         }
         self.placed = desc.ticket;
-        if !self.copy(desc, dst, ring) {
+        let t = desc.ticket | cma::PLACED_TICKET;
+        if !self.copy_helped(peer, desc, dst, ring, t)? {
             return Err(Error::WireRule {
                 peer,
                 rule: "a placed message whose bytes this side cannot read",
@@ -304,16 +305,18 @@ impl SingleIn {
         Ok(true)
     }
 
-    /// Copies a claimed message's bytes into `dst`: a long one's tail
-    /// offered to the sender meanwhile (see [`cma`]), and the offer settled
-    /// before this returns, whether the head came or not (the sender writes
-    /// into `dst` only while it holds it). Whether all of them came.
-    fn copy_claimed(
+    /// Copies a claimed or placed message's bytes into `dst`: a long one's
+    /// tail offered to the sender meanwhile under the help word's ticket
+    /// `t` (see [`cma`]), and the offer settled before this returns,
+    /// whether the head came or not (the sender writes into `dst` only
+    /// while it holds it). Whether all of them came.
+    fn copy_helped(
         &mut self,
         peer: PeerId,
         desc: &cma::Desc,
         dst: &mut [u8],
         ring: &Consumer<SegRing>,
+        t: u64,
     ) -> Result<bool, Error> {
         use std::sync::atomic::Ordering;
         // Offered only where a sender that dies while it writes can be
@@ -321,7 +324,6 @@ impl SingleIn {
         let Some(at) = cma::help_split(dst.len()).filter(|_| self.files.process_alive()) else {
             return Ok(self.copy(desc, dst, ring));
         };
-        let t = desc.ticket;
         let help = ring.mem_ctl().help();
         let (head, tail) = dst.split_at_mut(at);
         // Relaxed: published by the offer's Release store.
@@ -401,7 +403,7 @@ impl SingleIn {
             Ordering::Acquire,
         ) {
             Ok(_) => {
-                let got = self.copy_claimed(peer, desc, dst, ring)?;
+                let got = self.copy_helped(peer, desc, dst, ring, ticket)?;
                 if got && !Self::kept(ring) {
                     return Err(Error::PeerLost(peer));
                 }
@@ -678,6 +680,9 @@ impl Lane {
         if self.placed.is_empty() {
             return Ok(false);
         }
+        if self.help_tx {
+            self.help_peer();
+        }
         self.release_copied_placed(peer)
     }
 
@@ -922,21 +927,35 @@ impl Lane {
     /// writes the tail into the peer's buffer (see [`cma`]).
     fn help_peer(&mut self) {
         use std::sync::atomic::Ordering;
-        let Some(h) = self.handover.as_ref() else {
-            return;
-        };
         let help = self.tx.mem_ctl().help();
-        let offer = cma::word(h.ticket, cma::OFFERED);
         // Relaxed: a look; the swap below acquires.
-        if help.word.load(Ordering::Relaxed) != offer {
+        let offer = help.word.load(Ordering::Relaxed);
+        if cma::state_of(offer) != cma::OFFERED {
             return;
         }
+        let t = cma::ticket_of(offer);
+        // The claimed message it names, or the placed one.
+        let (src, len) = if let Some(h) = self.handover.as_ref().filter(|h| h.ticket == t) {
+            match &h.held {
+                Held::Caller(c) => (c.0 as *const u8, c.1),
+                Held::Owned(v) => (v.as_ptr(), v.len()),
+                Held::Leased(l) => (host_bytes(l).as_ptr(), l.len()),
+            }
+        } else if let Some((_, l)) = self
+            .placed
+            .iter()
+            .find(|(p, _)| *p | cma::PLACED_TICKET == t)
+        {
+            (host_bytes(l).as_ptr(), l.len())
+        } else {
+            return; // not (or no longer) ours to help with
+        };
         // AcqRel: against the peer's taking it back; Acquire: its `dst`.
         if help
             .word
             .compare_exchange(
                 offer,
-                cma::word(h.ticket, cma::TAKEN),
+                cma::word(t, cma::TAKEN),
                 Ordering::AcqRel,
                 Ordering::Relaxed,
             )
@@ -945,17 +964,12 @@ impl Lane {
             return;
         }
         let dst = help.dst.load(Ordering::Relaxed);
-        let (src, len) = match &h.held {
-            Held::Caller(c) => (c.0 as *const u8, c.1),
-            Held::Owned(v) => (v.as_ptr(), v.len()),
-            Held::Leased(l) => (host_bytes(l).as_ptr(), l.len()),
-        };
         let wrote = match (cma::help_split(len), self.single_in.peer_pid) {
-            // SAFETY: the handover holds the bytes until the peer's done:
-            // the blocked caller's slice (it waits in `continue_send`, and
-            // leaves only by `withdraw`, which waits for this side's copy
-            // too: it runs on the same thread), or a copy or lease it owns.
-            // Nothing writes them meanwhile.
+            // SAFETY: the lane holds the bytes until the peer's done, and
+            // this runs under its `&mut`: a placed lease, or the
+            // handover's copy or lease, or the blocked caller's slice (the
+            // caller leaves only by `continue_send` or `withdraw`, which
+            // take the same `&mut`). Nothing writes them meanwhile.
             (Some(at), Some(pid)) => unsafe {
                 cma::write(pid, dst, src.wrapping_add(at), len - at)
             },
@@ -965,8 +979,7 @@ impl Lane {
         self.tx_helped += u64::from(wrote);
         let state = if wrote { cma::DONE } else { cma::IDLE };
         // Release: the write is over before the peer sees DONE.
-        help.word
-            .store(cma::word(h.ticket, state), Ordering::Release);
+        help.word.store(cma::word(t, state), Ordering::Release);
     }
 
     /// The bytes of a message whose handover failed follow its header and

@@ -54,7 +54,7 @@ pub struct LaneRig {
 pub use super::cma::{
     help_split, state_of as claim_state, word as claim_word, Desc as SingleCopyDesc,
     DESC_BYTES as SINGLE_COPY_DESC_BYTES, DONE as HELP_DONE, IDLE as HELP_IDLE,
-    OFFERED as HELP_OFFERED, TAKEN as HELP_TAKEN,
+    OFFERED as HELP_OFFERED, PLACED_TICKET, TAKEN as HELP_TAKEN,
 };
 
 /// A short record, as a lane writes it ahead of a whole message that the
