@@ -571,7 +571,7 @@ fn descriptors(out: &[u8]) -> Vec<SingleCopyDesc> {
 /// `placed_done` passes its ticket; a done past what was sent ends the lane.
 #[test]
 fn placed_messages_go_once_the_peer_maps_the_pool_file() {
-    let mut rig = LaneRig::new_shared(1 << 16, 4 << 20).unwrap();
+    let mut rig = LaneRig::new_shared_up_to(1 << 16, 8 << 20, 1 << 20).unwrap();
     greet(&mut rig, hello_taking(Takes::HEADERLESS));
     let ino = rig.pool_file().expect("a shared pool");
     let base = rig.pool_used();
@@ -891,8 +891,8 @@ fn a_long_claimed_message_offers_its_tail_and_takes_it_back_unhelped() {
     rig.peer_write(&hello());
     let short: Vec<u8> = (0..40 << 10).map(|i| (i % 251) as u8).collect();
     let long: Vec<u8> = (0..64 << 10).map(|i| (i % 241) as u8).collect();
-    assert_eq!(help_split(short.len()), None);
-    assert_eq!(help_split(long.len()), Some(32 << 10));
+    assert_eq!(help_split(short.len(), false), None);
+    assert_eq!(help_split(long.len(), false), Some(32 << 10));
     peer_claimed(&mut rig, 1, 0, &short);
     rig.read().unwrap();
     assert_eq!(rig.take_messages(), [Ok(short)]);
@@ -916,7 +916,7 @@ fn a_tail_the_sender_wrote_is_the_messages() {
     let mut rig = LaneRig::new(1 << 16, 4 << 20).unwrap();
     rig.peer_write(&hello());
     let source: Vec<u8> = (0..64 << 10).map(|i| (i % 241) as u8).collect();
-    let at = help_split(source.len()).unwrap();
+    let at = help_split(source.len(), false).unwrap();
     let tail = vec![0xA5u8; source.len() - at];
     rig.peer_helps_during_next_copy(tail.clone(), None);
     peer_claimed(&mut rig, 1, 0, &source);
@@ -977,7 +977,7 @@ fn a_waiting_sender_writes_the_tail_it_is_offered() {
     let mut rig = LaneRig::new(1 << 16, 4 << 20).unwrap();
     greet(&mut rig, hello_taking(Takes::HEADERLESS));
     let message: Vec<u8> = (0..64 << 10).map(|i| (i % 239) as u8).collect();
-    let at = help_split(message.len()).unwrap();
+    let at = help_split(message.len(), false).unwrap();
     assert_eq!(rig.send_direct(&message), Ok(false), "waits for the peer");
     assert_eq!(descriptors(&rig.peer_take())[0].ticket, 1);
     rig.peer_claims(1);
@@ -1003,7 +1003,7 @@ fn a_waiting_sender_writes_the_tail_it_is_offered() {
     assert_eq!(rig.continue_send(&message), Ok(true), "done");
 }
 
-/// A placed message's tail is offered under its placed ticket: the sender,
+/// A placed message's tail (1 MiB and up) is offered under its placed ticket: the sender,
 /// looking whether the peer is done with it, writes the tail and says so,
 /// and not for the same number as a claimed ticket.
 #[test]
@@ -1012,14 +1012,14 @@ fn a_sender_writes_the_tail_of_a_placed_message_it_is_offered() {
     greet(&mut rig, hello_taking(Takes::HEADERLESS));
     let ino = rig.pool_file().expect("a shared pool");
     let base = rig.pool_used();
-    let first: Vec<u8> = (0..48 << 10).map(|i| (i % 233) as u8).collect();
-    rig.send_lease_of(&first).unwrap();
-    rig.peer_take();
-    rig.peer_copied(1);
     rig.peer_maps(ino);
-    assert!(rig.flush().unwrap());
-    let message: Vec<u8> = (0..64 << 10).map(|i| (i % 239) as u8).collect();
-    let at = help_split(message.len()).unwrap();
+    let message: Vec<u8> = (0..1 << 20).map(|i| (i % 239) as u8).collect();
+    assert_eq!(
+        help_split(64 << 10, true),
+        None,
+        "a short placed one: no help"
+    );
+    let at = help_split(message.len(), true).unwrap();
     rig.send_lease_of(&message).unwrap();
     let placed = descriptors(&rig.peer_take());
     assert_eq!((placed[0].placed, placed[0].ticket), (true, 1));

@@ -29,8 +29,8 @@
 //! withdrawal lost waits for the copy under way. Any other value is a
 //! peer breaking the lane.
 //!
-//! A claimed or placed message of [`HELP_MIN`] bytes or more is copied by
-//! both cores: the sender, waiting for its done anyway, writes the tail
+//! A claimed message of [`HELP_MIN`] bytes or more (placed:
+//! [`HELP_PLACED_MIN`]) is copied by both cores: the sender, waiting for its done anyway, writes the tail
 //! (from [`help_split`] on) straight into the receiver's buffer
 //! (`process_vm_writev`) while the receiver reads the head. Each ring has
 //! a second word for it, the *help*: `ticket << 2 | state` (a placed
@@ -72,8 +72,14 @@ pub(crate) const READING: u64 = 1;
 pub(crate) const WITHDRAWN: u64 = 2;
 pub(crate) const REFUSED: u64 = 3;
 
-/// Claimed messages at least this long are copied by both sides (see above).
+/// Claimed messages at least this long are copied by both sides (see
+/// above): the receiver's part is a system call either way.
 pub(crate) const HELP_MIN: usize = 64 << 10;
+/// Placed messages at least this long are: below it the sender's system
+/// call costs more than the receiver's `memcpy` of the half out of its
+/// mapping (build VM, zero-copy streams: 64 KiB 23.5 → 15.3 GB/s, 256 KiB
+/// 32.5 → 30.2, 1 MiB 18.5 → 37.7; BENCHMARKS.md).
+pub(crate) const HELP_PLACED_MIN: usize = 1 << 20;
 
 /// A placed message's ticket in the help word (placed and claimed
 /// messages count their tickets apart; the help word is one for both).
@@ -92,11 +98,11 @@ pub const TAKEN: u64 = 2;
 /// The sender wrote it.
 pub const DONE: u64 = 3;
 
-/// Where a claimed message of `len` bytes splits between the receiver's
-/// head and the sender's tail: half, on a page boundary (`None`: too short
-/// to split).
-pub const fn help_split(len: usize) -> Option<usize> {
-    if len < HELP_MIN {
+/// Where a claimed (or `placed`) message of `len` bytes splits between the
+/// receiver's head and the sender's tail: half, on a page boundary
+/// (`None`: too short to split).
+pub const fn help_split(len: usize, placed: bool) -> Option<usize> {
+    if len < if placed { HELP_PLACED_MIN } else { HELP_MIN } {
         return None;
     }
     Some(len / 2 / 4096 * 4096)

@@ -318,10 +318,12 @@ impl SingleIn {
         ring: &Consumer<SegRing>,
         t: u64,
     ) -> Result<bool, Error> {
+        let placed = t & cma::PLACED_TICKET != 0;
         use std::sync::atomic::Ordering;
         // Offered only where a sender that dies while it writes can be
         // told from one that is slow (its pidfd).
-        let Some(at) = cma::help_split(dst.len()).filter(|_| self.files.process_alive()) else {
+        let Some(at) = cma::help_split(dst.len(), placed).filter(|_| self.files.knows_process())
+        else {
             return Ok(self.copy(desc, dst, ring));
         };
         let help = ring.mem_ctl().help();
@@ -935,6 +937,7 @@ impl Lane {
         }
         let t = cma::ticket_of(offer);
         // The claimed message it names, or the placed one.
+        let placed = t & cma::PLACED_TICKET != 0;
         let (src, len) = if let Some(h) = self.handover.as_ref().filter(|h| h.ticket == t) {
             match &h.held {
                 Held::Caller(c) => (c.0 as *const u8, c.1),
@@ -964,7 +967,7 @@ impl Lane {
             return;
         }
         let dst = help.dst.load(Ordering::Relaxed);
-        let wrote = match (cma::help_split(len), self.single_in.peer_pid) {
+        let wrote = match (cma::help_split(len, placed), self.single_in.peer_pid) {
             // SAFETY: the lane holds the bytes until the peer's done, and
             // this runs under its `&mut`: a placed lease, or the
             // handover's copy or lease, or the blocked caller's slice (the

@@ -82,6 +82,12 @@ impl PeerFiles {
         }
     }
 
+    /// Whether the peer's process can be asked after (a pidfd: then a
+    /// `false` from [`process_alive`](Self::process_alive) means it exited).
+    pub(crate) fn knows_process(&self) -> bool {
+        self.pidfd.is_some()
+    }
+
     /// Whether the peer's process has not exited (its pidfd is not yet
     /// readable). Asked after a read by its pid: a pid is free for another
     /// process only once its own has exited and been reaped, so a read

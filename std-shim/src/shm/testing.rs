@@ -76,12 +76,29 @@ impl LaneRig {
     /// As [`new`](Self::new), the pool one shared-memory file (a peer that
     /// maps it is sent large messages placed).
     pub fn new_shared(ring_bytes: usize, pool_bytes: usize) -> std::io::Result<LaneRig> {
+        Self::new_shared_up_to(ring_bytes, pool_bytes, 64 << 10)
+    }
+
+    /// As [`new_shared`](Self::new_shared), messages up to `max_message`.
+    pub fn new_shared_up_to(
+        ring_bytes: usize,
+        pool_bytes: usize,
+        max_message: u32,
+    ) -> std::io::Result<LaneRig> {
         let pool =
             crate::shared_pool(pool_bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
-        Self::with_pool(ring_bytes, pool)
+        Self::with_pool_up_to(ring_bytes, pool, max_message)
     }
 
     fn with_pool(ring_bytes: usize, pool: Arc<StdPool>) -> std::io::Result<LaneRig> {
+        Self::with_pool_up_to(ring_bytes, pool, 64 << 10)
+    }
+
+    fn with_pool_up_to(
+        ring_bytes: usize,
+        pool: Arc<StdPool>,
+        max_message: u32,
+    ) -> std::io::Result<LaneRig> {
         let seg = Arc::new(Segment::create(ring_bytes, super::cma::DEFAULT_MIN)?);
         let (link, peer_link) = UnixStream::pair()?;
         let config = SessionConfig {
@@ -89,7 +106,7 @@ impl LaneRig {
             takes_headerless: true,
             sends_headerless: true,
             host: HostRole::None,
-            ..SessionConfig::stream(64 << 10)
+            ..SessionConfig::stream(max_message)
         };
         let lane = Lane::new(
             "127.0.0.1:1".parse().expect("an address"),
