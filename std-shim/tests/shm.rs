@@ -124,6 +124,22 @@ fn child_peer() {
         Ok("send") => loop {
             e.send(peer, &m, Deadline::after(WAIT), None).unwrap();
         },
+        Ok("hang-tail") => {
+            // A sender that spins all along (it looks at the offer while it
+            // waits), which takes the first tail offered and never writes it.
+            drop(e);
+            let config = EndpointConfig {
+                spin: Duration::from_secs(30),
+                ..EndpointConfig::default()
+            };
+            let e = Endpoint::new(wire(&pool(shared)), config).unwrap();
+            let peer = connect_also(&e, addr.parse().unwrap());
+            zerohop_std::shm::testing::take_tails_and_hang();
+            while e.send(peer, &m, Deadline::after(WAIT), None).is_ok() {}
+            loop {
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
         _ => loop {
             drop(e.recv(Deadline::after(Duration::from_secs(60)), None));
         },
@@ -207,6 +223,45 @@ fn sender_killed(shared: bool) {
     assert!(took < Duration::from_millis(100), "lost after {took:?}");
     assert_eq!(traces(), before, "no segment mapped, no descriptor left");
     assert_eq!(pool.used_bytes(), 0, "every receive buffer back");
+}
+
+/// A sender that takes the tail of its message and never writes it (a
+/// testing knob in the child) costs the receiver that lane after half a
+/// second; the receive buffer it might still write into stays out of the
+/// pool while it lives, and goes back once it has exited.
+#[test]
+fn a_tail_taken_and_never_written_keeps_its_buffer_until_the_sender_exits() {
+    let _one = serial();
+    let (server, addr, pool) = listener_in(pool(false));
+    // The child takes the first tail offered (given the time to: the
+    // lane waits for the take before it reads the head).
+    zerohop_std::shm::testing::offers_wait_to_be_taken(true);
+    let mut child = spawn_in(addr, "hang-tail", false);
+    let first = accepted(&server);
+    let err = loop {
+        // The child's first connection (its endpoint's, then dropped) goes.
+        match server.next_event(Deadline::after(WAIT), None) {
+            Ok(Event::Accepted { .. } | Event::Closed(_)) => {}
+            Ok(Event::Message(m)) => panic!("a message whose tail was taken: {m:?}"),
+            Ok(Event::Lost { peer, .. }) if peer == first => {}
+            Ok(Event::Lost { error, .. }) => break error,
+            Err(e) => panic!("{e:?}"),
+        }
+    };
+    zerohop_std::shm::testing::offers_wait_to_be_taken(false);
+    assert!(matches!(err, Error::WireRule { .. }), "{err:?}");
+    assert!(
+        pool.used_bytes() >= SINGLE,
+        "held while the sender lives: {}",
+        pool.used_bytes()
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let until = Instant::now() + WAIT;
+    while pool.used_bytes() != 0 && Instant::now() < until {
+        let _ = server.recv(Deadline::after(Duration::from_millis(20)), None);
+    }
+    assert_eq!(pool.used_bytes(), 0, "back once the sender exited");
 }
 
 #[test]

@@ -949,7 +949,9 @@ fn a_help_word_of_another_message_ends_that_lane_typed() {
 }
 
 /// A live sender that takes the tail and never says it wrote it costs the
-/// receiver that lane after half a second, not its thread for good.
+/// receiver that lane after half a second, not its thread for good; the
+/// buffer it may still write into stays out of the pool while it lives
+/// (here it is this process: for good).
 #[test]
 fn a_tail_taken_and_never_written_ends_that_lane_after_a_while() {
     let mut rig = LaneRig::new(1 << 16, 4 << 20).unwrap();
@@ -966,7 +968,10 @@ fn a_tail_taken_and_never_written_ends_that_lane_after_a_while() {
     );
     assert!(!rig.alive());
     assert!(rig.take_delivered().is_empty());
-    assert_eq!(rig.pool_used(), 0);
+    assert!(
+        rig.pool_used() >= 64 << 10,
+        "the buffer the peer may still write into is not back"
+    );
 }
 
 /// A sender waiting for its claimed message writes the tail it is offered

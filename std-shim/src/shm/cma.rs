@@ -30,22 +30,29 @@
 //! peer breaking the lane.
 //!
 //! A claimed message of [`HELP_MIN`] bytes or more (placed:
-//! [`HELP_PLACED_MIN`]) is copied by both cores: the sender, waiting for its done anyway, writes the tail
-//! (from [`help_split`] on) straight into the receiver's buffer
-//! (`process_vm_writev`) while the receiver reads the head. Each ring has
-//! a second word for it, the *help*: `ticket << 2 | state` (a placed
-//! message's ticket with [`PLACED_TICKET`] set), beside the tail's
-//! address in the receiver. Having claimed `t` (or taken placed `t`), the
-//! receiver stores
-//! the address and then `t << 2 | OFFERED`, and reads the head. The sender
-//! takes the offer by a compare-and-swap to `TAKEN`, writes, and stores
-//! `DONE` — or `IDLE` where it may not write there (it offers no more).
-//! Done with the head, the receiver takes an offer still open back
-//! (`OFFERED` to `IDLE`) and copies the tail itself; one taken it waits
-//! for (a sender that dies meanwhile is a lost peer; one that has not
-//! written it within [`HELP_WAIT`] breaks the lane). The write needs the
-//! ptrace right that the read needs, under which either process could
-//! already rewrite the other: it asks for no trust the read does not.
+//! [`HELP_PLACED_MIN`]) is copied by both cores: the sender, waiting for
+//! its done anyway, writes the tail (from [`help_split`] on) straight into
+//! the receiver's buffer (`process_vm_writev`) while the receiver reads
+//! the head. Each ring has a second word for it, the *help*: `ticket << 2
+//! | state` (a placed message's ticket with [`PLACED_TICKET`] set), beside
+//! the tail's address in the receiver. Having claimed `t` (or taken placed
+//! `t`), the receiver stores
+//! the address and then `t << 2 | OFFERED`, and reads the head; it offers
+//! only where it holds the sender's pidfd. The sender takes the offer by a
+//! compare-and-swap to `TAKEN`, writes, and stores `DONE` — or `IDLE`
+//! where it did not write (and, where the kernel refused the write, it
+//! takes no more offers; the receiver goes on offering). Done with the
+//! head, the receiver takes an offer still open back (`OFFERED` to `IDLE`)
+//! and copies the tail itself; one taken it waits for: a sender whose
+//! pidfd says it exited is a lost peer, one that has not written it within
+//! [`HELP_WAIT`] breaks the lane, and the buffer it may still write into
+//! stays out of the pool until its process has exited (the wire keeps it).
+//!
+//! The write needs the ptrace right that the read needs, under which
+//! either process could already rewrite or stop the other: it asks for no
+//! trust the read does not. A pid alone is not trusted: the sender writes
+//! only while the receiver's pidfd says it lives, as the receiver keeps
+//! bytes it read only when the sender's pidfd says so after the read.
 
 use std::ffi::c_void;
 

@@ -211,7 +211,7 @@ pub struct SingleCopies {
     /// Sent by the claim word (the receiver reads them while the sender
     /// waits for its done).
     pub claimed: u64,
-    /// Of the claimed, those whose tail this side wrote into the
+    /// Claimed and placed ones whose tail this side wrote into the
     /// receiver's buffer while the receiver read the head.
     pub helped: u64,
     /// Sent placed in this side's pool file (the sender goes on at once).
@@ -233,6 +233,10 @@ struct SingleIn {
     placed: u64,
     /// The inode of the peer's pool file this side has told it it maps.
     told_maps: u64,
+    /// The peer took a tail of the message being read and had not written
+    /// it when this side gave up: it may still write into that buffer,
+    /// which must not go back to the pool while the peer lives.
+    stuck: bool,
 }
 
 impl SingleIn {
@@ -308,8 +312,10 @@ impl SingleIn {
     /// Copies a claimed or placed message's bytes into `dst`: a long one's
     /// tail offered to the sender meanwhile under the help word's ticket
     /// `t` (see [`cma`]), and the offer settled before this returns,
-    /// whether the head came or not (the sender writes into `dst` only
-    /// while it holds it). Whether all of them came.
+    /// whether the head came or not — but where the sender took the tail
+    /// and neither wrote it nor exited within [`cma::HELP_WAIT`]: then the
+    /// error, and `stuck` says `dst` may still be written. Whether all of
+    /// them came.
     fn copy_helped(
         &mut self,
         peer: PeerId,
@@ -332,6 +338,15 @@ impl SingleIn {
         help.dst.store(tail.as_mut_ptr() as u64, Ordering::Relaxed);
         help.word
             .store(cma::word(t, cma::OFFERED), Ordering::Release);
+        #[cfg(feature = "testing")]
+        if super::testing::OFFERS_WAIT.load(Ordering::Relaxed) {
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(2);
+            while help.word.load(Ordering::Acquire) == cma::word(t, cma::OFFERED)
+                && std::time::Instant::now() < until
+            {
+                std::hint::spin_loop();
+            }
+        }
         let head_got = self.copy(desc, head, ring);
         // AcqRel: against the sender's take; whoever swaps first decides.
         let mut v = match help.word.compare_exchange(
@@ -347,15 +362,17 @@ impl SingleIn {
         let mut until = None;
         // Taken: the sender is writing the tail; its end is waited for, a
         // bounded time (a live peer that never ends it costs this side its
-        // lane, not its thread).
+        // lane, not its thread; its buffer stays out while the peer lives,
+        // since a late write lands there: see `take_stuck`).
         while v == cma::word(t, cma::TAKEN) {
             spins = spins.wrapping_add(1);
             if spins % 1024 == 0 {
-                if !self.files.process_alive() {
-                    return Err(Error::PeerLost(peer));
+                if self.files.process_exited() {
+                    return Err(Error::PeerLost(peer)); // it writes no more
                 }
                 let now = std::time::Instant::now();
                 if now > *until.get_or_insert(now + cma::HELP_WAIT) {
+                    self.stuck = true;
                     return Err(Error::WireRule {
                         peer,
                         rule: "a tail taken and never written",
@@ -496,10 +513,13 @@ pub(crate) struct Lane {
     handover: Option<Handover>,
     /// The last ticket this side issued.
     tx_ticket: u64,
-    /// The peer's offers of a claimed message's tail are taken (until a
-    /// write into its memory fails), and how many were written.
+    /// The peer's offers of a message's tail are taken (until a write into
+    /// its memory fails, or cannot be tried), and how many were written.
     help_tx: bool,
     tx_helped: u64,
+    /// The receive buffer of a message whose tail the peer took and never
+    /// wrote (see [`take_stuck`](Self::take_stuck)).
+    stuck: Option<StdLease>,
     /// Device messages each way (a lane whose wire has a device pool).
     #[cfg(feature = "cuda-uma")]
     gpu: Option<Box<super::device::LaneGpu>>,
@@ -554,6 +574,7 @@ impl Lane {
                 ticket: 0,
                 placed: 0,
                 told_maps: 0,
+                stuck: false,
             },
             placed: VecDeque::new(),
             tx_placed: 0,
@@ -562,6 +583,7 @@ impl Lane {
             tx_ticket: 0,
             help_tx: true,
             tx_helped: 0,
+            stuck: None,
             #[cfg(feature = "cuda-uma")]
             gpu: None,
             #[cfg(feature = "cuda-uma")]
@@ -594,6 +616,14 @@ impl Lane {
             placed: self.tx_placed,
             mapped: self.single_in.files.reads,
         }
+    }
+
+    /// A receive buffer the peer may still write into (it took a tail and
+    /// this side gave up waiting), with the peer's pidfd: it goes back to
+    /// its pool only once that process has exited (the wire keeps it).
+    pub(crate) fn take_stuck(&mut self) -> Option<(StdLease, Option<std::os::fd::OwnedFd>)> {
+        let lease = self.stuck.take()?;
+        Some((lease, self.single_in.files.pidfd()))
     }
 
     /// Queues the lane's Hello: it goes with the first flush.
@@ -929,6 +959,11 @@ impl Lane {
     /// writes the tail into the peer's buffer (see [`cma`]).
     fn help_peer(&mut self) {
         use std::sync::atomic::Ordering;
+        if self.broken {
+            // A caller that left with the lane's error may have taken its
+            // slice with it: nothing here is read any more.
+            return;
+        }
         let help = self.tx.mem_ctl().help();
         // Relaxed: a look; the swap below acquires.
         let offer = help.word.load(Ordering::Relaxed);
@@ -966,8 +1001,20 @@ impl Lane {
         {
             return;
         }
+        #[cfg(feature = "testing")]
+        if super::testing::TAILS_HANG.load(Ordering::Relaxed) {
+            return; // taken, and never written
+        }
         let dst = help.dst.load(Ordering::Relaxed);
-        let wrote = match (cma::help_split(len, placed), self.single_in.peer_pid) {
+        // The peer's process, asked after by its pidfd right before the
+        // write (the read path's check comes after its read; a write cannot
+        // be taken back): a pid alone may name another process by now.
+        let pid = self
+            .single_in
+            .peer_pid
+            .filter(|_| self.single_in.files.process_alive());
+        let tried = cma::help_split(len, placed).is_some() && pid.is_some();
+        let wrote = match (cma::help_split(len, placed), pid) {
             // SAFETY: the lane holds the bytes until the peer's done, and
             // this runs under its `&mut`: a placed lease, or the
             // handover's copy or lease, or the blocked caller's slice (the
@@ -978,7 +1025,9 @@ impl Lane {
             },
             _ => false,
         };
-        self.help_tx = wrote;
+        // A write refused (another user, a ptrace policy) is refused again:
+        // offers are left to the peer from now on.
+        self.help_tx = wrote || !tried;
         self.tx_helped += u64::from(wrote);
         let state = if wrote { cma::DONE } else { cma::IDLE };
         // Release: the write is over before the peer sees DONE.
@@ -1540,7 +1589,13 @@ impl Lane {
                     match got {
                         Ok(true) => inc.have = want,
                         Ok(false) => {} // its bytes follow in the ring
-                        Err(e) => return Outcome::Bad(e),
+                        Err(e) => {
+                            if self.single_in.stuck {
+                                // The peer may still write into it.
+                                self.stuck = self.incoming.take().and_then(|i| i.lease);
+                            }
+                            return Outcome::Bad(e);
+                        }
                     }
                     inc.stage = Stage::Inline;
                 }
@@ -1886,6 +1941,13 @@ impl Drop for Lane {
     fn drop(&mut self) {
         if !self.finished() {
             self.tx.mem_ctl().end();
+        }
+        // A buffer the peer may still write into, not taken by the wire
+        // (`take_stuck`), never goes back to a pool that lives on.
+        if let Some(lease) = self.stuck.take() {
+            if !self.single_in.files.process_exited() {
+                std::mem::forget(lease);
+            }
         }
     }
 }

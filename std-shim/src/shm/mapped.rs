@@ -82,10 +82,21 @@ impl PeerFiles {
         }
     }
 
-    /// Whether the peer's process can be asked after (a pidfd: then a
-    /// `false` from [`process_alive`](Self::process_alive) means it exited).
+    /// Whether the peer's process can be asked after (a pidfd).
     pub(crate) fn knows_process(&self) -> bool {
         self.pidfd.is_some()
+    }
+
+    /// Whether the peer's process has exited, as its pidfd says (a look
+    /// that fails, interrupted, says nothing: no).
+    pub(crate) fn process_exited(&self) -> bool {
+        self.pidfd.as_ref().is_some_and(exited)
+    }
+
+    /// A second descriptor of the peer's pidfd, to ask after its process
+    /// once this side's lane is gone.
+    pub(crate) fn pidfd(&self) -> Option<OwnedFd> {
+        self.pidfd.as_ref().and_then(|fd| fd.try_clone().ok())
     }
 
     /// Whether the peer's process has not exited (its pidfd is not yet
@@ -189,6 +200,12 @@ impl PeerFiles {
         });
         Some(self.maps.len() - 1)
     }
+}
+
+/// Whether the process behind `pidfd` has exited (its pidfd readable); a
+/// look that fails (interrupted) says no.
+pub(crate) fn exited(pidfd: &OwnedFd) -> bool {
+    crate::poller::ready_now(pidfd, rustix::event::PollFlags::IN).is_ok_and(|ev| !ev.is_empty())
 }
 
 #[cfg(test)]

@@ -219,6 +219,10 @@ pub struct LocalWire {
     accept_due: Option<StdInstant>,
     pool: Arc<StdPool>,
     lanes: PeerSlots<Box<Lane>>,
+    /// Receive buffers of ended lanes whose peer took a tail and never
+    /// wrote it, each with the peer's pidfd: back to the pool once that
+    /// process has exited (its late write could land there until then).
+    stuck: Vec<(StdLease, Option<std::os::fd::OwnedFd>)>,
     /// Unix connections taken, waiting for their setup message.
     links: Vec<Link>,
     /// Offers taken whose lane socket was full, to dial again.
@@ -338,6 +342,7 @@ impl LocalWire {
             accept_due: None,
             pool,
             lanes: PeerSlots::new(true),
+            stuck: Vec::new(),
             links: Vec::new(),
             redials: Vec::new(),
             redialled: 0,
@@ -535,9 +540,10 @@ impl LocalWire {
     fn drop_lane(&mut self, slot: usize, error: Option<Error>) {
         // Its slot's next lane gets a new generation: the old id names
         // nothing. The lane's drop unmaps the segment and hangs its link up.
-        let Some((id, lane)) = self.remove_lane(slot) else {
+        let Some((id, mut lane)) = self.remove_lane(slot) else {
             return;
         };
+        self.stuck.extend(lane.take_stuck());
         let error = error.or_else(|| (!lane.session.peer_closed()).then_some(Error::PeerLost(id)));
         if let Some(e) = error {
             log::info!("shm: lane to {} ended: {e}", lane.addr);
@@ -825,6 +831,11 @@ impl LocalWire {
 
     /// Links (a dead peer), idle timers and queued frames of every lane.
     fn tend_lanes(&mut self) -> bool {
+        if !self.stuck.is_empty() {
+            // A buffer goes back once its writer is gone for good.
+            self.stuck
+                .retain(|(_, pidfd)| !pidfd.as_ref().is_some_and(mapped::exited));
+        }
         let now = self.now();
         self.clock = now;
         let check = StdInstant::now() >= self.next_link_check;
@@ -917,6 +928,18 @@ fn tally(unsent_lanes: &mut usize, l: &mut Lane) {
             *unsent_lanes += 1;
         } else {
             *unsent_lanes -= 1;
+        }
+    }
+}
+
+impl Drop for LocalWire {
+    fn drop(&mut self) {
+        // A buffer whose writer may still live is left out for good: given
+        // back, a late write of that peer's would land in another message.
+        for (lease, pidfd) in self.stuck.drain(..) {
+            if !pidfd.as_ref().is_some_and(mapped::exited) {
+                std::mem::forget(lease);
+            }
         }
     }
 }

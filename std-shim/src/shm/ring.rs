@@ -75,7 +75,7 @@ pub(crate) struct RingCtl {
     /// then, so what the consumer copies out of the producer's memory
     /// afterwards may be a later message's bytes (see `lane`).
     ended: Line<AtomicU64>,
-    /// The consumer's offer of a claimed message's tail to the producer,
+    /// The consumer's offer of a long message's tail to the producer,
     /// who may write it straight into the consumer's buffer while the
     /// consumer reads the head (see `cma`): the word (its ticket and
     /// state), which both change by compare-and-swap, and where the tail
@@ -96,7 +96,7 @@ impl RingCtl {
         &self.claim
     }
 
-    /// The offer of a claimed message's tail (see `cma`).
+    /// The offer of a long message's tail (see `cma`).
     pub(crate) fn help(&self) -> &Help {
         &self.help
     }

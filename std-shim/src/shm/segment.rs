@@ -33,7 +33,7 @@ const MAGIC: [u8; 8] = *b"ZHLANE\0\x01";
 /// control words say when its producer ended the lane uncleanly; 7 since a
 /// ring's writes are stamped chunks, whose key the header carries (bytes
 /// 24..32; see `ring`); 8 since a ring's control words carry the offer of
-/// a claimed message's tail (see `cma`).
+/// a long message's tail (see `cma`).
 const VERSION: u32 = 8;
 const HEADER_BYTES: usize = 64;
 /// Where the data of ring 0 starts.

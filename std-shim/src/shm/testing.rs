@@ -24,6 +24,31 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
+/// Whether this process's lanes, as senders, take the tails they are
+/// offered and never write them (a test's broken peer; see
+/// [`take_tails_and_hang`]).
+pub(crate) static TAILS_HANG: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// From now on this process's lanes take the tails their peers offer and
+/// never write them: a broken sender, for a test in another process.
+pub fn take_tails_and_hang() {
+    TAILS_HANG.store(true, Ordering::Relaxed);
+}
+
+/// Whether this process's lanes, as receivers, wait (up to two seconds)
+/// for the sender to take a tail they offer before they read the head (see
+/// [`offers_wait_to_be_taken`]).
+pub(crate) static OFFERS_WAIT: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// While `on`, this process's lanes give the sender every chance to take a
+/// tail they offer (on a loaded host a spinning sender may not run before
+/// the head is read): for a test whose sender's take must happen.
+pub fn offers_wait_to_be_taken(on: bool) {
+    OFFERS_WAIT.store(on, Ordering::Relaxed);
+}
+
 /// Called by a lane right after a copy out of its peer's memory, before it
 /// looks at what the peer did meanwhile.
 pub(crate) fn after_copy() {
