@@ -28,7 +28,9 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use zerohop_core::wire::{Data, DataFlags, Frame, Hello, Takes};
 use zerohop_core::Error;
-use zerohop_std::shm::testing::{claim_state, short_record, LaneRig, HELP_DONE, HELP_TAKEN};
+use zerohop_std::shm::testing::{
+    claim_state, claim_ticket, claim_word, short_record, LaneRig, HELP_DONE, HELP_TAKEN,
+};
 
 #[derive(Arbitrary, Debug)]
 enum Op {
@@ -257,7 +259,7 @@ fuzz_target!(|ops: Vec<Op>| {
             Op::Offer(t) => rig.peer_offers_tail(*t, offer_to.as_mut_ptr() as u64),
             Op::Helps(word) => {
                 let word = word.map(|w| match claim_state(w) {
-                    HELP_TAKEN => w - HELP_TAKEN + HELP_DONE,
+                    HELP_TAKEN => claim_word(claim_ticket(w), HELP_DONE),
                     _ => w,
                 });
                 rig.peer_helps_during_next_copy(vec![0x5A; 32 << 10], word);

@@ -121,7 +121,7 @@ pub const fn word(ticket: u64, state: u64) -> u64 {
 }
 
 /// The ticket a claim word names.
-pub(crate) const fn ticket_of(word: u64) -> u64 {
+pub const fn ticket_of(word: u64) -> u64 {
     word >> 2
 }
 

@@ -919,10 +919,7 @@ impl Lane {
     /// `caller`: the blocked caller's bytes, when it asks (a refusal then
     /// turns into a direct write of the rest).
     fn poll_handover(&mut self, peer: PeerId, caller: Option<&[u8]>) -> Result<Handed, Error> {
-        if self.handover.is_none() {
-            return Ok(Handed::Done);
-        }
-        if self.help_tx {
+        if self.help_tx && self.handover.is_some() {
             self.help_peer();
         }
         let Some(h) = self.handover.as_ref() else {
@@ -1013,8 +1010,9 @@ impl Lane {
             .single_in
             .peer_pid
             .filter(|_| self.single_in.files.process_alive());
-        let tried = cma::help_split(len, placed).is_some() && pid.is_some();
-        let wrote = match (cma::help_split(len, placed), pid) {
+        let split = cma::help_split(len, placed);
+        let tried = split.is_some() && pid.is_some();
+        let wrote = match (split, pid) {
             // SAFETY: the lane holds the bytes until the peer's done, and
             // this runs under its `&mut`: a placed lease, or the
             // handover's copy or lease, or the blocked caller's slice (the

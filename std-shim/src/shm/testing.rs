@@ -77,9 +77,9 @@ pub struct LaneRig {
 }
 
 pub use super::cma::{
-    help_split, state_of as claim_state, word as claim_word, Desc as SingleCopyDesc,
-    DESC_BYTES as SINGLE_COPY_DESC_BYTES, DONE as HELP_DONE, IDLE as HELP_IDLE,
-    OFFERED as HELP_OFFERED, PLACED_TICKET, TAKEN as HELP_TAKEN,
+    help_split, state_of as claim_state, ticket_of as claim_ticket, word as claim_word,
+    Desc as SingleCopyDesc, DESC_BYTES as SINGLE_COPY_DESC_BYTES, DONE as HELP_DONE,
+    IDLE as HELP_IDLE, OFFERED as HELP_OFFERED, PLACED_TICKET, TAKEN as HELP_TAKEN,
 };
 
 /// A short record, as a lane writes it ahead of a whole message that the
@@ -382,15 +382,14 @@ impl LaneRig {
             if cma::state_of(offer) != cma::OFFERED {
                 return; // that copy was not a head with its tail offered
             }
-            h.word
-                .store(offer - cma::OFFERED + cma::TAKEN, Ordering::Release);
+            let t = cma::ticket_of(offer);
+            h.word.store(cma::word(t, cma::TAKEN), Ordering::Release);
             let dst = h.dst.load(Ordering::Relaxed);
             // SAFETY: `tail` lives and is unchanged for the call.
             let wrote =
                 unsafe { cma::write(std::process::id() as i32, dst, tail.as_ptr(), tail.len()) };
             let state = if wrote { cma::DONE } else { cma::IDLE };
-            h.word
-                .store(offer - cma::OFFERED + state, Ordering::Release);
+            h.word.store(cma::word(t, state), Ordering::Release);
         };
         AFTER_COPY.with(|h| *h.borrow_mut() = Some(Box::new(help)));
     }
