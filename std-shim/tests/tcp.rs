@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use zerohop_backends::host_bytes;
 use zerohop_core::session::{ProtocolError, Stall};
 use zerohop_core::wire::{
-    Credit, Data, DataFlags, DecodeError, Frame, Hello, Host, HostStep, Takes, Want, HEADER_LEN,
+    Credit, Data, DataFlags, DecodeError, Frame, FrameKind, Hello, Host, HostStep, ShortRecord,
+    Takes, Want, HEADER_LEN,
 };
 use zerohop_core::{crc32c, Error, Kind, PeerId, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport, STRIPE_MIN};
@@ -213,6 +214,27 @@ impl Raw {
             control: 0,
         })
         .encode(&[])
+    }
+
+    /// A short record for a whole message of `len` bytes, sequence number
+    /// `seq` (its low 16 bits): what a peer whose Hello takes headerless
+    /// frames is sent in place of a header, and may send.
+    fn short(seq: u16, len: u32) -> [u8; HEADER_LEN] {
+        ShortRecord {
+            imm: u32::from(seq) << 16,
+            len,
+        }
+        .encode()
+    }
+
+    /// What goes ahead of a whole message of `len` bytes: a header, or a
+    /// short record (`short`).
+    fn whole(short: bool, seq: u16, len: u32) -> [u8; HEADER_LEN] {
+        if short {
+            Raw::short(seq, len)
+        } else {
+            Raw::data(u64::from(seq), len, DataFlags::NONE)
+        }
     }
 
     fn send(&mut self, bytes: &[u8]) {
@@ -538,7 +560,7 @@ fn garbage_before_a_hello_closes_only_that_connection_and_costs_nothing() {
 }
 
 #[test]
-fn a_header_claiming_more_than_the_credit_or_the_maximum_fails_only_that_peer() {
+fn a_header_or_short_record_claiming_more_than_the_credit_or_the_maximum_fails_only_that_peer() {
     let (server, addr, pool) = listener(64 << 20, TcpConfig::default());
     let (good, peer) = client(addr);
     expect_still_served(&server, &good, peer);
@@ -561,15 +583,17 @@ fn a_header_claiming_more_than_the_credit_or_the_maximum_fails_only_that_peer() 
             },
         ),
     ] {
-        let mut raw = Raw::connect(addr);
-        raw.send(&Raw::data(0, len, DataFlags::NONE));
-        raw.send(&[1; 100]);
-        let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
-        assert!(
-            matches!(e, Error::Protocol { error, .. } if error == want),
-            "{e:?}"
-        );
-        assert!(raw.closed_by_peer());
+        for short in [false, true] {
+            let mut raw = Raw::connect(addr);
+            raw.send(&Raw::whole(short, 0, len));
+            raw.send(&[1; 100]);
+            let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+            assert!(
+                matches!(e, Error::Protocol { error, .. } if error == want),
+                "short record {short}: {e:?}"
+            );
+            assert!(raw.closed_by_peer());
+        }
     }
     assert_eq!(
         pool.stats().reserved_bytes,
@@ -581,7 +605,8 @@ fn a_header_claiming_more_than_the_credit_or_the_maximum_fails_only_that_peer() 
 }
 
 #[test]
-fn a_maximum_size_header_from_a_silent_peer_costs_nothing_and_200_leave_an_honest_peer_served() {
+fn a_maximum_size_header_or_short_record_from_a_silent_peer_costs_nothing_and_200_leave_an_honest_peer_served(
+) {
     let config = TcpConfig {
         idle_timeout: 2 * SECOND,
         max_handshakes: 1000,
@@ -591,12 +616,13 @@ fn a_maximum_size_header_from_a_silent_peer_costs_nothing_and_200_leave_an_hones
     let (good, peer) = client(addr);
     expect_still_served(&server, &good, peer);
     let used = pool.stats().used_bytes;
-    // 200 peers say Hello, then a header claiming the whole window (16 MiB),
-    // then nothing: no buffer is leased until payload bytes come.
+    // 200 peers say Hello, then a header (or, every other one, a short
+    // record) claiming the whole window (16 MiB), then nothing: no buffer is
+    // leased until payload bytes come.
     let mut silent: Vec<Raw> = (0..200)
-        .map(|_| {
+        .map(|i| {
             let mut raw = Raw::connect(addr);
-            raw.send(&Raw::data(0, 16 << 20, DataFlags::NONE));
+            raw.send(&Raw::whole(i % 2 == 1, 0, 16 << 20));
             raw
         })
         .collect();
@@ -1312,6 +1338,156 @@ fn a_sequence_number_at_the_end_of_the_range_is_a_typed_error() {
             }
         }
     );
+}
+
+/// Short records from a peer whose Hello takes them: delivered in order; a
+/// record out of sequence or with a reserved byte set fails that peer,
+/// typed, and its message is not delivered.
+#[test]
+fn short_records_are_delivered_in_order_and_one_out_of_sequence_or_malformed_fails_its_peer() {
+    let (server, addr, pool) = listener(64 << 20, TcpConfig::default());
+    let (good, peer) = client(addr);
+    expect_still_served(&server, &good, peer);
+    let mut raw = Raw::connect(addr);
+    for (seq, body) in [(0u16, &b"zero"[..]), (1, b""), (2, b"two")] {
+        raw.send(&Raw::short(seq, body.len() as u32));
+        raw.send(body);
+    }
+    for body in [&b"zero"[..], b"", b"two"] {
+        let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+        assert_eq!(host_bytes(&r.lease), body);
+    }
+    // A gap (3 expected), then a duplicate on a fresh peer.
+    let mut bad = Raw::short(5, 4).to_vec();
+    bad.extend_from_slice(b"gap!");
+    let mut dup = Raw::short(0, 1).to_vec();
+    dup.extend_from_slice(b"a");
+    dup.extend_from_slice(&Raw::short(0, 1));
+    dup.extend_from_slice(b"b");
+    let mut reserved = Raw::short(0, 1);
+    reserved[20] = 1;
+    let mut reserved = reserved.to_vec();
+    reserved.push(b'r');
+    for (raw, delivered, want) in [
+        (
+            &mut raw,
+            0,
+            ProtocolError::SequenceGap {
+                expected: 3,
+                got: 5,
+            },
+        ),
+        (
+            &mut Raw::connect(addr),
+            1,
+            ProtocolError::Duplicate { seq: 0 },
+        ),
+        (
+            &mut Raw::connect(addr),
+            0,
+            ProtocolError::Decode(DecodeError::ReservedBits),
+        ),
+    ]
+    .into_iter()
+    .zip([bad, dup, reserved])
+    .map(|((r, d, w), bytes)| {
+        r.send(&bytes);
+        (r, d, w)
+    }) {
+        for _ in 0..delivered {
+            let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+            assert_eq!(host_bytes(&r.lease), b"a");
+        }
+        let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+        assert!(
+            matches!(e, Error::Protocol { error, .. } if error == want),
+            "{e:?}, want {want:?}"
+        );
+        assert!(raw.closed_by_peer());
+    }
+    expect_still_served(&server, &good, peer);
+    assert_eq!(pool.used_bytes(), 0, "every lease back");
+}
+
+/// The transport sends a peer whose Hello takes headerless frames short
+/// records, and one whose Hello does not (or any peer, with
+/// `check_payload`) checksummed headers; with `check_payload` it takes no
+/// short record either.
+#[test]
+fn short_records_go_only_to_peers_that_take_them_and_never_with_checksums() {
+    use std::io::Read;
+    for check_payload in [false, true] {
+        for takes in [Takes::NONE, Takes::HEADERLESS] {
+            let config = TcpConfig {
+                check_payload,
+                ..TcpConfig::default()
+            };
+            let (server, addr, _pool) = listener(64 << 20, config);
+            let s = TcpStream::connect(addr).unwrap();
+            let mut hello = Raw::hello(0x7E57, 0);
+            hello = match Frame::decode(&hello, 0).unwrap().frame {
+                Frame::Hello(h) => Frame::Hello(Hello { takes, ..h }).encode(&[]),
+                other => panic!("{other:?}"),
+            };
+            s.set_read_timeout(Some(5 * SECOND)).unwrap();
+            let mut raw = Raw { s };
+            raw.send(&hello);
+            raw.send(&Raw::no_offer());
+            let peer = wait_for_peer(&server);
+            // Its Hello first.
+            assert_eq!(raw.read_frame().0.kind(), FrameKind::Hello);
+            for i in 0..3u16 {
+                let body = [i as u8; 5];
+                server
+                    .send(peer, &body, Deadline::after(5 * SECOND), None)
+                    .unwrap();
+                let mut h = [0u8; HEADER_LEN];
+                raw.s.read_exact(&mut h).unwrap();
+                let short = takes == Takes::HEADERLESS && !check_payload;
+                match ShortRecord::decode(&h) {
+                    Some(r) => {
+                        assert!(
+                            short,
+                            "a short record to {takes:?}, checked {check_payload}"
+                        );
+                        let r = r.unwrap();
+                        assert_eq!((r.imm >> 16, r.len), (u32::from(i), 5));
+                    }
+                    None => {
+                        assert!(!short, "a header to {takes:?}, checked {check_payload}");
+                        let d = Frame::decode(&h, 64 << 20).unwrap();
+                        let mut payload = [0u8; 5];
+                        raw.s.read_exact(&mut payload).unwrap();
+                        d.verify(&payload).unwrap();
+                        assert!(matches!(d.frame, Frame::Data(x) if x.seq == u64::from(i)));
+                        continue;
+                    }
+                }
+                let mut payload = [0u8; 5];
+                raw.s.read_exact(&mut payload).unwrap();
+                assert_eq!(payload, body);
+            }
+            // What it takes: a short record is refused with checksums on.
+            raw.send(&Raw::short(0, 2));
+            raw.send(b"hi");
+            if check_payload {
+                let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+                assert!(
+                    matches!(
+                        e,
+                        Error::Protocol {
+                            error: ProtocolError::HeaderlessRefused,
+                            ..
+                        }
+                    ),
+                    "{e:?}"
+                );
+            } else {
+                let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+                assert_eq!(host_bytes(&r.lease), b"hi");
+            }
+        }
+    }
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! One same-host peer: a session over the segment's two rings, driven as a
 //! stream wire (TCP's framing, no fragmentation; a whole message behind a
-//! short record instead of a header, see [`SHORT`]), and the Unix
+//! short record instead of a header, see [`ShortRecord`]), and the Unix
 //! connection that is both sides' doorbell and whose hang-up says the peer
 //! is gone.
 
@@ -15,7 +15,7 @@ use zerohop_core::session::{
     DataFrame, DataIn, Delivered, Inbound, Instant, ProtocolError, SendError, Session,
     SessionConfig,
 };
-use zerohop_core::wire::{DataFlags, DecodeError, HEADER_LEN};
+use zerohop_core::wire::{DataFlags, ShortRecord, HEADER_LEN};
 use zerohop_core::{Error, Lease, PeerId, Received};
 
 use super::cma;
@@ -26,44 +26,16 @@ use super::segment::{SegRing, Segment};
 use super::ShmLease;
 use crate::host::{StdLease, StdPool, QUEUED_MESSAGES};
 
-/// The first two bytes of a short record, what a lane writes in place of a
-/// data frame's header where the engine frames a message headerless (the
-/// whole message in one frame, the peer's Hello said it takes them). A
-/// lane is memory, not a wire: its reader bounds-checks every length it
-/// reads, and a checksum would catch nothing a same-host peer could not
-/// forge, while the header's codec and CRC-32C were a third of a small
-/// message's cost. The record: bytes 0..2 this tag, 4..8 the engine's
-/// immediate word (sequence and credits), 8..12 the message's length, the
-/// rest zero. It is a header's length, so a queued or half-written frame
-/// has one shape either way.
-const SHORT: u16 = 0x535A;
-
-/// A short record of a message of `len` bytes with the engine's immediate word.
-pub(crate) fn short_header(imm: u32, len: u32) -> [u8; HEADER_LEN] {
-    let mut h = [0; HEADER_LEN];
-    h[..2].copy_from_slice(&SHORT.to_le_bytes());
-    h[4..8].copy_from_slice(&imm.to_le_bytes());
-    h[8..12].copy_from_slice(&len.to_le_bytes());
-    h
-}
-
 /// What goes in the ring ahead of a data frame's payload.
 fn header_of(f: &DataFrame) -> [u8; HEADER_LEN] {
     // A lane does not fragment: a frame is a message, its length a u32.
-    f.header
-        .unwrap_or_else(|| short_header(f.imm, u32::try_from(f.len).unwrap_or(u32::MAX)))
-}
-
-/// A short record's immediate word and length; `None` for a frame's header.
-fn parse_short(h: &[u8; HEADER_LEN]) -> Option<Result<(u32, usize), DecodeError>> {
-    if h[..2] != SHORT.to_le_bytes() {
-        return None;
-    }
-    if h[2..4] != [0, 0] || h[12..].iter().any(|&b| b != 0) {
-        return Some(Err(DecodeError::ReservedBits));
-    }
-    let word = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
-    Some(Ok((word(4), word(8) as usize)))
+    f.header.unwrap_or_else(|| {
+        ShortRecord {
+            imm: f.imm,
+            len: u32::try_from(f.len).unwrap_or(u32::MAX),
+        }
+        .encode()
+    })
 }
 
 /// What a frame writes from.
@@ -1653,13 +1625,13 @@ impl Lane {
                 }
             }
             self.have = 0;
-            if let Some(record) = parse_short(&self.header) {
+            if let Some(record) = ShortRecord::decode(&self.header) {
                 // The engine takes the message whole now (its sequence,
                 // credit and stats move here, as for a verbs receive); its
                 // payload is the lane's to finish.
                 let done = match record
                     .map_err(ProtocolError::from)
-                    .and_then(|(imm, len)| self.session.handle_headerless(now, len, imm))
+                    .and_then(|r| self.session.handle_headerless(now, r.len as usize, r.imm))
                 {
                     Ok(done) => done,
                     Err(e) => return protocol(e),

@@ -326,7 +326,7 @@ impl LocalWire {
             idle_timeout: tcp.idle_timeout,
             min_rate: tcp.min_rate,
             host: HostRole::None,
-            // A whole message goes as a short record (see `lane::SHORT`).
+            // A whole message goes as a short record (`wire::ShortRecord`).
             takes_headerless: true,
             sends_headerless: true,
             ..SessionConfig::stream(max)

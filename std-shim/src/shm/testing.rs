@@ -11,7 +11,7 @@ use std::sync::Arc;
 use zerohop_core::session::{HostRole, Instant, SessionConfig};
 use zerohop_core::{Error, PeerId, Received};
 
-use super::lane::{short_header, Lane, Outcome, Source};
+use super::lane::{Lane, Outcome, Source};
 use super::ring::{Consumer, Producer, RingMem};
 use super::segment::{SegRing, Segment};
 use super::ShmLease;
@@ -86,7 +86,11 @@ pub use super::cma::{
 /// engine framed headerless: sequence number `seq` (its low 16 bits) and
 /// `len` bytes of payload following.
 pub fn short_record(seq: u16, len: u32) -> [u8; zerohop_core::wire::HEADER_LEN] {
-    short_header(u32::from(seq) << 16, len)
+    zerohop_core::wire::ShortRecord {
+        imm: u32::from(seq) << 16,
+        len,
+    }
+    .encode()
 }
 
 impl LaneRig {

@@ -11,6 +11,10 @@
 //! bytes are there, for at most the credit the engine granted, so a header
 //! that claims a large message and stops costs nothing.
 //!
+//! A whole message goes behind a short record (the engine's headerless
+//! frame, [`ShortRecord`](zerohop_core::wire::ShortRecord)) to a peer whose
+//! Hello takes them, unless [`TcpConfig::check_payload`] asks for checksums.
+//!
 //! Sends go straight to the socket with `writev` when nothing is queued and
 //! are copied only for what the kernel did not take; each peer's queue is
 //! bounded in bytes. Receives read through a staging buffer; a payload
@@ -111,7 +115,11 @@ pub struct TcpConfig {
     pub inbox_messages: usize,
     /// Received bytes held for the application before reading stops (default 8 MiB).
     pub inbox_bytes: usize,
-    /// Checksum payloads as well as headers (default off: TCP checksums its segments).
+    /// Checksum every frame, payloads as well as headers (default off: TCP
+    /// checksums its segments). Off, a whole message to a peer that takes
+    /// them goes behind a short record, which has no checksum
+    /// ([`ShortRecord`](zerohop_core::wire::ShortRecord)); on, this side
+    /// neither sends nor takes them.
     pub check_payload: bool,
     /// Messages of at least this many bytes are striped over a second
     /// connection per peer (see the module docs); `None`: one connection.
@@ -164,6 +172,8 @@ impl TcpConfig {
         SessionConfig {
             window: u32::try_from(self.window).unwrap_or(u32::MAX),
             check_payload: self.check_payload,
+            takes_headerless: !self.check_payload,
+            sends_headerless: !self.check_payload,
             idle_timeout: self.idle_timeout,
             min_rate: self.min_rate,
             host,

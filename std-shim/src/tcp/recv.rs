@@ -8,8 +8,8 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use zerohop_backends::{host_bytes, host_bytes_mut};
-use zerohop_core::session::{DataIn, Inbound};
-use zerohop_core::wire::HEADER_LEN;
+use zerohop_core::session::{DataIn, Delivered, Inbound, ProtocolError};
+use zerohop_core::wire::{ShortRecord, HEADER_LEN};
 use zerohop_core::{Error, Lease, Received};
 
 use super::lane::stripe_split;
@@ -22,6 +22,9 @@ use crate::poller::Set;
 /// A data frame whose header the engine took: where its payload goes.
 pub(super) struct Incoming {
     pub(super) d: DataIn,
+    /// Behind a header, whose payload the engine takes; behind a short
+    /// record the engine took the message at the record.
+    pub(super) framed: bool,
     pub(super) split: usize,
     pub(super) have: usize,
     pub(super) lane_have: usize,
@@ -364,11 +367,18 @@ impl TcpTransport {
                     continue;
                 }
                 // 1c. The frame is in.
-                let (d, len) = (inc.d, inc.d.len);
+                let (d, len, inc_framed) = (inc.d, inc.d.len, inc.framed);
                 p.incoming = None;
                 p.direct_stream = len >= DIRECT_MIN;
                 let payload = &host_bytes(lease)[d.offset..d.offset + len];
-                match p.session.handle_payload(now, Some(payload)) {
+                let verdict = if inc_framed {
+                    p.session.handle_payload(now, Some(payload))
+                } else {
+                    // A short record's message is in: none is under way now.
+                    p.session.handle_activity(now, 0, false);
+                    Ok(Some(Delivered { seq: d.seq, len }))
+                };
+                match verdict {
                     Ok(Some(done)) => {
                         // Out of the wire's hands: the inbox, bounded on its
                         // own (`inbox_bytes`), holds it for the application.
@@ -385,7 +395,42 @@ impl TcpTransport {
             // 2. A header, if one is staged.
             let staged = p.stage_end - p.stage_start;
             if staged >= HEADER_LEN {
-                let header = &p.stage[p.stage_start..p.stage_start + HEADER_LEN];
+                let header: &[u8; HEADER_LEN] = p.stage[p.stage_start..][..HEADER_LEN]
+                    .try_into()
+                    .expect("a header's length");
+                if let Some(record) = ShortRecord::decode(header) {
+                    // The engine takes the message whole now (sequence,
+                    // credit, the byte limit, as for a verbs receive); its
+                    // payload is this side's to read.
+                    let done = match record
+                        .map_err(ProtocolError::from)
+                        .and_then(|r| p.session.handle_headerless(now, r.len as usize, r.imm))
+                    {
+                        Ok(done) => done,
+                        Err(e) => return protocol(e),
+                    };
+                    p.stage_start += HEADER_LEN;
+                    // Under way until its payload is in (timed as any frame's).
+                    p.session.handle_activity(now, 0, done.len > 0);
+                    p.incoming = Some(Incoming {
+                        d: DataIn {
+                            seq: done.seq,
+                            msg_len: done.len,
+                            offset: 0,
+                            len: done.len,
+                            first: true,
+                            last: true,
+                            striped: false,
+                            device: false,
+                        },
+                        framed: false,
+                        split: done.len,
+                        have: 0,
+                        lane_have: 0,
+                    });
+                    frames += 1;
+                    continue;
+                }
                 let inbound = match p.session.handle_header(now, header, None) {
                     Ok(i) => i,
                     Err(e) => return protocol(e),
@@ -410,6 +455,7 @@ impl TcpTransport {
                         };
                         p.incoming = Some(Incoming {
                             d,
+                            framed: true,
                             split,
                             have: 0,
                             lane_have: 0,

@@ -6,7 +6,7 @@ use std::net::TcpStream;
 
 use zerohop_backends::host_bytes;
 use zerohop_core::session::SendError;
-use zerohop_core::wire::{DataFlags, Decoded, Frame, FrameKind, HEADER_LEN};
+use zerohop_core::wire::{DataFlags, Decoded, Frame, FrameKind, ShortRecord, HEADER_LEN};
 use zerohop_core::{Error, PeerId};
 
 use super::{lane::stripe_split, TcpTransport};
@@ -193,7 +193,13 @@ impl TcpTransport {
         ) else {
             return Err((Error::Backend("tcp: the session framed nothing"), src));
         };
-        let header = f.header.unwrap_or([0; HEADER_LEN]);
+        let header = f.header.unwrap_or_else(|| {
+            ShortRecord {
+                imm: f.imm,
+                len: u32::try_from(f.len).unwrap_or(u32::MAX),
+            }
+            .encode()
+        });
         let split = if striped { stripe_split(len) } else { len };
         p.striped_sent += u64::from(striped);
         let mut sent = Sent::default();
