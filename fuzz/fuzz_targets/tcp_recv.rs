@@ -2,7 +2,9 @@
 //! typed errors, no panic, nothing leased beyond the configured maximum, and
 //! every lease back in the pool afterwards. An input whose first byte is odd
 //! is sent after a valid Hello and same-host frame, so the fuzzer reaches
-//! past the handshake.
+//! past the handshake; with bit 2 set as well, after a short record of the
+//! first message (sequence 0, the input's length), so it reaches the short
+//! record's path and what follows one.
 #![no_main]
 
 use std::io::Write;
@@ -11,7 +13,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use libfuzzer_sys::fuzz_target;
-use zerohop_core::wire::{Frame, Hello, Host, HostStep, Takes};
+use zerohop_core::wire::{Frame, Hello, Host, HostStep, ShortRecord, Takes};
 use zerohop_core::{Error, Kind, Transport};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 use zerohop_std::{private_pool, StdPool};
@@ -71,6 +73,10 @@ fuzz_target!(|data: &[u8]| {
             step,
         });
         s.write_all(&host.encode(&[])).unwrap();
+        if data[0] & 4 != 0 {
+            let len = u32::try_from(data.len()).unwrap();
+            s.write_all(&ShortRecord { imm: 0, len }.encode()).unwrap();
+        }
     }
     // The transport may have closed the connection already: that is an answer.
     let _ = s.write_all(data);
