@@ -140,10 +140,40 @@ fn child_peer() {
                 std::thread::sleep(Duration::from_secs(1));
             }
         }
+        Ok("send-asleep") => {
+            // A sender that sleeps on its doorbell at once, and would sleep
+            // out 10 s unless rung, sends a few long slices (claimed).
+            drop(e);
+            let config = EndpointConfig {
+                spin: Duration::ZERO,
+                poll_interval: Duration::from_secs(10),
+                ..EndpointConfig::default()
+            };
+            let e = Endpoint::new(wire(&pool(shared)), config).unwrap();
+            let peer = connect_also(&e, addr.parse().unwrap());
+            for i in 0..ASLEEP_MESSAGES {
+                e.send(peer, &asleep_message(i), Deadline::after(WAIT), None)
+                    .unwrap();
+            }
+            loop {
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
         _ => loop {
             drop(e.recv(Deadline::after(Duration::from_secs(60)), None));
         },
     }
+}
+
+/// What the "send-asleep" child sends: `ASLEEP_MESSAGES` of these, 1 MiB
+/// each (long enough that an offer rings a sleeping sender), every byte
+/// telling its message and place.
+const ASLEEP_MESSAGES: u8 = 3;
+
+fn asleep_message(i: u8) -> Vec<u8> {
+    (0..1usize << 20)
+        .map(|k| (k as u8).wrapping_mul(31) ^ i)
+        .collect()
 }
 
 fn spawn_in(addr: SocketAddr, role: &str, shared: bool) -> Reaped {
@@ -262,6 +292,45 @@ fn a_tail_taken_and_never_written_keeps_its_buffer_until_the_sender_exits() {
         let _ = server.recv(Deadline::after(Duration::from_millis(20)), None);
     }
     assert_eq!(pool.used_bytes(), 0, "back once the sender exited");
+}
+
+/// A sender asleep on its doorbell while its long message is read (it
+/// spins not at all) is rung when the receiver offers it the tail, and
+/// writes it: the receiver, told to wait up to 2 s for each offer to be
+/// taken before it reads the head, gets every message intact at once —
+/// where an unrung sender would sleep through each wait.
+#[test]
+fn a_sender_asleep_is_rung_to_write_the_tail_of_a_long_message() {
+    let _one = serial();
+    let (server, addr, _pool) = listener_in(pool(false));
+    zerohop_std::shm::testing::offers_wait_to_be_taken(true);
+    let _child = spawn_in(addr, "send-asleep", false);
+    let first = accepted(&server);
+    let mut got = 0;
+    let mut took = Duration::ZERO;
+    while got < ASLEEP_MESSAGES {
+        // The child's first connection (its endpoint's, then dropped) goes.
+        let t0 = Instant::now();
+        match server.next_event(Deadline::after(WAIT), None) {
+            Ok(Event::Accepted { .. } | Event::Closed(_)) => {}
+            Ok(Event::Lost { peer, .. }) if peer == first => {}
+            Ok(Event::Message(m)) => {
+                took += t0.elapsed();
+                assert!(
+                    host_bytes(&m.lease) == asleep_message(got),
+                    "message {got} intact"
+                );
+                got += 1;
+            }
+            Ok(e) => panic!("{e:?}"),
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    zerohop_std::shm::testing::offers_wait_to_be_taken(false);
+    assert!(
+        took < Duration::from_millis(1500),
+        "{ASLEEP_MESSAGES} messages in {took:?}: the sleeping sender was not rung to take its offers"
+    );
 }
 
 #[test]

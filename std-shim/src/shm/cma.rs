@@ -47,6 +47,9 @@
 //! pidfd says it exited is a lost peer, one that has not written it within
 //! [`HELP_WAIT`] breaks the lane, and the buffer it may still write into
 //! stays out of the pool until its process has exited (the wire keeps it).
+//! An offer of [`HELP_RING_MIN`] bytes or more rings a sender that sleeps
+//! on its doorbell, and a sender about to sleep looks at the help word
+//! last.
 //!
 //! The write needs the ptrace right that the read needs, under which
 //! either process could already rewrite or stop the other: it asks for no
@@ -87,6 +90,13 @@ pub(crate) const HELP_MIN: usize = 64 << 10;
 /// mapping (build VM, zero-copy streams: 64 KiB 23.5 → 15.3 GB/s, 256 KiB
 /// 32.5 → 30.2, 1 MiB 18.5 → 37.7; BENCHMARKS.md).
 pub(crate) const HELP_PLACED_MIN: usize = 1 << 20;
+
+/// An offer of a message at least this long wakes a sender asleep on its
+/// doorbell (one that spins sees it anyway): the sender's wake-up, tens of
+/// microseconds, is then shorter than the copy of the half it would take.
+/// A shorter one's half is copied before a sleeper could come; the ring
+/// would only cost the receiver a system call.
+pub(crate) const HELP_RING_MIN: usize = 1 << 20;
 
 /// A placed message's ticket in the help word (placed and claimed
 /// messages count their tickets apart; the help word is one for both).

@@ -258,14 +258,14 @@ impl SingleIn {
         peer: PeerId,
         desc: &cma::Desc,
         dst: &mut [u8],
-        ring: &Consumer<SegRing>,
+        (ring, link): (&Consumer<SegRing>, &UnixStream),
     ) -> Result<bool, Error> {
         if desc.ticket != self.placed + 1 {
             return Err(Lane::bad_claim(peer));
         }
         self.placed = desc.ticket;
         let t = desc.ticket | cma::PLACED_TICKET;
-        if !self.copy_helped(peer, desc, dst, ring, t)? {
+        if !self.copy_helped(peer, desc, dst, (ring, link), t)? {
             return Err(Error::WireRule {
                 peer,
                 rule: "a placed message whose bytes this side cannot read",
@@ -293,7 +293,7 @@ impl SingleIn {
         peer: PeerId,
         desc: &cma::Desc,
         dst: &mut [u8],
-        ring: &Consumer<SegRing>,
+        (ring, link): (&Consumer<SegRing>, &UnixStream),
         t: u64,
     ) -> Result<bool, Error> {
         let placed = t & cma::PLACED_TICKET != 0;
@@ -305,11 +305,18 @@ impl SingleIn {
             return Ok(self.copy(desc, dst, ring));
         };
         let help = ring.mem_ctl().help();
+        let len = dst.len();
         let (head, tail) = dst.split_at_mut(at);
         // Relaxed: published by the offer's Release store.
         help.dst.store(tail.as_mut_ptr() as u64, Ordering::Relaxed);
         help.word
             .store(cma::word(t, cma::OFFERED), Ordering::Release);
+        // A sender asleep on its doorbell sees the offer only if rung (the
+        // flag is read after the offer's store: one that flags itself after
+        // this look finds the offer in its last look before sleeping).
+        if len >= cma::HELP_RING_MIN && ring.writer_waits() {
+            handshake::ring(link);
+        }
         #[cfg(feature = "testing")]
         if super::testing::OFFERS_WAIT.load(Ordering::Relaxed) {
             let until = std::time::Instant::now() + std::time::Duration::from_secs(2);
@@ -377,7 +384,7 @@ impl SingleIn {
         peer: PeerId,
         desc: &cma::Desc,
         dst: &mut [u8],
-        ring: &Consumer<SegRing>,
+        (ring, link): (&Consumer<SegRing>, &UnixStream),
     ) -> Result<bool, Error> {
         use std::sync::atomic::Ordering;
         let ticket = desc.ticket;
@@ -394,7 +401,7 @@ impl SingleIn {
             Ordering::Acquire,
         ) {
             Ok(_) => {
-                let got = self.copy_helped(peer, desc, dst, ring, ticket)?;
+                let got = self.copy_helped(peer, desc, dst, (ring, link), ticket)?;
                 if got && !Self::kept(ring) {
                     return Err(Error::PeerLost(peer));
                 }
@@ -1549,9 +1556,9 @@ impl Lane {
                     let (ring, link) = (&self.rx, &self.link);
                     let dst = &mut bytes[..want];
                     let got = if desc.placed {
-                        self.single_in.take_placed(peer, &desc, dst, ring)
+                        self.single_in.take_placed(peer, &desc, dst, (ring, link))
                     } else {
-                        self.single_in.take_claimed(peer, &desc, dst, ring)
+                        self.single_in.take_claimed(peer, &desc, dst, (ring, link))
                     };
                     if ring.writer_waits() {
                         handshake::ring(link);
@@ -1751,7 +1758,22 @@ impl Lane {
             || (for_room && room)
             || (for_claim && self.claim_moved())
             || (for_done && self.done_moved())
+            || ((for_claim || for_done) && self.help_offered())
             || self.copying()
+    }
+
+    /// Whether the peer offers a tail for this side to write (see
+    /// [`cma`]): the sender's last look before it sleeps, after its flag,
+    /// as the peer looks at the flag after its offer.
+    fn help_offered(&self) -> bool {
+        // Acquire: against the peer's offer (a look; the take acquires again).
+        let offer = self
+            .tx
+            .mem_ctl()
+            .help()
+            .word
+            .load(std::sync::atomic::Ordering::Acquire);
+        cma::state_of(offer) == cma::OFFERED && !self.broken
     }
 
     /// Whether the peer has moved the claim word of the handover this side
