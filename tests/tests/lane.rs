@@ -1008,6 +1008,63 @@ fn a_waiting_sender_writes_the_tail_it_is_offered() {
     assert_eq!(rig.continue_send(&message), Ok(true), "done");
 }
 
+/// A tail whose write the kernel refuses (here a destination the peer
+/// cannot be written at: a read-only page, EFAULT; elsewhere another
+/// user or a ptrace policy, EPERM) is handed back, not done: the peer
+/// copies it itself. The sender takes no offer after that.
+#[test]
+fn a_sender_whose_tail_write_is_refused_hands_it_back_and_takes_no_more_offers() {
+    let mut rig = LaneRig::new(1 << 16, 4 << 20).unwrap();
+    greet(&mut rig, hello_taking(Takes::HEADERLESS));
+    let message: Vec<u8> = (0..64 << 10).map(|i| (i % 239) as u8).collect();
+    let at = help_split(message.len(), false).unwrap();
+    let tail = message.len() - at;
+    // SAFETY: a fresh anonymous mapping, unmapped below; nothing else uses it.
+    let read_only = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            tail,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(read_only, libc::MAP_FAILED);
+    assert_eq!(rig.send_direct(&message), Ok(false), "waits for the peer");
+    rig.peer_claims(1);
+    rig.peer_offers_tail(1, read_only as u64);
+    assert_eq!(rig.continue_send(&message), Ok(false));
+    assert_eq!(
+        rig.help_word(),
+        claim_word(1, HELP_IDLE),
+        "handed back: the peer reads the tail"
+    );
+    assert_eq!(rig.single_copies().helped, 0);
+    rig.peer_copied(1);
+    assert_eq!(rig.continue_send(&message), Ok(true), "done");
+    // The next message's offer, to a writable buffer, is left to the peer.
+    assert_eq!(rig.send_direct(&message), Ok(false));
+    assert_eq!(
+        descriptors(&rig.peer_take()).last().map(|d| d.ticket),
+        Some(2)
+    );
+    rig.peer_claims(2);
+    let mut dst = vec![0u8; tail];
+    rig.peer_offers_tail(2, dst.as_mut_ptr() as u64);
+    assert_eq!(rig.continue_send(&message), Ok(false));
+    assert_eq!(
+        rig.help_word(),
+        claim_word(2, HELP_OFFERED),
+        "no more offers taken"
+    );
+    assert!(dst.iter().all(|&b| b == 0), "nothing written");
+    rig.peer_copied(2);
+    assert_eq!(rig.continue_send(&message), Ok(true));
+    // SAFETY: the mapping made above, of that length.
+    assert_eq!(unsafe { libc::munmap(read_only, tail) }, 0);
+}
+
 /// A placed message's tail (1 MiB and up) is offered under its placed ticket: the sender,
 /// looking whether the peer is done with it, writes the tail and says so,
 /// and not for the same number as a claimed ticket.
