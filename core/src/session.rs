@@ -1842,8 +1842,15 @@ impl Session {
         if self.peer.is_none() {
             return Err(ProtocolError::HeaderlessRefused);
         }
-        if self.peer_closed {
+        // As a Data header: nothing after the peer's Close or once the
+        // session moved, nothing before the same-host exchange settled.
+        if self.peer_closed || self.is_moved() {
             return Err(ProtocolError::AfterClose);
+        }
+        if !self.host_settled() {
+            return Err(ProtocolError::HostExpected {
+                got: FrameKind::Data,
+            });
         }
         let Some(len32) = u32::try_from(len)
             .ok()

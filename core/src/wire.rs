@@ -591,8 +591,9 @@ impl Decoded {
 /// either way, and its first two bytes tell it from a header's [`MAGIC`].
 /// It has no checksum: a lane is memory, whose reader bounds-checks every
 /// length, and TCP checks every segment itself; the reader checks a record
-/// as strictly as a header (reserved bytes zero here, the length against
-/// the frame maximum and the byte credit and the sequence in the engine's
+/// as strictly as a header (reserved bytes zero here; the length against
+/// the frame maximum and the byte credit, the sequence and the handshake's
+/// order in the engine's
 /// [`handle_headerless`](crate::session::Session::handle_headerless)). The
 /// header's codec and CRC-32C were a sixth of a small message's work over
 /// TCP and a third over a lane. A side that wants every frame checksummed

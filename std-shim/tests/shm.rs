@@ -255,6 +255,23 @@ fn sender_killed(shared: bool) {
     assert_eq!(pool.used_bytes(), 0, "every receive buffer back");
 }
 
+/// The receiver waits for each offer to be taken (a testing knob, global
+/// to the process) while this lives, however the test ends.
+struct OffersWait;
+
+impl OffersWait {
+    fn on() -> OffersWait {
+        zerohop_std::shm::testing::offers_wait_to_be_taken(true);
+        OffersWait
+    }
+}
+
+impl Drop for OffersWait {
+    fn drop(&mut self) {
+        zerohop_std::shm::testing::offers_wait_to_be_taken(false);
+    }
+}
+
 /// A sender that takes the tail of its message and never writes it (a
 /// testing knob in the child) costs the receiver that lane after half a
 /// second; the receive buffer it might still write into stays out of the
@@ -265,7 +282,7 @@ fn a_tail_taken_and_never_written_keeps_its_buffer_until_the_sender_exits() {
     let (server, addr, pool) = listener_in(pool(false));
     // The child takes the first tail offered (given the time to: the
     // lane waits for the take before it reads the head).
-    zerohop_std::shm::testing::offers_wait_to_be_taken(true);
+    let offers_wait = OffersWait::on();
     let mut child = spawn_in(addr, "hang-tail", false);
     let first = accepted(&server);
     let err = loop {
@@ -278,7 +295,7 @@ fn a_tail_taken_and_never_written_keeps_its_buffer_until_the_sender_exits() {
             Err(e) => panic!("{e:?}"),
         }
     };
-    zerohop_std::shm::testing::offers_wait_to_be_taken(false);
+    drop(offers_wait);
     assert!(matches!(err, Error::WireRule { .. }), "{err:?}");
     assert!(
         pool.used_bytes() >= SINGLE,
@@ -303,7 +320,7 @@ fn a_tail_taken_and_never_written_keeps_its_buffer_until_the_sender_exits() {
 fn a_sender_asleep_is_rung_to_write_the_tail_of_a_long_message() {
     let _one = serial();
     let (server, addr, _pool) = listener_in(pool(false));
-    zerohop_std::shm::testing::offers_wait_to_be_taken(true);
+    let offers_wait = OffersWait::on();
     let _child = spawn_in(addr, "send-asleep", false);
     let first = accepted(&server);
     let mut got = 0;
@@ -326,7 +343,7 @@ fn a_sender_asleep_is_rung_to_write_the_tail_of_a_long_message() {
             Err(e) => panic!("{e:?}"),
         }
     }
-    zerohop_std::shm::testing::offers_wait_to_be_taken(false);
+    drop(offers_wait);
     assert!(
         took < Duration::from_millis(1500),
         "{ASLEEP_MESSAGES} messages in {took:?}: the sleeping sender was not rung to take its offers"

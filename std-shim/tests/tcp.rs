@@ -643,12 +643,17 @@ fn a_maximum_size_header_or_short_record_from_a_silent_peer_costs_nothing_and_20
         expect_still_served(&server, &good, peer);
     }
     assert!(t0.elapsed() < SECOND, "served promptly: {:?}", t0.elapsed());
-    // One of them sends a byte: it leases the message, at most the window.
+    // Two of them (a header's and a short record's) send a byte: each
+    // leases its message, at most the window.
     silent[0].send(&[7]);
     await_partial_lease(&pool, used);
-    assert!(pool.stats().used_bytes - used <= 16 << 20);
+    let one = pool.stats().used_bytes;
+    assert!(one - used <= 16 << 20);
+    silent[1].send(&[7]);
+    await_partial_lease(&pool, one);
+    assert!(pool.stats().used_bytes - used <= 2 * (16 << 20));
     // Silent mid-frame past the idle timeout: each is dropped, typed (the
-    // one that sent a byte may be found too slow first: a byte in the idle
+    // two that sent a byte may be found too slow first: a byte in the idle
     // timeout's grace is behind the minimum rate).
     let (mut silent_ones, mut slow_ones) = (0, 0);
     while silent_ones + slow_ones < 200 {
@@ -664,8 +669,8 @@ fn a_maximum_size_header_or_short_record_from_a_silent_peer_costs_nothing_and_20
             other => panic!("{other:?}"),
         }
     }
-    assert!(slow_ones <= 1, "only the one that sent a byte: {slow_ones}");
-    assert_eq!(pool.stats().used_bytes, used, "the byte's lease went back");
+    assert!(slow_ones <= 2, "only those that sent a byte: {slow_ones}");
+    assert_eq!(pool.stats().used_bytes, used, "the bytes' leases went back");
     assert_eq!(server.with(|t| t.peer_count()), 1);
     expect_still_served(&server, &good, peer);
 }
@@ -714,6 +719,13 @@ fn an_idle_half_frame_and_a_silent_handshake_are_dropped_after_the_timeout() {
 /// peer is served throughout.
 #[test]
 fn a_peer_dripping_a_large_message_is_dropped_at_the_minimum_rate_with_its_buffer_back() {
+    for short in [false, true] {
+        dripping_peer(short);
+    }
+}
+
+/// A peer drips a large message behind a header or (`short`) a short record.
+fn dripping_peer(short: bool) {
     let config = TcpConfig {
         idle_timeout: Duration::from_millis(500),
         ..TcpConfig::default()
@@ -723,7 +735,7 @@ fn a_peer_dripping_a_large_message_is_dropped_at_the_minimum_rate_with_its_buffe
     expect_still_served(&server, &good, peer);
     let used = pool.stats().used_bytes;
     let mut drip = Raw::connect(addr);
-    drip.send(&Raw::data(0, 8 << 20, DataFlags::NONE));
+    drip.send(&Raw::whole(short, 0, 8 << 20));
     drip.send(&[7]);
     await_partial_lease(&pool, used);
     let t0 = Instant::now();
@@ -747,9 +759,12 @@ fn a_peer_dripping_a_large_message_is_dropped_at_the_minimum_rate_with_its_buffe
                 expect_still_served(&server, &good, peer);
                 served += 1;
             }
-            other => panic!("{other:?}"),
+            other => panic!("short record {short}: {other:?}"),
         }
-        assert!(t0.elapsed() < 5 * SECOND, "the dripping peer was kept");
+        assert!(
+            t0.elapsed() < 5 * SECOND,
+            "the dripping peer was kept (short record {short})"
+        );
     }
     // The idle timeout's grace from its header, whatever its drops.
     assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
@@ -1341,8 +1356,8 @@ fn a_sequence_number_at_the_end_of_the_range_is_a_typed_error() {
 }
 
 /// Short records from a peer whose Hello takes them: delivered in order; a
-/// record out of sequence or with a reserved byte set fails that peer,
-/// typed, and its message is not delivered.
+/// record out of sequence, with a reserved byte set or before the peer's
+/// Host frame fails that peer, typed, and its message is not delivered.
 #[test]
 fn short_records_are_delivered_in_order_and_one_out_of_sequence_or_malformed_fails_its_peer() {
     let (server, addr, pool) = listener(64 << 20, TcpConfig::default());
@@ -1405,6 +1420,28 @@ fn short_records_are_delivered_in_order_and_one_out_of_sequence_or_malformed_fai
         );
         assert!(raw.closed_by_peer());
     }
+    // Before its Host frame (the same-host exchange unsettled), as a header
+    // would be.
+    let mut early = Raw {
+        s: TcpStream::connect(addr).unwrap(),
+    };
+    early.send(&Raw::hello(0x7E57, 0));
+    early.send(&Raw::short(0, 1));
+    early.send(b"x");
+    let e = server.recv(Deadline::after(5 * SECOND), None).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Protocol {
+                error: ProtocolError::HostExpected {
+                    got: FrameKind::Data
+                },
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(early.closed_by_peer());
     expect_still_served(&server, &good, peer);
     assert_eq!(pool.used_bytes(), 0, "every lease back");
 }

@@ -995,6 +995,10 @@ fn a_waiting_sender_writes_the_tail_it_is_offered() {
         "not its ticket"
     );
     assert_eq!(rig.single_copies().helped, 0);
+    assert!(
+        !rig.prepare_sleep(),
+        "another ticket's offer does not keep it awake"
+    );
     rig.peer_offers_tail(1, dst.as_mut_ptr() as u64);
     assert_eq!(
         rig.continue_send(&message),
@@ -1059,6 +1063,10 @@ fn a_sender_whose_tail_write_is_refused_hands_it_back_and_takes_no_more_offers()
         "no more offers taken"
     );
     assert!(dst.iter().all(|&b| b == 0), "nothing written");
+    assert!(
+        !rig.prepare_sleep(),
+        "an offer it will not take does not keep it awake"
+    );
     rig.peer_copied(2);
     assert_eq!(rig.continue_send(&message), Ok(true));
     // SAFETY: the mapping made above, of that length.

@@ -2366,6 +2366,50 @@ fn host_frames_out_of_their_place_fail_the_session() {
     .contains("close frame"));
 }
 
+/// A headerless frame (a TCP short record) keeps the exchange's order as a
+/// Data header does: none before the answering side has the peer's Host
+/// frame, none once the session moved to shared memory.
+#[test]
+fn a_headerless_frame_waits_for_the_same_host_exchange_and_ends_with_a_move() {
+    let hello = Frame::Hello(hello(1 << 20, 0)).encode(&[]);
+    let (c, a) = host_roles(Some(OFFER));
+    let headerless = |config: SessionConfig| SessionConfig {
+        takes_headerless: true,
+        sends_headerless: true,
+        ..config
+    };
+    let mut s = Session::new(headerless(a), 1, T0);
+    s.handle_header(T0, &hello, None).unwrap();
+    assert_eq!(
+        s.handle_headerless(T0, 4, 0),
+        Err(ProtocolError::HostExpected {
+            got: FrameKind::Data
+        })
+    );
+    // Settled (no offer from the peer): it goes.
+    let mut s = Session::new(headerless(a), 1, T0);
+    s.handle_header(T0, &hello, None).unwrap();
+    s.handle_header(T0, &host_frame(HostStep::NoOffer), None)
+        .unwrap();
+    assert_eq!(
+        s.handle_headerless(T0, 4, 0),
+        Ok(Delivered { seq: 0, len: 4 })
+    );
+    // Moved: an accepted offer, then a headerless frame.
+    let mut conn = SimPeer::new(headerless(c), 1, T0);
+    let mut acc = SimPeer::new(headerless(a), 2, T0);
+    acc.accept_offers = true;
+    for f in &conn.transmit() {
+        acc.receive(T0, f).unwrap();
+    }
+    acc.transmit();
+    assert!(acc.session.is_moved());
+    assert_eq!(
+        acc.session.handle_headerless(T0, 4, 0),
+        Err(ProtocolError::AfterClose)
+    );
+}
+
 #[test]
 fn the_token_is_this_sides_and_its_hello_carries_it() {
     for token in [7, 0xC0FF_EE00] {

@@ -931,39 +931,55 @@ impl Lane {
         Ok(state)
     }
 
-    /// Takes the peer's offer of the handover's tail, if it made one, and
-    /// writes the tail into the peer's buffer (see [`cma`]).
-    fn help_peer(&mut self) {
-        use std::sync::atomic::Ordering;
-        if self.broken {
-            // A caller that left with the lane's error may have taken its
-            // slice with it: nothing here is read any more.
-            return;
+    /// The tail the peer offers of a message this side still holds, if
+    /// one is open and this side takes offers: the help word as read, and
+    /// the message's bytes (start, length). An offer of another ticket, or
+    /// one after a refused write, is none (a look: the take swaps again).
+    fn open_offer(&self) -> Option<(u64, *const u8, usize)> {
+        if self.broken || !self.help_tx {
+            // Broken: a caller that left with the lane's error may have
+            // taken its slice with it, nothing here is read any more.
+            return None;
         }
-        let help = self.tx.mem_ctl().help();
-        // Relaxed: a look; the swap below acquires.
-        let offer = help.word.load(Ordering::Relaxed);
+        // Relaxed: a look; the swap that takes it acquires (and before a
+        // sleep, `prepare_wait`'s fence orders it after the flag).
+        let offer = self
+            .tx
+            .mem_ctl()
+            .help()
+            .word
+            .load(std::sync::atomic::Ordering::Relaxed);
         if cma::state_of(offer) != cma::OFFERED {
-            return;
+            return None;
         }
         let t = cma::ticket_of(offer);
         // The claimed message it names, or the placed one.
-        let placed = t & cma::PLACED_TICKET != 0;
         let (src, len) = if let Some(h) = self.handover.as_ref().filter(|h| h.ticket == t) {
             match &h.held {
                 Held::Caller(c) => (c.0 as *const u8, c.1),
                 Held::Owned(v) => (v.as_ptr(), v.len()),
                 Held::Leased(l) => (host_bytes(l).as_ptr(), l.len()),
             }
-        } else if let Some((_, l)) = self
-            .placed
-            .iter()
-            .find(|(p, _)| *p | cma::PLACED_TICKET == t)
-        {
-            (host_bytes(l).as_ptr(), l.len())
         } else {
-            return; // not (or no longer) ours to help with
+            let (_, l) = self
+                .placed
+                .iter()
+                .find(|(p, _)| *p | cma::PLACED_TICKET == t)?;
+            (host_bytes(l).as_ptr(), l.len())
         };
+        Some((offer, src, len))
+    }
+
+    /// Takes the peer's offer of the handover's tail, if it made one, and
+    /// writes the tail into the peer's buffer (see [`cma`]).
+    fn help_peer(&mut self) {
+        use std::sync::atomic::Ordering;
+        let Some((offer, src, len)) = self.open_offer() else {
+            return;
+        };
+        let help = self.tx.mem_ctl().help();
+        let t = cma::ticket_of(offer);
+        let placed = t & cma::PLACED_TICKET != 0;
         // AcqRel: against the peer's taking it back; Acquire: its `dst`.
         if help
             .word
@@ -1762,18 +1778,13 @@ impl Lane {
             || self.copying()
     }
 
-    /// Whether the peer offers a tail for this side to write (see
+    /// Whether the peer offers a tail of this side's for it to write (see
     /// [`cma`]): the sender's last look before it sleeps, after its flag,
-    /// as the peer looks at the flag after its offer.
+    /// as the peer looks at the flag after its offer. Any other value of
+    /// the word (a foreign ticket, an offer after a refused write) lets
+    /// it sleep.
     fn help_offered(&self) -> bool {
-        // Acquire: against the peer's offer (a look; the take acquires again).
-        let offer = self
-            .tx
-            .mem_ctl()
-            .help()
-            .word
-            .load(std::sync::atomic::Ordering::Acquire);
-        cma::state_of(offer) == cma::OFFERED && !self.broken
+        self.open_offer().is_some()
     }
 
     /// Whether the peer has moved the claim word of the handover this side

@@ -9,7 +9,9 @@
 //! stage, no pool buffer, no peer id; a lane Hello (below) pairs it with its
 //! peer instead. A message's buffer is leased only once its first payload
 //! bytes are there, for at most the credit the engine granted, so a header
-//! that claims a large message and stops costs nothing.
+//! (or short record) that claims a large message and stops costs nothing;
+//! one whose payload stalls or drips is dropped by the engine's idle and
+//! minimum-rate timers, its buffer back.
 //!
 //! A whole message goes behind a short record (the engine's headerless
 //! frame, [`ShortRecord`](zerohop_core::wire::ShortRecord)) to a peer whose

@@ -279,6 +279,11 @@ impl TcpTransport {
                     return Outcome::Stopped;
                 };
                 let base = inc.d.offset;
+                // Payload progress: a framed message is under way in the
+                // engine until `handle_payload`; one behind a short record
+                // (the engine took it whole) only while this says so, which
+                // keeps its idle and minimum-rate timers running.
+                let under_way = !inc.framed;
                 // 1a. A striped payload's rest, from the lane.
                 let mut lane_idle = true;
                 let lane_missing = inc.d.len - inc.split - inc.lane_have;
@@ -294,7 +299,7 @@ impl TcpTransport {
                             inc.lane_have += n;
                             lane_idle = false;
                             // Bytes on either connection are news of the peer.
-                            p.session.handle_activity(now, n, false);
+                            p.session.handle_activity(now, n, under_way);
                             p.lane_readable &= n == asked || p.lane_hup || !lane.early.is_empty();
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => p.lane_readable = false,
@@ -314,7 +319,7 @@ impl TcpTransport {
                     if inc.have < inc.split {
                         // Progress of a payload still under way (one that
                         // is in counts for nothing more).
-                        p.session.handle_activity(now, take, false);
+                        p.session.handle_activity(now, take, under_way);
                     }
                 }
                 if inc.have < inc.split {
@@ -347,7 +352,7 @@ impl TcpTransport {
                             inc.have += n.min(into_lease);
                             p.stage_end = n.saturating_sub(into_lease);
                             p.readable = n == into_lease + READ_AHEAD || p.hup;
-                            p.session.handle_activity(now, n.min(into_lease), false);
+                            p.session.handle_activity(now, n.min(into_lease), under_way);
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             p.readable = false;
