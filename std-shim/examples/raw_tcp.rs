@@ -9,7 +9,10 @@
 //! way `zerohop perf --listen/--connect` and `ucx_perftest` run, with
 //! `listen ADDR` in one and `connect ADDR` in the other.
 //!
-//! `cargo run --release -p zerohop-std --example raw_tcp -- 64,4096,65536,1048576 [spin] [listen|connect ADDR]`
+//! With `epoll`, each socket is also watched by an epoll set that is never
+//! waited on (see [`watch`]).
+//!
+//! `cargo run --release -p zerohop-std --example raw_tcp -- 64,4096,65536,1048576 [spin] [epoll] [listen|connect ADDR]`
 
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -24,8 +27,36 @@ impl Stream {
     fn new(s: TcpStream, spin: bool) -> io::Result<Self> {
         s.set_nodelay(true)?;
         s.set_nonblocking(spin)?;
+        if EPOLL.load(std::sync::atomic::Ordering::Relaxed) {
+            watch(&s)?;
+        }
         Ok(Stream { s })
     }
+}
+
+/// With `epoll`: each socket is also in an epoll set (edge-triggered, as
+/// zerohop's and UCX's are) that is never waited on: what the kernel's
+/// receive path costs a socket any multi-socket program watches.
+static EPOLL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn watch(s: &TcpStream) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: plain system calls on a live descriptor; the epoll
+    // descriptor is kept open for the process's life on purpose.
+    unsafe {
+        let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+        if ep < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut ev = libc::epoll_event {
+            events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+            u64: 0,
+        };
+        if libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, s.as_raw_fd(), &mut ev) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 impl Read for Stream {
@@ -90,6 +121,10 @@ fn main() -> std::io::Result<()> {
         .map(|s| s.parse().expect("a size in bytes"))
         .collect();
     let spin = args.iter().any(|a| a == "spin");
+    EPOLL.store(
+        args.iter().any(|a| a == "epoll"),
+        std::sync::atomic::Ordering::Relaxed,
+    );
     let role = |name: &str| {
         let i = args.iter().position(|a| a == name)?;
         Some(
