@@ -3,8 +3,9 @@
 //! every lease back in the pool afterwards. An input whose first byte is odd
 //! is sent after a valid Hello and same-host frame, so the fuzzer reaches
 //! past the handshake; with bit 2 set as well, after a short record of the
-//! first message (sequence 0, the input's length), so it reaches the short
-//! record's path and what follows one.
+//! first message (sequence 0; its length the input's second byte, or the
+//! whole input with bit 3), so it reaches the short record's path and the
+//! frames that follow one.
 #![no_main]
 
 use std::io::Write;
@@ -74,7 +75,13 @@ fuzz_target!(|data: &[u8]| {
         });
         s.write_all(&host.encode(&[])).unwrap();
         if data[0] & 4 != 0 {
-            let len = u32::try_from(data.len()).unwrap();
+            // Its message: the input's first `data[1]` bytes (all of it
+            // with bit 3), so what follows is read as the next frames.
+            let len = match data.get(1) {
+                Some(&n) if data[0] & 8 == 0 => usize::from(n).min(data.len()),
+                _ => data.len(),
+            };
+            let len = u32::try_from(len).unwrap();
             s.write_all(&ShortRecord { imm: 0, len }.encode()).unwrap();
         }
     }
