@@ -41,7 +41,7 @@ use core::time::Duration;
 
 use crate::wire::{
     Close, Credit, Data, DataFlags, DecodeError, Decoded, Frame, FrameKind, Hello, Host, HostStep,
-    Takes, Want, HEADER_LEN, MAX_FRAME_CREDITS,
+    ShortRecord, Takes, Want, HEADER_LEN, MAX_FRAME_CREDITS,
 };
 
 /// A point in time: microseconds from an origin the driver chooses (a
@@ -1473,6 +1473,39 @@ impl Session {
         self.assembly = None;
         self.advance_rx()?;
         Ok(Some(done))
+    }
+
+    /// A stream wire's 32 bytes where a header goes, if they are a short
+    /// record ([`ShortRecord`]; `None`: a header, for
+    /// [`handle_header`](Self::handle_header)): the message is taken whole
+    /// now, as [`handle_headerless`](Self::handle_headerless) takes it, and
+    /// is under way (timed by the idle timeout and the minimum rate) until
+    /// the driver says its payload is in (`handle_activity` with `partial`
+    /// false). The payload the driver reads: all of the message.
+    pub fn handle_short_record(
+        &mut self,
+        now: Instant,
+        bytes: &[u8; HEADER_LEN],
+    ) -> Option<Result<DataIn, ProtocolError>> {
+        let taken = ShortRecord::decode(bytes)?
+            .map_err(|e| self.fail(e.into()))
+            .and_then(|r| {
+                let len = usize::try_from(r.len).unwrap_or(usize::MAX);
+                self.handle_headerless(now, len, r.imm)
+            });
+        Some(taken.map(|done| {
+            self.handle_activity(now, 0, done.len > 0);
+            DataIn {
+                seq: done.seq,
+                msg_len: done.len,
+                offset: 0,
+                len: done.len,
+                first: true,
+                last: true,
+                striped: false,
+                device: false,
+            }
+        }))
     }
 
     /// A headerless frame arrived (verbs, or a lane's short record): a whole message of `len`

@@ -2410,6 +2410,70 @@ fn a_headerless_frame_waits_for_the_same_host_exchange_and_ends_with_a_move() {
     );
 }
 
+/// A stream wire's short record: taken whole, its message under way (timed)
+/// until the driver says its payload is in; a header is none; a reserved
+/// byte fails the session.
+#[test]
+fn a_short_record_is_taken_whole_and_timed_until_its_payload_is_in() {
+    let cfg = SessionConfig {
+        takes_headerless: true,
+        idle_timeout: Duration::from_millis(10),
+        ..stream()
+    };
+    let hello = Frame::Hello(hello(1 << 20, 0)).encode(&[]);
+    let mut s = Session::new(cfg, 1, T0);
+    s.handle_header(T0, &hello, None).unwrap();
+    let header: [u8; HEADER_LEN] = data(0, 5, 5, false)[..HEADER_LEN].try_into().unwrap();
+    assert_eq!(s.handle_short_record(T0, &header), None, "a header");
+    let record = ShortRecord { imm: 0, len: 5 }.encode();
+    assert_eq!(
+        s.handle_short_record(T0, &record),
+        Some(Ok(DataIn {
+            seq: 0,
+            msg_len: 5,
+            offset: 0,
+            len: 5,
+            first: true,
+            last: true,
+            striped: false,
+            device: false,
+        }))
+    );
+    assert_eq!(s.poll_timeout(), Some(T0.after(Duration::from_millis(10))));
+    // Its payload in: nothing under way, no timer.
+    s.handle_activity(T0, 5, false);
+    assert_eq!(s.poll_timeout(), None);
+    // An empty message has no payload to wait for.
+    let empty = ShortRecord {
+        imm: 1 << 16,
+        len: 0,
+    }
+    .encode();
+    assert!(matches!(s.handle_short_record(T0, &empty), Some(Ok(d)) if d.len == 0 && d.seq == 1));
+    assert_eq!(s.poll_timeout(), None);
+    // A payload that stalls.
+    let next = ShortRecord {
+        imm: 2 << 16,
+        len: 3,
+    }
+    .encode();
+    assert!(matches!(s.handle_short_record(T0, &next), Some(Ok(_))));
+    assert_eq!(
+        s.handle_timeout(T0.after(Duration::from_millis(10))),
+        Err(ProtocolError::Stalled {
+            during: Stall::Frame
+        })
+    );
+    // A reserved byte set fails the session.
+    let mut s = Session::new(cfg, 1, T0);
+    s.handle_header(T0, &hello, None).unwrap();
+    let mut bad = ShortRecord { imm: 0, len: 1 }.encode();
+    bad[31] = 1;
+    let reserved = ProtocolError::Decode(DecodeError::ReservedBits);
+    assert_eq!(s.handle_short_record(T0, &bad), Some(Err(reserved)));
+    assert_eq!(s.handle_short_record(T0, &record), Some(Err(reserved)));
+}
+
 #[test]
 fn the_token_is_this_sides_and_its_hello_carries_it() {
     for token in [7, 0xC0FF_EE00] {

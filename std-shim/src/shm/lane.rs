@@ -1648,32 +1648,16 @@ impl Lane {
                 }
             }
             self.have = 0;
-            if let Some(record) = ShortRecord::decode(&self.header) {
+            if let Some(taken) = self.session.handle_short_record(now, &self.header) {
                 // The engine takes the message whole now (its sequence,
-                // credit and stats move here, as for a verbs receive); its
-                // payload is the lane's to finish.
-                let done = match record
-                    .map_err(ProtocolError::from)
-                    .and_then(|r| self.session.handle_headerless(now, r.len as usize, r.imm))
-                {
-                    Ok(done) => done,
+                // credit and stats move here, as for a verbs receive), and
+                // times it until its payload is in (the next side pass's
+                // `heard` settles it); the payload is the lane's to finish.
+                let d = match taken {
+                    Ok(d) => d,
                     Err(e) => return protocol(e),
                 };
-                // The engine has no payload pending to time: a frame is under
-                // way until the payload is in (the next side pass's `heard`
-                // settles it).
-                self.session.handle_activity(now, 0, done.len > 0);
-                let d = DataIn {
-                    seq: done.seq,
-                    msg_len: done.len,
-                    offset: 0,
-                    len: done.len,
-                    first: true,
-                    last: true,
-                    striped: false,
-                    device: false,
-                };
-                self.incoming = Some(Incoming::new(d, self.host_stage(done.len), false));
+                self.incoming = Some(Incoming::new(d, self.host_stage(d.len), false));
                 self.control();
                 continue;
             }

@@ -8,8 +8,8 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use zerohop_backends::{host_bytes, host_bytes_mut};
-use zerohop_core::session::{DataIn, Delivered, Inbound, ProtocolError};
-use zerohop_core::wire::{ShortRecord, HEADER_LEN};
+use zerohop_core::session::{DataIn, Delivered, Inbound};
+use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{Error, Lease, Received};
 
 use super::lane::stripe_split;
@@ -403,33 +403,18 @@ impl TcpTransport {
                 let header: &[u8; HEADER_LEN] = p.stage[p.stage_start..][..HEADER_LEN]
                     .try_into()
                     .expect("a header's length");
-                if let Some(record) = ShortRecord::decode(header) {
-                    // The engine takes the message whole now (sequence,
-                    // credit, the byte limit, as for a verbs receive); its
-                    // payload is this side's to read.
-                    let done = match record
-                        .map_err(ProtocolError::from)
-                        .and_then(|r| p.session.handle_headerless(now, r.len as usize, r.imm))
-                    {
-                        Ok(done) => done,
+                if let Some(taken) = p.session.handle_short_record(now, header) {
+                    // The engine took the message whole (sequence, credit,
+                    // the byte limit) and times it until its payload is in.
+                    let d = match taken {
+                        Ok(d) => d,
                         Err(e) => return protocol(e),
                     };
                     p.stage_start += HEADER_LEN;
-                    // Under way until its payload is in (timed as any frame's).
-                    p.session.handle_activity(now, 0, done.len > 0);
                     p.incoming = Some(Incoming {
-                        d: DataIn {
-                            seq: done.seq,
-                            msg_len: done.len,
-                            offset: 0,
-                            len: done.len,
-                            first: true,
-                            last: true,
-                            striped: false,
-                            device: false,
-                        },
+                        d,
                         framed: false,
-                        split: done.len,
+                        split: d.len,
                         have: 0,
                         lane_have: 0,
                     });
