@@ -10,9 +10,15 @@
 //! `listen ADDR` in one and `connect ADDR` in the other.
 //!
 //! With `epoll`, each socket is also watched by an epoll set that is never
-//! waited on (see [`watch`]).
+//! waited on (see [`watch`]); with `epoll2`, by two (reading in one, writing
+//! in the other, as zerohop's data and connection sets watch it). With
+//! `record`, each message goes behind a 32-byte record, written with the
+//! payload in one `writev` and read with it in one buffer, as zerohop's short
+//! record; with `stage`, reads fill a 64 KiB stage up to 4 KiB at a time and
+//! the message is copied out of it, as zerohop's receiver reads. These take the
+//! program step by step towards zerohop's system calls (`docs/runs/raw-shape/`).
 //!
-//! `cargo run --release -p zerohop-std --example raw_tcp -- 64,4096,65536,1048576 [spin] [epoll] [listen|connect ADDR]`
+//! `cargo run --release -p zerohop-std --example raw_tcp -- 64,4096,65536,1048576 [spin] [epoll|epoll2] [record] [stage] [listen|connect ADDR]`
 
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -21,16 +27,111 @@ use std::time::Instant;
 /// A socket that either blocks or spins on `WouldBlock`.
 struct Stream {
     s: TcpStream,
+    /// With `record` or `stage`: bytes read and not yet taken.
+    stage: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+/// With `stage`: the stage's size, and how far one read into it goes.
+const STAGE: usize = 64 << 10;
+const STAGE_READ: usize = 4 << 10;
+/// With `record`: the bytes ahead of each message.
+const RECORD: usize = 32;
+
+fn flag(f: &std::sync::atomic::AtomicBool) -> bool {
+    f.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 impl Stream {
     fn new(s: TcpStream, spin: bool) -> io::Result<Self> {
         s.set_nodelay(true)?;
         s.set_nonblocking(spin)?;
-        if EPOLL.load(std::sync::atomic::Ordering::Relaxed) {
-            watch(&s)?;
+        if flag(&EPOLL) {
+            watch(&s, libc::EPOLLIN)?;
         }
-        Ok(Stream { s })
+        if flag(&EPOLL2) {
+            watch(&s, libc::EPOLLIN)?;
+            watch(&s, libc::EPOLLOUT)?;
+        }
+        Ok(Stream {
+            s,
+            stage: vec![0; STAGE],
+            start: 0,
+            end: 0,
+        })
+    }
+
+    /// One message: with `record`, behind its record in one `writev`.
+    fn send_msg(&mut self, buf: &[u8]) -> io::Result<()> {
+        if !flag(&SHAPE_RECORD) {
+            return self.write_all(buf);
+        }
+        let mut rec = [0u8; RECORD];
+        rec[..2].copy_from_slice(b"SZ");
+        rec[8..12].copy_from_slice(&(buf.len() as u32).to_le_bytes());
+        let mut sent = 0;
+        while sent < RECORD + buf.len() {
+            let iov = if sent < RECORD {
+                [io::IoSlice::new(&rec[sent..]), io::IoSlice::new(buf)]
+            } else {
+                [
+                    io::IoSlice::new(&[]),
+                    io::IoSlice::new(&buf[sent - RECORD..]),
+                ]
+            };
+            match self.s.write_vectored(&iov) {
+                Ok(n) => sent += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// One message into `buf`: with `record`, its record read and skipped;
+    /// with `stage`, through the stage.
+    fn recv_msg(&mut self, buf: &mut [u8]) -> io::Result<()> {
+        let record = flag(&SHAPE_RECORD);
+        if !flag(&SHAPE_STAGE) {
+            if !record {
+                return self.read_exact(buf);
+            }
+            let want = RECORD + buf.len();
+            if self.stage.len() < want {
+                self.stage.resize(want, 0);
+            }
+            let mut scratch = std::mem::take(&mut self.stage);
+            let r = self.read_exact(&mut scratch[..want]);
+            buf.copy_from_slice(&scratch[RECORD..want]);
+            self.stage = scratch;
+            return r;
+        }
+        let mut skip = if record { RECORD } else { 0 };
+        let mut have = 0;
+        while have < buf.len() {
+            if self.start == self.end {
+                self.start = 0;
+                self.end = 0;
+                let room = (buf.len() - have + skip).clamp(STAGE_READ, STAGE);
+                let mut stage = std::mem::take(&mut self.stage);
+                let r = self.read(&mut stage[..room]);
+                self.stage = stage;
+                match r? {
+                    0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    n => self.end = n,
+                }
+            }
+            let take = skip.min(self.end - self.start);
+            self.start += take;
+            skip -= take;
+            let n = (buf.len() - have).min(self.end - self.start);
+            buf[have..have + n].copy_from_slice(&self.stage[self.start..self.start + n]);
+            have += n;
+            self.start += n;
+        }
+        Ok(())
     }
 }
 
@@ -38,8 +139,11 @@ impl Stream {
 /// zerohop's and UCX's are) that is never waited on: what the kernel's
 /// receive path costs a socket any multi-socket program watches.
 static EPOLL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static EPOLL2: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static SHAPE_RECORD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static SHAPE_STAGE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-fn watch(s: &TcpStream) -> io::Result<()> {
+fn watch(s: &TcpStream, what: libc::c_int) -> io::Result<()> {
     use std::os::fd::AsRawFd;
     // SAFETY: plain system calls on a live descriptor; the epoll
     // descriptor is kept open for the process's life on purpose.
@@ -49,7 +153,7 @@ fn watch(s: &TcpStream) -> io::Result<()> {
             return Err(io::Error::last_os_error());
         }
         let mut ev = libc::epoll_event {
-            events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+            events: (what | libc::EPOLLET) as u32,
             u64: 0,
         };
         if libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, s.as_raw_fd(), &mut ev) != 0 {
@@ -100,8 +204,8 @@ fn serve(s: TcpStream, spin: bool) -> io::Result<()> {
         }
         if count & (1 << 62) != 0 {
             for _ in 0..count & !(1 << 62) {
-                s.read_exact(&mut buf)?;
-                s.write_all(&buf)?;
+                s.recv_msg(&mut buf)?;
+                s.send_msg(&buf)?;
             }
         } else {
             for _ in 0..count {
@@ -121,10 +225,17 @@ fn main() -> std::io::Result<()> {
         .map(|s| s.parse().expect("a size in bytes"))
         .collect();
     let spin = args.iter().any(|a| a == "spin");
-    EPOLL.store(
-        args.iter().any(|a| a == "epoll"),
-        std::sync::atomic::Ordering::Relaxed,
-    );
+    for (name, f) in [
+        ("epoll", &EPOLL),
+        ("epoll2", &EPOLL2),
+        ("record", &SHAPE_RECORD),
+        ("stage", &SHAPE_STAGE),
+    ] {
+        f.store(
+            args.iter().any(|a| a == name),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
     let role = |name: &str| {
         let i = args.iter().position(|a| a == name)?;
         Some(
@@ -157,8 +268,8 @@ fn main() -> std::io::Result<()> {
         let mut rtts = Vec::with_capacity(iters);
         for i in 0..iters {
             let t0 = Instant::now();
-            c.write_all(&buf)?;
-            c.read_exact(&mut buf)?;
+            c.send_msg(&buf)?;
+            c.recv_msg(&mut buf)?;
             if i >= 100 {
                 rtts.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
             }
