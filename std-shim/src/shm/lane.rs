@@ -320,9 +320,11 @@ impl SingleIn {
         #[cfg(feature = "testing")]
         if super::testing::OFFERS_WAIT.load(Ordering::Relaxed) {
             let until = std::time::Instant::now() + std::time::Duration::from_secs(2);
-            while help.word.load(Ordering::Acquire) == cma::word(t, cma::OFFERED)
-                && std::time::Instant::now() < until
-            {
+            while help.word.load(Ordering::Acquire) == cma::word(t, cma::OFFERED) {
+                if std::time::Instant::now() >= until {
+                    super::testing::OFFER_WAITS_RUN_OUT.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
                 std::hint::spin_loop();
             }
         }

@@ -49,6 +49,17 @@ pub fn offers_wait_to_be_taken(on: bool) {
     OFFERS_WAIT.store(on, Ordering::Relaxed);
 }
 
+/// Offers whose wait (see [`offers_wait_to_be_taken`]) ran out untaken.
+pub(crate) static OFFER_WAITS_RUN_OUT: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+
+/// How many offers this process's lanes waited the whole two seconds for,
+/// in vain, while [`offers_wait_to_be_taken`] was on: a sender that never
+/// saw them (asleep and not rung).
+pub fn offer_waits_run_out() -> usize {
+    OFFER_WAITS_RUN_OUT.load(Ordering::Relaxed)
+}
+
 /// Called by a lane right after a copy out of its peer's memory, before it
 /// looks at what the peer did meanwhile.
 pub(crate) fn after_copy() {
