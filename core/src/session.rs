@@ -6,10 +6,13 @@
 //! queue pairs, the mock link, shared-memory rings) moves bytes and calls it:
 //!
 //! - **handle** what arrived: [`handle_header`](Session::handle_header) (32
-//!   header bytes), then [`handle_payload`](Session::handle_payload) once the
-//!   frame's payload is where the engine said it goes;
-//!   [`handle_headerless`](Session::handle_headerless) for a frame sent as
-//!   its bytes alone (verbs' immediate data, a lane's short record); [`handle_timeout`](Session::handle_timeout) for the clock;
+//!   header bytes) or, on a stream wire,
+//!   [`handle_short_record`](Session::handle_short_record) (32 bytes that
+//!   head a whole message), then [`handle_payload`](Session::handle_payload)
+//!   once the frame's payload is where the engine said it goes;
+//!   [`handle_headerless`](Session::handle_headerless) for a frame that came
+//!   whole as its bytes alone (verbs' immediate data);
+//!   [`handle_timeout`](Session::handle_timeout) for the clock;
 //! - **commands** from the application: [`send`](Session::send) (a message's
 //!   length: its sequence number and byte credit), [`close`](Session::close),
 //!   [`consumed`](Session::consumed) (the application took a message: its
@@ -586,7 +589,9 @@ struct Assembly {
 /// A data frame whose header arrived and whose payload has not.
 #[derive(Clone, Copy, Debug)]
 struct PendingFrame {
-    decoded: Decoded,
+    /// The header, to verify with the payload; `None` behind a short
+    /// record, which carries no checksum.
+    decoded: Option<Decoded>,
     len: u32,
     last: bool,
 }
@@ -1442,9 +1447,9 @@ impl Session {
             debug_assert!(false, "a payload without its header");
             return Err(self.fail(ProtocolError::Fragment));
         };
-        if let Some(bytes) = payload {
+        if let (Some(bytes), Some(decoded)) = (payload, p.decoded) {
             debug_assert_eq!(bytes.len(), p.len as usize);
-            if let Err(e) = p.decoded.verify(bytes) {
+            if let Err(e) = decoded.verify(bytes) {
                 return Err(self.fail(e.into()));
             }
         }
@@ -1477,38 +1482,21 @@ impl Session {
 
     /// A stream wire's 32 bytes where a header goes, if they are a short
     /// record ([`ShortRecord`]; `None`: a header, for
-    /// [`handle_header`](Self::handle_header)): the message is taken whole
-    /// now, as [`handle_headerless`](Self::handle_headerless) takes it, and
-    /// is under way (timed by the idle timeout and the minimum rate) until
-    /// the driver says its payload is in (`handle_activity` with `partial`
-    /// false). The payload the driver reads: all of the message.
+    /// [`handle_header`](Self::handle_header)). The record is held to every
+    /// rule a headerless frame meets (sequence, credit, the byte limit) and
+    /// then stands for a whole message's Data header: its payload, all of the
+    /// message, follows on the stream, and the driver reads it and calls
+    /// [`handle_payload`](Self::handle_payload) as after any header.
     pub fn handle_short_record(
         &mut self,
         now: Instant,
         bytes: &[u8; HEADER_LEN],
     ) -> Option<Result<DataIn, ProtocolError>> {
-        let taken = ShortRecord::decode(bytes)?
-            .map_err(|e| self.fail(e.into()))
-            .and_then(|r| {
-                let len = usize::try_from(r.len).unwrap_or(usize::MAX);
-                self.handle_headerless(now, len, r.imm)
-            });
-        Some(taken.map(|done| {
-            self.handle_activity(now, 0, done.len > 0);
-            DataIn {
-                seq: done.seq,
-                msg_len: done.len,
-                offset: 0,
-                len: done.len,
-                first: true,
-                last: true,
-                striped: false,
-                device: false,
-            }
-        }))
+        let record = ShortRecord::decode(bytes)?;
+        Some(self.take_short_record(now, record))
     }
 
-    /// A headerless frame arrived (verbs, or a lane's short record): a whole message of `len`
+    /// A headerless frame arrived whole (verbs' immediate data): a message of `len`
     /// bytes at the start of its receive buffer, and the immediate data it
     /// carried (see [`DataFrame::imm`]): its sequence number is checked like
     /// any other's, modulo 2^16.
@@ -1847,7 +1835,7 @@ impl Session {
         };
         let offset = self.assembly.map_or(0, |a| a.have);
         self.pending = Some(PendingFrame {
-            decoded,
+            decoded: Some(decoded),
             len: d.len,
             last: !more,
         });
@@ -1864,6 +1852,61 @@ impl Session {
     }
 
     fn take_headerless(&mut self, len: usize, imm: u32) -> Result<Delivered, ProtocolError> {
+        let (seq, _) = self.check_headerless(len, imm)?;
+        self.advance_rx()?;
+        Ok(Delivered { seq, len })
+    }
+
+    /// A short record: a headerless frame's checks, then its message under
+    /// way as a whole message's Data header leaves it.
+    fn take_short_record(
+        &mut self,
+        now: Instant,
+        record: Result<ShortRecord, DecodeError>,
+    ) -> Result<DataIn, ProtocolError> {
+        self.check_failed()?;
+        self.begin_rate();
+        self.last_heard = now;
+        self.partial = false;
+        if self.pending.is_some() {
+            // As for a header: a driver bug.
+            debug_assert!(false, "a short record before the last frame's payload");
+            return Err(self.fail(ProtocolError::Fragment));
+        }
+        let r = match record {
+            Ok(r) => r,
+            Err(e) => return Err(self.fail(e.into())),
+        };
+        let len = usize::try_from(r.len).unwrap_or(usize::MAX);
+        let (seq, len32) = match self.check_headerless(len, r.imm) {
+            Ok(ok) => ok,
+            Err(e) => return Err(self.fail(e)),
+        };
+        self.assembly = Some(Assembly {
+            seq,
+            len: len32,
+            have: 0,
+        });
+        self.pending = Some(PendingFrame {
+            decoded: None,
+            len: len32,
+            last: true,
+        });
+        Ok(DataIn {
+            seq,
+            msg_len: len,
+            offset: 0,
+            len,
+            first: true,
+            last: true,
+            striped: false,
+            device: false,
+        })
+    }
+
+    /// A headerless frame's checks and charges (frame count, credits,
+    /// sequence, the byte limit): its sequence number and length.
+    fn check_headerless(&mut self, len: usize, imm: u32) -> Result<(u64, u32), ProtocolError> {
         let seq16 = (imm >> 16) as u16;
         let (control, credits) = ((imm >> 14) & 3, imm & u32::from(MAX_FRAME_CREDITS));
         // The sequence number, rebuilt from its low bits around the one expected.
@@ -1898,8 +1941,7 @@ impl Session {
         self.take_credits(credits, control)?;
         self.check_seq(seq)?;
         self.start_message(len32)?;
-        self.advance_rx()?;
-        Ok(Delivered { seq, len })
+        Ok((seq, len32))
     }
 
     fn advance_rx(&mut self) -> Result<(), ProtocolError> {

@@ -594,7 +594,7 @@ impl Decoded {
 /// as strictly as a header (reserved bytes zero here; the length against
 /// the frame maximum and the byte credit, the sequence and the handshake's
 /// order in the engine's
-/// [`handle_headerless`](crate::session::Session::handle_headerless)). The
+/// [`handle_short_record`](crate::session::Session::handle_short_record)). The
 /// header's codec and CRC-32C were a sixth of a small message's work over
 /// TCP and a third over a lane. A side that wants every frame checksummed
 /// sends and takes none.

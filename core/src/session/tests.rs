@@ -2410,11 +2410,12 @@ fn a_headerless_frame_waits_for_the_same_host_exchange_and_ends_with_a_move() {
     );
 }
 
-/// A stream wire's short record: taken whole, its message under way (timed)
-/// until the driver says its payload is in; a header is none; a reserved
-/// byte fails the session.
+/// A stream wire's short record: a whole message's header, its message
+/// under way (timed) until its payload is in and delivered by
+/// `handle_payload`, which advances the sequence; a header is none; a
+/// reserved byte fails the session.
 #[test]
-fn a_short_record_is_taken_whole_and_timed_until_its_payload_is_in() {
+fn a_short_record_heads_a_whole_message_timed_until_its_payload_is_in() {
     let cfg = SessionConfig {
         takes_headerless: true,
         idle_timeout: Duration::from_millis(10),
@@ -2440,16 +2441,30 @@ fn a_short_record_is_taken_whole_and_timed_until_its_payload_is_in() {
         }))
     );
     assert_eq!(s.poll_timeout(), Some(T0.after(Duration::from_millis(10))));
-    // Its payload in: nothing under way, no timer.
-    s.handle_activity(T0, 5, false);
+    // Bytes of its payload keep it alive; nothing is delivered yet, and no
+    // other record or header may come before its payload.
+    s.handle_activity(T0.after(Duration::from_millis(5)), 4, false);
+    assert_eq!(s.poll_timeout(), Some(T0.after(Duration::from_millis(15))));
+    assert_eq!(s.stats().messages_received, 0);
+    // Its payload in: delivered (a short record carries no checksum: any
+    // bytes pass), nothing under way, no timer.
+    assert_eq!(
+        s.handle_payload(T0, Some(b"abcde")),
+        Ok(Some(Delivered { seq: 0, len: 5 }))
+    );
+    assert_eq!(s.stats().messages_received, 1);
     assert_eq!(s.poll_timeout(), None);
-    // An empty message has no payload to wait for.
+    // An empty message: its payload is in at once.
     let empty = ShortRecord {
         imm: 1 << 16,
         len: 0,
     }
     .encode();
     assert!(matches!(s.handle_short_record(T0, &empty), Some(Ok(d)) if d.len == 0 && d.seq == 1));
+    assert_eq!(
+        s.handle_payload(T0, Some(&[])),
+        Ok(Some(Delivered { seq: 1, len: 0 }))
+    );
     assert_eq!(s.poll_timeout(), None);
     // A payload that stalls.
     let next = ShortRecord {

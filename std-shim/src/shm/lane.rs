@@ -12,8 +12,7 @@ use std::sync::Arc;
 
 use zerohop_backends::{host_bytes, host_bytes_mut, shared_place};
 use zerohop_core::session::{
-    DataFrame, DataIn, Delivered, Inbound, Instant, ProtocolError, SendError, Session,
-    SessionConfig,
+    DataFrame, DataIn, Inbound, Instant, ProtocolError, SendError, Session, SessionConfig,
 };
 use zerohop_core::wire::{DataFlags, ShortRecord, HEADER_LEN};
 use zerohop_core::{Error, Lease, PeerId, Received};
@@ -133,20 +132,16 @@ struct Incoming {
     lease: Option<StdLease>,
     have: usize,
     stage: Stage,
-    /// Its header was a frame's, whose payload the engine takes; a short
-    /// record's message is the engine's already.
-    framed: bool,
 }
 
 impl Incoming {
     /// A message's payload to come, into a buffer not leased yet.
-    fn new(d: DataIn, stage: Stage, framed: bool) -> Incoming {
+    fn new(d: DataIn, stage: Stage) -> Incoming {
         Incoming {
             d,
             lease: None,
             have: 0,
             stage,
-            framed,
         }
     }
 }
@@ -1605,19 +1600,7 @@ impl Lane {
                         Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
                     }
                 }
-                let verdict = match inc.framed {
-                    true => self.session.handle_payload(now, Some(&bytes[..want])),
-                    false => {
-                        // A short record's message is in: none is under way
-                        // now (its bytes were counted as the ring gave them,
-                        // at the side passes: `heard`).
-                        self.session.handle_activity(now, 0, false);
-                        Ok(Some(Delivered {
-                            seq: inc.d.seq,
-                            len: want,
-                        }))
-                    }
-                };
+                let verdict = self.session.handle_payload(now, Some(&bytes[..want]));
                 let lease = self.incoming.take().and_then(|i| i.lease).expect("leased");
                 match verdict {
                     Ok(Some(done)) => {
@@ -1651,15 +1634,12 @@ impl Lane {
             }
             self.have = 0;
             if let Some(taken) = self.session.handle_short_record(now, &self.header) {
-                // The engine takes the message whole now (its sequence,
-                // credit and stats move here, as for a verbs receive), and
-                // times it until its payload is in (the next side pass's
-                // `heard` settles it); the payload is the lane's to finish.
+                // A whole message's header, in effect: its payload follows.
                 let d = match taken {
                     Ok(d) => d,
                     Err(e) => return protocol(e),
                 };
-                self.incoming = Some(Incoming::new(d, self.host_stage(d.len), false));
+                self.incoming = Some(Incoming::new(d, self.host_stage(d.len)));
                 self.control();
                 continue;
             }
@@ -1677,7 +1657,7 @@ impl Lane {
                     } else {
                         self.host_stage(d.len)
                     };
-                    self.incoming = Some(Incoming::new(d, stage, true));
+                    self.incoming = Some(Incoming::new(d, stage));
                 }
                 Inbound::Closed => self.arrive(arrivals, Err(Error::PeerClosed(peer))),
                 Inbound::Want => self.session.grant(now),

@@ -8,7 +8,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use zerohop_backends::{host_bytes, host_bytes_mut};
-use zerohop_core::session::{DataIn, Delivered, Inbound};
+use zerohop_core::session::{DataIn, Inbound};
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{Error, Lease, Received};
 
@@ -19,12 +19,10 @@ use super::{
 };
 use crate::poller::Set;
 
-/// A data frame whose header the engine took: where its payload goes.
+/// A data frame whose header (or short record) the engine took: where its
+/// payload goes.
 pub(super) struct Incoming {
     pub(super) d: DataIn,
-    /// Behind a header, whose payload the engine takes; behind a short
-    /// record the engine took the message at the record.
-    pub(super) framed: bool,
     pub(super) split: usize,
     pub(super) have: usize,
     pub(super) lane_have: usize,
@@ -279,11 +277,6 @@ impl TcpTransport {
                     return Outcome::Stopped;
                 };
                 let base = inc.d.offset;
-                // Payload progress: a framed message is under way in the
-                // engine until `handle_payload`; one behind a short record
-                // (the engine took it whole) only while this says so, which
-                // keeps its idle and minimum-rate timers running.
-                let under_way = !inc.framed;
                 // 1a. A striped payload's rest, from the lane.
                 let mut lane_idle = true;
                 let lane_missing = inc.d.len - inc.split - inc.lane_have;
@@ -299,7 +292,7 @@ impl TcpTransport {
                             inc.lane_have += n;
                             lane_idle = false;
                             // Bytes on either connection are news of the peer.
-                            p.session.handle_activity(now, n, under_way);
+                            p.session.handle_activity(now, n, false);
                             p.lane_readable &= n == asked || p.lane_hup || !lane.early.is_empty();
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => p.lane_readable = false,
@@ -319,7 +312,7 @@ impl TcpTransport {
                     if inc.have < inc.split {
                         // Progress of a payload still under way (one that
                         // is in counts for nothing more).
-                        p.session.handle_activity(now, take, under_way);
+                        p.session.handle_activity(now, take, false);
                     }
                 }
                 if inc.have < inc.split {
@@ -352,7 +345,7 @@ impl TcpTransport {
                             inc.have += n.min(into_lease);
                             p.stage_end = n.saturating_sub(into_lease);
                             p.readable = n == into_lease + READ_AHEAD || p.hup;
-                            p.session.handle_activity(now, n.min(into_lease), under_way);
+                            p.session.handle_activity(now, n.min(into_lease), false);
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             p.readable = false;
@@ -372,18 +365,11 @@ impl TcpTransport {
                     continue;
                 }
                 // 1c. The frame is in.
-                let (d, len, inc_framed) = (inc.d, inc.d.len, inc.framed);
+                let (d, len) = (inc.d, inc.d.len);
                 p.incoming = None;
                 p.direct_stream = len >= DIRECT_MIN;
                 let payload = &host_bytes(lease)[d.offset..d.offset + len];
-                let verdict = if inc_framed {
-                    p.session.handle_payload(now, Some(payload))
-                } else {
-                    // A short record's message is in: none is under way now.
-                    p.session.handle_activity(now, 0, false);
-                    Ok(Some(Delivered { seq: d.seq, len }))
-                };
-                match verdict {
+                match p.session.handle_payload(now, Some(payload)) {
                     Ok(Some(done)) => {
                         // Out of the wire's hands: the inbox, bounded on its
                         // own (`inbox_bytes`), holds it for the application.
@@ -404,8 +390,7 @@ impl TcpTransport {
                     .try_into()
                     .expect("a header's length");
                 if let Some(taken) = p.session.handle_short_record(now, header) {
-                    // The engine took the message whole (sequence, credit,
-                    // the byte limit) and times it until its payload is in.
+                    // A whole message's header, in effect: its payload follows.
                     let d = match taken {
                         Ok(d) => d,
                         Err(e) => return protocol(e),
@@ -413,7 +398,6 @@ impl TcpTransport {
                     p.stage_start += HEADER_LEN;
                     p.incoming = Some(Incoming {
                         d,
-                        framed: false,
                         split: d.len,
                         have: 0,
                         lane_have: 0,
@@ -445,7 +429,6 @@ impl TcpTransport {
                         };
                         p.incoming = Some(Incoming {
                             d,
-                            framed: true,
                             split,
                             have: 0,
                             lane_have: 0,
