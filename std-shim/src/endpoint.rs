@@ -720,6 +720,13 @@ impl<T: Wire> Endpoint<T> {
             if spin.on(now) {
                 t = self.shared.relax(t);
             } else {
+                // With no progress thread, this call is the only one driving
+                // the wire while it waits: the connection work (accepts,
+                // handshakes, timers, other peers' queues) is done here too,
+                // or one peer that stops reading would hold up every other.
+                if self.thread.is_none() {
+                    let _ = t.progress();
+                }
                 t = self.wait_io(t, deadline, false);
             }
             done = t.continue_send(peer, bytes)?;

@@ -1757,6 +1757,55 @@ fn a_message_read_with_its_peers_hello_comes_right_after_the_peer() {
     }
 }
 
+/// A caller-driven endpoint (no progress thread) whose `send` waits on a
+/// peer that reads nothing still accepts and greets new peers meanwhile:
+/// the blocked send does the connection work, as a blocked receive does,
+/// so one peer that stops reading holds up no other's handshake.
+#[test]
+fn a_send_blocked_on_a_peer_that_reads_nothing_still_greets_new_peers() {
+    let mut t = transport(64 << 20, TcpConfig::default());
+    let addr = t.listen("127.0.0.1:0").unwrap();
+    let config = EndpointConfig {
+        progress_thread: false,
+        ..EndpointConfig::default()
+    };
+    let server = Endpoint::new(t, config).unwrap();
+    let stuck = Raw::connect_with_rcvbuf(addr, 4096);
+    let Event::Accepted { peer, .. } = server
+        .next_event(Deadline::after(5 * SECOND), None)
+        .unwrap()
+    else {
+        panic!("the first event is the connection");
+    };
+    std::thread::scope(|s| {
+        // Within the peer's credit, far beyond what the sockets buffer.
+        let sending = s.spawn(|| {
+            let big = vec![7u8; 8 << 20];
+            server.send(peer, &big, Deadline::after(3 * SECOND), None)
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let mut fresh = Raw::connect(addr);
+        fresh.s.set_read_timeout(Some(2 * SECOND)).unwrap();
+        let greeted = Instant::now();
+        let (hello, _) = fresh.read_frame();
+        assert!(
+            matches!(hello, Frame::Hello(_)),
+            "the new peer is greeted: {hello:?}"
+        );
+        assert!(
+            !sending.is_finished(),
+            "greeted in {:?}, while the send still waits",
+            greeted.elapsed()
+        );
+        // At its deadline the rest is queued from a copy (a message begun
+        // on the wire cannot be withdrawn): the send reports success.
+        let r = sending.join().unwrap();
+        assert!(r.is_ok(), "{r:?}");
+        assert!(server.pending_sends() > 0, "the rest waits in the queue");
+    });
+    drop(stuck);
+}
+
 #[test]
 fn a_peer_that_dies_mid_message_is_reported_and_leaks_nothing() {
     let (server, addr, pool) = listener(64 << 20, TcpConfig::default());
