@@ -154,6 +154,12 @@ impl Plan {
 // The control protocol. A session starts with START (answered by START
 // itself); commands are 17 bytes: tag, size, count.
 const START: &[u8; 8] = b"zhperf\x03S";
+/// The answer to a START while another peer holds the session.
+const BUSY: &[u8; 8] = b"zhperf\x03B";
+/// How long a session's holder may go quiet (between commands, or within
+/// one) before the listener ends its session: a stranger that starts one
+/// and says nothing holds the listener no longer.
+const QUIET: Duration = Duration::from_secs(5);
 /// Round trips whose echo is the buffer received, sent back as it is (a
 /// zero-copy client's: no byte copied on either side).
 const LATENCY: u8 = b'L';
@@ -191,12 +197,17 @@ fn read_command(ep: &Endpoint, m: &Message) -> Option<(u8, usize, usize)> {
 }
 
 fn is_start(ep: &Endpoint, m: &Message) -> bool {
-    let mut b = [0u8; 8];
-    m.len() == b.len() && ep.copy_out(m, &mut b).is_ok() && &b == START
+    is(ep, m, START)
 }
 
-/// The next message from `owner`; others' messages are dropped, and other
-/// peers' comings and goings noted. The owner's end is an error. `timeout`
+/// Whether `m` is the control message `what`.
+fn is(ep: &Endpoint, m: &Message, what: &[u8; 8]) -> bool {
+    let mut b = [0u8; 8];
+    m.len() == b.len() && ep.copy_out(m, &mut b).is_ok() && &b == what
+}
+
+/// The next message from `owner`; others' messages are dropped (a session
+/// start answered busy), and other peers' comings and goings noted. The owner's end is an error. `timeout`
 /// bounds the wait for the first event, then the rest of the wait once
 /// another event came first (at most twice `timeout` in all): the clock is
 /// read only then, so the echo of a latency run reads none.
@@ -210,6 +221,13 @@ fn next_from(ep: &Endpoint, owner: Peer, timeout: Duration) -> Result<Message, z
         });
         match ep.next_event(left)? {
             Event::Message(m) if m.peer() == owner => return Ok(m),
+            Event::Message(m) if is_start(ep, &m) => {
+                log::info!(
+                    "perf: {:?} asked for a session while another holds it: busy",
+                    ep.peer_addr(m.peer())
+                );
+                let _ = ep.send(m.peer(), BUSY);
+            }
             Event::Message(m) => log::info!(
                 "perf: dropped {} bytes from {:?}, which does not hold the session",
                 m.len(),
@@ -277,7 +295,7 @@ fn await_start(ep: &Endpoint) -> Result<Peer, Failure> {
 fn session(ep: &Endpoint, owner: Peer) -> Result<(), zerohop::Error> {
     let bad = |why: &str| zerohop::Error::BadConfig(format!("perf: {why}"));
     loop {
-        let m = next_from(ep, owner, Duration::MAX)?;
+        let m = next_from(ep, owner, QUIET)?;
         let Some((tag, size, count)) = read_command(ep, &m) else {
             return Err(bad(
                 "the session's holder sent something that is not a command",
@@ -290,21 +308,21 @@ fn session(ep: &Endpoint, owner: Peer) -> Result<(), zerohop::Error> {
         match tag {
             LATENCY => {
                 for _ in 0..count {
-                    let m = next_from(ep, owner, LONG)?;
+                    let m = next_from(ep, owner, QUIET)?;
                     ep.send_buffer(owner, m.into_buffer())?; // zero-copy echo
                 }
             }
             LATENCY_COPYING => {
                 let own = vec![0x5Au8; size];
                 for _ in 0..count {
-                    drop(next_from(ep, owner, LONG)?);
+                    drop(next_from(ep, owner, QUIET)?);
                     ep.send(owner, &own)?;
                 }
             }
             STREAM => {
                 let mut bytes = 0u64;
                 for _ in 0..count {
-                    bytes += next_from(ep, owner, LONG)?.len() as u64;
+                    bytes += next_from(ep, owner, QUIET)?.len() as u64;
                 }
                 ep.send(owner, &bytes.to_le_bytes())?;
             }
@@ -330,6 +348,12 @@ fn client(
 ) -> Result<Vec<Row>, zerohop::Error> {
     ep.send(peer, START)?;
     let answer = ep.recv(LONG)?;
+    if is(ep, &answer, BUSY) {
+        return Err(zerohop::Error::BadConfig(
+            "perf: the listener is serving another client's session (try again once it is done)"
+                .into(),
+        ));
+    }
     if !is_start(ep, &answer) {
         return Err(zerohop::Error::BadConfig(
             "perf: the listener did not answer the session start (another program, or another version of perf)"

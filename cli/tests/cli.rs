@@ -468,6 +468,48 @@ fn only_the_peer_that_started_a_session_controls_it() {
     assert!(ok, "the listener ended after the honest session: {err}");
 }
 
+/// A stranger that starts a session and then says nothing holds the
+/// listener for 5 s at most; meanwhile another client is told at once that
+/// the listener is busy, and once the quiet holder is dropped it is served.
+#[test]
+fn a_quiet_session_holder_is_dropped_and_others_are_told_the_listener_is_busy() {
+    let mut l = Listener::start(&["--loop"]);
+    let stray = zerohop::Endpoint::open(zerohop::Config::only(zerohop::Kind::Tcp)).unwrap();
+    let p = stray.connect(l.addr, Duration::from_secs(5)).unwrap();
+    stray.send(p, b"zhperf\x03S").unwrap();
+    let answer = stray.recv(Duration::from_secs(5)).unwrap();
+    assert_eq!(
+        answer.bytes(),
+        Some(&b"zhperf\x03S"[..]),
+        "the session is the stray's"
+    );
+    let held = Instant::now();
+    let out = l.client(&[]);
+    assert!(
+        !out.status.success(),
+        "served while another held the session"
+    );
+    assert!(
+        stderr(&out).contains("serving another client's session"),
+        "told why: {}",
+        stderr(&out)
+    );
+    assert!(
+        held.elapsed() < Duration::from_secs(4),
+        "told at once: {:?}",
+        held.elapsed()
+    );
+    std::thread::sleep(Duration::from_secs(6).saturating_sub(held.elapsed()));
+    let out = l.client(&[]);
+    assert!(
+        out.status.success(),
+        "served once the quiet holder was dropped: {}",
+        stderr(&out)
+    );
+    assert!(l.alive());
+    drop(stray);
+}
+
 #[test]
 fn with_loop_the_listener_serves_run_after_run() {
     let mut l = Listener::start(&["--loop"]);
