@@ -675,6 +675,68 @@ fn a_maximum_size_header_or_short_record_from_a_silent_peer_costs_nothing_and_20
     expect_still_served(&server, &good, peer);
 }
 
+/// Peers that each begin a message of their whole window and stall, more
+/// of them than the pool holds such messages, cannot take the buffers an
+/// honest peer's messages need: payloads still coming hold at most half the
+/// pool together, and the peers past that wait, held, with no buffer. (Each
+/// alone stays within its credit; before this bound six of them, 96 MiB
+/// begun in a 64 MiB pool, left the honest peer unserved until their idle
+/// timeout.)
+#[test]
+fn peers_that_begin_whole_window_messages_and_stall_hold_at_most_half_the_pool() {
+    let config = TcpConfig {
+        idle_timeout: 3 * SECOND,
+        ..TcpConfig::default()
+    };
+    let (server, addr, pool) = listener(64 << 20, config);
+    let (good, peer) = client(addr);
+    expect_still_served(&server, &good, peer);
+    let used = pool.stats().used_bytes;
+    let mut stalled: Vec<Raw> = (0..6)
+        .map(|i| {
+            let mut raw = Raw::connect(addr);
+            raw.send(&Raw::whole(i % 2 == 1, 0, 16 << 20));
+            raw.send(&[7]);
+            raw
+        })
+        .collect();
+    let t0 = Instant::now();
+    while server.with(|t| t.peer_count()) < 7 {
+        assert!(t0.elapsed() < 5 * SECOND, "the six were never accepted");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    await_partial_lease(&pool, used);
+    std::thread::sleep(Duration::from_millis(200)); // every byte is in
+                                                    // The honest peer is served at once, many times over.
+    let t0 = Instant::now();
+    for _ in 0..100 {
+        expect_still_served(&server, &good, peer);
+    }
+    assert!(t0.elapsed() < SECOND, "served promptly: {:?}", t0.elapsed());
+    let held = pool.stats().used_bytes - used;
+    assert!(
+        held > 0 && held <= 32 << 20,
+        "payloads still coming hold at most half the pool: {held}"
+    );
+    // One finishes its message: delivered, its buffer goes to a waiting one.
+    stalled[0].send(&vec![7u8; (16 << 20) - 1]);
+    let m = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+    assert_eq!(m.lease.len(), 16 << 20);
+    drop(m);
+    assert!(pool.stats().used_bytes - used <= 32 << 20);
+    // The rest go; every buffer comes back.
+    stalled.clear();
+    let t0 = Instant::now();
+    while server.with(|t| t.peer_count()) > 1 || pool.stats().used_bytes != used {
+        assert!(
+            t0.elapsed() < 10 * SECOND,
+            "the stalled peers' buffers came back"
+        );
+        let _ = server.recv(Deadline::after(Duration::from_millis(50)), None);
+    }
+    expect_still_served(&server, &good, peer);
+}
+
 #[test]
 fn an_idle_half_frame_and_a_silent_handshake_are_dropped_after_the_timeout() {
     let config = TcpConfig {

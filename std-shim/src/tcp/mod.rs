@@ -210,6 +210,9 @@ struct Peer {
     incoming: Option<Incoming>,
     /// The message being received: leased at its first payload bytes.
     lease: Option<StdLease>,
+    /// Of `lease`, the bytes counted in the transport's `coming_bytes`
+    /// (zero for a message whose payload was all staged when leased).
+    coming: usize,
     queue: VecDeque<Out>,
     queued_bytes: usize,
     direct: Option<Direct>,
@@ -308,6 +311,16 @@ pub struct TcpTransport {
     owns_bell: bool,
     /// Bytes queued over all peers (each peer's `queued_bytes`, summed as they change).
     queued_total: usize,
+    /// Receive buffers leased for messages whose payload is still coming
+    /// (each peer's `coming`, summed), and their bound: half the pool. A
+    /// peer that begins a message and stalls holds its buffer until its
+    /// timers drop it; with many such peers (each within its own credit)
+    /// the pool would run dry for every other peer's messages. Past the
+    /// bound a message waits for its buffer, its peer held, not timed out
+    /// (one alone may exceed it, so a message longer than half the pool
+    /// still comes).
+    coming_bytes: usize,
+    coming_budget: usize,
     closed: bool,
 }
 
@@ -341,6 +354,7 @@ impl TcpTransport {
         }
         let now = StdInstant::now();
         config.max_message = config.max_message.min(pool.config().largest_lease());
+        let coming_budget = pool.stats().budget / 2;
         Ok(TcpTransport {
             config,
             pool,
@@ -368,6 +382,8 @@ impl TcpTransport {
             pool_dry: false,
             owns_bell: true,
             queued_total: 0,
+            coming_bytes: 0,
+            coming_budget,
             closed: false,
         })
     }
@@ -646,6 +662,7 @@ impl TcpTransport {
                 stage_end: 0,
                 incoming: None,
                 lease: None,
+                coming: 0,
                 queue: VecDeque::new(),
                 queued_bytes: 0,
                 direct: None,
@@ -697,6 +714,7 @@ impl TcpTransport {
             return;
         };
         self.queued_total -= p.queued_bytes;
+        self.coming_bytes -= p.coming;
         if !clean {
             log::info!(
                 "tcp: peer {id} ({}) lost; {} queued frame(s) not delivered",

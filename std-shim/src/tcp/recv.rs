@@ -251,11 +251,27 @@ impl TcpTransport {
                     if p.deferred {
                         return Outcome::Stopped;
                     }
+                    // A payload still to come holds its buffer while it comes:
+                    // within the bound on all such (see `coming_bytes`).
+                    let coming = if inc.d.len > staged {
+                        inc.d.msg_len.max(1)
+                    } else {
+                        0
+                    };
+                    if coming > 0
+                        && self.coming_bytes > 0
+                        && self.coming_bytes + coming > self.coming_budget
+                    {
+                        p.dry = true;
+                        return Outcome::Stopped;
+                    }
                     match Lease::take(Arc::clone(&self.pool), inc.d.msg_len.max(1)) {
                         Ok(mut l) => {
                             let _ = l.set_len(inc.d.msg_len);
                             p.lease = Some(l);
                             p.dry = false;
+                            p.coming = coming;
+                            self.coming_bytes += coming;
                         }
                         Err(e) => {
                             if !matches!(e, Error::Pool(_)) {
@@ -375,6 +391,7 @@ impl TcpTransport {
                         // own (`inbox_bytes`), holds it for the application.
                         p.session.consumed(done.len);
                         let lease = p.lease.take().expect("leased above");
+                        self.coming_bytes -= std::mem::take(&mut p.coming);
                         self.arrival_bytes += lease.len();
                         self.arrivals.push_back(Ok(Received { peer: id, lease }));
                     }
