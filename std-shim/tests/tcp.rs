@@ -737,6 +737,44 @@ fn peers_that_begin_whole_window_messages_and_stall_hold_at_most_half_the_pool()
     expect_still_served(&server, &good, peer);
 }
 
+/// Peers that said Hello and went quiet stay connected (a quiet open
+/// session is fine: nodes keep hundreds of peers) but give their staging
+/// buffers back after the idle timeout, so a crowd of them costs a socket
+/// and a session each, not 64 KiB more; a quiet peer that speaks again
+/// takes one anew and is heard.
+#[test]
+fn quiet_peers_stay_connected_but_give_their_staging_buffers_back() {
+    let config = TcpConfig {
+        idle_timeout: Duration::from_millis(300),
+        ..TcpConfig::default()
+    };
+    let (server, addr, _pool) = listener(64 << 20, config);
+    let mut quiet: Vec<Raw> = (0..50).map(|_| Raw::connect(addr)).collect();
+    let t0 = Instant::now();
+    while server.with(|t| t.peer_count()) < 50 {
+        assert!(t0.elapsed() < 5 * SECOND, "the 50 were never accepted");
+        let _ = server.next_event(Deadline::after(Duration::from_millis(10)), None);
+    }
+    assert!(
+        server.with(|t| t.stage_bytes()) > 0,
+        "their frames were read through stages"
+    );
+    let t0 = Instant::now();
+    while server.with(|t| t.stage_bytes()) > 0 {
+        assert!(
+            t0.elapsed() < 3 * SECOND,
+            "quiet stages kept: {} bytes",
+            server.with(|t| t.stage_bytes())
+        );
+        let _ = server.next_event(Deadline::after(Duration::from_millis(20)), None);
+    }
+    assert_eq!(server.with(|t| t.peer_count()), 50, "all still connected");
+    quiet[7].send(&[&Raw::data(0, 5, DataFlags::NONE)[..], b"again"].concat());
+    let m = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+    assert_eq!(host_bytes(&m.lease), b"again");
+    assert!(server.with(|t| t.stage_bytes()) > 0, "a stage taken anew");
+}
+
 #[test]
 fn an_idle_half_frame_and_a_silent_handshake_are_dropped_after_the_timeout() {
     let config = TcpConfig {

@@ -244,6 +244,11 @@ struct Peer {
     /// Accepting side: the application has been told of this peer (once
     /// the same-host exchange settled on this wire).
     announced: bool,
+    /// Timer scans since bytes last came into the stage: a peer quiet for
+    /// the idle timeout with nothing staged gives its stage back (64 KiB
+    /// each: a thousand idle peers held 64 MB), and takes one anew when
+    /// bytes come.
+    quiet_scans: u32,
 }
 
 impl Peer {
@@ -497,6 +502,12 @@ impl TcpTransport {
         self.peer(peer).map_or(0, |p| p.striped_sent)
     }
 
+    /// Bytes of staging buffer the peers hold (a diagnostic: a peer quiet
+    /// for the idle timeout holds none).
+    pub fn stage_bytes(&self) -> usize {
+        self.peers.iter().map(|(_, p)| p.stage.len()).sum()
+    }
+
     /// Live peers (the Hello received).
     pub fn peer_count(&self) -> usize {
         self.peers
@@ -657,7 +668,7 @@ impl TcpTransport {
                 stream: s,
                 addr,
                 session,
-                stage: vec![0u8; STAGE_BYTES].into_boxed_slice(),
+                stage: Box::default(), // taken at the first read
                 stage_start: 0,
                 stage_end: 0,
                 incoming: None,
@@ -681,6 +692,7 @@ impl TcpTransport {
                 deferred: false,
                 direct_stream: false,
                 announced: false,
+                quiet_scans: 0,
             }))
             .map_err(|_| io::Error::from(io::ErrorKind::OutOfMemory))?;
         let stream = &self.peers.at(slot).expect("just inserted").stream;
@@ -738,6 +750,9 @@ impl TcpTransport {
         self.next_scan = now + TIMER_SCAN;
         let t = self.now();
         let idle = self.config.idle_timeout;
+        let quiet_scans = u32::try_from(idle.as_millis() / TIMER_SCAN.as_millis())
+            .unwrap_or(u32::MAX)
+            .max(1);
         let came_back = self.looks.came_back(now, absence(idle));
         for p in &mut self.pending {
             if p.as_ref()
@@ -775,6 +790,13 @@ impl TcpTransport {
             // found there afresh, by a peek: readiness flags may be guesses).
             // Readiness a turn's cap (256 frames) left is: a peer that floods
             // control frames mid-message is judged on its payload.
+            // A quiet peer's empty stage goes back (see `quiet_scans`).
+            if p.stage_start == p.stage_end && p.incoming.is_none() && !p.stage.is_empty() {
+                p.quiet_scans += 1;
+                if p.quiet_scans >= quiet_scans {
+                    p.stage = Box::default();
+                }
+            }
             let unreadable = (p.deferred && queued) || (full && due(p));
             if p.dry || (unreadable && p.note_unread()) {
                 p.session.handle_held(t);

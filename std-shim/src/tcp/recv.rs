@@ -42,6 +42,11 @@ pub(super) enum Outcome {
 /// Reads into the stage, up to `room` bytes past its start: `Ok(true)` when
 /// bytes came, `Ok(false)` when the socket is drained, `Err` at its end.
 pub(super) fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
+    if p.stage.is_empty() {
+        // Its first read, or its first since a quiet spell took it (see
+        // `Peer::quiet_scans`).
+        p.stage = vec![0u8; STAGE_BYTES].into_boxed_slice();
+    }
     if p.stage_start == p.stage_end {
         p.stage_start = 0;
         p.stage_end = 0;
@@ -63,6 +68,7 @@ pub(super) fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
         match p.stream.read(&mut p.stage[p.stage_end..end]) {
             Ok(0) => return Err(()),
             Ok(n) => {
+                p.quiet_scans = 0;
                 // Short: the socket had no more. Anything later raises a new
                 // edge, except an end already reported (then read on to it).
                 p.readable = p.stage_end + n == end || p.hup;
@@ -347,6 +353,9 @@ impl TcpTransport {
                         continue;
                     }
                     // The rest straight into the lease; a little beyond it into the stage.
+                    if p.stage.is_empty() {
+                        p.stage = vec![0u8; STAGE_BYTES].into_boxed_slice();
+                    }
                     p.stage_start = 0;
                     p.stage_end = 0;
                     let rest = &mut host_bytes_mut(lease)[base + inc.have..base + inc.split];
@@ -358,6 +367,7 @@ impl TcpTransport {
                     match p.stream.read_vectored(&mut bufs) {
                         Ok(0) => return Outcome::Gone { clean: false },
                         Ok(n) => {
+                            p.quiet_scans = 0;
                             inc.have += n.min(into_lease);
                             p.stage_end = n.saturating_sub(into_lease);
                             p.readable = n == into_lease + READ_AHEAD || p.hup;
