@@ -1043,6 +1043,84 @@ fn a_grant_never_used_is_taken_back_with_its_peer_and_serves_another() {
     assert_eq!(pool.stats().used_bytes, 0);
 }
 
+/// Grants past the window go to the peers that asked, in the order they
+/// asked: a peer that asks while others wait queues behind them, whatever
+/// its place among the connections (before, the budget went to the lowest
+/// slot: a stranger holding it and another asking again kept an honest
+/// peer from it for good).
+#[test]
+fn grants_past_the_window_go_first_asked_first_served() {
+    let config = TcpConfig {
+        idle_timeout: Duration::from_millis(400),
+        window: 1 << 20,
+        grant_budget: 4 << 20,
+        max_message: 8 << 20,
+        ..TcpConfig::default()
+    };
+    let (server, addr, pool) = listener(64 << 20, config);
+    let want = || {
+        Frame::Want(Want {
+            offset: 0,
+            len: 4 << 20,
+        })
+        .encode(&[])
+    };
+    // Connected first (the lowest slot), it asks last.
+    let mut early = Raw::connect(addr);
+    let mut hog = Raw::connect(addr);
+    hog.send(&want());
+    let hog_credit = keep_sending_credit(&hog, 2 * SECOND);
+    let t0 = Instant::now();
+    loop {
+        let (f, _) = hog.read_frame();
+        if matches!(f, Frame::Credit(c) if c.limit >= 4 << 20) {
+            break;
+        }
+        assert!(t0.elapsed() < 5 * SECOND, "never granted");
+    }
+    let (good, peer) = client_with(
+        addr,
+        TcpConfig {
+            max_message: 8 << 20,
+            ..TcpConfig::default()
+        },
+    );
+    let long = sized(1, 4 << 20);
+    std::thread::scope(|s| {
+        let sending = s.spawn(|| good.send(peer, &long, Deadline::after(5 * SECOND), None));
+        std::thread::sleep(Duration::from_millis(100)); // its Want is in
+        early.send(&want());
+        let early_credit = keep_sending_credit(&early, 2 * SECOND);
+        // The hog's grant runs out; the budget goes to the honest peer, which
+        // asked before the early one: only the hog stalls before it is served.
+        let mut stalls = 0;
+        let got = loop {
+            match server.recv(Deadline::after(5 * SECOND), None) {
+                Ok(r) => break r,
+                Err(Error::Protocol {
+                    error:
+                        ProtocolError::Stalled {
+                            during: Stall::Frame,
+                        },
+                    ..
+                }) => stalls += 1,
+                Err(e) => panic!("{e}"),
+            }
+        };
+        assert_eq!(host_bytes(&got.lease), &long[..]);
+        assert_eq!(stalls, 1, "served before the peer that asked after it");
+        sending.join().unwrap().unwrap();
+        drop(got);
+        early_credit.join().unwrap();
+    });
+    hog_credit.join().unwrap();
+    let t0 = Instant::now();
+    while pool.stats().used_bytes != 0 {
+        assert!(t0.elapsed() < 5 * SECOND, "every buffer back");
+        let _ = server.recv(Deadline::after(Duration::from_millis(20)), None);
+    }
+}
+
 /// A stripe threshold too small to split a message over two connections
 /// is refused when the transport is made, typed (it made every striped
 /// message wait for bytes that never came).

@@ -316,6 +316,9 @@ pub struct TcpTransport {
     owns_bell: bool,
     /// Bytes queued over all peers (each peer's `queued_bytes`, summed as they change).
     queued_total: usize,
+    /// Peers that asked for a grant past their window, in the order they
+    /// asked (see `grant_in_turn`).
+    wants: VecDeque<PeerId>,
     /// Receive buffers leased for messages whose payload is still coming
     /// (each peer's `coming`, summed), and their bound: half the pool. A
     /// peer that begins a message and stalls holds its buffer until its
@@ -387,6 +390,7 @@ impl TcpTransport {
             pool_dry: false,
             owns_bell: true,
             queued_total: 0,
+            wants: VecDeque::new(),
             coming_bytes: 0,
             coming_budget,
             closed: false,
@@ -761,11 +765,6 @@ impl TcpTransport {
                 *p = None;
             }
         }
-        let mut granted: u64 = self
-            .peers
-            .iter()
-            .map(|(_, p)| p.session.extra_granted())
-            .sum();
         for slot in 0..self.peers.len() {
             let full = self.inbox_full();
             let Some(p) = self.peers.at_mut(slot) else {
@@ -812,15 +811,42 @@ impl TcpTransport {
                 self.drop_peer(slot, true);
                 continue;
             }
-            if let Some(len) = p.session.pending_grant() {
-                if granted + len as u64 <= self.config.grant_budget as u64 {
-                    p.session.grant(t);
-                    granted += p.session.extra_granted();
-                    self.control(slot);
-                }
-            }
         }
+        self.grant_in_turn(t);
         self.arrivals.len() != before
+    }
+
+    /// Grants past the window, from the budget all peers share, to the
+    /// peers that asked (a Want) in the order they asked: the first waits
+    /// until the budget has room for it, and those behind it wait too, so a
+    /// peer that asks again (its last grant taken back with it) queues
+    /// behind every peer already waiting.
+    fn grant_in_turn(&mut self, t: Instant) {
+        if self.wants.is_empty() {
+            return;
+        }
+        let mut granted: u64 = self
+            .peers
+            .iter()
+            .map(|(_, p)| p.session.extra_granted())
+            .sum();
+        while let Some(&id) = self.wants.front() {
+            let Some((slot, p)) = self.peers.find_mut(id) else {
+                self.wants.pop_front(); // gone
+                continue;
+            };
+            let Some(len) = p.session.pending_grant() else {
+                self.wants.pop_front(); // its message came within its window
+                continue;
+            };
+            if granted + len as u64 > self.config.grant_budget as u64 {
+                return;
+            }
+            p.session.grant(t);
+            granted += p.session.extra_granted();
+            self.wants.pop_front();
+            self.control(slot);
+        }
     }
 
     /// One pass: readiness, accepts past their back-off, writes, (with

@@ -476,9 +476,15 @@ impl TcpTransport {
                             return Outcome::Gone { clean: true };
                         }
                     }
-                    // Credit owed, a Close to answer: sent after this pass
-                    // (`control`); a Want by the timers, within the budget.
-                    Inbound::Want | Inbound::Control | Inbound::Opened => {}
+                    // A Want is answered by the timers, in turn, within the
+                    // budget (`grant_in_turn`).
+                    Inbound::Want => {
+                        if !self.wants.contains(&id) {
+                            self.wants.push_back(id);
+                        }
+                    }
+                    // Credit owed, a Close to answer: sent after this pass (`control`).
+                    Inbound::Control | Inbound::Opened => {}
                 }
                 // An accepting side's peer whose exchange just settled (it
                 // had no offer) is news before any of its messages.
