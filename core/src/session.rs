@@ -324,7 +324,8 @@ pub enum ProtocolError {
     },
     /// More frames than this side had posted receive slots for.
     RingOverrun,
-    /// More frame credits returned than the peer's ring holds.
+    /// More frame credits returned than the peer's ring holds (on a wire
+    /// without frame credit, a stream's, any).
     TooManyCredits,
     /// A message longer than this side takes.
     TooLarge {
@@ -390,7 +391,7 @@ impl fmt::Display for ProtocolError {
             ),
             ProtocolError::RingOverrun => f.write_str("more frames than posted receive slots"),
             ProtocolError::TooManyCredits => {
-                f.write_str("more frame credits returned than the peer's ring holds")
+                f.write_str("more frame credits returned than the peer's ring holds (or any, on a stream wire)")
             }
             ProtocolError::TooLarge { len, max } => {
                 write!(f, "a message of {len} bytes exceeds the maximum of {max}")
@@ -1605,6 +1606,9 @@ impl Session {
             }
             *n = data;
             self.tx_control = control;
+        } else if data != 0 || control != 0 {
+            // A wire without frame credit (a stream): a peer returns none.
+            return Err(ProtocolError::TooManyCredits);
         }
         Ok(())
     }

@@ -2489,6 +2489,52 @@ fn a_short_record_heads_a_whole_message_timed_until_its_payload_is_in() {
     assert_eq!(s.handle_short_record(T0, &record), Some(Err(reserved)));
 }
 
+/// A stream wire counts no frames: a peer that returns frame credits there
+/// anyway, in a Data header, a short record or a Credit frame, is refused,
+/// typed, not ignored.
+#[test]
+fn frame_credits_on_a_stream_wire_are_refused() {
+    let cfg = SessionConfig {
+        takes_headerless: true,
+        ..stream()
+    };
+    let hello = Frame::Hello(hello(1 << 20, 0)).encode(&[]);
+    let fresh = || {
+        let mut s = Session::new(cfg, 1, T0);
+        s.handle_header(T0, &hello, None).unwrap();
+        s
+    };
+    let mut s = fresh();
+    assert_eq!(
+        feed(&mut s, &data(0, 4, 4, false)),
+        Ok(Some(Delivered { seq: 0, len: 4 }))
+    );
+    assert_eq!(
+        feed(&mut s, &data_returning(1, 4, 0, 4, false, 1)),
+        Err(ProtocolError::TooManyCredits),
+        "control slots in a Data header"
+    );
+    let mut s = fresh();
+    let record = ShortRecord { imm: 1, len: 4 }.encode();
+    assert_eq!(
+        s.handle_short_record(T0, &record),
+        Some(Err(ProtocolError::TooManyCredits)),
+        "data credits in a short record"
+    );
+    let mut s = fresh();
+    let credit = Frame::Credit(Credit {
+        frames: 1,
+        limit: 1 << 20,
+        control: 0,
+    })
+    .encode(&[]);
+    assert_eq!(
+        s.handle_header(T0, &credit, None).map(|_| ()),
+        Err(ProtocolError::TooManyCredits),
+        "data credits in a Credit frame"
+    );
+}
+
 #[test]
 fn the_token_is_this_sides_and_its_hello_carries_it() {
     for token in [7, 0xC0FF_EE00] {
