@@ -11,7 +11,11 @@
 //! bytes are there, for at most the credit the engine granted, so a header
 //! (or short record) that claims a large message and stops costs nothing;
 //! one whose payload stalls or drips is dropped by the engine's idle and
-//! minimum-rate timers, its buffer back.
+//! minimum-rate timers, its buffer back. Buffers for payloads still coming
+//! hold at most half the pool together (a message past that waits, its peer
+//! held), so many such peers at once cannot starve the rest; grants past a
+//! peer's window come from one budget, in the order peers asked. A peer
+//! quiet for the idle timeout keeps its connection but not its stage.
 //!
 //! A whole message goes behind a short record (the engine's headerless
 //! frame, [`ShortRecord`](zerohop_core::wire::ShortRecord)) to a peer whose
