@@ -118,6 +118,15 @@ pub trait Wire: Transport<Lease: Send> + Send + 'static {
         false
     }
 
+    /// `waiter`, which [`prepare_sleep`](Self::prepare_sleep) let sleep, is
+    /// awake again (called under the transport lock as it wakes). A wire
+    /// that told its peers this side sleeps (so they ring it) takes that
+    /// back here, and only here: another thread's pass while the sleeper
+    /// still sleeps must leave it to be rung.
+    fn woke(&mut self, waiter: Waiter) {
+        let _ = waiter;
+    }
+
     /// Bytes (or frames) accepted but not yet delivered as far as this wire
     /// can tell: `flush` and `close` wait for none.
     fn pending_sends(&self) -> usize {
@@ -663,7 +672,9 @@ impl<T: Wire> Endpoint<T> {
         let mut fds = Vec::new();
         guard.poll_fds(&mut fds, waiter);
         if fds.is_empty() {
-            return self.wait(guard, deadline);
+            let mut guard = self.wait(guard, deadline);
+            guard.woke(waiter);
+            return guard;
         }
         fds.extend(bell.and_then(HostBell::fd).map(|fd| libc::pollfd {
             fd,
@@ -682,7 +693,9 @@ impl<T: Wire> Endpoint<T> {
                 d.as_millis().clamp(0, i32::MAX as u128) as i32,
             )
         };
-        self.shared.lock()
+        let mut guard = self.shared.lock();
+        guard.woke(waiter);
+        guard
     }
 
     /// Sends `bytes` to `peer`, waiting while its queue is full. A message the

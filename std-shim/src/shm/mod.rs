@@ -252,8 +252,14 @@ pub struct LocalWire {
     /// The lane a read pass starts at, one further each pass: the inbox is
     /// shared, and lanes read first could otherwise fill it every pass.
     first_lane: usize,
-    /// A sleeper asked the peers to ring: the next call tells them it is awake.
-    slept: bool,
+    /// Application threads asleep on the lanes (between `prepare_sleep` and
+    /// `woke`), which asked the peers to ring: the last to wake tells them
+    /// it is awake. Never another thread's pass: the progress thread's, run
+    /// while an application thread slept, once took the flags back from
+    /// under it, and the peer rang no more (the sleeper slept out its poll
+    /// interval: `a_sender_asleep_is_rung_to_write_the_tail_of_a_long_message`
+    /// failed 4 times in 30 on its own).
+    sleepers: u32,
     /// Lanes with bytes unsent (those [`tally`] marked): whether a send
     /// leaves work for the progress thread is one look, not one at every
     /// lane (which cost each send ~11 instructions an idle same-host peer).
@@ -359,7 +365,7 @@ impl LocalWire {
             looks: zerohop_backends::Looks::default(),
             clock: Instant::from_micros(0),
             first_lane: 0,
-            slept: false,
+            sleepers: 0,
             unsent_lanes: 0,
             dry: false,
             closed: false,
@@ -894,16 +900,15 @@ impl LocalWire {
     }
 
     /// After a sleep: the peers need not ring any more.
-    fn awake(&mut self) {
-        if std::mem::take(&mut self.slept) {
-            for (_, l) in self.lanes.iter_mut() {
-                l.woke(); // (its unsent bytes stay as they were)
-            }
+    /// No application thread sleeps on the lanes any more: the peers need
+    /// not ring.
+    fn lanes_awake(&mut self) {
+        for (_, l) in self.lanes.iter_mut() {
+            l.woke(); // (its unsent bytes stay as they were)
         }
     }
 
     fn pass(&mut self) -> bool {
-        self.awake();
         self.look_at_pool();
         let mut any = self.tcp.progress().unwrap_or(false);
         // The lanes are read before new ones are set up: a lane is never
@@ -1011,7 +1016,6 @@ impl Transport for LocalWire {
     }
 
     fn try_recv(&mut self) -> Result<Received<ShmLease>, Error> {
-        self.awake();
         if self.arrivals.is_empty() {
             self.look_at_pool();
             self.polls = self.polls.wrapping_add(1);
@@ -1123,13 +1127,25 @@ impl Wire for LocalWire {
     }
 
     fn prepare_sleep(&mut self, waiter: Waiter) -> bool {
-        self.slept = true;
         let mut any = self.tcp.prepare_sleep(waiter) || !self.arrivals.is_empty();
         for (_, l) in self.lanes.iter_mut() {
             any |= l.prepare_sleep();
             tally(&mut self.unsent_lanes, l);
         }
+        if !any {
+            self.sleepers += 1; // until its `woke`
+        } else if self.sleepers == 0 {
+            self.lanes_awake(); // it does not sleep after all
+        }
         any
+    }
+
+    fn woke(&mut self, waiter: Waiter) {
+        self.tcp.woke(waiter);
+        self.sleepers = self.sleepers.saturating_sub(1);
+        if self.sleepers == 0 {
+            self.lanes_awake();
+        }
     }
 
     fn pending_sends(&self) -> usize {
@@ -1181,7 +1197,6 @@ impl Wire for LocalWire {
     }
 
     fn background_progress(&mut self, read: bool) -> Result<bool, Error> {
-        self.awake();
         if read {
             self.look_at_pool();
         }
