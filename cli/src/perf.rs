@@ -158,8 +158,15 @@ const START: &[u8; 8] = b"zhperf\x03S";
 const BUSY: &[u8; 8] = b"zhperf\x03B";
 /// How long a session's holder may go quiet (between commands, or within
 /// one) before the listener ends its session: a stranger that starts one
-/// and says nothing holds the listener no longer.
+/// and says nothing holds the listener no longer. Within a command, a
+/// second more per MB of its message size (see [`quiet_for`]).
 const QUIET: Duration = Duration::from_secs(5);
+
+/// The quiet limit within a command of `size`-byte messages: a slow wire
+/// (Soft-RoCE moves ~16 MB/s) takes seconds over each large one.
+fn quiet_for(size: usize) -> Duration {
+    QUIET + Duration::from_secs((size as u64).div_ceil(1_000_000))
+}
 /// Round trips whose echo is the buffer received, sent back as it is (a
 /// zero-copy client's: no byte copied on either side).
 const LATENCY: u8 = b'L';
@@ -226,7 +233,9 @@ fn next_from(ep: &Endpoint, owner: Peer, timeout: Duration) -> Result<Message, z
                     "perf: {:?} asked for a session while another holds it: busy",
                     ep.peer_addr(m.peer())
                 );
-                let _ = ep.send(m.peer(), BUSY);
+                // Without waiting: a stranger that takes nothing must not
+                // hold up the session's echoes.
+                let _ = ep.send_timeout(m.peer(), BUSY, Duration::ZERO);
             }
             Event::Message(m) => log::info!(
                 "perf: dropped {} bytes from {:?}, which does not hold the session",
@@ -308,21 +317,21 @@ fn session(ep: &Endpoint, owner: Peer) -> Result<(), zerohop::Error> {
         match tag {
             LATENCY => {
                 for _ in 0..count {
-                    let m = next_from(ep, owner, QUIET)?;
+                    let m = next_from(ep, owner, quiet_for(size))?;
                     ep.send_buffer(owner, m.into_buffer())?; // zero-copy echo
                 }
             }
             LATENCY_COPYING => {
                 let own = vec![0x5Au8; size];
                 for _ in 0..count {
-                    drop(next_from(ep, owner, QUIET)?);
+                    drop(next_from(ep, owner, quiet_for(size))?);
                     ep.send(owner, &own)?;
                 }
             }
             STREAM => {
                 let mut bytes = 0u64;
                 for _ in 0..count {
-                    bytes += next_from(ep, owner, QUIET)?.len() as u64;
+                    bytes += next_from(ep, owner, quiet_for(size))?.len() as u64;
                 }
                 ep.send(owner, &bytes.to_le_bytes())?;
             }

@@ -737,10 +737,11 @@ impl<T: Wire> Endpoint<T> {
                 // the wire while it waits: the connection work (accepts,
                 // handshakes, timers, other peers' queues) is done here too,
                 // or one peer that stops reading would hold up every other.
-                if self.thread.is_none() {
-                    let _ = t.progress();
+                // (A pass that moved anything, room to write included,
+                // means looking again at once rather than sleeping.)
+                if self.thread.is_some() || t.progress() != Ok(true) {
+                    t = self.wait_io(t, deadline, false);
                 }
-                t = self.wait_io(t, deadline, false);
             }
             done = t.continue_send(peer, bytes)?;
         }

@@ -675,7 +675,8 @@ fn a_maximum_size_header_or_short_record_from_a_silent_peer_costs_nothing_and_20
     expect_still_served(&server, &good, peer);
 }
 
-/// Peers that each begin a message of their whole window and stall, more
+/// Peers that each begin a message of their whole window and stall (behind
+/// a header, a short record, or a first fragment of one byte), more
 /// of them than the pool holds such messages, cannot take the buffers an
 /// honest peer's messages need: payloads still coming hold at most half the
 /// pool together, and the peers past that wait, held, with no buffer. (Each
@@ -692,10 +693,25 @@ fn peers_that_begin_whole_window_messages_and_stall_hold_at_most_half_the_pool()
     let (good, peer) = client(addr);
     expect_still_served(&server, &good, peer);
     let used = pool.stats().used_bytes;
+    // A header, a short record, or a first fragment of one byte (whose
+    // message's rest is to come however much of the fragment is staged).
+    let fragment = Frame::Data(Data {
+        flags: DataFlags::MORE,
+        seq: 0,
+        msg_len: 16 << 20,
+        len: 1,
+        offset: 0,
+        credits: 0,
+        control: 0,
+    })
+    .encode(&[]);
     let mut stalled: Vec<Raw> = (0..6)
         .map(|i| {
             let mut raw = Raw::connect(addr);
-            raw.send(&Raw::whole(i % 2 == 1, 0, 16 << 20));
+            match i % 3 {
+                2 => raw.send(&fragment),
+                k => raw.send(&Raw::whole(k == 1, 0, 16 << 20)),
+            }
             raw.send(&[7]);
             raw
         })

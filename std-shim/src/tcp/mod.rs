@@ -843,6 +843,12 @@ impl TcpTransport {
                 self.wants.pop_front(); // its message came within its window
                 continue;
             };
+            if len as u64 > self.config.grant_budget as u64 {
+                // More than the whole budget: never granted, and it must
+                // not hold up those behind it (its sender's send times out).
+                self.wants.pop_front();
+                continue;
+            }
             if granted + len as u64 > self.config.grant_budget as u64 {
                 return;
             }

@@ -257,9 +257,11 @@ impl TcpTransport {
                     if p.deferred {
                         return Outcome::Stopped;
                     }
-                    // A payload still to come holds its buffer while it comes:
-                    // within the bound on all such (see `coming_bytes`).
-                    let coming = if inc.d.len > staged {
+                    // A payload still to come holds its buffer while it comes
+                    // (the message's: a first fragment of several leaves the
+                    // rest to come, however much of it is staged): within the
+                    // bound on all such (see `coming_bytes`).
+                    let coming = if !inc.d.last || inc.d.len > staged {
                         inc.d.msg_len.max(1)
                     } else {
                         0
