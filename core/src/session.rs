@@ -1409,16 +1409,7 @@ impl Session {
         bytes: &[u8],
         carried: Option<usize>,
     ) -> Result<Inbound, ProtocolError> {
-        self.check_failed()?;
-        // Control frames are no progress of a message under way.
-        self.begin_rate();
-        self.last_heard = now;
-        self.partial = false;
-        if self.pending.is_some() {
-            // The driver must finish a frame's payload before the next header: a driver bug.
-            debug_assert!(false, "a header before the last frame's payload");
-            return Err(self.fail(ProtocolError::Fragment));
-        }
+        self.begin_header(now)?;
         let decoded = match Frame::decode(bytes, self.config.frame_max as usize) {
             Ok(d) => d,
             Err(e) => return Err(self.fail(e.into())),
@@ -1855,6 +1846,23 @@ impl Session {
         }))
     }
 
+    /// What every 32 bytes where a header goes (a header, a short record)
+    /// start with: a failed session stays failed; the peer was heard at
+    /// `now`; no header is partial any more, and a control frame is no
+    /// progress of a message under way. The driver must finish a frame's
+    /// payload before the next header: one that does not has a bug.
+    fn begin_header(&mut self, now: Instant) -> Result<(), ProtocolError> {
+        self.check_failed()?;
+        self.begin_rate();
+        self.last_heard = now;
+        self.partial = false;
+        if self.pending.is_some() {
+            debug_assert!(false, "a header before the last frame's payload");
+            return Err(self.fail(ProtocolError::Fragment));
+        }
+        Ok(())
+    }
+
     fn take_headerless(&mut self, len: usize, imm: u32) -> Result<Delivered, ProtocolError> {
         let (seq, _) = self.check_headerless(len, imm)?;
         self.advance_rx()?;
@@ -1868,15 +1876,7 @@ impl Session {
         now: Instant,
         record: Result<ShortRecord, DecodeError>,
     ) -> Result<DataIn, ProtocolError> {
-        self.check_failed()?;
-        self.begin_rate();
-        self.last_heard = now;
-        self.partial = false;
-        if self.pending.is_some() {
-            // As for a header: a driver bug.
-            debug_assert!(false, "a short record before the last frame's payload");
-            return Err(self.fail(ProtocolError::Fragment));
-        }
+        self.begin_header(now)?;
         let r = match record {
             Ok(r) => r,
             Err(e) => return Err(self.fail(e.into())),
