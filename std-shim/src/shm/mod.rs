@@ -899,7 +899,6 @@ impl LocalWire {
         any
     }
 
-    /// After a sleep: the peers need not ring any more.
     /// No application thread sleeps on the lanes any more: the peers need
     /// not ring.
     fn lanes_awake(&mut self) {

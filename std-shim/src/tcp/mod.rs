@@ -787,12 +787,6 @@ impl TcpTransport {
             let Some(p) = self.peers.at_mut(slot) else {
                 continue;
             };
-            // A payload this side leaves in the socket while the application
-            // has not taken the last messages, a dry pool, or bytes it cannot
-            // read for a full inbox, are not the peer's stall (the bytes
-            // found there afresh, by a peek: readiness flags may be guesses).
-            // Readiness a turn's cap (256 frames) left is: a peer that floods
-            // control frames mid-message is judged on its payload.
             // A quiet peer's empty stage goes back (see `quiet_scans`).
             if p.stage_start == p.stage_end && p.incoming.is_none() && !p.stage.is_empty() {
                 p.quiet_scans += 1;
@@ -800,6 +794,12 @@ impl TcpTransport {
                     p.stage = Box::default();
                 }
             }
+            // A payload this side leaves in the socket while the application
+            // has not taken the last messages, a dry pool, or bytes it cannot
+            // read for a full inbox, are not the peer's stall (the bytes
+            // found there afresh, by a peek: readiness flags may be guesses).
+            // Readiness a turn's cap (256 frames) left is: a peer that floods
+            // control frames mid-message is judged on its payload.
             let unreadable = (p.deferred && queued) || (full && due(p));
             if p.dry || (unreadable && p.note_unread()) {
                 p.session.handle_held(t);

@@ -42,11 +42,7 @@ pub(super) enum Outcome {
 /// Reads into the stage, up to `room` bytes past its start: `Ok(true)` when
 /// bytes came, `Ok(false)` when the socket is drained, `Err` at its end.
 pub(super) fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
-    if p.stage.is_empty() {
-        // Its first read, or its first since a quiet spell took it (see
-        // `Peer::quiet_scans`).
-        p.stage = vec![0u8; STAGE_BYTES].into_boxed_slice();
-    }
+    stage_ready(&mut p.stage);
     if p.stage_start == p.stage_end {
         p.stage_start = 0;
         p.stage_end = 0;
@@ -83,6 +79,14 @@ pub(super) fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(_) => return Err(()),
         }
+    }
+}
+
+/// Gives a peer its stage before a read into it: its first read, or its
+/// first since a quiet spell took the stage (see `Peer::quiet_scans`).
+fn stage_ready(stage: &mut Box<[u8]>) {
+    if stage.is_empty() {
+        *stage = vec![0u8; STAGE_BYTES].into_boxed_slice();
     }
 }
 
@@ -261,8 +265,9 @@ impl TcpTransport {
                     // (the message's: a first fragment of several leaves the
                     // rest to come, however much of it is staged): within the
                     // bound on all such (see `coming_bytes`).
+                    let lease_len = inc.d.msg_len.max(1);
                     let coming = if !inc.d.last || inc.d.len > staged {
-                        inc.d.msg_len.max(1)
+                        lease_len
                     } else {
                         0
                     };
@@ -273,7 +278,7 @@ impl TcpTransport {
                         p.dry = true;
                         return Outcome::Stopped;
                     }
-                    match Lease::take(Arc::clone(&self.pool), inc.d.msg_len.max(1)) {
+                    match Lease::take(Arc::clone(&self.pool), lease_len) {
                         Ok(mut l) => {
                             let _ = l.set_len(inc.d.msg_len);
                             p.lease = Some(l);
@@ -355,9 +360,7 @@ impl TcpTransport {
                         continue;
                     }
                     // The rest straight into the lease; a little beyond it into the stage.
-                    if p.stage.is_empty() {
-                        p.stage = vec![0u8; STAGE_BYTES].into_boxed_slice();
-                    }
+                    stage_ready(&mut p.stage);
                     p.stage_start = 0;
                     p.stage_end = 0;
                     let rest = &mut host_bytes_mut(lease)[base + inc.have..base + inc.split];
