@@ -1138,7 +1138,40 @@ impl Session {
     /// slots; a Hello, Host, Want or Close needs two, and only a Credit
     /// frame that returns control slots may take the last (see
     /// [`CONTROL_SLOTS`] for when Credit frames go).
+    #[inline]
     pub fn poll_control(&mut self) -> Option<Control> {
+        // Drivers ask after every frame: the steady state's answer is one
+        // look, the rest out of line.
+        if self.control_quiet() {
+            debug_assert!(
+                self.clone().next_control().is_none(),
+                "control_quiet held back a due frame"
+            );
+            return None;
+        }
+        self.next_control()
+    }
+
+    /// Whether [`poll_control`](Self::poll_control) has nothing to give, by
+    /// one quick look (`false` may still find nothing): the Hellos crossed,
+    /// the same-host exchange is over, no Want or Close waits, and no credit
+    /// is owed. A driver that asks after every frame looks here first.
+    #[inline]
+    pub fn control_quiet(&self) -> bool {
+        let host_over = !SAME_HOST
+            || (self.host_settled
+                && self.host_answer.is_none()
+                && (self.host_sent || !matches!(self.config.host, HostRole::Offer(_))));
+        self.hello_sent
+            && self.peer.is_some()
+            && host_over
+            && self.want_due.is_none()
+            && !self.closing
+            && !self.credit_owed()
+    }
+
+    #[inline(never)]
+    fn next_control(&mut self) -> Option<Control> {
         if self.failed.is_some() || !self.may_post_control(true) || self.is_moved() {
             return None;
         }
@@ -1550,6 +1583,12 @@ impl Session {
 
     /// Whether a Credit frame should go (see [`CONTROL_SLOTS`]).
     fn credit_due(&self) -> bool {
+        self.credit_owed() && self.may_post_control(true)
+    }
+
+    /// Whether enough credit is owed for a Credit frame, room for it aside.
+    #[inline]
+    fn credit_owed(&self) -> bool {
         let ring = self.ring_wire();
         // Data slots: every one at once to a peer that can post no data
         // (this side's count, what is in flight included), else a quarter
@@ -1568,7 +1607,7 @@ impl Session {
                 || self.rx_want.is_some_and(|(offset, len)| {
                     offset.saturating_add(u64::from(len)) <= self.rx_limit
                 }));
-        (data || control || bytes) && self.may_post_control(true)
+        data || control || bytes
     }
 
     /// One more frame arrived: ring wires count it against the data or

@@ -92,6 +92,18 @@ fn main() {
     for _ in 0..WARMUP {
         round_trip();
     }
+    // EMPTY_POLLS=N: N receives that find nothing (each a spin of the
+    // endpoint's clock interval, then one clock read) instead of the round
+    // trips: what a receiver's spin costs a look.
+    if let Some(n) = std::env::var("EMPTY_POLLS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        for _ in 0..n {
+            assert!(server.recv(Duration::ZERO).is_err());
+        }
+        return;
+    }
     let t0 = Instant::now();
     for _ in 0..round_trips {
         round_trip();

@@ -1395,7 +1395,14 @@ impl Lane {
     }
 
     /// The engine's control frames (Hello, credit, a Want, the Close), queued.
+    #[inline]
     pub(crate) fn control(&mut self) {
+        if !self.session.control_quiet() {
+            self.queue_control();
+        }
+    }
+
+    fn queue_control(&mut self) {
         while let Some(c) = self.session.poll_control() {
             self.queued_bytes += HEADER_LEN;
             self.queue.push_back(Out {

@@ -240,7 +240,18 @@ impl TcpTransport {
 
     /// Queues the control frames the peer's session has due (a Close after
     /// the data; credit ahead of data not yet begun), then writes.
+    #[inline]
     pub(super) fn control(&mut self, slot: usize) {
+        if self
+            .peers
+            .at_mut(slot)
+            .is_some_and(|p| !p.session.control_quiet())
+        {
+            self.queue_control(slot);
+        }
+    }
+
+    fn queue_control(&mut self, slot: usize) {
         let Some(p) = self.peers.at_mut(slot) else {
             return;
         };
