@@ -729,6 +729,15 @@ impl Lane {
         self.queued_bytes + handed + placed + self.device_in_flight()
     }
 
+    /// Whether [`unsent_bytes`](Self::unsent_bytes) is above zero: the
+    /// common answers without the sum (a look after every read and send).
+    #[inline]
+    pub(crate) fn has_unsent(&self) -> bool {
+        self.queued_bytes > 0
+            || self.device_in_flight() > 0
+            || ((self.handover.is_some() || !self.placed.is_empty()) && self.unsent_bytes() > 0)
+    }
+
     /// The sender's device buffers the peer has copied go back to the
     /// pool. Whether any did.
     fn release_device(&mut self, peer: PeerId) -> Result<bool, Error> {
@@ -1414,7 +1423,21 @@ impl Lane {
     }
 
     /// Writes what is queued, as far as the ring has room. Whether anything moved.
+    #[inline]
     pub(crate) fn flush(&mut self, peer: PeerId) -> Result<bool, Error> {
+        // The common look (after every read): nothing queued, handed over
+        // or out in the peer's hands.
+        let idle = self.queue.is_empty()
+            && self.handover.is_none()
+            && self.placed.is_empty()
+            && self.device_in_flight() == 0;
+        if idle && !self.broken {
+            return Ok(false);
+        }
+        self.flush_out(peer)
+    }
+
+    fn flush_out(&mut self, peer: PeerId) -> Result<bool, Error> {
         if self.broken {
             return Err(Self::bad_claim(peer));
         }

@@ -924,8 +924,9 @@ impl LocalWire {
 
 /// Counts `l` in `unsent_lanes` while it has bytes unsent, after a call
 /// that may have changed them (see `LocalWire::unsent_lanes`).
+#[inline]
 fn tally(unsent_lanes: &mut usize, l: &mut Lane) {
-    let unsent = l.unsent_bytes() > 0;
+    let unsent = l.has_unsent();
     if unsent != l.tallied {
         l.tallied = unsent;
         if unsent {
