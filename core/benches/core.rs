@@ -128,13 +128,13 @@ fn lease_release(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("zerohop_LocalPool", size), |b| {
             b.iter(|| {
                 let l = local.lease(black_box(size)).unwrap();
-                black_box(l.mr().unwrap().lkey);
+                black_box(l.lkey().unwrap());
             })
         });
         g.bench_function(BenchmarkId::new("zerohop_SlabPool", size), |b| {
             b.iter(|| {
                 let l = pool.lease(black_box(size)).unwrap();
-                black_box(l.mr().unwrap().lkey);
+                black_box(l.lkey().unwrap());
             })
         });
         g.bench_function(BenchmarkId::new("baseline_Mutex_Vec", size), |b| {

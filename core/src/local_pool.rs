@@ -19,7 +19,7 @@ use core::cell::RefCell;
 
 use crate::error::PoolError;
 use crate::pool::{Bell, ChunkSource, NoBell, Pool, PoolTables, SlabPool, SlotTicket, MAX_CLASSES};
-use crate::{Error, Lease};
+use crate::{Error, Lease, MrHandle};
 
 /// Free buffers of one class, taken from the shared pool and not leased out.
 #[derive(Debug)]
@@ -130,6 +130,10 @@ impl<S: ChunkSource, T: PoolTables, const M: usize, B: Bell> Pool for LocalPool<
         }
         // Nothing free in the shared pool's class: let it grow (outside our borrow).
         self.shared.take_slot(len)
+    }
+
+    fn registration(&self, ticket: &SlotTicket) -> Option<MrHandle> {
+        self.shared.registration(ticket)
     }
 
     #[inline]

@@ -253,8 +253,11 @@ pub struct SlotTicket {
     class: u8,
     /// The whole buffer (its class size, or the oversize length rounded up).
     pub region: Region,
-    /// The chunk's registration.
-    pub mr: Option<MrHandle>,
+    /// The local key of the chunk's registration, if any: what a work
+    /// request quotes. (The whole registration is the pool's, under its
+    /// lock, [`Pool::registration`]: a lease moves with every message, and
+    /// carried whole it was as large again.)
+    pub lkey: Option<u32>,
 }
 
 impl SlotTicket {
@@ -267,7 +270,7 @@ impl SlotTicket {
             len: 0,
             kind: crate::mem::MemKind::Host,
         },
-        mr: None,
+        lkey: None,
     };
 }
 
@@ -300,6 +303,9 @@ pub trait Pool {
     fn take_slot(&self, len: usize) -> Result<SlotTicket, Error>;
     /// Returns a buffer. Only [`Lease`]'s `Drop` calls this, exactly once per ticket.
     fn release_slot(&self, ticket: &SlotTicket);
+    /// The registration of the chunk a leased buffer lives in, if any
+    /// (looked up under the pool's lock: prefer [`Lease::lkey`] on a hot path).
+    fn registration(&self, ticket: &SlotTicket) -> Option<MrHandle>;
 }
 
 /// A leased pool buffer. Dropping it returns the buffer to the pool; it cannot
@@ -416,9 +422,17 @@ where
         self.ticket.region.addr + u64::from(self.start)
     }
 
-    /// The registration of the chunk this buffer lives in (its lkey/rkey), if any.
+    /// The registration of the chunk this buffer lives in (its lkey/rkey),
+    /// if any: looked up in the pool (see [`lkey`](Self::lkey)).
     pub fn mr(&self) -> Option<MrHandle> {
-        self.ticket.mr
+        self.pool.registration(&self.ticket)
+    }
+
+    /// The local key of the registration of the chunk this buffer lives
+    /// in, if any: what a work request quotes, without a look in the pool.
+    #[inline]
+    pub fn lkey(&self) -> Option<u32> {
+        self.ticket.lkey
     }
 
     /// The pool it came from.
@@ -692,7 +706,7 @@ impl<S: ChunkSource, T: PoolTables, B: Bell> SlabPool<S, T, B> {
                 len,
                 kind: mem.region.kind,
             },
-            mr: mem.mr,
+            lkey: mem.mr.map(|m| m.lkey),
         }
     }
 
@@ -1059,6 +1073,12 @@ impl<S: ChunkSource, T: PoolTables, B: Bell> Pool for SlabPool<S, T, B> {
         }
     }
 
+    fn registration(&self, ticket: &SlotTicket) -> Option<MrHandle> {
+        let mut st = self.state.lock();
+        let chunk = st.tables.slots().get(ticket.index as usize)?.chunk;
+        st.tables.chunks().get(chunk as usize)?.mem?.mr
+    }
+
     fn release_slot(&self, ticket: &SlotTicket) {
         let mut st = self.state.lock();
         let ring = B::RINGS && core::mem::take(&mut st.wanted);
@@ -1359,6 +1379,34 @@ pub(crate) mod tests {
         drop(a);
         drop(b);
         assert_eq!(p.used_bytes(), 0);
+    }
+
+    #[test]
+    fn a_lease_quotes_its_own_chunks_key_and_the_pool_finds_its_registration() {
+        let p = pool(4 << 20);
+        let first = p.lease(256).unwrap();
+        let first_mr = first.mr().expect("a registered chunk");
+        // Lease until one lands in a second chunk (its own registration).
+        let mut held = std::vec::Vec::new();
+        let other = loop {
+            let l = p.lease(256).unwrap();
+            if !first_mr.covers(l.device_ptr(), 256, Access::NONE) {
+                break l;
+            }
+            assert_eq!(l.lkey(), Some(first_mr.lkey), "the first chunk's key");
+            held.push(l);
+            assert!(held.len() < 1 << 16, "a second chunk never came");
+        };
+        let other_mr = other.mr().expect("a registered chunk");
+        assert_ne!(other_mr.lkey, first_mr.lkey, "one registration per chunk");
+        assert_eq!(
+            other.lkey(),
+            Some(other_mr.lkey),
+            "the key it carries is its chunk's"
+        );
+        assert!(other_mr.covers(other.device_ptr(), 256, Access::LOCAL_WRITE));
+        assert_eq!(first.lkey(), Some(first_mr.lkey));
+        assert_eq!(p.source().registrar.as_ref().unwrap().registered(), 2);
     }
 
     #[test]

@@ -281,9 +281,9 @@ where
                 lease,
             });
         }
-        if let (Some(nic), Some(mr)) = (self.nic, lease.mr()) {
+        if let (Some(nic), Some(lkey)) = (self.nic, lease.lkey()) {
             let r = lease.region();
-            if let Err(error) = nic.check(mr.lkey, r.addr, r.len, Access::NONE) {
+            if let Err(error) = nic.check(lkey, r.addr, r.len, Access::NONE) {
                 return Err(Rejected { error, lease });
             }
         }

@@ -309,11 +309,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         let mut buf = Lease::take(Arc::clone(&self.send_pool), frame.len())?;
         self.memory.write(&mut buf, 0, frame)?;
         // A plain send: the header rides in the buffer, no immediate data.
-        let data = (
-            buf.device_ptr(),
-            frame.len(),
-            buf.mr().map_or(0, |m| m.lkey),
-        );
+        let data = (buf.device_ptr(), frame.len(), buf.lkey().unwrap_or(0));
         Self::post(conn, None, None, data, Some(buf), false)?;
         Ok(())
     }
@@ -395,7 +391,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 conn.queue.pop_front();
             }
             let data = hold.as_ref().map_or((0, 0, 0), |l| {
-                (l.device_ptr(), f.len, l.mr().map_or(0, |m| m.lkey))
+                (l.device_ptr(), f.len, l.lkey().unwrap_or(0))
             });
             Self::post_frame(conn, &f, data, hold, M::HOST_VISIBLE)?;
             any = true;
@@ -462,7 +458,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 let header = ffi::ibv_sge {
                     addr: conn.headers.device_ptr() + at as u64,
                     length: HEADER_LEN as u32,
-                    lkey: conn.headers.mr().map_or(0, |m| m.lkey),
+                    lkey: conn.headers.lkey().unwrap_or(0),
                 };
                 ([header, data], if len > 0 { 2 } else { 1 })
             }

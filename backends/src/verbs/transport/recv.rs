@@ -43,12 +43,12 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         let payload = ffi::ibv_sge {
             addr: lease.device_ptr(),
             length: lease.len() as u32,
-            lkey: lease.mr().map_or(0, |m| m.lkey),
+            lkey: lease.lkey().unwrap_or(0),
         };
         let header = ffi::ibv_sge {
             addr: conn.headers.device_ptr() + (slot * HEADER_LEN) as u64,
             length: HEADER_LEN as u32,
-            lkey: conn.headers.mr().map_or(0, |m| m.lkey),
+            lkey: conn.headers.lkey().unwrap_or(0),
         };
         let mut sge = if M::HOST_VISIBLE {
             [payload, payload]
