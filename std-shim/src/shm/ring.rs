@@ -599,6 +599,13 @@ impl<M: RingMem> Consumer<M> {
             self.took(n);
             return Ok(n);
         }
+        self.read_chunks(out)
+    }
+
+    /// `read`'s other case, out of line: `out` across chunks, or wrapped.
+    #[inline(never)]
+    fn read_chunks(&mut self, out: &mut [u8]) -> Result<usize, Corrupt> {
+        let cap = self.mem.cap();
         let mut to = 0;
         while to < out.len() {
             if self.tail == self.end && !self.next(false)? {

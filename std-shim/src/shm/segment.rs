@@ -224,9 +224,12 @@ impl Segment {
 
     /// Ring `which` (0: the creator's frames, 1: the opener's).
     pub(crate) fn ring(self: &Arc<Self>, which: usize) -> SegRing {
+        let which = which & 1;
         SegRing {
             seg: Arc::clone(self),
-            which: which & 1,
+            which,
+            data_at: DATA_AT + which * self.ring_bytes,
+            cap: self.ring_bytes,
         }
     }
 }
@@ -246,17 +249,17 @@ impl Drop for Segment {
 pub(crate) struct SegRing {
     seg: Arc<Segment>,
     which: usize,
+    /// Where its bytes start in the segment, and how many (the layout's,
+    /// kept here: every copy in and out asks).
+    data_at: usize,
+    cap: usize,
 }
 
 impl SegRing {
     fn data(&self) -> *mut u8 {
-        // SAFETY: DATA_AT + which * ring_bytes + ring_bytes <= len (the layout).
-        unsafe {
-            self.seg
-                .base
-                .as_ptr()
-                .add(DATA_AT + self.which * self.seg.ring_bytes)
-        }
+        // SAFETY: data_at + cap = DATA_AT + which * ring_bytes + ring_bytes
+        // <= len (the layout; both set from it in `Segment::ring`).
+        unsafe { self.seg.base.as_ptr().add(self.data_at) }
     }
 }
 
@@ -281,7 +284,7 @@ impl RingMem for SegRing {
     }
 
     fn cap(&self) -> usize {
-        self.seg.ring_bytes
+        self.cap
     }
 
     fn copy_in(&self, at: usize, src: &[u8]) {
