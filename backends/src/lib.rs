@@ -46,4 +46,4 @@ pub type HostBell = zerohop_core::NoBell;
 pub use mapped::{MappedMemory, SharedPlace};
 pub use nic::Nic;
 #[cfg(feature = "std")]
-pub use peers::{absence, Looks, PeerSlots, MAX_PEER_SLOTS, TAG_BIT};
+pub use peers::{absence, Looks, PeerSlots, SessionClock, MAX_PEER_SLOTS, TAG_BIT};

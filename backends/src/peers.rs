@@ -318,10 +318,64 @@ pub fn absence(idle_timeout: std::time::Duration) -> std::time::Duration {
     (idle_timeout / 2).max(std::time::Duration::from_millis(250))
 }
 
+/// A driver's clock for its sessions: microseconds since the driver
+/// began, read from `CLOCK_MONOTONIC` (what `std::time::Instant` reads)
+/// without `Duration`'s arithmetic, since a driver asks on every read.
+#[derive(Clone, Copy, Debug)]
+pub struct SessionClock {
+    origin_us: u64,
+}
+
+impl SessionClock {
+    /// Starts now.
+    pub fn start() -> SessionClock {
+        SessionClock {
+            origin_us: monotonic_us(),
+        }
+    }
+
+    /// The time since the start, as the engine counts it.
+    #[inline]
+    pub fn now(&self) -> zerohop_core::session::Instant {
+        zerohop_core::session::Instant::from_micros(monotonic_us().saturating_sub(self.origin_us))
+    }
+}
+
+#[inline]
+fn monotonic_us() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid place for the call's one write; the
+    // monotonic clock exists on every system this builds for (it cannot
+    // fail with a valid pointer, and a zero time would be only early).
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000)
+        .saturating_add(ts.tv_nsec as u64 / 1_000)
+}
+
 #[cfg(test)]
 mod looks_tests {
     use super::*;
     use std::time::{Duration, Instant};
+
+    #[test]
+    fn the_session_clock_keeps_time_with_std() {
+        let clock = SessionClock::start();
+        let t0 = clock.now();
+        let started = Instant::now();
+        std::thread::sleep(Duration::from_millis(20));
+        let (t1, waited) = (clock.now(), started.elapsed());
+        let moved = t1.as_micros() - t0.as_micros();
+        // As far as std's clock moved, give or take the calls between.
+        assert!(moved >= 20_000, "moved {moved} us over a 20 ms sleep");
+        assert!(
+            moved <= waited.as_micros() as u64 + 1_000,
+            "moved {moved} us where std saw {waited:?}"
+        );
+    }
 
     #[test]
     fn only_a_gap_longer_than_away_is_a_return() {

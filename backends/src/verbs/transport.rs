@@ -46,7 +46,7 @@ use zerohop_core::{
 use super::cm::{CmEvent, CmId, EventChannel, Qp, QpShape, CM_TIMEOUT_MS};
 use super::payload::{HostPayload, PayloadLease, PayloadMemory, PayloadPool};
 use super::{Device, Registry, VerbsError};
-use crate::{host_bytes_mut, HeapTables, HostPool, PeerSlots};
+use crate::{host_bytes_mut, HeapTables, HostPool, PeerSlots, SessionClock};
 
 mod connect;
 mod recv;
@@ -176,7 +176,8 @@ pub struct RdmaTransport<M: PayloadMemory = HostPayload> {
     orphans: VecDeque<(PeerId, VecDeque<Held<M>>)>,
     /// Peers that connected to the listener and said Hello, not yet taken.
     accepted: VecDeque<(PeerId, SocketAddr)>,
-    origin: StdInstant,
+    /// The sessions' clock (see `now`).
+    session_clock: SessionClock,
     next_scan: StdInstant,
     /// When a message waiting for a buffer may next be judged (see `whole`).
     next_judge: StdInstant,
@@ -258,7 +259,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             arrivals: VecDeque::new(),
             orphans: VecDeque::new(),
             accepted: VecDeque::new(),
-            origin: now,
+            session_clock: SessionClock::start(),
             next_scan: now,
             next_judge: now,
             looks: crate::Looks::default(),
@@ -341,7 +342,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     }
 
     fn now(&self) -> Instant {
-        Instant::from_micros(self.origin.elapsed().as_micros() as u64)
+        self.session_clock.now()
     }
 
     fn session_config(&self) -> SessionConfig {

@@ -44,7 +44,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 
-use zerohop_backends::{host_bytes, PeerSlots};
+use zerohop_backends::{host_bytes, PeerSlots, SessionClock};
 use zerohop_core::session::{HostOffer, HostRole, Instant, SessionConfig, SessionStats};
 use zerohop_core::{Capabilities, Error, Kind, PeerId, Received, Rejected, Transport};
 
@@ -240,7 +240,8 @@ pub struct LocalWire {
     moved: HashMap<PeerId, Result<PeerId, Error>>,
     accepted: VecDeque<(PeerId, SocketAddr)>,
     arrivals: VecDeque<Result<Received<ShmLease>, Error>>,
-    origin: StdInstant,
+    /// The sessions' clock (see `now`).
+    session_clock: SessionClock,
     polls: u32,
     next_link_check: StdInstant,
     /// When a spinning receiver next moves the side work along.
@@ -358,7 +359,7 @@ impl LocalWire {
             moved: HashMap::new(),
             accepted: VecDeque::new(),
             arrivals: VecDeque::new(),
-            origin: now,
+            session_clock: SessionClock::start(),
             polls: 0,
             next_link_check: now,
             next_side: now,
@@ -505,7 +506,7 @@ impl LocalWire {
     }
 
     fn now(&self) -> Instant {
-        Instant::from_micros(self.origin.elapsed().as_micros() as u64)
+        self.session_clock.now()
     }
 
     fn lane(&self, id: PeerId) -> Option<&Lane> {

@@ -46,7 +46,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 
-use zerohop_backends::{absence, host_bytes, Looks, PeerSlots};
+use zerohop_backends::{absence, host_bytes, Looks, PeerSlots, SessionClock};
 use zerohop_core::session::{HostOffer, HostRole, Instant, Session, SessionConfig, SessionStats};
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{Capabilities, Error, Kind, PeerId, PoolError, Received, Rejected, Transport};
@@ -304,7 +304,8 @@ pub struct TcpTransport {
     /// (then the TCP peer is gone: its session moved).
     answers: VecDeque<(PeerId, bool)>,
     unclaimed: VecDeque<Lane>,
-    origin: StdInstant,
+    /// The sessions' clock (see `now`).
+    session_clock: SessionClock,
     next_scan: StdInstant,
     /// The timers' looks: a long gap is the application's absence.
     looks: Looks,
@@ -386,7 +387,7 @@ impl TcpTransport {
             offers: VecDeque::new(),
             answers: VecDeque::new(),
             unclaimed: VecDeque::new(),
-            origin: now,
+            session_clock: SessionClock::start(),
             next_scan: now,
             looks: Looks::default(),
             polls: 0,
@@ -648,7 +649,7 @@ impl TcpTransport {
     }
 
     fn now(&self) -> Instant {
-        Instant::from_micros(self.origin.elapsed().as_micros() as u64)
+        self.session_clock.now()
     }
 
     fn peer(&self, id: PeerId) -> Option<&Peer> {

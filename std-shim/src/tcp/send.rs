@@ -240,7 +240,7 @@ impl TcpTransport {
 
     /// Queues the control frames the peer's session has due (a Close after
     /// the data; credit ahead of data not yet begun), then writes.
-    #[inline]
+    #[inline(always)]
     pub(super) fn control(&mut self, slot: usize) {
         if self
             .peers
