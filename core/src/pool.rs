@@ -693,23 +693,6 @@ impl<S: ChunkSource, T: PoolTables, B: Bell> SlabPool<S, T, B> {
         Lease::take(self, len)
     }
 
-    fn ticket(&self, st: &mut State<T>, index: u32, len: usize) -> SlotTicket {
-        let slot = st.tables.slots()[index as usize];
-        let mem = st.tables.chunks()[slot.chunk as usize]
-            .mem
-            .expect("a slot always points at a live chunk");
-        SlotTicket {
-            index,
-            class: slot.class,
-            region: Region {
-                addr: mem.region.addr + u64::from(slot.offset),
-                len,
-                kind: mem.region.kind,
-            },
-            lkey: mem.mr.map(|m| m.lkey),
-        }
-    }
-
     /// Pops a free slot of `class`, or carves one from the class's chunk.
     fn try_fast(&self, st: &mut State<T>, class: usize) -> Result<Option<u32>, PoolError> {
         let size = self.config.classes.sizes[class];
@@ -1052,9 +1035,21 @@ impl<S: ChunkSource, T: PoolTables, B: Bell> SlabPool<S, T, B> {
         let size = class.map_or(oversize_len, |c| self.config.classes.sizes[c]);
         st.stats.used_bytes += size;
         st.stats.leases += 1;
-        let chunk = st.tables.slots()[index as usize].chunk as usize;
-        st.tables.chunks()[chunk].in_use += 1;
-        self.ticket(st, index, size)
+        // The slot and its chunk looked up once each: every lease passes here.
+        let slot = st.tables.slots()[index as usize];
+        let chunk = &mut st.tables.chunks()[slot.chunk as usize];
+        chunk.in_use += 1;
+        let mem = chunk.mem.expect("a slot always points at a live chunk");
+        SlotTicket {
+            index,
+            class: slot.class,
+            region: Region {
+                addr: mem.region.addr + u64::from(slot.offset),
+                len: size,
+                kind: mem.region.kind,
+            },
+            lkey: mem.mr.map(|m| m.lkey),
+        }
     }
 }
 
