@@ -61,7 +61,10 @@ pub(super) fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
         return Ok(false); // drained, as far as the last read could tell
     }
     loop {
-        match p.stream.read(&mut p.stage[p.stage_end..end]) {
+        // The system call itself (rustix): libc's `recv` is a cancellation
+        // point, and its wrappers cost a 64 B message as much as the rest
+        // of its read.
+        match rustix::io::read(&p.stream, &mut p.stage[p.stage_end..end]) {
             Ok(0) => return Err(()),
             Ok(n) => {
                 p.quiet_scans = 0;
@@ -72,11 +75,11 @@ pub(super) fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
                 p.heard += n;
                 return Ok(true);
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+            Err(rustix::io::Errno::AGAIN) => {
                 p.readable = false;
                 return Ok(false);
             }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(rustix::io::Errno::INTR) => {}
             Err(_) => return Err(()),
         }
     }

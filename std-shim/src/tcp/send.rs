@@ -1,7 +1,7 @@
 //! Sending: a message straight to the socket when nothing is ahead of it,
 //! queued for what the kernel did not take; the engine's control frames.
 
-use std::io::{self, IoSlice, Write};
+use std::io::{self, IoSlice};
 use std::net::TcpStream;
 
 use zerohop_backends::host_bytes;
@@ -125,17 +125,31 @@ pub(super) fn write_part(
 ) -> io::Result<bool> {
     let total = head.len() + body.len();
     while *written < total {
+        // The system calls themselves (rustix), as `read_stage` reads, and
+        // without SIGPIPE: a peer gone is an error, not a signal to a host
+        // application that may not ignore it.
+        use rustix::net::{send, sendmsg, SendAncillaryBuffer, SendFlags};
         let res = if *written < head.len() {
-            stream.write_vectored(&[IoSlice::new(&head[*written..]), IoSlice::new(body)])
+            let parts = [IoSlice::new(&head[*written..]), IoSlice::new(body)];
+            sendmsg(
+                &*stream,
+                &parts,
+                &mut SendAncillaryBuffer::default(),
+                SendFlags::NOSIGNAL,
+            )
         } else {
-            stream.write(&body[*written - head.len()..])
+            send(
+                &*stream,
+                &body[*written - head.len()..],
+                SendFlags::NOSIGNAL,
+            )
         };
         match res {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => *written += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+            Err(rustix::io::Errno::AGAIN) => return Ok(false),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
         }
     }
     Ok(true)
