@@ -253,14 +253,16 @@ impl TcpTransport {
     }
 
     /// Queues the control frames the peer's session has due (a Close after
-    /// the data; credit ahead of data not yet begun), then writes.
+    /// the data; credit ahead of data not yet begun), then writes what is
+    /// queued, announces a peer whose exchange settled, and lets go of one
+    /// whose session ended. The common look (after every frame) first: no
+    /// frame due, nothing queued, nothing to announce.
     #[inline(always)]
     pub(super) fn control(&mut self, slot: usize) {
-        if self
-            .peers
-            .at_mut(slot)
-            .is_some_and(|p| !p.session.control_quiet())
-        {
+        let idle = self.peers.at_mut(slot).is_some_and(|p| {
+            p.session.control_quiet() && p.queue.is_empty() && (p.token.is_none() || p.announced)
+        });
+        if !idle {
             self.queue_control(slot);
         }
     }
