@@ -1153,18 +1153,17 @@ impl Session {
     }
 
     /// Whether [`poll_control`](Self::poll_control) has nothing to give, by
-    /// one quick look (`false` may still find nothing): the Hellos crossed,
-    /// the same-host exchange is over, no Want or Close waits, and no credit
-    /// is owed. A driver that asks after every frame looks here first.
+    /// one quick look (`false` may still find nothing): this side's Hello
+    /// and its same-host frames are out, no Want or Close waits, and no
+    /// credit is owed. (Whatever else `next_control` looks at only holds a
+    /// frame back.) A driver that asks after every frame looks here first.
     #[inline]
     pub fn control_quiet(&self) -> bool {
-        let host_over = !SAME_HOST
-            || (self.host_settled
-                && self.host_answer.is_none()
+        let host_sent = !SAME_HOST
+            || (self.host_answer.is_none()
                 && (self.host_sent || !matches!(self.config.host, HostRole::Offer(_))));
         self.hello_sent
-            && self.peer.is_some()
-            && host_over
+            && host_sent
             && self.want_due.is_none()
             && !self.closing
             && !self.credit_owed()

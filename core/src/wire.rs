@@ -855,6 +855,20 @@ mod tests {
                 "byte {i}"
             );
         }
+        // And every pair set alike, whose bits a sum or an exclusive or
+        // of them would cancel.
+        let reserved: std::vec::Vec<usize> = (2..4).chain(12..HEADER_LEN).collect();
+        for (k, &i) in reserved.iter().enumerate() {
+            for &j in &reserved[k + 1..] {
+                let mut bad = b;
+                (bad[i], bad[j]) = (0x80, 0x80);
+                assert_eq!(
+                    ShortRecord::decode(&bad),
+                    Some(Err(DecodeError::ReservedBits)),
+                    "bytes {i} and {j}"
+                );
+            }
+        }
         // A header is not a record, nor is a record a header.
         let header = Frame::Close(Close { seq: 1 }).encode(&[]);
         assert_eq!(ShortRecord::decode(&header), None);
