@@ -2872,3 +2872,29 @@ fn sides_that_send_before_they_repost_recover_once_buffers_come_back() {
         );
     }
 }
+
+/// The drivers' quick look (`control_quiet`) answers for the steady state
+/// it exists for: open, the same-host exchange over (each role), messages
+/// crossed both ways, no credit owed. (Where it says no, the full walk
+/// answers; a look that said no everywhere would only be slow.)
+#[test]
+fn the_quick_look_answers_for_an_open_session_with_nothing_due() {
+    for (a, b) in [
+        (stream(), stream()),
+        host_roles(None),
+        host_roles(Some(OFFER)),
+    ] {
+        let (mut a, mut b) = (SimPeer::new(a, 0xA, T0), SimPeer::new(b, 0xB, T0));
+        exchange(&mut a, &mut b, T0).unwrap(); // the Hellos, and an offer declined
+        a.send(&msg(0, 64)).unwrap();
+        b.send(&msg(0, 64)).unwrap();
+        let (ea, eb) = exchange(&mut a, &mut b, T0).unwrap();
+        assert_eq!((messages(&ea).len(), messages(&eb).len()), (1, 1));
+        for s in [&a.session, &b.session] {
+            assert!(s.clone().poll_control().is_none(), "nothing due");
+            assert!(s.control_quiet(), "{:?}", s.config.host);
+        }
+    }
+    // Not before this side's Hello has gone.
+    assert!(!Session::new(stream(), 1, T0).control_quiet());
+}
