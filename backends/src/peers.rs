@@ -31,6 +31,10 @@ pub const TAG_BIT: u32 = 1 << 31;
 /// Peers in generation-counted slots.
 pub struct PeerSlots<T> {
     slots: Vec<(u8, Option<T>)>,
+    /// Occupied slots, kept as they change: wires ask on every poll
+    /// whether any peer is left, and a walk of the slots would cost each
+    /// poll one step per peer ever held.
+    occupied: usize,
     tag: u32,
 }
 
@@ -50,6 +54,7 @@ impl<T> PeerSlots<T> {
     pub const fn new(tagged: bool) -> Self {
         PeerSlots {
             slots: Vec::new(),
+            occupied: 0,
             tag: if tagged { TAG_BIT } else { 0 },
         }
     }
@@ -129,6 +134,7 @@ impl<T> PeerSlots<T> {
             self.slots.push((0, None));
         }
         self.slots[slot].1 = Some(peer);
+        self.occupied += 1;
         Ok((slot, self.id(slot)))
     }
 
@@ -139,13 +145,16 @@ impl<T> PeerSlots<T> {
         let (gen, p) = self.slots.get_mut(slot)?;
         let peer = p.take()?;
         *gen = next_generation(*gen);
+        self.occupied -= 1;
         Some((id, peer))
     }
 
     /// Takes the peer in `slot` out for a while, to be [`restore`](Self::restore)d
     /// (its id still names the slot) or [`retire`](Self::retire)d.
     pub fn lend(&mut self, slot: usize) -> Option<T> {
-        self.slots.get_mut(slot)?.1.take()
+        let peer = self.slots.get_mut(slot)?.1.take()?;
+        self.occupied -= 1;
+        Some(peer)
     }
 
     /// Puts a lent peer back in its slot.
@@ -153,6 +162,7 @@ impl<T> PeerSlots<T> {
         if let Some((g, p @ None)) = self.slots.get_mut(slot) {
             if *g != RETIRED {
                 *p = Some(peer);
+                self.occupied += 1;
             }
         }
     }
@@ -176,7 +186,7 @@ impl<T> PeerSlots<T> {
 
     /// Peers in the table.
     pub fn count(&self) -> usize {
-        self.slots.iter().filter(|(_, p)| p.is_some()).count()
+        self.occupied
     }
 
     /// The peers, with their slots.
@@ -222,6 +232,47 @@ mod tests {
         assert_ne!(c, a, "with a new id");
         assert_eq!((t.get(a), t.get(c)), (None, Some(&"c")));
         assert_eq!(t.count(), 2);
+    }
+
+    #[test]
+    fn the_count_follows_every_way_a_peer_comes_and_goes() {
+        let mut t = PeerSlots::new(false);
+        let check = |t: &PeerSlots<u32>, want: usize| {
+            assert_eq!(t.count(), want);
+            assert_eq!(t.iter().count(), want, "the count agrees with the slots");
+        };
+        let a = t.insert(1).unwrap().0;
+        let b = t.insert(2).unwrap().0;
+        check(&t, 2);
+        let lent = t.lend(a).unwrap();
+        check(&t, 1);
+        assert_eq!(t.lend(a), None, "a lent slot lends nothing twice");
+        check(&t, 1);
+        t.restore(a, lent);
+        check(&t, 2);
+        t.restore(a, 9); // an occupied slot keeps its peer
+        check(&t, 2);
+        assert_eq!(t.at(a), Some(&1));
+        t.lend(b).unwrap();
+        t.retire(b);
+        check(&t, 1);
+        t.restore(b, 2); // a retired generation takes nothing back
+        assert_eq!(t.remove(a).map(|(_, p)| p), Some(1));
+        assert_eq!(t.remove(a), None);
+        check(&t, 1);
+        assert_eq!(t.remove(b).map(|(_, p)| p), Some(2));
+        check(&t, 0);
+        // A slot retired for good takes no lent peer back.
+        let mut t = PeerSlots::new(false);
+        for i in 0..127 {
+            t.insert(i).unwrap();
+            t.remove(0).unwrap();
+        }
+        assert_eq!(t.insert(127).unwrap().0, 0, "the slot's last generation");
+        let p = t.lend(0).unwrap();
+        t.retire(0);
+        t.restore(0, p);
+        check(&t, 0);
     }
 
     #[test]
