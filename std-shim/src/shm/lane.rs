@@ -1669,8 +1669,46 @@ impl Lane {
                     Ok(d) => d,
                     Err(e) => return protocol(e),
                 };
-                self.incoming = Some(Incoming::new(d, self.host_stage(d.len)));
                 self.control();
+                let stage = self.host_stage(d.len);
+                if !matches!(stage, Stage::Inline) {
+                    self.incoming = Some(Incoming::new(d, stage));
+                    continue;
+                }
+                // A message in the ring (a small one, mostly) is read into
+                // its lease here, in one step: what step 1 would do on the
+                // next turn of the loop. A dry pool is met there.
+                let Ok(mut lease) = Lease::take(Arc::clone(pool), d.msg_len.max(1)) else {
+                    self.incoming = Some(Incoming::new(d, stage));
+                    continue;
+                };
+                let _ = lease.set_len(d.msg_len);
+                self.dry = false;
+                let bytes = &mut host_bytes_mut(&mut lease)[..d.len];
+                let have = match self.rx.read(bytes) {
+                    Ok(n) => n,
+                    Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
+                };
+                if have < d.len {
+                    self.incoming = Some(Incoming {
+                        d,
+                        lease: Some(lease),
+                        have,
+                        stage,
+                    });
+                    return Outcome::Drained;
+                }
+                match self.session.handle_payload(now, Some(bytes)) {
+                    Ok(Some(done)) => {
+                        self.session.consumed(done.len);
+                        let lease = ShmLease::Host(lease);
+                        self.arrive(arrivals, Ok(Received { peer, lease }));
+                    }
+                    Ok(None) => {
+                        return Outcome::Bad(Error::Backend("shm: a fragment on a stream lane"))
+                    }
+                    Err(e) => return protocol(e),
+                }
                 continue;
             }
             let inbound = match self.session.handle_header(now, &self.header, None) {
