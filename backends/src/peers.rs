@@ -256,7 +256,8 @@ mod tests {
         t.lend(b).unwrap();
         t.retire(b);
         check(&t, 1);
-        t.restore(b, 2); // a retired generation takes nothing back
+        t.restore(b, 2); // back under its next generation (generations are left)
+        check(&t, 2);
         assert_eq!(t.remove(a).map(|(_, p)| p), Some(1));
         assert_eq!(t.remove(a), None);
         check(&t, 1);

@@ -435,8 +435,10 @@ impl TcpTransport {
                     // A message whose payload is all staged (a small one,
                     // mostly) is leased, copied and handed on here, in one
                     // step: what step 1 would do on the next turn of the loop.
-                    // A dry pool is met there.
-                    if d.first
+                    // A dry pool is met there, and a turn's last frame
+                    // waits for the next turn as before.
+                    if frames < FRAMES_PER_TURN
+                        && d.first
                         && d.last
                         && d.len <= staged - HEADER_LEN
                         && d.len < QUICK_ACK_MIN
