@@ -1561,6 +1561,15 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_zero_length_lease_is_refused_with_a_free_buffer_at_hand() {
+        let p = pool(1 << 20);
+        drop(p.lease(1).unwrap()); // the smallest class has one free now
+        assert_eq!(p.lease(0).unwrap_err(), Error::Pool(PoolError::ZeroLength));
+        assert_eq!(p.stats().used_bytes, 0);
+        assert_eq!(p.lease(1).map(|l| l.len()), Ok(1), "the free one serves");
+    }
+
+    #[test]
     fn zero_length_and_oversize() {
         let p = pool(1 << 20);
         assert_eq!(p.lease(0).unwrap_err(), Error::Pool(PoolError::ZeroLength));
