@@ -364,11 +364,18 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     }
 
     /// Posts what the engine lets go: queued messages' fragments while
-    /// credits and send slots allow, then its control frames.
+    /// credits and send slots allow, then its control frames. Asked on
+    /// every poll: where nothing is queued and no control frame is due,
+    /// it answers inline.
+    #[inline]
     fn pump(conn: &mut Conn<M>) -> Result<bool, Error> {
-        if !conn.established {
+        if !conn.established || (conn.queue.is_empty() && conn.session.control_quiet()) {
             return Ok(false);
         }
+        Self::pump_queued(conn)
+    }
+
+    fn pump_queued(conn: &mut Conn<M>) -> Result<bool, Error> {
         let mut any = false;
         while conn.send.has_free() {
             let Some(front) = conn.queue.front_mut() else {

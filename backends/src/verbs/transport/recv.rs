@@ -75,8 +75,16 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// sends, for one that answers — so the lease and the post stay off the
     /// round trip's path. A peer that closed still sends credit frames for
     /// what this side is sending: the slots are posted until both closed.
+    #[inline]
     pub(super) fn refill(pool: &Arc<M::Pool>, fragment: usize, conn: &mut Conn<M>) {
         conn.recv_dry = false;
+        // Asked on every poll: most find every slot posted.
+        if !conn.unposted.is_empty() {
+            Self::post_unposted(pool, fragment, conn);
+        }
+    }
+
+    fn post_unposted(pool: &Arc<M::Pool>, fragment: usize, conn: &mut Conn<M>) {
         if conn.session.is_finished() {
             return;
         }
