@@ -22,22 +22,40 @@ use zerohop_std::tcp::{TcpConfig, TcpTransport};
 const NONE_FREE: Duration = Duration::from_millis(400);
 const WAIT: Duration = Duration::from_secs(10);
 
-/// Counts the listener's reports of a failed accept.
-struct FailedAccepts(AtomicUsize);
+/// Counts the listener's records of a failed accept (one a try, a debug
+/// record but for the first, a warning), its warnings among them, and its
+/// warnings that accepts resumed.
+struct FailedAccepts {
+    tries: AtomicUsize,
+    warned: AtomicUsize,
+    resumed: AtomicUsize,
+}
 
 impl log::Log for FailedAccepts {
     fn enabled(&self, m: &log::Metadata) -> bool {
-        m.level() <= log::Level::Warn
+        m.level() <= log::Level::Debug
     }
     fn log(&self, r: &log::Record) {
-        if r.args().to_string().contains("tcp: accept failed") {
-            self.0.fetch_add(1, Ordering::Relaxed);
+        let text = r.args().to_string();
+        let warning = r.level() == log::Level::Warn;
+        if text.contains("tcp: accept failed") {
+            self.tries.fetch_add(1, Ordering::Relaxed);
+            if warning {
+                self.warned.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if warning && text.contains("tcp: accepts resumed") {
+            self.resumed.fetch_add(1, Ordering::Relaxed);
         }
     }
     fn flush(&self) {}
 }
 
-static FAILED_ACCEPTS: FailedAccepts = FailedAccepts(AtomicUsize::new(0));
+static FAILED_ACCEPTS: FailedAccepts = FailedAccepts {
+    tries: AtomicUsize::new(0),
+    warned: AtomicUsize::new(0),
+    resumed: AtomicUsize::new(0),
+};
 
 fn transport() -> TcpTransport {
     let config = TcpConfig {
@@ -50,7 +68,7 @@ fn transport() -> TcpTransport {
 #[test]
 fn a_listener_out_of_descriptors_retries_after_a_pause_and_serves_the_peer_once_they_are_back() {
     log::set_logger(&FAILED_ACCEPTS).unwrap();
-    log::set_max_level(log::LevelFilter::Warn);
+    log::set_max_level(log::LevelFilter::Debug);
     let mut server = transport();
     let addr = server.listen("127.0.0.1:0").unwrap();
     // The peer dials first: the kernel completes its handshake into the
@@ -82,7 +100,7 @@ fn a_listener_out_of_descriptors_retries_after_a_pause_and_serves_the_peer_once_
         let _ = client.progress();
         passes += 1;
     }
-    let failed = FAILED_ACCEPTS.0.load(Ordering::Relaxed);
+    let failed = FAILED_ACCEPTS.tries.load(Ordering::Relaxed);
     assert_eq!(
         server.handshaking(),
         0,
@@ -95,6 +113,11 @@ fn a_listener_out_of_descriptors_retries_after_a_pause_and_serves_the_peer_once_
     assert!(
         failed <= (NONE_FREE.as_millis() / 100) as usize + 2,
         "{failed} failed accepts in {passes} passes: retried without a pause"
+    );
+    assert_eq!(
+        FAILED_ACCEPTS.warned.load(Ordering::Relaxed),
+        1,
+        "one warning for the run of failures, the retries at debug level"
     );
     // Descriptors back: the listener's next try, a pause later, takes the
     // peer, with no new edge on its socket.
@@ -125,9 +148,14 @@ fn a_listener_out_of_descriptors_retries_after_a_pause_and_serves_the_peer_once_
         "accepted {took:?} after descriptors came back"
     );
     assert_eq!(
-        FAILED_ACCEPTS.0.load(Ordering::Relaxed),
+        FAILED_ACCEPTS.tries.load(Ordering::Relaxed),
         failed,
         "no failure once descriptors are back"
+    );
+    assert_eq!(
+        FAILED_ACCEPTS.resumed.load(Ordering::Relaxed),
+        1,
+        "the end of the run of failures is reported once"
     );
     assert_eq!(server.peer_count(), 1);
 }

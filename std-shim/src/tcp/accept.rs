@@ -8,7 +8,7 @@ use std::time::Instant as StdInstant;
 use zerohop_core::session::{HostRole, Session};
 use zerohop_core::wire::{Frame, HEADER_LEN};
 
-use super::{key, Lane, TcpTransport, ACCEPT_BACKOFF, PENDING};
+use super::{key, Lane, TcpTransport, ACCEPT_BACKOFF, ACCEPT_WARN_EVERY, PENDING};
 use crate::poller::Set;
 
 /// An accepted connection before its Hello: 32 bytes and a deadline.
@@ -31,6 +31,9 @@ impl TcpTransport {
             match l.accept() {
                 Ok((s, addr)) => {
                     any = true;
+                    if let Some((_, n)) = self.accept_warned.take() {
+                        log::warn!("tcp: accepts resumed ({n} more failed since the last report)");
+                    }
                     if let Err(e) = self.add_pending(s, addr) {
                         log::warn!("tcp: accepted {addr} but could not set it up: {e}");
                     }
@@ -40,8 +43,25 @@ impl TcpTransport {
                 Err(e) => {
                     // Out of descriptors (EMFILE) or memory: the connection
                     // waits in the backlog; try again after a pause, not at once.
-                    log::warn!("tcp: accept failed: {e}; pausing accepts for {ACCEPT_BACKOFF:?}");
-                    self.accept_after = Some(StdInstant::now() + ACCEPT_BACKOFF);
+                    let now = StdInstant::now();
+                    match &mut self.accept_warned {
+                        Some((at, n)) if now.duration_since(*at) < ACCEPT_WARN_EVERY => {
+                            *n += 1;
+                            log::debug!(
+                                "tcp: accept failed: {e}; pausing accepts for {ACCEPT_BACKOFF:?}"
+                            );
+                        }
+                        warned => {
+                            let n = warned.map_or(0, |(_, n)| n);
+                            log::warn!(
+                                "tcp: accept failed: {e}; pausing accepts for {ACCEPT_BACKOFF:?} \
+                                 ({n} more failed since the last report; reported every \
+                                 {ACCEPT_WARN_EVERY:?} while they fail)"
+                            );
+                            *warned = Some((now, 0));
+                        }
+                    }
+                    self.accept_after = Some(now + ACCEPT_BACKOFF);
                     break;
                 }
             }

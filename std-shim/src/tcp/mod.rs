@@ -84,6 +84,10 @@ const QUICK_ACK_MIN: usize = 1 << 20;
 const UNCLAIMED_LANES: usize = 8;
 /// How long accepting pauses when the process is out of descriptors.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// How often a run of failed accepts is reported at warning level (each
+/// retry is a debug record): a process out of descriptors for an hour
+/// would otherwise log ten warnings a second.
+const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(10);
 /// How often the idle timers are looked at.
 const TIMER_SCAN: Duration = Duration::from_millis(20);
 /// One `try_recv` in this many also does the connection work.
@@ -287,6 +291,9 @@ pub struct TcpTransport {
     ready: Vec<Ready>,
     listener: Option<TcpListener>,
     accept_after: Option<StdInstant>,
+    /// While accepts fail: when that was last reported as a warning, and
+    /// the failures since.
+    accept_warned: Option<(StdInstant, u32)>,
     /// The watched descriptor became readable (see [`TcpTransport::watch`]).
     watched: bool,
     pending: Vec<Option<Pending>>,
@@ -376,6 +383,7 @@ impl TcpTransport {
             ready: Vec::new(),
             listener: None,
             accept_after: None,
+            accept_warned: None,
             watched: false,
             pending: Vec::new(),
             peers: PeerSlots::new(false),
