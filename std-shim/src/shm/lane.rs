@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use zerohop_backends::{host_bytes, host_bytes_mut, shared_place};
 use zerohop_core::session::{
-    DataFrame, DataIn, Inbound, Instant, ProtocolError, SendError, Session, SessionConfig,
+    DataFrame, DataIn, Delivered, Inbound, Instant, ProtocolError, SendError, Session,
+    SessionConfig,
 };
 use zerohop_core::wire::{DataFlags, ShortRecord, HEADER_LEN};
 use zerohop_core::{Error, Lease, PeerId, Received};
@@ -859,6 +860,31 @@ impl Lane {
         Ok(())
     }
 
+    /// What the engine said of a host message's payload (all in `lease`):
+    /// the message on to the application, or how the lane ends (`Err`).
+    #[inline]
+    fn delivered(
+        &mut self,
+        peer: PeerId,
+        verdict: Result<Option<Delivered>, ProtocolError>,
+        lease: StdLease,
+        arrivals: &mut VecDeque<Result<Received<ShmLease>, Error>>,
+    ) -> Result<(), Outcome> {
+        match verdict {
+            Ok(Some(done)) => {
+                self.session.consumed(done.len);
+                let lease = ShmLease::Host(lease);
+                self.arrive(arrivals, Ok(Received { peer, lease }));
+                Ok(())
+            }
+            // A stream wire does not fragment.
+            Ok(None) => Err(Outcome::Bad(Error::Backend(
+                "shm: a fragment on a stream lane",
+            ))),
+            Err(error) => Err(Outcome::Bad(Error::Protocol { peer, error })),
+        }
+    }
+
     /// Hands a message (or the peer's Close) on: behind any device message
     /// whose copy is under way, else straight to `arrivals`.
     fn arrive(
@@ -1632,17 +1658,8 @@ impl Lane {
                 }
                 let verdict = self.session.handle_payload(now, Some(&bytes[..want]));
                 let lease = self.incoming.take().and_then(|i| i.lease).expect("leased");
-                match verdict {
-                    Ok(Some(done)) => {
-                        self.session.consumed(done.len);
-                        let lease = ShmLease::Host(lease);
-                        self.arrive(arrivals, Ok(Received { peer, lease }));
-                    }
-                    // A stream wire does not fragment.
-                    Ok(None) => {
-                        return Outcome::Bad(Error::Backend("shm: a fragment on a stream lane"))
-                    }
-                    Err(e) => return protocol(e),
+                if let Err(o) = self.delivered(peer, verdict, lease, arrivals) {
+                    return o;
                 }
                 continue;
             }
@@ -1698,16 +1715,9 @@ impl Lane {
                     });
                     return Outcome::Drained;
                 }
-                match self.session.handle_payload(now, Some(bytes)) {
-                    Ok(Some(done)) => {
-                        self.session.consumed(done.len);
-                        let lease = ShmLease::Host(lease);
-                        self.arrive(arrivals, Ok(Received { peer, lease }));
-                    }
-                    Ok(None) => {
-                        return Outcome::Bad(Error::Backend("shm: a fragment on a stream lane"))
-                    }
-                    Err(e) => return protocol(e),
+                let verdict = self.session.handle_payload(now, Some(bytes));
+                if let Err(o) = self.delivered(peer, verdict, lease, arrivals) {
+                    return o;
                 }
                 continue;
             }
