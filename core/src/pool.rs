@@ -696,9 +696,7 @@ impl<S: ChunkSource, T: PoolTables, B: Bell> SlabPool<S, T, B> {
     /// Pops a free slot of `class`, or carves one from the class's chunk.
     fn try_fast(&self, st: &mut State<T>, class: usize) -> Result<Option<u32>, PoolError> {
         let size = self.config.classes.sizes[class];
-        let head = st.free[class];
-        if head != NONE {
-            st.free[class] = st.tables.slots()[head as usize].next;
+        if let Some(head) = Self::pop_free(st, class) {
             return Ok(Some(head));
         }
         let c = st.carving[class];
@@ -722,6 +720,17 @@ impl<S: ChunkSource, T: PoolTables, B: Bell> SlabPool<S, T, B> {
             class: class as u8,
         };
         Ok(Some(index))
+    }
+
+    /// Pops the head of `class`'s free list, if any.
+    #[inline]
+    fn pop_free(st: &mut State<T>, class: usize) -> Option<u32> {
+        let head = st.free[class];
+        if head == NONE {
+            return None;
+        }
+        st.free[class] = st.tables.slots()[head as usize].next;
+        Some(head)
     }
 
     /// Takes one chunk with no outstanding lease out of the pool: a class
@@ -1098,9 +1107,7 @@ impl<S: ChunkSource, T: PoolTables, B: Bell> SlabPool<S, T, B> {
     fn take_unmarked(&self, len: usize) -> Result<SlotTicket, Error> {
         if let (true, Some(c)) = (len != 0, self.config.classes.class_for(len)) {
             let mut st = self.state.lock();
-            let head = st.free[c];
-            if head != NONE {
-                st.free[c] = st.tables.slots()[head as usize].next;
+            if let Some(head) = Self::pop_free(&mut st, c) {
                 return Ok(self.finish_take(&mut st, head, Some(c), 0));
             }
         }

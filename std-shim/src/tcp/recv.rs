@@ -448,13 +448,13 @@ impl TcpTransport {
                         {
                             let _ = lease.set_len(d.msg_len);
                             let (at, end) = (p.stage_start, p.stage_start + d.len);
+                            // One view of the lease: a view is a lookup in the pool's memory.
                             let payload =
                                 &mut host_bytes_mut(&mut lease)[d.offset..d.offset + d.len];
                             payload.copy_from_slice(&p.stage[at..end]);
                             p.stage_start = end;
                             p.direct_stream = d.len >= DIRECT_MIN;
                             p.dry = false;
-                            let payload = &host_bytes(&lease)[d.offset..d.offset + d.len];
                             match p.session.handle_payload(now, Some(payload)) {
                                 Ok(Some(done)) => {
                                     p.session.consumed(done.len);
