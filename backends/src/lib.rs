@@ -46,4 +46,6 @@ pub type HostBell = zerohop_core::NoBell;
 pub use mapped::{MappedMemory, SharedPlace};
 pub use nic::Nic;
 #[cfg(feature = "std")]
-pub use peers::{absence, Looks, PeerSlots, SessionClock, MAX_PEER_SLOTS, TAG_BIT};
+pub use peers::{
+    absence, Looks, PeerLimits, PeerSlots, Refusal, SessionClock, MAX_PEER_SLOTS, TAG_BIT,
+};

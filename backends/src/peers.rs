@@ -13,6 +13,9 @@
 //! over and over would otherwise bring a lost peer's id back, to be
 //! answered what was meant for that peer); a table holds at most 2^24
 //! slots, retired ones among them: 16 bytes of table per 128 peers gone.
+//!
+//! [`PeerLimits`] bounds how many accepted peers a listening wire keeps,
+//! one rule for every wire.
 
 use std::vec::Vec;
 
@@ -206,6 +209,89 @@ impl<T> PeerSlots<T> {
     }
 }
 
+/// How many accepted peers a listening wire keeps, at most: past either
+/// bound a newcomer is refused at its handshake, before it holds a peer's
+/// buffers, and the peers kept are not disturbed. One address that opens
+/// connection after connection (a stranger, a broken client in a loop)
+/// fills its own share, not the descriptors and memory every peer needs.
+/// Peers this side connected to are the application's choice and do not
+/// count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerLimits {
+    /// Accepted peers, over all addresses (default 4096).
+    pub accepted: usize,
+    /// Accepted peers from one IP address (default 4096: no bound of its
+    /// own; peers behind one NAT, or on one host, share an address).
+    pub per_address: usize,
+}
+
+impl Default for PeerLimits {
+    fn default() -> Self {
+        PeerLimits {
+            accepted: 4096,
+            per_address: 4096,
+        }
+    }
+}
+
+/// Why a newcomer was refused ([`PeerLimits::admit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The wire keeps as many accepted peers as it takes.
+    Full {
+        /// The bound.
+        accepted: usize,
+    },
+    /// The newcomer's address has as many accepted peers as one may.
+    AddressFull {
+        /// The bound.
+        per_address: usize,
+    },
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::Full { accepted } => {
+                write!(f, "{accepted} accepted peers already, the most kept")
+            }
+            Refusal::AddressFull { per_address } => write!(
+                f,
+                "{per_address} accepted peers from its address already, the most kept from one"
+            ),
+        }
+    }
+}
+
+impl PeerLimits {
+    /// Whether a newcomer from `from` may join the accepted peers kept
+    /// now, whose addresses `kept` yields. (IPv4 addresses mapped into
+    /// IPv6 count as the IPv4 address they carry.)
+    pub fn admit(
+        &self,
+        from: std::net::IpAddr,
+        kept: impl Iterator<Item = std::net::IpAddr>,
+    ) -> Result<(), Refusal> {
+        let from = from.to_canonical();
+        let (mut all, mut same) = (0, 0);
+        for a in kept {
+            all += 1;
+            same += usize::from(a.to_canonical() == from);
+        }
+        if all >= self.accepted {
+            Err(Refusal::Full {
+                accepted: self.accepted,
+            })
+        } else if same >= self.per_address {
+            Err(Refusal::AddressFull {
+                per_address: self.per_address,
+            })
+        } else {
+            Ok(())
+        }
+    }
+}
+
 /// The generation after `gen`, or [`RETIRED`] once they are used up.
 fn next_generation(gen: u8) -> u8 {
     match u32::from(gen) {
@@ -217,6 +303,34 @@ fn next_generation(gen: u8) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_newcomer_is_admitted_below_both_bounds_and_refused_at_either() {
+        use std::net::IpAddr;
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let b: IpAddr = "10.0.0.2".parse().unwrap();
+        // The same IPv4 address carried in IPv6.
+        let a6: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        let limits = PeerLimits {
+            accepted: 4,
+            per_address: 2,
+        };
+        assert_eq!(limits.admit(a, [].into_iter()), Ok(()));
+        assert_eq!(limits.admit(a, [a, b].into_iter()), Ok(()));
+        let address_full = Err(Refusal::AddressFull { per_address: 2 });
+        assert_eq!(limits.admit(a, [a, b, a].into_iter()), address_full);
+        assert_eq!(limits.admit(a6, [a, b, a].into_iter()), address_full);
+        assert_eq!(limits.admit(a, [a6, b, a6].into_iter()), address_full);
+        assert_eq!(limits.admit(b, [a, b, a].into_iter()), Ok(()));
+        let full = Err(Refusal::Full { accepted: 4 });
+        assert_eq!(limits.admit(b, [a, b, a, a].into_iter()), full);
+        // The overall bound is named first when both are reached.
+        assert_eq!(limits.admit(a, [a, a, b, b].into_iter()), full);
+        assert_ne!(
+            Refusal::Full { accepted: 4 }.to_string(),
+            Refusal::AddressFull { per_address: 4 }.to_string()
+        );
+    }
 
     #[test]
     fn a_gone_peers_id_names_nothing_once_its_slot_is_taken_again() {

@@ -284,6 +284,9 @@ pub enum ProtocolError {
         /// What came instead.
         got: FrameKind,
     },
+    /// A Close where the peer's Hello was due: it refused the session (a
+    /// listener with as many peers as it keeps answers so).
+    Refused,
     /// A second Hello, or a Hello for a second connection where a main one was due.
     UnexpectedHello,
     /// A Host frame out of its place (on a wire without the exchange, a
@@ -367,6 +370,9 @@ impl fmt::Display for ProtocolError {
             ProtocolError::Decode(e) => e.fmt(f),
             ProtocolError::HelloExpected { got } => {
                 write!(f, "expected a hello first, got a {} frame", got.name())
+            }
+            ProtocolError::Refused => {
+                f.write_str("the peer closed where its hello was due: it refused the session")
             }
             ProtocolError::UnexpectedHello => f.write_str("a hello where none was due"),
             ProtocolError::UnexpectedHost => f.write_str("a host frame where none was due"),
@@ -1690,6 +1696,7 @@ impl Session {
                     self.count_frame(false)?;
                     self.take_hello(h)
                 }
+                Frame::Close(_) => Err(ProtocolError::Refused),
                 other => Err(ProtocolError::HelloExpected { got: other.kind() }),
             };
         }

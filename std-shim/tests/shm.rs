@@ -7,6 +7,8 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use zerohop_backends::PeerLimits;
+use zerohop_core::session::ProtocolError;
 use zerohop_core::{Error, Kind, PeerId, Received};
 use zerohop_std::shm::{LocalWire, ShmConfig, ShmLease, LANE_BIT};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
@@ -447,6 +449,69 @@ fn endpoint_and_its_lane_socket() -> (Endpoint<LocalWire>, std::os::unix::net::S
         .expect("the endpoint's lane socket");
     let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
     (c, a)
+}
+
+/// Accepted peers that moved to shared memory still count against the
+/// listener's peer limits: past them a newcomer from this host is refused
+/// at its Hello (typed, on its side), and the place a lane frees is taken
+/// again.
+#[test]
+fn peers_in_shared_memory_count_against_the_listeners_peer_limits() {
+    let tcp = TcpConfig {
+        peer_limits: PeerLimits {
+            accepted: 1,
+            per_address: 1,
+        },
+        ..TcpConfig::default()
+    };
+    let shm = ShmConfig {
+        ring_bytes: 1 << 20,
+        required: true,
+        ..ShmConfig::default()
+    };
+    let mut t = LocalWire::new(pool(false), tcp, shm, Kind::Shm).unwrap();
+    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let server = Endpoint::new(t, EndpointConfig::default()).unwrap();
+    let (c, peer) = connect(addr);
+    let from = accepted(&server);
+    exchange(&c, peer, &server, from);
+    // The first is in shared memory now, off the TCP table.
+    let t0 = Instant::now();
+    while server.with(|t| t.tcp().peers_left()) > 0 {
+        assert!(t0.elapsed() < WAIT, "the moved peer left the TCP table");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let newcomer = || {
+        let e = Endpoint::new(wire(&pool(false)), EndpointConfig::default()).unwrap();
+        let p = e.with(|t| t.attach(TcpTransport::dial(addr, WAIT, true).unwrap()));
+        let r = e.wait_open(p.unwrap(), Deadline::after(WAIT));
+        (e, r)
+    };
+    let (_refused, r) = newcomer();
+    assert!(
+        matches!(
+            r,
+            Err(Error::Protocol {
+                error: ProtocolError::Refused,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert_eq!(server.with(|t| t.tcp().refused()), 1);
+    exchange(&c, peer, &server, from);
+    // The lane ends: its place is free.
+    drop(c);
+    match server.next_event(Deadline::after(WAIT), None).unwrap() {
+        Event::Closed(p) | Event::Lost { peer: p, .. } => assert_eq!(p, from),
+        e => panic!("the first's end: {e:?}"),
+    }
+    let (second, r) = newcomer();
+    let peer = r.unwrap();
+    assert!(peer.0 & LANE_BIT != 0, "it moved to shared memory too");
+    let from = accepted(&server);
+    exchange(&second, peer, &server, from);
+    assert_eq!(server.with(|t| t.tcp().refused()), 1);
 }
 
 #[test]

@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use zerohop_backends::host_bytes;
+use zerohop_backends::{host_bytes, PeerLimits};
 use zerohop_core::session::{ProtocolError, Stall};
 use zerohop_core::wire::{
     Credit, Data, DataFlags, DecodeError, Frame, FrameKind, Hello, Host, HostStep, ShortRecord,
@@ -1559,6 +1559,68 @@ fn hundreds_of_connections_that_never_say_hello_make_room_oldest_first() {
     let (good, peer) = client(addr);
     expect_still_served(&server, &good, peer);
     drop(idle);
+}
+
+/// A listener keeps at most its peer limits' accepted peers, overall and
+/// from one address: a newcomer past either is answered with a Close where
+/// the Hello was due (a zerohop peer reports `Refused`), the peers kept are
+/// served on, and a place that frees is taken again.
+#[test]
+fn a_listener_at_its_peer_limits_refuses_newcomers_and_serves_those_it_keeps() {
+    let config = TcpConfig {
+        peer_limits: PeerLimits {
+            accepted: 3,
+            per_address: 2,
+        },
+        ..TcpConfig::default()
+    };
+    let (server, addr, _pool) = listener(64 << 20, config);
+    let (good, peer) = client(addr); // 127.0.0.1: one
+    expect_still_served(&server, &good, peer);
+    let from = |ip: [u8; 4]| {
+        Raw::greet(
+            Raw::socket(addr, Some(std::net::Ipv4Addr::from(ip)), None),
+            0x7E57,
+            0,
+        )
+    };
+    let mut second = from([127, 0, 0, 1]); // 127.0.0.1: two
+    assert!(matches!(second.read_frame().0, Frame::Hello(_)));
+    // A third from 127.0.0.1 passes the overall bound, not its address's.
+    let mut third = from([127, 0, 0, 1]);
+    assert!(matches!(third.read_frame().0, Frame::Close(_)), "refused");
+    assert!(third.closed_by_peer());
+    assert_eq!(server.with(|t| t.refused()), 1);
+    // Another address has its own share, until the overall bound.
+    let mut other = from([127, 0, 0, 2]);
+    assert!(matches!(other.read_frame().0, Frame::Hello(_)));
+    let mut fourth = from([127, 0, 0, 3]);
+    assert!(matches!(fourth.read_frame().0, Frame::Close(_)), "full");
+    assert!(fourth.closed_by_peer());
+    assert_eq!(server.with(|t| t.refused()), 2);
+    // A zerohop peer refused says so, typed.
+    let (refused, _) = client(addr);
+    match refused.recv(Deadline::after(5 * SECOND), None) {
+        Err(Error::Protocol {
+            error: ProtocolError::Refused,
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(server.with(|t| t.refused()), 3);
+    expect_still_served(&server, &good, peer);
+    // The second goes: its place, and its address's, are taken again.
+    drop(second);
+    match server.recv(Deadline::after(5 * SECOND), None) {
+        Err(Error::PeerLost(_)) => {}
+        other => panic!("the second's end: {other:?}"),
+    }
+    let mut again = from([127, 0, 0, 1]);
+    assert!(matches!(again.read_frame().0, Frame::Hello(_)));
+    assert_eq!(server.with(|t| t.peer_count()), 3);
+    assert_eq!(server.with(|t| t.refused()), 3);
+    expect_still_served(&server, &good, peer);
+    drop((other, again));
 }
 
 #[test]

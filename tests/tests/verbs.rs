@@ -921,6 +921,52 @@ fn an_accepted_connection_its_peer_refuses_goes_quietly_and_leaks_nothing() {
     );
 }
 
+/// A listener keeps at most its peer limits' accepted peers: a connect
+/// request past them is rejected before a queue pair or a ring is made
+/// for it, the peer kept is served on, and its place, once it goes, is
+/// taken again.
+#[test]
+fn a_listener_at_its_peer_limits_rejects_newcomers_and_serves_those_it_keeps() {
+    let Some(dev) = device_or_skip() else {
+        return;
+    };
+    let addr = rdma_addr(19_152).expect("an RDMA address");
+    let config = RdmaConfig {
+        peer_limits: zerohop_backends::PeerLimits {
+            accepted: 1,
+            per_address: 1,
+        },
+        ..small_ring()
+    };
+    let mut b = RdmaTransport::new(Arc::clone(&dev), config).unwrap();
+    b.listen(addr).unwrap();
+    let first = connecting(&dev, addr);
+    drive_until_finished(&mut b, &first);
+    let (mut a, peer) = first.join().unwrap();
+    let peer = peer.unwrap();
+    let posted = b.pool().stats().leases;
+    let second = connecting(&dev, addr);
+    drive_until_finished(&mut b, &second);
+    match second.join().unwrap().1 {
+        Err(VerbsError::Connect(why)) => assert!(why.contains("refused"), "{why}"),
+        other => panic!("the second was taken: {other:?}"),
+    }
+    assert_eq!(b.peer_count(), 1);
+    assert_eq!(b.pool().stats().leases, posted, "nothing posted for it");
+    // The one kept is served.
+    a.try_send(peer, b"kept").unwrap();
+    let until = std::time::Instant::now() + WAIT;
+    let r = next_driving(&mut b, &mut a, until).expect("the kept peer's message");
+    assert_eq!(host_bytes(&r.lease), b"kept");
+    drop(r);
+    // It goes; its place is taken again.
+    drop(a);
+    drive_until(&mut b, "the first's end", |b| b.peer_count() == 0);
+    let third = connecting(&dev, addr);
+    drive_until_finished(&mut b, &third);
+    assert!(third.join().unwrap().1.is_ok(), "the freed place is taken");
+}
+
 #[test]
 fn a_listener_refuses_a_peer_whose_ring_cannot_take_a_data_frame() {
     // A data frame needs a data slot: a peer announcing a ring of 0, or

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use zerohop_backends::PeerLimits;
 use zerohop_core::{Kind, Preference};
 
 /// How to open an [`Endpoint`](crate::Endpoint). Start from
@@ -62,6 +63,12 @@ pub struct Config {
     /// 32 KiB, what a many-core server wants; on a small VM 2 MiB can be
     /// faster: BENCHMARKS.md). `ZEROHOP_SHM_SINGLE_COPY_FROM`.
     pub shm_single_copy_from: usize,
+    /// Peers this endpoint accepts and keeps at most, overall and from one
+    /// IP address (default 4096 each); peers it connects to do not count.
+    /// Past either, a newcomer is refused at its handshake: its side
+    /// reports [`ProtocolError::Refused`](zerohop_core::session::ProtocolError::Refused)
+    /// (over RDMA, a rejected connection).
+    pub peer_limits: PeerLimits,
 }
 
 impl Default for Config {
@@ -76,6 +83,7 @@ impl Default for Config {
             idle_timeout: Duration::from_secs(5),
             min_rate: zerohop_core::session::MIN_RATE,
             shm_single_copy_from: zerohop_std::Config::default().shm_single_copy_from,
+            peer_limits: PeerLimits::default(),
         }
     }
 }

@@ -787,6 +787,7 @@ fn tcp_config(config: &Config, max_message: usize) -> TcpConfig {
         max_message,
         idle_timeout: config.idle_timeout,
         min_rate: config.min_rate,
+        peer_limits: config.peer_limits,
         ..TcpConfig::default()
     }
 }
@@ -799,6 +800,7 @@ fn rdma_config(config: &Config, max_message: usize) -> zerohop_backends::verbs::
         send_pool_bytes: config.pool_bytes.min(1 << 30),
         idle_timeout: config.idle_timeout,
         min_rate: config.min_rate,
+        peer_limits: config.peer_limits,
         ..zerohop_backends::verbs::RdmaConfig::default()
     }
 }

@@ -139,6 +139,33 @@ fn a_lost_peer_is_an_event_and_an_error_that_name_its_address() {
     assert!(s.peers().is_empty());
 }
 
+/// An endpoint's peer limits reach its wire: past them a newcomer is
+/// refused, and its connect says so.
+#[test]
+fn a_newcomer_past_the_listeners_peer_limits_is_told_it_was_refused() {
+    let mut config = tcp();
+    config.peer_limits = zerohop::PeerLimits {
+        accepted: 1,
+        per_address: 1,
+    };
+    let s = Endpoint::open(config).unwrap();
+    let addr = s.listen("127.0.0.1:0").unwrap();
+    let kept = Endpoint::open(tcp()).unwrap();
+    let peer = kept.connect(addr, WAIT).unwrap();
+    kept.send(peer, b"kept").unwrap();
+    let Event::Message(m) = next_non_connect(&s) else {
+        panic!("the kept peer's message");
+    };
+    assert_eq!(m.bytes(), Some(&b"kept"[..]));
+    let late = Endpoint::open(tcp()).unwrap();
+    match late.connect(addr, WAIT) {
+        Err(Error::Address { why, .. }) => assert!(why.contains("refused"), "{why}"),
+        other => panic!("the newcomer was taken: {other:?}"),
+    }
+    assert!(late.peers().is_empty());
+    assert_eq!(s.peers().len(), 1);
+}
+
 #[test]
 fn a_message_longer_than_the_peer_takes_fails_at_the_sender_naming_the_limit() {
     let mut small = tcp();

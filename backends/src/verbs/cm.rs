@@ -181,7 +181,8 @@ fn rejected_because(kind: ffi::rdma_cm_event_type::Type, status: i32) -> &'stati
         }
         (ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED, CONSUMER_DEFINED) => {
             ": the listener refused (it is closing, out of receive buffers, \
-             or our receive ring is too shallow for it)"
+             keeps as many peers as it takes, or our receive ring is too \
+             shallow for it)"
         }
         _ => "",
     }

@@ -46,7 +46,7 @@ use zerohop_core::{
 use super::cm::{CmEvent, CmId, EventChannel, Qp, QpShape, CM_TIMEOUT_MS};
 use super::payload::{HostPayload, PayloadLease, PayloadMemory, PayloadPool};
 use super::{Device, Registry, VerbsError};
-use crate::{host_bytes_mut, HeapTables, HostPool, PeerSlots, SessionClock};
+use crate::{host_bytes_mut, HeapTables, HostPool, PeerLimits, PeerSlots, SessionClock};
 
 mod connect;
 mod recv;
@@ -87,6 +87,10 @@ pub struct RdmaConfig {
     /// Bytes a second a peer's message under way must keep up, after the
     /// idle timeout's grace (default [`MIN_RATE`](zerohop_core::session::MIN_RATE); 0: none).
     pub min_rate: u32,
+    /// Accepted peers kept at most, overall and from one address (peers
+    /// this side connected to do not count): past either, a connect
+    /// request is rejected before any queue pair is made for it.
+    pub peer_limits: PeerLimits,
 }
 
 impl Default for RdmaConfig {
@@ -101,6 +105,7 @@ impl Default for RdmaConfig {
             headerless: true,
             idle_timeout: Duration::from_secs(5),
             min_rate: zerohop_core::session::MIN_RATE,
+            peer_limits: PeerLimits::default(),
         }
     }
 }

@@ -200,15 +200,22 @@ fn frames_before_the_hello_and_a_second_hello_fail_the_session() {
     ] {
         let mut s = Session::new(stream(), 1, T0);
         let kind = Frame::decode(&f, 1 << 20).unwrap().frame.kind();
+        // A Close where the Hello was due is the peer's refusal.
+        let want = match kind {
+            FrameKind::Close => ProtocolError::Refused,
+            got => ProtocolError::HelloExpected { got },
+        };
         assert_eq!(
             s.handle_header(T0, &f, Some(f.len() - HEADER_LEN)),
-            Err(ProtocolError::HelloExpected { got: kind })
+            Err(want)
         );
-        assert_eq!(
-            s.failure(),
-            Some(ProtocolError::HelloExpected { got: kind })
-        );
+        assert_eq!(s.failure(), Some(want));
     }
+    // After the Hello, a Close is the peer's clean end, not a refusal.
+    let mut s = opened(stream(), hello(100, 0));
+    let close = Frame::Close(Close { seq: 0 }).encode(&[]);
+    assert!(s.handle_header(T0, &close, None).is_ok());
+    assert!(s.peer_closed() && s.failure().is_none());
     let mut s = opened(stream(), hello(100, 0));
     let again = Frame::Hello(hello(100, 0)).encode(&[]);
     assert_eq!(
@@ -1293,6 +1300,7 @@ fn every_error_says_what_went_wrong() {
         ProtocolError::Stalled {
             during: Stall::Frame,
         },
+        ProtocolError::Refused,
     ];
     let texts: Vec<_> = all.iter().map(|e| std::format!("{e}")).collect();
     for (i, t) in texts.iter().enumerate() {

@@ -444,6 +444,9 @@ pub(crate) enum Outcome {
 pub(crate) struct Lane {
     /// The peer's address on the usual wire (how the application names it).
     pub(crate) addr: SocketAddr,
+    /// This side created the lane: it accepted the peer on the usual wire
+    /// (and the lane counts against that wire's peer limits).
+    pub(crate) accepted: bool,
     pub(crate) session: Session,
     tx: Producer<SegRing>,
     rx: Consumer<SegRing>,
@@ -526,6 +529,7 @@ impl Lane {
             .map(|c| c.pid.as_raw_nonzero().get());
         Lane {
             addr,
+            accepted: creator,
             single_min: segment.single_copy_from(),
             session: Session::new(config, token, now),
             tx: Producer::new(segment.ring(mine)),

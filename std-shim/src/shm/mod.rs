@@ -515,7 +515,11 @@ impl LocalWire {
 
     /// The new lane's id; `None` when every slot an id can name is taken.
     fn add_lane(&mut self, lane: Lane) -> Option<PeerId> {
+        let accepted = lane.accepted.then_some(lane.addr.ip());
         let (_, id) = self.lanes.insert(Box::new(lane)).ok()?;
+        if let Some(ip) = accepted {
+            self.tcp.keep_elsewhere(ip);
+        }
         let l = self.lanes.get_mut(id)?;
         tally(&mut self.unsent_lanes, l);
         Some(id)
@@ -538,6 +542,9 @@ impl LocalWire {
         let (id, lane) = self.lanes.remove(slot)?;
         if lane.tallied {
             self.unsent_lanes -= 1;
+        }
+        if lane.accepted {
+            self.tcp.let_go_elsewhere(lane.addr.ip());
         }
         Some((id, lane))
     }
@@ -1230,8 +1237,16 @@ impl Wire for LocalWire {
             }
             // Required: only a lane will do; a declined offer comes back as `moved`.
             Some(Ok(_)) => None,
-            Some(Err(_)) if waiting => None, // the TCP peer went: its lane is on its way
-            r => r,
+            // The TCP peer went: its lane is on its way. Not one that broke
+            // or refused the session (another version, a listener at its
+            // peer limits): no lane comes, and the wait would time out.
+            Some(Err(e)) if waiting && !matches!(e, Error::Protocol { .. }) => None,
+            r => {
+                if matches!(r, Some(Err(_))) {
+                    self.dialed.remove(&peer);
+                }
+                r
+            }
         }
     }
 

@@ -1,12 +1,12 @@
 //! Accepting: a connection holds 32 bytes and a deadline until its Hello
 //! makes it a peer, or pairs it as a peer's lane.
 
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Instant as StdInstant;
 
 use zerohop_core::session::{HostRole, Session};
-use zerohop_core::wire::{Frame, HEADER_LEN};
+use zerohop_core::wire::{Close, Frame, HEADER_LEN};
 
 use super::{key, Lane, TcpTransport, ACCEPT_BACKOFF, ACCEPT_WARN_EVERY, PENDING};
 use crate::poller::Set;
@@ -140,6 +140,24 @@ impl TcpTransport {
                 early: Vec::new(),
             }),
             Ok(Frame::Hello(_)) => {
+                let kept = self.peers.iter().filter(|(_, q)| q.token.is_some());
+                let kept = kept
+                    .map(|(_, q)| q.addr.ip())
+                    .chain(self.kept_elsewhere.iter().copied());
+                if let Err(why) = self.config.peer_limits.admit(p.addr.ip(), kept) {
+                    // A Close where our Hello was due: its side reads a
+                    // refusal, not a lost peer. The socket is fresh (its
+                    // send buffer empty). What the newcomer sent with its
+                    // Hello (its same-host frame) is read first: a socket
+                    // closed with bytes unread resets the connection.
+                    self.refused += 1;
+                    log::debug!("tcp: {} refused: {why}", p.addr);
+                    let close = Frame::Close(Close { seq: 0 }).encode(&[]);
+                    let _ = (&p.stream).write(&close);
+                    let mut rest = [0u8; 2 * HEADER_LEN];
+                    let _ = (&p.stream).read(&mut rest);
+                    return;
+                }
                 let answer = self.config.session(HostRole::Answer);
                 let mut session = Session::new(answer, 0, self.now());
                 match session.handle_header(self.now(), &p.hello, None) {

@@ -46,7 +46,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 
-use zerohop_backends::{absence, host_bytes, Looks, PeerSlots, SessionClock};
+use zerohop_backends::{absence, host_bytes, Looks, PeerLimits, PeerSlots, SessionClock};
 use zerohop_core::session::{HostOffer, HostRole, Instant, Session, SessionConfig, SessionStats};
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{Capabilities, Error, Kind, PeerId, PoolError, Received, Rejected, Transport};
@@ -144,6 +144,11 @@ pub struct TcpConfig {
     pub min_rate: u32,
     /// Connections that have not said Hello, kept at most; the oldest goes first (default 256).
     pub max_handshakes: usize,
+    /// Accepted peers kept at most, overall and from one address (peers
+    /// this side connected to do not count): past either, a newcomer's
+    /// Hello is answered with a Close, which its side reports as
+    /// [`ProtocolError::Refused`](zerohop_core::session::ProtocolError::Refused).
+    pub peer_limits: PeerLimits,
     /// What this side offers the listeners it connects to, so that one on
     /// the same host can move the session to shared memory (the same-host
     /// lane, [`crate::shm`]); `None` (the default) says it will not.
@@ -168,6 +173,7 @@ impl Default for TcpConfig {
             idle_timeout: Duration::from_secs(5),
             min_rate: zerohop_core::session::MIN_RATE,
             max_handshakes: 256,
+            peer_limits: PeerLimits::default(),
             same_host: None,
             takes_offers: false,
         }
@@ -297,6 +303,12 @@ pub struct TcpTransport {
     /// The watched descriptor became readable (see [`TcpTransport::watch`]).
     watched: bool,
     pending: Vec<Option<Pending>>,
+    /// The addresses of accepted peers that moved to another wire of this
+    /// endpoint (the same-host lane) and are kept there: they count
+    /// against [`TcpConfig::peer_limits`] as the peers here do.
+    kept_elsewhere: Vec<std::net::IpAddr>,
+    /// Newcomers refused at their Hello by the peer limits, ever.
+    refused: u64,
     peers: PeerSlots<Box<Peer>>,
     /// Slots with reading, and with writing, to do without a new event.
     hot_read: VecDeque<usize>,
@@ -386,6 +398,8 @@ impl TcpTransport {
             accept_warned: None,
             watched: false,
             pending: Vec::new(),
+            kept_elsewhere: Vec::new(),
+            refused: 0,
             peers: PeerSlots::new(false),
             hot_read: VecDeque::new(),
             hot_write: VecDeque::new(),
@@ -536,6 +550,25 @@ impl TcpTransport {
     /// Peers in the table, open or not yet (a closing transport waits for 0).
     pub fn peers_left(&self) -> usize {
         self.peers.count()
+    }
+
+    /// Newcomers refused at their Hello by [`TcpConfig::peer_limits`], ever.
+    pub fn refused(&self) -> u64 {
+        self.refused
+    }
+
+    /// An accepted peer from `ip` moved to another wire of this endpoint
+    /// and is kept there: it counts against the peer limits until
+    /// [`let_go_elsewhere`](Self::let_go_elsewhere).
+    pub(crate) fn keep_elsewhere(&mut self, ip: std::net::IpAddr) {
+        self.kept_elsewhere.push(ip);
+    }
+
+    /// The peer [`keep_elsewhere`](Self::keep_elsewhere) counted has gone.
+    pub(crate) fn let_go_elsewhere(&mut self, ip: std::net::IpAddr) {
+        if let Some(i) = self.kept_elsewhere.iter().position(|&a| a == ip) {
+            self.kept_elsewhere.swap_remove(i);
+        }
     }
 
     /// Accepted connections that have not said Hello yet.

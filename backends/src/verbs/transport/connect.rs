@@ -9,6 +9,10 @@
 
 use super::*;
 
+/// The address of a connect request whose source the CM did not give: the
+/// overall bound still applies to it.
+const UNSPECIFIED: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
+
 impl<M: PayloadMemory> RdmaTransport<M> {
     /// Listens for RDMA CM connections on `addr` (an address of the RDMA device's netdev).
     pub fn listen(&mut self, addr: SocketAddr) -> Result<(), VerbsError> {
@@ -161,9 +165,16 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 // SAFETY: a connect request's id is the event's own, owned by
                 // nothing else, and its events come on the listener's channel.
                 let id = unsafe { CmId::adopt(raw, channel) };
-                // A closed listener, a full peer table, or a peer whose ring
-                // could never take a data frame: refused before anything is
-                // set up.
+                // A closed listener, a full peer table, as many accepted
+                // peers as it keeps, or a peer whose ring could never take
+                // a data frame: refused before anything is set up.
+                let from = id.peer_addr().map_or(UNSPECIFIED, |a| a.ip());
+                let kept = self.peers.iter().filter(|(_, c)| c.accepted);
+                let kept = kept.filter_map(|(_, c)| Some(c.addr?.ip()));
+                if let Err(why) = self.config.peer_limits.admit(from, kept) {
+                    debug!("verbs: a connect request from {} refused: {}", from, why);
+                    return id.reject();
+                }
                 let ring = match usable_depth(ev.peer_depth) {
                     Ok(ring) if !self.closed && self.peers.vacant().is_some() => ring,
                     _ => return id.reject(),
