@@ -47,5 +47,6 @@ pub use mapped::{MappedMemory, SharedPlace};
 pub use nic::Nic;
 #[cfg(feature = "std")]
 pub use peers::{
-    absence, Looks, PeerLimits, PeerSlots, Refusal, SessionClock, MAX_PEER_SLOTS, TAG_BIT,
+    absence, AcceptedPeers, Looks, PeerLimits, PeerSlots, Refusal, SessionClock, MAX_PEER_SLOTS,
+    TAG_BIT,
 };

@@ -213,15 +213,21 @@ impl<T> PeerSlots<T> {
 /// bound a newcomer is refused at its handshake, before it holds a peer's
 /// buffers, and the peers kept are not disturbed. One address that opens
 /// connection after connection (a stranger, a broken client in a loop)
-/// fills its own share, not the descriptors and memory every peer needs.
-/// Peers this side connected to are the application's choice and do not
-/// count.
+/// fills its own share, not the table every peer needs. Peers this side
+/// connected to are the application's choice and do not count.
+///
+/// The defaults bound the table, not the process's descriptors: a TCP peer
+/// holds one or two (its second, striping connection), so a listener whose
+/// descriptor limit is lower than twice `per_address` (the usual soft
+/// limit is 1024) should lower `per_address` for one address to be unable
+/// to take them all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PeerLimits {
-    /// Accepted peers, over all addresses (default 4096).
+    /// Accepted peers, over all addresses (default 4096; at least 1).
     pub accepted: usize,
-    /// Accepted peers from one IP address (default 4096: no bound of its
-    /// own; peers behind one NAT, or on one host, share an address).
+    /// Accepted peers from one IP address (default 4096, no bound of its
+    /// own: peers behind one NAT, or on one host, share an address; at
+    /// least 1).
     pub per_address: usize,
 }
 
@@ -264,31 +270,70 @@ impl std::fmt::Display for Refusal {
 }
 
 impl PeerLimits {
-    /// Whether a newcomer from `from` may join the accepted peers kept
-    /// now, whose addresses `kept` yields. (IPv4 addresses mapped into
-    /// IPv6 count as the IPv4 address they carry.)
-    pub fn admit(
-        &self,
-        from: std::net::IpAddr,
-        kept: impl Iterator<Item = std::net::IpAddr>,
-    ) -> Result<(), Refusal> {
-        let from = from.to_canonical();
-        let (mut all, mut same) = (0, 0);
-        for a in kept {
-            all += 1;
-            same += usize::from(a.to_canonical() == from);
-        }
-        if all >= self.accepted {
+    /// Whether a newcomer may join `kept` accepted peers, `kept_from_its
+    /// address` of them from its own address.
+    pub fn admit(&self, kept: usize, kept_from_its_address: usize) -> Result<(), Refusal> {
+        if kept >= self.accepted {
             Err(Refusal::Full {
                 accepted: self.accepted,
             })
-        } else if same >= self.per_address {
+        } else if kept_from_its_address >= self.per_address {
             Err(Refusal::AddressFull {
                 per_address: self.per_address,
             })
         } else {
             Ok(())
         }
+    }
+
+    /// Both bounds at least 1 (0 would refuse every peer, silently).
+    pub fn check(&self) -> Result<(), &'static str> {
+        match (self.accepted, self.per_address) {
+            (0, _) => Err("peer_limits.accepted is 0: every peer would be refused"),
+            (_, 0) => Err("peer_limits.per_address is 0: every peer would be refused"),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The accepted peers a listening wire keeps, counted by address as they
+/// come and go: a newcomer is judged without a walk of the peers (a
+/// stranger that reconnects in a loop would cost a walk each time).
+/// IPv4 addresses mapped into IPv6 count as the IPv4 address they carry.
+#[derive(Debug, Default)]
+pub struct AcceptedPeers {
+    by_address: std::collections::HashMap<std::net::IpAddr, usize>,
+    total: usize,
+}
+
+impl AcceptedPeers {
+    /// A peer from `ip` is kept.
+    pub fn add(&mut self, ip: std::net::IpAddr) {
+        *self.by_address.entry(ip.to_canonical()).or_default() += 1;
+        self.total += 1;
+    }
+
+    /// A peer from `ip` that [`add`](Self::add) counted has gone.
+    pub fn remove(&mut self, ip: std::net::IpAddr) {
+        let ip = ip.to_canonical();
+        if let Some(n) = self.by_address.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                self.by_address.remove(&ip);
+            }
+            self.total -= 1;
+        }
+    }
+
+    /// Whether a newcomer from `from` may join them under `limits`.
+    pub fn admit(&self, limits: &PeerLimits, from: std::net::IpAddr) -> Result<(), Refusal> {
+        let same = self.by_address.get(&from.to_canonical()).copied();
+        limits.admit(self.total, same.unwrap_or(0))
+    }
+
+    /// Peers kept.
+    pub fn total(&self) -> usize {
+        self.total
     }
 }
 
@@ -315,21 +360,45 @@ mod tests {
             accepted: 4,
             per_address: 2,
         };
-        assert_eq!(limits.admit(a, [].into_iter()), Ok(()));
-        assert_eq!(limits.admit(a, [a, b].into_iter()), Ok(()));
+        let mut kept = AcceptedPeers::default();
+        assert_eq!(kept.admit(&limits, a), Ok(()));
+        kept.add(a);
+        kept.add(b);
+        assert_eq!(kept.admit(&limits, a), Ok(()));
+        kept.add(a6);
+        assert_eq!(kept.total(), 3);
         let address_full = Err(Refusal::AddressFull { per_address: 2 });
-        assert_eq!(limits.admit(a, [a, b, a].into_iter()), address_full);
-        assert_eq!(limits.admit(a6, [a, b, a].into_iter()), address_full);
-        assert_eq!(limits.admit(a, [a6, b, a6].into_iter()), address_full);
-        assert_eq!(limits.admit(b, [a, b, a].into_iter()), Ok(()));
-        let full = Err(Refusal::Full { accepted: 4 });
-        assert_eq!(limits.admit(b, [a, b, a, a].into_iter()), full);
+        assert_eq!(kept.admit(&limits, a), address_full);
+        assert_eq!(kept.admit(&limits, a6), address_full);
+        assert_eq!(kept.admit(&limits, b), Ok(()));
+        kept.add(b);
         // The overall bound is named first when both are reached.
-        assert_eq!(limits.admit(a, [a, a, b, b].into_iter()), full);
+        let full = Err(Refusal::Full { accepted: 4 });
+        assert_eq!(kept.admit(&limits, b), full);
+        assert_eq!(kept.admit(&limits, "10.0.0.3".parse().unwrap()), full);
+        // Going frees both shares; an address never counted changes nothing.
+        kept.remove("10.0.0.9".parse().unwrap());
+        assert_eq!(kept.total(), 4);
+        kept.remove(a);
+        assert_eq!(kept.admit(&limits, b), address_full);
+        assert_eq!(kept.admit(&limits, a6), Ok(()));
+        kept.remove(a6);
+        kept.remove(b);
+        kept.remove(b);
+        assert_eq!(kept.total(), 0);
+        assert!(kept.by_address.is_empty(), "no address left behind");
         assert_ne!(
             Refusal::Full { accepted: 4 }.to_string(),
             Refusal::AddressFull { per_address: 4 }.to_string()
         );
+        assert!(PeerLimits::default().check().is_ok());
+        for (accepted, per_address) in [(0, 1), (1, 0)] {
+            let bad = PeerLimits {
+                accepted,
+                per_address,
+            };
+            assert!(bad.check().is_err(), "{bad:?}");
+        }
     }
 
     #[test]

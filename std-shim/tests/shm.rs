@@ -457,6 +457,7 @@ fn endpoint_and_its_lane_socket() -> (Endpoint<LocalWire>, std::os::unix::net::S
 /// again.
 #[test]
 fn peers_in_shared_memory_count_against_the_listeners_peer_limits() {
+    let _one = serial();
     let tcp = TcpConfig {
         peer_limits: PeerLimits {
             accepted: 1,

@@ -1561,12 +1561,74 @@ fn hundreds_of_connections_that_never_say_hello_make_room_oldest_first() {
     drop(idle);
 }
 
+/// Every peer's connection, accepted or dialed, has TCP keepalive on with
+/// zerohop's short idle time (as the kernel reports its timers in
+/// /proc/net/tcp): a peer that dies without a word is found and its place
+/// under the peer limits freed; quiet peers are otherwise kept for good.
+#[test]
+fn every_peer_connection_is_kept_alive_so_a_silent_death_is_found() {
+    use zerohop_std::tcp::KEEPALIVE_IDLE;
+    let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());
+    let one_connection = TcpConfig {
+        stripe_min: None,
+        ..TcpConfig::default()
+    };
+    let (good, peer) = client_with(addr, one_connection);
+    expect_still_served(&server, &good, peer);
+    // /proc/net/tcp: "sl local rem st queues tr:when ...", hex ports; `tr`
+    // 2 is the keepalive timer, `when` in clock ticks (100 a second).
+    let timers = || -> Vec<(bool, u64)> {
+        let table = std::fs::read_to_string("/proc/self/net/tcp").unwrap();
+        let port = |a: &str| u16::from_str_radix(a.rsplit(':').next().unwrap(), 16).unwrap();
+        table
+            .lines()
+            .skip(1)
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                let ends = [port(f[1]), port(f[2])];
+                // Established, one end the listener's port (its listening
+                // socket has no remote port).
+                (f[3] == "01" && ends.contains(&addr.port())).then(|| {
+                    let (tr, when) = f[5].split_once(':').unwrap();
+                    (tr == "02", u64::from_str_radix(when, 16).unwrap())
+                })
+            })
+            .collect()
+    };
+    let t0 = Instant::now();
+    let mut seen = timers();
+    while !(seen.len() == 2 && seen.iter().all(|&(kept_alive, _)| kept_alive)) {
+        assert!(t0.elapsed() < 5 * SECOND, "not both kept alive: {seen:?}");
+        std::thread::sleep(Duration::from_millis(20));
+        seen = timers();
+    }
+    let limit = KEEPALIVE_IDLE.as_secs() * 100;
+    assert!(
+        seen.iter().all(|&(_, when)| when <= limit),
+        "the first probe within {KEEPALIVE_IDLE:?}, not the system's two hours: {seen:?}"
+    );
+}
+
 /// A listener keeps at most its peer limits' accepted peers, overall and
 /// from one address: a newcomer past either is answered with a Close where
 /// the Hello was due (a zerohop peer reports `Refused`), the peers kept are
 /// served on, and a place that frees is taken again.
 #[test]
 fn a_listener_at_its_peer_limits_refuses_newcomers_and_serves_those_it_keeps() {
+    // Limits of 0 would refuse every peer: refused themselves, at once.
+    for (accepted, per_address) in [(0, 1), (1, 0)] {
+        let config = TcpConfig {
+            peer_limits: PeerLimits {
+                accepted,
+                per_address,
+            },
+            ..TcpConfig::default()
+        };
+        match TcpTransport::new(private_pool(1 << 20).unwrap(), config, Kind::Tcp) {
+            Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}"),
+            Ok(_) => panic!("limits {accepted} / {per_address} taken"),
+        }
+    }
     let config = TcpConfig {
         peer_limits: PeerLimits {
             accepted: 3,
@@ -1586,7 +1648,7 @@ fn a_listener_at_its_peer_limits_refuses_newcomers_and_serves_those_it_keeps() {
     };
     let mut second = from([127, 0, 0, 1]); // 127.0.0.1: two
     assert!(matches!(second.read_frame().0, Frame::Hello(_)));
-    // A third from 127.0.0.1 passes the overall bound, not its address's.
+    // A third from 127.0.0.1 is within the overall bound, past its address's.
     let mut third = from([127, 0, 0, 1]);
     assert!(matches!(third.read_frame().0, Frame::Close(_)), "refused");
     assert!(third.closed_by_peer());

@@ -930,7 +930,7 @@ fn a_listener_at_its_peer_limits_rejects_newcomers_and_serves_those_it_keeps() {
     let Some(dev) = device_or_skip() else {
         return;
     };
-    let addr = rdma_addr(19_152).expect("an RDMA address");
+    let addr = rdma_addr(19_153).expect("an RDMA address");
     let config = RdmaConfig {
         peer_limits: zerohop_backends::PeerLimits {
             accepted: 1,

@@ -64,10 +64,10 @@ pub struct Config {
     /// faster: BENCHMARKS.md). `ZEROHOP_SHM_SINGLE_COPY_FROM`.
     pub shm_single_copy_from: usize,
     /// Peers this endpoint accepts and keeps at most, overall and from one
-    /// IP address (default 4096 each); peers it connects to do not count.
-    /// Past either, a newcomer is refused at its handshake: its side
-    /// reports [`ProtocolError::Refused`](zerohop_core::session::ProtocolError::Refused)
-    /// (over RDMA, a rejected connection).
+    /// IP address (default 4096 each, at least 1; see [`PeerLimits`] on
+    /// descriptors); peers it connects to do not count. Past either, a
+    /// newcomer is refused at its handshake: its
+    /// [`connect`](crate::Endpoint::connect) fails, saying it was refused.
     pub peer_limits: PeerLimits,
 }
 

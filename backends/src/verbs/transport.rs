@@ -224,6 +224,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 "RdmaConfig::recv_depth must be between verbs::MIN_RECV_DEPTH and 65535",
             ));
         }
+        config.peer_limits.check().map_err(Error::BadConfig)?;
         let classes = receive_classes(Self::receive_buffer_len(config.fragment))?;
         let held = PoolConfig {
             classes,

@@ -8,7 +8,7 @@ use std::time::Instant as StdInstant;
 use zerohop_core::session::{HostRole, Session};
 use zerohop_core::wire::{Close, Frame, HEADER_LEN};
 
-use super::{key, Lane, TcpTransport, ACCEPT_BACKOFF, ACCEPT_WARN_EVERY, PENDING};
+use super::{key, Lane, TcpTransport, ACCEPT_BACKOFF, PENDING, REFUSING, WARN_EVERY};
 use crate::poller::Set;
 
 /// An accepted connection before its Hello: 32 bytes and a deadline.
@@ -31,7 +31,7 @@ impl TcpTransport {
             match l.accept() {
                 Ok((s, addr)) => {
                     any = true;
-                    if let Some((_, n)) = self.accept_warned.take() {
+                    if let Some(n) = self.accept_failures.ended() {
                         log::warn!("tcp: accepts resumed ({n} more failed since the last report)");
                     }
                     if let Err(e) = self.add_pending(s, addr) {
@@ -44,22 +44,15 @@ impl TcpTransport {
                     // Out of descriptors (EMFILE) or memory: the connection
                     // waits in the backlog; try again after a pause, not at once.
                     let now = StdInstant::now();
-                    match &mut self.accept_warned {
-                        Some((at, n)) if now.duration_since(*at) < ACCEPT_WARN_EVERY => {
-                            *n += 1;
-                            log::debug!(
-                                "tcp: accept failed: {e}; pausing accepts for {ACCEPT_BACKOFF:?}"
-                            );
-                        }
-                        warned => {
-                            let n = warned.map_or(0, |(_, n)| n);
-                            log::warn!(
-                                "tcp: accept failed: {e}; pausing accepts for {ACCEPT_BACKOFF:?} \
-                                 ({n} more failed since the last report; reported every \
-                                 {ACCEPT_WARN_EVERY:?} while they fail)"
-                            );
-                            *warned = Some((now, 0));
-                        }
+                    match self.accept_failures.occur(now) {
+                        None => log::debug!(
+                            "tcp: accept failed: {e}; pausing accepts for {ACCEPT_BACKOFF:?}"
+                        ),
+                        Some(n) => log::warn!(
+                            "tcp: accept failed: {e}; pausing accepts for {ACCEPT_BACKOFF:?} \
+                             ({n} more failed since the last report; reported every \
+                             {WARN_EVERY:?} while they fail)"
+                        ),
                     }
                     self.accept_after = Some(now + ACCEPT_BACKOFF);
                     break;
@@ -128,6 +121,34 @@ impl TcpTransport {
         self.pending[slot] = None; // it left, or broke before its Hello
     }
 
+    /// Answers a newcomer past the peer limits with a Close where our Hello
+    /// was due (its side reads a refusal, not a lost peer), and shuts our
+    /// side; the socket is read until the newcomer closes (see `refusing`).
+    /// Its second connection, if it came first, goes too.
+    fn refuse(&mut self, p: Pending, token: u32, why: zerohop_backends::Refusal) {
+        self.refused += 1;
+        match self.refusals.occur(StdInstant::now()) {
+            None => log::debug!("tcp: {} refused: {why}", p.addr),
+            Some(n) => log::warn!(
+                "tcp: {} refused: {why} ({n} more refused since the last report; reported \
+                 every {WARN_EVERY:?} while they come)",
+                p.addr
+            ),
+        }
+        // A fresh socket: its send buffer takes the 32 bytes at once.
+        let close = Frame::Close(Close { seq: 0 }).encode(&[]);
+        if (&p.stream).write(&close).is_ok()
+            && p.stream.shutdown(std::net::Shutdown::Write).is_ok()
+            && drained(&p.stream) == Some(false)
+        {
+            if self.refusing.len() >= REFUSING {
+                self.refusing.pop_front();
+            }
+            self.refusing.push_back((p.stream, StdInstant::now()));
+        }
+        self.unclaimed.retain(|l| !l.fits(Some(token), p.addr));
+    }
+
     pub(super) fn hello(&mut self, p: Pending) {
         match Frame::decode(&p.hello, 0).map(|d| d.frame) {
             Ok(Frame::Hello(h)) if h.lane == 1 => self.pair(Lane {
@@ -139,24 +160,9 @@ impl TcpTransport {
                 ack_have: 0,
                 early: Vec::new(),
             }),
-            Ok(Frame::Hello(_)) => {
-                let kept = self.peers.iter().filter(|(_, q)| q.token.is_some());
-                let kept = kept
-                    .map(|(_, q)| q.addr.ip())
-                    .chain(self.kept_elsewhere.iter().copied());
-                if let Err(why) = self.config.peer_limits.admit(p.addr.ip(), kept) {
-                    // A Close where our Hello was due: its side reads a
-                    // refusal, not a lost peer. The socket is fresh (its
-                    // send buffer empty). What the newcomer sent with its
-                    // Hello (its same-host frame) is read first: a socket
-                    // closed with bytes unread resets the connection.
-                    self.refused += 1;
-                    log::debug!("tcp: {} refused: {why}", p.addr);
-                    let close = Frame::Close(Close { seq: 0 }).encode(&[]);
-                    let _ = (&p.stream).write(&close);
-                    let mut rest = [0u8; 2 * HEADER_LEN];
-                    let _ = (&p.stream).read(&mut rest);
-                    return;
+            Ok(Frame::Hello(h)) => {
+                if let Err(why) = self.kept.admit(&self.config.peer_limits, p.addr.ip()) {
+                    return self.refuse(p, h.token, why);
                 }
                 let answer = self.config.session(HostRole::Answer);
                 let mut session = Session::new(answer, 0, self.now());
@@ -185,6 +191,22 @@ impl TcpTransport {
                 other.kind().name()
             ),
             Err(e) => log::info!("tcp: {} is not a zerohop peer ({e}); closed", p.addr),
+        }
+    }
+}
+
+/// Reads and drops what a refused newcomer sent: `Some(true)` once it has
+/// closed, `Some(false)` while it may send more, `None` on an error that
+/// ends it.
+pub(super) fn drained(s: &TcpStream) -> Option<bool> {
+    let mut sink = [0u8; 256];
+    loop {
+        match (&*s).read(&mut sink) {
+            Ok(0) => return Some(true),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Some(false),
+            Err(_) => return None,
         }
     }
 }

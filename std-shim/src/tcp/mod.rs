@@ -46,7 +46,9 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 
-use zerohop_backends::{absence, host_bytes, Looks, PeerLimits, PeerSlots, SessionClock};
+use zerohop_backends::{
+    absence, host_bytes, AcceptedPeers, Looks, PeerLimits, PeerSlots, SessionClock,
+};
 use zerohop_core::session::{HostOffer, HostRole, Instant, Session, SessionConfig, SessionStats};
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{Capabilities, Error, Kind, PeerId, PoolError, Received, Rejected, Transport};
@@ -84,10 +86,25 @@ const QUICK_ACK_MIN: usize = 1 << 20;
 const UNCLAIMED_LANES: usize = 8;
 /// How long accepting pauses when the process is out of descriptors.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
-/// How often a run of failed accepts is reported at warning level (each
-/// retry is a debug record): a process out of descriptors for an hour
-/// would otherwise log ten warnings a second.
-const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(10);
+/// How often a run of failed accepts, or of newcomers refused by the peer
+/// limits, is reported at warning level (each is a debug record): a
+/// process out of descriptors for an hour would otherwise log ten warnings
+/// a second, and a stranger's flood one a connection.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+/// TCP keepalive on every peer's connection: a peer quiet this long is
+/// probed, [`KEEPALIVE_PROBES`] times [`KEEPALIVE_INTERVAL`] apart, and
+/// one that never answers (a host that crashed, a link cut, a NAT that
+/// forgot it) is lost, its place under the peer limits freed. Quiet peers
+/// are otherwise kept for good.
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+/// Between keepalive probes.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// Keepalive probes unanswered before the connection is given up.
+pub const KEEPALIVE_PROBES: u32 = 4;
+/// Refused newcomers kept while their Close goes out, at most (the oldest
+/// goes first), and for how long each.
+const REFUSING: usize = 64;
+const REFUSING_FOR: Duration = Duration::from_secs(1);
 /// How often the idle timers are looked at.
 const TIMER_SCAN: Duration = Duration::from_millis(20);
 /// One `try_recv` in this many also does the connection work.
@@ -103,6 +120,43 @@ const PENDING: u64 = 2;
 const LISTENER: u64 = u64::MAX;
 /// The descriptor an owner watches through this poller (see [`TcpTransport::watch`]).
 const WATCHED: u64 = u64::MAX - 1;
+
+/// Turns TCP keepalive on for a peer's connection ([`KEEPALIVE_IDLE`]).
+fn keepalive(s: &TcpStream) -> io::Result<()> {
+    use rustix::net::sockopt;
+    sockopt::set_tcp_keepidle(s, KEEPALIVE_IDLE)?;
+    sockopt::set_tcp_keepintvl(s, KEEPALIVE_INTERVAL)?;
+    sockopt::set_tcp_keepcnt(s, KEEPALIVE_PROBES)?;
+    Ok(sockopt::set_socket_keepalive(s, true)?)
+}
+
+/// A warning that may recur in a flood: reported once per [`WARN_EVERY`],
+/// with the count of those held back (each is a debug record).
+#[derive(Debug, Default)]
+struct Reported(Option<(StdInstant, u32)>);
+
+impl Reported {
+    /// Another at `now`: `Some(held back since the last report)` when this
+    /// one is to be reported.
+    fn occur(&mut self, now: StdInstant) -> Option<u32> {
+        match &mut self.0 {
+            Some((at, n)) if now.duration_since(*at) < WARN_EVERY => {
+                *n += 1;
+                None
+            }
+            last => {
+                let n = last.map_or(0, |(_, n)| n);
+                *last = Some((now, 0));
+                Some(n)
+            }
+        }
+    }
+
+    /// The run ended: `Some(held back)` if it was reported.
+    fn ended(&mut self) -> Option<u32> {
+        self.0.take().map(|(_, n)| n)
+    }
+}
 
 /// TCP wire settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -145,9 +199,13 @@ pub struct TcpConfig {
     /// Connections that have not said Hello, kept at most; the oldest goes first (default 256).
     pub max_handshakes: usize,
     /// Accepted peers kept at most, overall and from one address (peers
-    /// this side connected to do not count): past either, a newcomer's
-    /// Hello is answered with a Close, which its side reports as
+    /// this side connected to do not count; under a
+    /// [`LocalWire`](crate::shm::LocalWire), those that moved to shared
+    /// memory do): past either, a newcomer's Hello is answered with a
+    /// Close, which its side reports as
     /// [`ProtocolError::Refused`](zerohop_core::session::ProtocolError::Refused).
+    /// Quiet peers are kept; a dead one that never said so is found by TCP
+    /// keepalive ([`KEEPALIVE_IDLE`]) and its place freed.
     pub peer_limits: PeerLimits,
     /// What this side offers the listeners it connects to, so that one on
     /// the same host can move the session to shared memory (the same-host
@@ -297,18 +355,22 @@ pub struct TcpTransport {
     ready: Vec<Ready>,
     listener: Option<TcpListener>,
     accept_after: Option<StdInstant>,
-    /// While accepts fail: when that was last reported as a warning, and
-    /// the failures since.
-    accept_warned: Option<(StdInstant, u32)>,
+    /// Failed accepts, reported at most once per [`WARN_EVERY`].
+    accept_failures: Reported,
     /// The watched descriptor became readable (see [`TcpTransport::watch`]).
     watched: bool,
     pending: Vec<Option<Pending>>,
-    /// The addresses of accepted peers that moved to another wire of this
-    /// endpoint (the same-host lane) and are kept there: they count
-    /// against [`TcpConfig::peer_limits`] as the peers here do.
-    kept_elsewhere: Vec<std::net::IpAddr>,
+    /// The accepted peers kept, here and on another wire of this endpoint
+    /// (the same-host lane), judged by [`TcpConfig::peer_limits`].
+    kept: AcceptedPeers,
     /// Newcomers refused at their Hello by the peer limits, ever.
     refused: u64,
+    /// Refusals, reported at most once per [`WARN_EVERY`].
+    refusals: Reported,
+    /// Refused newcomers whose Close is on its way: each read until it
+    /// closes, or for [`REFUSING_FOR`] (a socket closed with bytes unread
+    /// resets the connection, and the reset can beat the Close there).
+    refusing: VecDeque<(TcpStream, StdInstant)>,
     peers: PeerSlots<Box<Peer>>,
     /// Slots with reading, and with writing, to do without a new event.
     hot_read: VecDeque<usize>,
@@ -384,6 +446,12 @@ impl TcpTransport {
                 "tcp: stripe_min below 8 KiB (a striped message's part on the second connection would be empty)",
             ));
         }
+        if let Err(why) = config.peer_limits.check() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("tcp: {why}"),
+            ));
+        }
         let now = StdInstant::now();
         config.max_message = config.max_message.min(pool.config().largest_lease());
         let coming_budget = pool.stats().budget / 2;
@@ -395,11 +463,13 @@ impl TcpTransport {
             ready: Vec::new(),
             listener: None,
             accept_after: None,
-            accept_warned: None,
+            accept_failures: Reported::default(),
             watched: false,
             pending: Vec::new(),
-            kept_elsewhere: Vec::new(),
+            kept: AcceptedPeers::default(),
             refused: 0,
+            refusals: Reported::default(),
+            refusing: VecDeque::new(),
             peers: PeerSlots::new(false),
             hot_read: VecDeque::new(),
             hot_write: VecDeque::new(),
@@ -561,14 +631,12 @@ impl TcpTransport {
     /// and is kept there: it counts against the peer limits until
     /// [`let_go_elsewhere`](Self::let_go_elsewhere).
     pub(crate) fn keep_elsewhere(&mut self, ip: std::net::IpAddr) {
-        self.kept_elsewhere.push(ip);
+        self.kept.add(ip);
     }
 
     /// The peer [`keep_elsewhere`](Self::keep_elsewhere) counted has gone.
     pub(crate) fn let_go_elsewhere(&mut self, ip: std::net::IpAddr) {
-        if let Some(i) = self.kept_elsewhere.iter().position(|&a| a == ip) {
-            self.kept_elsewhere.swap_remove(i);
-        }
+        self.kept.remove(ip);
     }
 
     /// Accepted connections that have not said Hello yet.
@@ -711,6 +779,7 @@ impl TcpTransport {
     fn add_peer(&mut self, s: TcpStream, addr: SocketAddr, session: Session) -> io::Result<PeerId> {
         s.set_nodelay(true)?;
         s.set_nonblocking(true)?;
+        keepalive(&s)?;
         let token = session.peer().map(|p| p.token);
         let (slot, id) = self
             .peers
@@ -758,6 +827,9 @@ impl TcpTransport {
             self.peers.remove(slot);
             return Err(e);
         }
+        if token.is_some() {
+            self.kept.add(addr.ip());
+        }
         self.control(slot);
         self.mark_read(slot);
         Ok(id)
@@ -775,6 +847,9 @@ impl TcpTransport {
         let Some((id, p)) = self.peers.remove(slot) else {
             return;
         };
+        if p.token.is_some() {
+            self.kept.remove(p.addr.ip());
+        }
         self.queued_total -= p.queued_bytes;
         self.coming_bytes -= p.coming;
         if !clean {
@@ -811,6 +886,9 @@ impl TcpTransport {
                 *p = None;
             }
         }
+        self.refusing.retain_mut(|(s, since)| {
+            now.duration_since(*since) < REFUSING_FOR && accept::drained(s) == Some(false)
+        });
         for slot in 0..self.peers.len() {
             let full = self.inbox_full();
             let Some(p) = self.peers.at_mut(slot) else {

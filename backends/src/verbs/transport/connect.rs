@@ -9,8 +9,8 @@
 
 use super::*;
 
-/// The address of a connect request whose source the CM did not give: the
-/// overall bound still applies to it.
+/// The address of a peer whose source the CM did not give (not IP): such
+/// peers share it, and the overall bound applies to them as to any.
 const UNSPECIFIED: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
 
 impl<M: PayloadMemory> RdmaTransport<M> {
@@ -168,10 +168,15 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 // A closed listener, a full peer table, as many accepted
                 // peers as it keeps, or a peer whose ring could never take
                 // a data frame: refused before anything is set up.
-                let from = id.peer_addr().map_or(UNSPECIFIED, |a| a.ip());
-                let kept = self.peers.iter().filter(|(_, c)| c.accepted);
-                let kept = kept.filter_map(|(_, c)| Some(c.addr?.ip()));
-                if let Err(why) = self.config.peer_limits.admit(from, kept) {
+                // Counted by a walk: a request costs a queue pair, far more.
+                let ip = |a: Option<SocketAddr>| a.map_or(UNSPECIFIED, |a| a.ip().to_canonical());
+                let from = ip(id.peer_addr());
+                let (mut kept, mut same) = (0, 0);
+                for (_, c) in self.peers.iter().filter(|(_, c)| c.accepted) {
+                    kept += 1;
+                    same += usize::from(ip(c.addr) == from);
+                }
+                if let Err(why) = self.config.peer_limits.admit(kept, same) {
                     debug!("verbs: a connect request from {} refused: {}", from, why);
                     return id.reject();
                 }
