@@ -1561,7 +1561,7 @@ fn hundreds_of_connections_that_never_say_hello_make_room_oldest_first() {
     drop(idle);
 }
 
-/// Every peer's connection, accepted or dialed, has TCP keepalive on with
+/// Every peer's main connection, accepted or dialed, has TCP keepalive on with
 /// zerohop's short idle time (as the kernel reports its timers in
 /// /proc/net/tcp): a peer that dies without a word is found and its place
 /// under the peer limits freed; quiet peers are otherwise kept for good.
@@ -1575,25 +1575,34 @@ fn every_peer_connection_is_kept_alive_so_a_silent_death_is_found() {
     };
     let (good, peer) = client_with(addr, one_connection);
     expect_still_served(&server, &good, peer);
-    // /proc/net/tcp: "sl local rem st queues tr:when ...", hex ports; `tr`
-    // 2 is the keepalive timer, `when` in clock ticks (100 a second).
+    // /proc/net/tcp: "sl local rem st queues tr:when ...", hex addresses
+    // and ports; `tr` 2 is the keepalive timer, `when` in clock ticks (100
+    // a second). The namespace's every socket is listed: the two ends are
+    // the connection to the listener's port on 127.0.0.1 and its mirror.
+    let listener_port = addr.port();
     let timers = || -> Vec<(bool, u64)> {
         let table = std::fs::read_to_string("/proc/self/net/tcp").unwrap();
-        let port = |a: &str| u16::from_str_radix(a.rsplit(':').next().unwrap(), 16).unwrap();
-        table
+        let end = |a: &str| {
+            let (ip, port) = a.split_once(':').unwrap();
+            (ip == "0100007F").then(|| u16::from_str_radix(port, 16).unwrap())
+        };
+        let sockets: Vec<(u16, u16, bool, u64)> = table
             .lines()
             .skip(1)
             .filter_map(|l| {
                 let f: Vec<&str> = l.split_whitespace().collect();
-                let ends = [port(f[1]), port(f[2])];
-                // Established, one end the listener's port (its listening
-                // socket has no remote port).
-                (f[3] == "01" && ends.contains(&addr.port())).then(|| {
-                    let (tr, when) = f[5].split_once(':').unwrap();
-                    (tr == "02", u64::from_str_radix(when, 16).unwrap())
-                })
+                let (tr, when) = f[5].split_once(':').unwrap();
+                let timer = (tr == "02", u64::from_str_radix(when, 16).unwrap());
+                (f[3] == "01").then_some(())?; // established
+                Some((end(f[1])?, end(f[2])?, timer.0, timer.1))
             })
-            .collect()
+            .collect();
+        let accepted: Vec<_> = sockets.iter().filter(|s| s.0 == listener_port).collect();
+        let [a] = accepted[..] else {
+            return Vec::new();
+        };
+        let dialed = sockets.iter().find(|s| s.0 == a.1 && s.1 == listener_port);
+        dialed.map_or(Vec::new(), |d| vec![(a.2, a.3), (d.2, d.3)])
     };
     let t0 = Instant::now();
     let mut seen = timers();
@@ -1671,6 +1680,17 @@ fn a_listener_at_its_peer_limits_refuses_newcomers_and_serves_those_it_keeps() {
     }
     assert_eq!(server.with(|t| t.refused()), 3);
     expect_still_served(&server, &good, peer);
+    // A refused newcomer that streams is cut off (1 KiB past its Hello),
+    // not read for as long as it sends.
+    let mut flood = from([127, 0, 0, 4]);
+    assert!(matches!(flood.read_frame().0, Frame::Close(_)));
+    let t0 = Instant::now();
+    let junk = vec![7u8; 64 << 10];
+    while flood.s.write_all(&junk).is_ok() {
+        assert!(t0.elapsed() < 5 * SECOND, "the flood was never cut off");
+    }
+    expect_still_served(&server, &good, peer);
+    assert_eq!(server.with(|t| t.refused()), 4);
     // The second goes: its place, and its address's, are taken again.
     drop(second);
     match server.recv(Deadline::after(5 * SECOND), None) {
@@ -1680,7 +1700,7 @@ fn a_listener_at_its_peer_limits_refuses_newcomers_and_serves_those_it_keeps() {
     let mut again = from([127, 0, 0, 1]);
     assert!(matches!(again.read_frame().0, Frame::Hello(_)));
     assert_eq!(server.with(|t| t.peer_count()), 3);
-    assert_eq!(server.with(|t| t.refused()), 3);
+    assert_eq!(server.with(|t| t.refused()), 4);
     expect_still_served(&server, &good, peer);
     drop((other, again));
 }

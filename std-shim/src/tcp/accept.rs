@@ -137,14 +137,15 @@ impl TcpTransport {
         }
         // A fresh socket: its send buffer takes the 32 bytes at once.
         let close = Frame::Close(Close { seq: 0 }).encode(&[]);
-        if (&p.stream).write(&close).is_ok()
+        let mut left = REFUSED_READS;
+        if (&p.stream).write(&close).is_ok_and(|n| n == close.len())
             && p.stream.shutdown(std::net::Shutdown::Write).is_ok()
-            && drained(&p.stream) == Some(false)
+            && drained(&p.stream, &mut left) == Some(false)
         {
             if self.refusing.len() >= REFUSING {
                 self.refusing.pop_front();
             }
-            self.refusing.push_back((p.stream, StdInstant::now()));
+            self.refusing.push_back((p.stream, StdInstant::now(), left));
         }
         self.unclaimed.retain(|l| !l.fits(Some(token), p.addr));
     }
@@ -195,15 +196,20 @@ impl TcpTransport {
     }
 }
 
-/// Reads and drops what a refused newcomer sent: `Some(true)` once it has
-/// closed, `Some(false)` while it may send more, `None` on an error that
-/// ends it.
-pub(super) fn drained(s: &TcpStream) -> Option<bool> {
-    let mut sink = [0u8; 256];
+/// Bytes read from a refused newcomer, at most, before it is cut off: an
+/// honest one sends its Hello and its same-host frame (64 bytes); one that
+/// streams would otherwise keep the listener reading it.
+const REFUSED_READS: usize = 1024;
+
+/// Reads and drops what a refused newcomer sent, up to the `left` bytes
+/// it may still send: `Some(true)` once it has closed, `Some(false)` while
+/// it may send more, `None` on an error, or past `left` (cut off).
+pub(super) fn drained(s: &TcpStream, left: &mut usize) -> Option<bool> {
+    let mut sink = [0u8; 2 * HEADER_LEN];
     loop {
         match (&*s).read(&mut sink) {
             Ok(0) => return Some(true),
-            Ok(_) => {}
+            Ok(n) => *left = left.checked_sub(n)?,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Some(false),
             Err(_) => return None,

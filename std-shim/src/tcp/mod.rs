@@ -91,11 +91,13 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// process out of descriptors for an hour would otherwise log ten warnings
 /// a second, and a stranger's flood one a connection.
 const WARN_EVERY: Duration = Duration::from_secs(10);
-/// TCP keepalive on every peer's connection: a peer quiet this long is
+/// TCP keepalive on every peer's main connection: a peer quiet this long is
 /// probed, [`KEEPALIVE_PROBES`] times [`KEEPALIVE_INTERVAL`] apart, and
 /// one that never answers (a host that crashed, a link cut, a NAT that
 /// forgot it) is lost, its place under the peer limits freed. Quiet peers
-/// are otherwise kept for good.
+/// are otherwise kept for good. (Keepalive probes only a quiet connection:
+/// one with data unacknowledged is judged by TCP's retransmissions, some
+/// fifteen minutes.)
 pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 /// Between keepalive probes.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
@@ -370,7 +372,8 @@ pub struct TcpTransport {
     /// Refused newcomers whose Close is on its way: each read until it
     /// closes, or for [`REFUSING_FOR`] (a socket closed with bytes unread
     /// resets the connection, and the reset can beat the Close there).
-    refusing: VecDeque<(TcpStream, StdInstant)>,
+    /// (With each, when it was refused and the bytes it may still send.)
+    refusing: VecDeque<(TcpStream, StdInstant, usize)>,
     peers: PeerSlots<Box<Peer>>,
     /// Slots with reading, and with writing, to do without a new event.
     hot_read: VecDeque<usize>,
@@ -779,7 +782,10 @@ impl TcpTransport {
     fn add_peer(&mut self, s: TcpStream, addr: SocketAddr, session: Session) -> io::Result<PeerId> {
         s.set_nodelay(true)?;
         s.set_nonblocking(true)?;
-        keepalive(&s)?;
+        // Best effort: a safety net the connection does not depend on.
+        if let Err(e) = keepalive(&s) {
+            log::debug!("tcp: {addr}: no keepalive ({e}); a silent death goes unseen");
+        }
         let token = session.peer().map(|p| p.token);
         let (slot, id) = self
             .peers
@@ -886,8 +892,8 @@ impl TcpTransport {
                 *p = None;
             }
         }
-        self.refusing.retain_mut(|(s, since)| {
-            now.duration_since(*since) < REFUSING_FOR && accept::drained(s) == Some(false)
+        self.refusing.retain_mut(|(s, since, left)| {
+            now.duration_since(*since) < REFUSING_FOR && accept::drained(s, left) == Some(false)
         });
         for slot in 0..self.peers.len() {
             let full = self.inbox_full();
