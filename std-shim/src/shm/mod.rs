@@ -1241,12 +1241,11 @@ impl Wire for LocalWire {
             // or refused the session (another version, a listener at its
             // peer limits): no lane comes, and the wait would time out.
             Some(Err(e)) if waiting && !matches!(e, Error::Protocol { .. }) => None,
-            r => {
-                if matches!(r, Some(Err(_))) {
-                    self.dialed.remove(&peer);
-                }
-                r
+            Some(Err(e)) => {
+                self.dialed.remove(&peer);
+                Some(Err(e))
             }
+            r => r,
         }
     }
 
