@@ -9,7 +9,7 @@ use std::time::Duration;
 use rdma_sys as ffi;
 use zerohop_backends::host_bytes;
 use zerohop_backends::verbs::{
-    Device, RdmaConfig, RdmaTransport, Registry, VerbsError, MIN_RECV_DEPTH,
+    cm, Device, RdmaConfig, RdmaTransport, Registry, VerbsError, MIN_RECV_DEPTH,
 };
 use zerohop_core::{
     crc32c, pick, Access, Error, Kind, MemKind, PeerId, PoolError, Preference, Prereq, Received,
@@ -948,7 +948,8 @@ fn a_listener_at_its_peer_limits_rejects_newcomers_and_serves_those_it_keeps() {
     let second = connecting(&dev, addr);
     drive_until_finished(&mut b, &second);
     match second.join().unwrap().1 {
-        Err(VerbsError::Connect(why)) => assert!(why.contains("refused"), "{why}"),
+        // Told why: a refusal, not a ring it does not fit.
+        Err(VerbsError::Rejected(Some(cm::RejectReason::Refused))) => {}
         other => panic!("the second was taken: {other:?}"),
     }
     assert_eq!(b.peer_count(), 1);
@@ -967,6 +968,47 @@ fn a_listener_at_its_peer_limits_rejects_newcomers_and_serves_those_it_keeps() {
     assert!(third.join().unwrap().1.is_ok(), "the freed place is taken");
 }
 
+/// The facade over rdma tells the outcomes of a connect apart by type, as
+/// over TCP: a listener at its peer limits (the reject's reason) and a port
+/// where nothing listens (the CM's own reject).
+#[test]
+fn the_facade_over_rdma_tells_a_refusal_from_nobody_listening() {
+    use zerohop::{Config, ConnectError, Endpoint as Facade, Kind, PeerLimits};
+    if device_or_skip().is_none() {
+        return;
+    }
+    let addr = rdma_addr(19_155).expect("an RDMA address");
+    let open = |limits| {
+        let mut c = Config::only(Kind::Rdma);
+        c.pool_bytes = 16 << 20;
+        c.peer_limits = limits;
+        Facade::open(c).unwrap()
+    };
+    let one = PeerLimits {
+        accepted: 1,
+        per_address: 1,
+    };
+    let s = open(one);
+    s.listen(addr).unwrap();
+    let kept = open(PeerLimits::default());
+    kept.connect(addr, WAIT).unwrap();
+    let late = open(PeerLimits::default());
+    let e = late.connect(addr, WAIT).unwrap_err();
+    assert!(
+        matches!(e.connect_error(), Some(ConnectError::Refused)),
+        "{e:?}"
+    );
+    assert!(late.peers().is_empty());
+    let nobody = std::net::SocketAddr::new(addr.ip(), addr.port() + 1);
+    let e = late.connect(nobody, WAIT).unwrap_err();
+    assert!(
+        matches!(e.connect_error(), Some(ConnectError::Unreachable(io))
+            if io.kind() == std::io::ErrorKind::ConnectionRefused),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains(&nobody.to_string()), "{e}");
+}
+
 #[test]
 fn a_listener_refuses_a_peer_whose_ring_cannot_take_a_data_frame() {
     // A data frame needs a data slot: a peer announcing a ring of 0, or
@@ -983,7 +1025,7 @@ fn a_listener_refuses_a_peer_whose_ring_cannot_take_a_data_frame() {
     for private in [cm_peer::ring(0), Vec::new()] {
         let shown = format!("{private:?}");
         let client = std::thread::spawn(move || {
-            cm_peer::Peer::connect(addr, &private).and_then(|p| p.next())
+            cm_peer::Peer::connect(addr, &private).and_then(|p| p.next_with_word())
         });
         let until = std::time::Instant::now() + WAIT;
         while !client.is_finished() {
@@ -991,9 +1033,13 @@ fn a_listener_refuses_a_peer_whose_ring_cannot_take_a_data_frame() {
             assert_eq!(pool.stats().leases, 0, "a ring was posted for {shown}");
             assert!(std::time::Instant::now() < until, "no answer for {shown}");
         }
+        // Rejected, saying why: the listener's word for a shallow ring.
         assert_eq!(
             client.join().unwrap(),
-            Ok(ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED),
+            Ok((
+                ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED,
+                Some(cm::RejectReason::ShallowRing as u32)
+            )),
             "private data {shown}"
         );
         assert_eq!(b.peer_count(), 0);
@@ -1062,12 +1108,8 @@ fn connecting_where_nobody_listens_is_a_typed_error_and_leaks_nothing() {
     let pools = [Arc::clone(a.pool()), Arc::clone(a.send_pool())];
     for _ in 0..3 {
         let err = a.connect(addr).unwrap_err();
-        assert!(
-            matches!(&err, VerbsError::Connect(why)
-                if why.contains("REJECTED") && why.contains("nothing listens")
-                    && why.contains(&addr.to_string())),
-            "{err:?}"
-        );
+        assert!(matches!(err, VerbsError::NoListener), "{err:?}");
+        assert!(err.to_string().contains("nothing listens"), "{err}");
         assert_eq!(a.peer_count(), 0);
         for pool in &pools {
             assert_eq!(pool.stats().leases, 0, "{:?}", pool.stats());
@@ -1121,8 +1163,7 @@ fn a_listener_out_of_receive_buffers_refuses_the_next_peer_and_keeps_the_first()
     drive_until_finished(&mut b, &second);
     let (a2, refused) = second.join().unwrap();
     match refused {
-        Err(VerbsError::Connect(why))
-            if why.contains("REJECTED") && why.contains("the listener refused") => {}
+        Err(VerbsError::Rejected(Some(cm::RejectReason::NoResources))) => {}
         other => panic!("the second peer: {other:?}"),
     }
     assert_eq!(a2.peer_count(), 0);
@@ -1160,7 +1201,7 @@ mod cm_peer {
     use std::time::Duration;
 
     use rdma_sys as ffi;
-    use zerohop_backends::verbs::cm::{CmId, EventChannel};
+    use zerohop_backends::verbs::cm::{self, CmId, EventChannel};
 
     /// A made-up QP number: these ids have no queue pair.
     const NO_QP: u32 = 0x00ab_cdef;
@@ -1221,7 +1262,7 @@ mod cm_peer {
 
         /// Rejects the answer to this peer's connect request.
         pub fn reject(&self) -> Result<(), String> {
-            self.id.reject();
+            self.id.reject(cm::RejectReason::Refused);
             Ok(())
         }
 
@@ -1237,6 +1278,14 @@ mod cm_peer {
         /// The next CM event's type.
         pub fn next(&self) -> Result<ffi::rdma_cm_event_type::Type, String> {
             self.event().map(|ev| ev.kind)
+        }
+
+        /// The next CM event's type and the first word of its private data
+        /// (a reject's reason).
+        pub fn next_with_word(
+            &self,
+        ) -> Result<(ffi::rdma_cm_event_type::Type, Option<u32>), String> {
+            self.event().map(|ev| (ev.kind, ev.word))
         }
 
         pub fn expect(&self, want: ffi::rdma_cm_event_type::Type) -> Result<(), String> {

@@ -13,7 +13,7 @@ use zerohop_std::tcp::{TcpConfig, TcpTransport};
 use zerohop_std::{Deadline, Endpoint as Driven, EndpointConfig, StdLease};
 
 use crate::message::Buf;
-use crate::{Config, Error, Event, Message, Peer, Result, SendBuffer};
+use crate::{Config, ConnectError, Error, Event, Message, Peer, Result, SendBuffer};
 
 /// An endpoint over the transport this host runs best (or the one asked
 /// for): listens, connects to any number of peers, sends bytes, and reports
@@ -191,6 +191,22 @@ fn resolve(
         return Err(failed("the name has no address".into()));
     }
     Ok(addrs)
+}
+
+/// Waits for the Hello of a peer just attached, and returns the id it ends
+/// up with; one that did not answer in time is let go.
+fn answered<T: zerohop_std::Wire>(
+    e: &Driven<T>,
+    peer: PeerId,
+    timeout: Duration,
+    let_go: fn(&mut T, PeerId) -> bool,
+) -> Result<PeerId, ConnectError> {
+    e.wait_open(peer, Deadline::after(timeout)).map_err(|err| {
+        if err == zerohop_core::Error::Timeout {
+            e.with(|t| let_go(t, peer));
+        }
+        ConnectError::from(err)
+    })
 }
 
 impl Endpoint {
@@ -376,9 +392,11 @@ impl Endpoint {
 
     /// Connects to a listening endpoint at `addr` (a host name or an IP
     /// address with a port), waiting up to `timeout` for the connection and
-    /// the peer's answer; each address of a name is tried in turn. A peer
-    /// that does not speak zerohop, or speaks another version, is refused
-    /// here, with why. Other peers are served meanwhile.
+    /// the peer's answer; each address of a name is tried in turn. Failing,
+    /// [`Error::Connect`] says for each address why ([`ConnectError`]: no
+    /// connection, no answer, refused at the listener's peer limits, another
+    /// protocol version, not zerohop); a name that does not resolve is
+    /// [`Error::Address`]. Other peers are served meanwhile.
     pub fn connect(
         &self,
         addr: impl ToSocketAddrs + fmt::Display,
@@ -386,7 +404,7 @@ impl Endpoint {
     ) -> Result<Peer> {
         let addrs = resolve(&addr, "connect to")?;
         let until = Instant::now().checked_add(timeout);
-        let mut why = String::new();
+        let mut tried = Vec::new();
         for a in addrs {
             let left = until.map_or(timeout, |u| u.saturating_duration_since(Instant::now()));
             match self.connect_one(a, left) {
@@ -394,61 +412,37 @@ impl Endpoint {
                     self.book().insert(peer, Entry { addr: a, errors: 0 });
                     return Ok(Peer(peer));
                 }
-                Err(e) => {
-                    why = if why.is_empty() {
-                        e
-                    } else {
-                        format!("{why}; {a}: {e}")
-                    }
-                }
+                Err(e) => tried.push((a, e)),
             }
         }
-        Err(Error::Address {
-            op: "connect to",
+        Err(Error::Connect {
             addr: addr.to_string(),
-            why,
+            tried,
         })
     }
 
-    fn connect_one(
-        &self,
-        addr: SocketAddr,
-        timeout: Duration,
-    ) -> std::result::Result<PeerId, String> {
+    fn connect_one(&self, addr: SocketAddr, timeout: Duration) -> Result<PeerId, ConnectError> {
+        let other = |e: std::io::Error| ConnectError::Other(Box::new(e));
         match &self.wire {
             Wire::Tcp(e) => {
                 // The blocking part outside the transport: a host slow to
                 // answer holds up no other peer.
-                let dialed =
-                    TcpTransport::dial(addr, timeout, self.tcp_lanes).map_err(|e| e.to_string())?;
-                let peer = e.with(|t| t.attach(dialed)).map_err(|e| e.to_string())?;
-                e.wait_open(peer, Deadline::after(timeout))
-                    .map_err(|err| match err {
-                        zerohop_core::Error::Timeout => {
-                            let _ = e.with(|t| t.disconnect(peer));
-                            format!("no answer to our hello within {timeout:?}")
-                        }
-                        err => err.to_string(),
-                    })
+                let dialed = TcpTransport::dial(addr, timeout, self.tcp_lanes)
+                    .map_err(ConnectError::Unreachable)?;
+                let peer = e.with(|t| t.attach(dialed)).map_err(other)?;
+                answered(e, peer, timeout, TcpTransport::disconnect)
             }
             Wire::Local(e) => {
-                let dialed =
-                    TcpTransport::dial(addr, timeout, self.tcp_lanes).map_err(|e| e.to_string())?;
-                let peer = e.with(|t| t.attach(dialed)).map_err(|e| e.to_string())?;
+                let dialed = TcpTransport::dial(addr, timeout, self.tcp_lanes)
+                    .map_err(ConnectError::Unreachable)?;
+                let peer = e.with(|t| t.attach(dialed)).map_err(other)?;
                 // The id it ends up with: a lane's, for a peer on this host.
-                e.wait_open(peer, Deadline::after(timeout))
-                    .map_err(|err| match err {
-                        zerohop_core::Error::Timeout => {
-                            let _ = e.with(|t| t.disconnect(peer));
-                            format!("no answer to our hello within {timeout:?}")
-                        }
-                        err => err.to_string(),
-                    })
+                answered(e, peer, timeout, LocalWire::disconnect)
             }
             #[cfg(feature = "gpudirect-verbs")]
-            Wire::Rdma(e) => e.with(|t| t.connect(addr)).map_err(|e| e.to_string()),
+            Wire::Rdma(e) => e.with(|t| t.connect(addr)).map_err(ConnectError::from),
             #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
-            Wire::Gpu(e) => e.with(|t| t.connect(addr)).map_err(|e| e.to_string()),
+            Wire::Gpu(e) => e.with(|t| t.connect(addr)).map_err(ConnectError::from),
         }
     }
 

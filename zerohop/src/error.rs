@@ -30,7 +30,7 @@ pub enum Error {
         /// What failed.
         why: String,
     },
-    /// `listen` or `connect` could not use an address.
+    /// `listen` could not use an address, or `connect` could not resolve one.
     Address {
         /// `"listen on"` or `"connect to"`.
         op: &'static str,
@@ -38,6 +38,15 @@ pub enum Error {
         addr: String,
         /// What failed (the last address tried, for a name with several).
         why: String,
+    },
+    /// `connect` reached no peer: each address of the name was tried, and
+    /// each failed ([`ConnectError`] says why; [`Error::connect_error`]
+    /// picks the attempt that got furthest).
+    Connect {
+        /// The address as given.
+        addr: String,
+        /// Each address tried, in order, and why it failed.
+        tried: Vec<(SocketAddr, ConnectError)>,
     },
     /// A failure that concerns one peer: it went away, broke the protocol,
     /// or is not connected.
@@ -73,6 +82,15 @@ impl Error {
         }
     }
 
+    /// Why `connect` failed, for the address that got furthest (a refusal
+    /// or another version over a host that did not answer).
+    pub fn connect_error(&self) -> Option<&ConnectError> {
+        match self {
+            Error::Connect { tried, .. } => tried.iter().map(|(_, e)| e).max_by_key(|e| e.reach()),
+            _ => None,
+        }
+    }
+
     /// A deadline passed (the call may be tried again).
     pub fn is_timeout(&self) -> bool {
         matches!(self, Error::Endpoint(zerohop_core::Error::Timeout))
@@ -87,6 +105,117 @@ impl Error {
     pub fn peer(&self) -> Option<Peer> {
         match self {
             Error::Peer { peer, .. } => Some(*peer),
+            _ => None,
+        }
+    }
+}
+
+/// Why `connect` could not make a peer of one address. A listener's answer
+/// (refused, another version) is told apart from no answer at all, so that
+/// a node can tell "try later, or elsewhere" from "nobody is there".
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ConnectError {
+    /// No connection was made: nothing listens there, the host cannot be
+    /// reached, or it did not answer within the timeout (the system's error).
+    Unreachable(std::io::Error),
+    /// A connection was made, but no Hello came back within the timeout:
+    /// not a zerohop listener, or one too busy to answer.
+    NoAnswer,
+    /// The listener turned a newcomer away: it keeps as many peers as its
+    /// limits allow (in all, or from this address; see
+    /// [`PeerLimits`](crate::PeerLimits)), or it is closing.
+    Refused,
+    /// The peer speaks another version of zerohop's protocol.
+    Version {
+        /// This side's.
+        ours: u8,
+        /// The peer's.
+        theirs: u8,
+    },
+    /// The peer broke the protocol at the handshake: it does not speak zerohop.
+    Protocol(zerohop_core::session::ProtocolError),
+    /// Anything else: this side could not set the connection up, or the
+    /// wire failed (the cause is kept).
+    Other(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl ConnectError {
+    /// How far the attempt got: an answer from a listener over silence, and
+    /// silence over no connection.
+    fn reach(&self) -> u8 {
+        match self {
+            ConnectError::Unreachable(_) => 0,
+            ConnectError::Other(_) => 1,
+            ConnectError::NoAnswer => 2,
+            ConnectError::Refused | ConnectError::Version { .. } | ConnectError::Protocol(_) => 3,
+        }
+    }
+}
+
+impl From<zerohop_core::Error> for ConnectError {
+    /// The handshake's outcome on a wire whose session reports it
+    /// (a deadline while the Hello was due is [`ConnectError::NoAnswer`]).
+    fn from(e: zerohop_core::Error) -> Self {
+        use zerohop_core::session::ProtocolError as P;
+        use zerohop_core::wire::DecodeError as D;
+        match e {
+            zerohop_core::Error::Timeout => ConnectError::NoAnswer,
+            zerohop_core::Error::Protocol { error, .. } => match error {
+                P::Refused => ConnectError::Refused,
+                P::Decode(D::UnsupportedVersion { ours, theirs }) => {
+                    ConnectError::Version { ours, theirs }
+                }
+                error => ConnectError::Protocol(error),
+            },
+            e => ConnectError::Other(Box::new(e)),
+        }
+    }
+}
+
+#[cfg(feature = "gpudirect-verbs")]
+impl From<zerohop_backends::verbs::VerbsError> for ConnectError {
+    fn from(e: zerohop_backends::verbs::VerbsError) -> Self {
+        use zerohop_backends::verbs::{cm::RejectReason, VerbsError as V};
+        match e {
+            V::NoListener => {
+                ConnectError::Unreachable(std::io::ErrorKind::ConnectionRefused.into())
+            }
+            V::Rejected(Some(RejectReason::Refused)) => ConnectError::Refused,
+            V::Protocol(error) => zerohop_core::Error::Protocol {
+                peer: zerohop_core::PeerId(u32::MAX),
+                error,
+            }
+            .into(),
+            e => ConnectError::Other(Box::new(e)),
+        }
+    }
+}
+
+impl fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConnectError::Unreachable(e) => write!(f, "no connection: {e}"),
+            ConnectError::NoAnswer => f.write_str("no answer to our hello within the timeout"),
+            ConnectError::Refused => f.write_str(
+                "refused: the listener keeps as many peers as its limits allow, or is closing",
+            ),
+            ConnectError::Version { ours, theirs } => write!(
+                f,
+                "the peer speaks protocol version {theirs}, this side {ours}"
+            ),
+            ConnectError::Protocol(e) => write!(f, "the peer broke the protocol ({e})"),
+            ConnectError::Other(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for ConnectError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ConnectError::Unreachable(e) => Some(e),
+            ConnectError::Protocol(e) => Some(e),
+            ConnectError::Other(e) => Some(&**e),
             _ => None,
         }
     }
@@ -113,6 +242,19 @@ impl fmt::Display for Error {
             Error::Unavailable(e) => e.fmt(f),
             Error::Setup { kind, why } => write!(f, "setting up {kind}: {why}"),
             Error::Address { op, addr, why } => write!(f, "{op} {addr}: {why}"),
+            Error::Connect { addr, tried } => {
+                write!(f, "connect to {addr}: ")?;
+                match &tried[..] {
+                    [(_, e)] => e.fmt(f),
+                    _ => {
+                        for (i, (at, e)) in tried.iter().enumerate() {
+                            let sep = if i == 0 { "" } else { "; " };
+                            write!(f, "{sep}{at}: {e}")?;
+                        }
+                        Ok(())
+                    }
+                }
+            }
             Error::Peer { peer, addr, error } => {
                 let who = Who(*peer, addr.as_ref());
                 match error {
@@ -158,6 +300,7 @@ impl std::error::Error for Error {
             Error::Config(e) => Some(e),
             Error::Unavailable(e) => Some(e),
             Error::Peer { error, .. } | Error::Endpoint(error) => Some(error),
+            Error::Connect { .. } => self.connect_error().map(|e| e as _),
             _ => None,
         }
     }

@@ -52,7 +52,7 @@ pub mod tokio;
 
 pub use config::Config;
 pub use endpoint::{Endpoint, Events, PeerStats};
-pub use error::{Error, Result};
+pub use error::{ConnectError, Error, Result};
 pub use message::{Event, Message, Peer, SendBuffer};
 pub use zerohop_backends::PeerLimits;
 pub use zerohop_core::{Capabilities, Choice, Kind, MemKind, PickError, Preference, Skipped};

@@ -8,7 +8,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use zerohop::{Config, Endpoint, Error, Event, Kind, MemKind, Preference, Skipped};
+use zerohop::{Config, ConnectError, Endpoint, Error, Event, Kind, MemKind, Preference, Skipped};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -158,10 +158,12 @@ fn a_newcomer_past_the_listeners_peer_limits_is_told_it_was_refused() {
     };
     assert_eq!(m.bytes(), Some(&b"kept"[..]));
     let late = Endpoint::open(tcp()).unwrap();
-    match late.connect(addr, WAIT) {
-        Err(Error::Address { why, .. }) => assert!(why.contains("refused"), "{why}"),
-        other => panic!("the newcomer was taken: {other:?}"),
-    }
+    let e = late.connect(addr, WAIT).unwrap_err();
+    assert!(
+        matches!(e.connect_error(), Some(ConnectError::Refused)),
+        "the newcomer was taken, or not told why: {e:?}"
+    );
+    assert!(e.to_string().contains("refused"), "{e}");
     assert!(late.peers().is_empty());
     assert_eq!(s.peers().len(), 1);
 }
@@ -219,6 +221,14 @@ fn connecting_where_nobody_listens_or_to_a_stranger_is_a_clear_error() {
         .unwrap();
     let e = c.connect(free, WAIT).unwrap_err();
     assert!(
+        matches!(e.connect_error(), Some(ConnectError::Unreachable(io))
+            if io.kind() == std::io::ErrorKind::ConnectionRefused),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains(&free.to_string()), "{e}");
+    // A name that does not resolve.
+    let e = c.connect("no-such-host.invalid:7470", WAIT).unwrap_err();
+    assert!(
         matches!(
             e,
             Error::Address {
@@ -228,9 +238,6 @@ fn connecting_where_nobody_listens_or_to_a_stranger_is_a_clear_error() {
         ),
         "{e:?}"
     );
-    assert!(e.to_string().contains(&free.to_string()), "{e}");
-    // A name that does not resolve.
-    let e = c.connect("no-such-host.invalid:7470", WAIT).unwrap_err();
     assert!(
         e.to_string()
             .starts_with("connect to no-such-host.invalid:7470"),
@@ -253,14 +260,107 @@ fn connecting_where_nobody_listens_or_to_a_stranger_is_a_clear_error() {
         t0.elapsed() < WAIT / 2,
         "refused at once, not at the timeout"
     );
+    assert!(
+        matches!(e.connect_error(), Some(ConnectError::Protocol(_))),
+        "{e:?}"
+    );
     assert!(e.to_string().contains("broke the protocol"), "{e}");
     t.join().unwrap();
+    // A zerohop of another version: our own Hello sent back under a later
+    // version number (the version is read before anything else in it).
+    let newer = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = newer.local_addr().unwrap();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = newer.accept().unwrap();
+        let mut hello = [0u8; 32];
+        s.read_exact(&mut hello).unwrap();
+        let ours = hello[2];
+        hello[2] = ours + 1;
+        s.write_all(&hello).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        ours
+    });
+    let e = c.connect(at, WAIT).unwrap_err();
+    let ours = t.join().unwrap();
+    match e.connect_error() {
+        Some(&ConnectError::Version { ours: o, theirs }) => {
+            assert_eq!((o, theirs), (ours, ours + 1), "{e}")
+        }
+        _ => panic!("another version, told as {e:?}"),
+    }
+    let text = e.to_string();
+    assert!(
+        text.contains(&format!("version {}", ours + 1)) && text.contains(&ours.to_string()),
+        "{text}"
+    );
     // A listener that accepts and says nothing: the timeout, named.
     let mute = TcpListener::bind("127.0.0.1:0").unwrap();
     let at = mute.local_addr().unwrap();
     let e = c.connect(at, Duration::from_millis(300)).unwrap_err();
+    assert!(
+        matches!(e.connect_error(), Some(ConnectError::NoAnswer)),
+        "{e:?}"
+    );
     assert!(e.to_string().contains("no answer"), "{e}");
     assert!(c.peers().is_empty());
+}
+
+/// A name with several addresses: each is tried, the error lists each, and
+/// the typed reason is the one that got furthest (a listener's answer over
+/// a port where nothing listens).
+#[test]
+fn a_connect_tried_at_several_addresses_reports_each_and_types_the_furthest() {
+    let mut config = tcp();
+    config.peer_limits = zerohop::PeerLimits {
+        accepted: 1,
+        per_address: 1,
+    };
+    let s = Endpoint::open(config).unwrap();
+    let full = s.listen("127.0.0.1:0").unwrap();
+    let kept = Endpoint::open(tcp()).unwrap();
+    kept.connect(full, WAIT).unwrap();
+    let free = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    // A name that resolves to both: `ToSocketAddrs` on a slice.
+    let both = [free, full];
+    let shown = format!("{free},{full}");
+    struct Name<'a>(&'a [SocketAddr], &'a str);
+    impl<'a> std::net::ToSocketAddrs for Name<'a> {
+        type Iter = std::iter::Copied<std::slice::Iter<'a, SocketAddr>>;
+        fn to_socket_addrs(&self) -> std::io::Result<Self::Iter> {
+            Ok(self.0.iter().copied())
+        }
+    }
+    impl std::fmt::Display for Name<'_> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.1)
+        }
+    }
+    let c = Endpoint::open(tcp()).unwrap();
+    let e = c.connect(Name(&both, &shown), WAIT).unwrap_err();
+    let Error::Connect { addr, tried } = &e else {
+        panic!("{e:?}");
+    };
+    assert_eq!(addr, &shown);
+    let at: Vec<SocketAddr> = tried.iter().map(|(a, _)| *a).collect();
+    assert_eq!(at, both, "each address tried, in order");
+    assert!(matches!(tried[0].1, ConnectError::Unreachable(_)), "{e:?}");
+    assert!(
+        matches!(e.connect_error(), Some(ConnectError::Refused)),
+        "the furthest: {e:?}"
+    );
+    let text = e.to_string();
+    assert!(
+        text.contains(&format!("{free}: no connection"))
+            && text.contains(&format!("{full}: refused")),
+        "{text}"
+    );
+    assert!(
+        std::error::Error::source(&e).is_some_and(|s| s.to_string().starts_with("refused")),
+        "the source is the furthest attempt's"
+    );
 }
 
 #[test]

@@ -42,9 +42,10 @@ pub struct CmEvent {
     pub id: *mut ffi::rdma_cm_id,
     /// The event's status (a reject's reason, an error).
     pub status: i32,
-    /// The peer's CM private data: its receive depth (`None` if it sent
-    /// less than a word; the CM pads what it carries with zeros).
-    pub peer_depth: Option<u32>,
+    /// The first word of the peer's CM private data (`None` if it sent
+    /// less; the CM pads what it carries with zeros): its receive depth on a
+    /// request or an acceptance, a [`RejectReason`] on a reject.
+    pub word: Option<u32>,
 }
 
 impl CmEvent {
@@ -126,7 +127,7 @@ impl EventChannel {
                 kind: e.event,
                 id: e.id,
                 status: e.status,
-                peer_depth: private
+                word: private
                     .get(..4)
                     .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])),
             }
@@ -152,12 +153,9 @@ impl EventChannel {
                 if ev.kind == want {
                     return Ok(ev);
                 }
-                return Err(VerbsError::Connect(format!(
-                    "{what}: got {} (status {}){}",
-                    ev.name(),
-                    ev.status,
-                    rejected_because(ev.kind, ev.status)
-                )));
+                return Err(rejected(&ev).unwrap_or_else(|| {
+                    VerbsError::Connect(format!("{what}: got {} (status {})", ev.name(), ev.status))
+                }));
             }
         }
     }
@@ -170,21 +168,47 @@ impl Drop for EventChannel {
     }
 }
 
-/// What a REJECTED event's status says, for the two a zerohop peer meets:
-/// the IB CM's reject reasons (RoCE and InfiniBand), as `ib_cm.h` numbers them.
-fn rejected_because(kind: ffi::rdma_cm_event_type::Type, status: i32) -> &'static str {
+/// Why a zerohop listener rejected a connect request: the little-endian
+/// word of private data its reject carries, so the connecting side can tell
+/// a refusal from a mismatch. A reject without it (0: another listener, or
+/// the CM's own answer to a request whose id went away unanswered) names
+/// every cause.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RejectReason {
+    /// The listener keeps as many peers as its limits allow, has no slot
+    /// left, or is closing: a newcomer is turned away.
+    Refused = 1,
+    /// The connecting side's receive ring is too shallow for credit to
+    /// keep moving (below [`MIN_RECV_DEPTH`](super::MIN_RECV_DEPTH)).
+    ShallowRing = 2,
+    /// The listener could not set a connection up (no receive buffers or
+    /// header ring left, or the device refused a queue pair).
+    NoResources = 3,
+}
+
+impl RejectReason {
+    fn from_word(word: Option<u32>) -> Option<Self> {
+        match word? {
+            1 => Some(RejectReason::Refused),
+            2 => Some(RejectReason::ShallowRing),
+            3 => Some(RejectReason::NoResources),
+            _ => None,
+        }
+    }
+}
+
+/// What a REJECTED event says, for the two causes a zerohop peer meets: the
+/// IB CM's reject reasons (RoCE and InfiniBand), as `ib_cm.h` numbers them.
+fn rejected(ev: &CmEvent) -> Option<VerbsError> {
     const INVALID_SERVICE_ID: i32 = 8;
     const CONSUMER_DEFINED: i32 = 28;
-    match (kind, status) {
-        (ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED, INVALID_SERVICE_ID) => {
-            ": nothing listens on that port"
-        }
-        (ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED, CONSUMER_DEFINED) => {
-            ": the listener refused (it is closing, out of receive buffers, \
-             keeps as many peers as it takes, or our receive ring is too \
-             shallow for it)"
-        }
-        _ => "",
+    if ev.kind != ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED {
+        return None;
+    }
+    match ev.status {
+        INVALID_SERVICE_ID => Some(VerbsError::NoListener),
+        CONSUMER_DEFINED => Some(VerbsError::Rejected(RejectReason::from_word(ev.word))),
+        _ => None,
     }
 }
 
@@ -421,11 +445,12 @@ impl CmId {
         }
     }
 
-    /// Refuses the request this id came with, or the answer to its own
-    /// (best effort).
-    pub fn reject(&self) {
-        // SAFETY: a live id of a connect request.
-        unsafe { ffi::rdma_reject(self.as_ptr(), ptr::null(), 0) };
+    /// Refuses the request this id came with, or the answer to its own,
+    /// saying why (best effort).
+    pub fn reject(&self, why: RejectReason) {
+        let word = (why as u32).to_le_bytes();
+        // SAFETY: a live id of a connect request; `word` outlives the call.
+        unsafe { ffi::rdma_reject(self.as_ptr(), word.as_ptr().cast(), word.len() as u8) };
     }
 
     /// Tells librdmacm the connection is up: a frame arrived before the

@@ -44,8 +44,14 @@ pub enum VerbsError {
         /// errno.
         errno: i32,
     },
-    /// An address or route could not be resolved, or the peer refused.
+    /// An address or route could not be resolved, the connection did not
+    /// come up, or this side could not set it up (the text says which).
     Connect(String),
+    /// Nothing listens at the address (the CM's "invalid service ID").
+    NoListener,
+    /// The listener rejected the connection: why, where it said (a zerohop
+    /// listener does; see [`cm::RejectReason`]).
+    Rejected(Option<cm::RejectReason>),
     /// The peer announced a receive ring too shallow for credit to keep
     /// moving (below [`MIN_RECV_DEPTH`]), or none at all (not a zerohop
     /// peer): the connection was refused rather than left to stall.
@@ -67,6 +73,30 @@ impl fmt::Display for VerbsError {
                 std::io::Error::from_raw_os_error(*errno)
             ),
             VerbsError::Connect(why) => write!(f, "RDMA connection failed: {why}"),
+            VerbsError::NoListener => {
+                f.write_str("RDMA connection refused: nothing listens on that port")
+            }
+            VerbsError::Rejected(why) => {
+                f.write_str("RDMA connection refused: ")?;
+                f.write_str(match why {
+                    Some(cm::RejectReason::Refused) => {
+                        "the listener keeps as many peers as its limits allow, has no slot \
+                         left, or is closing"
+                    }
+                    Some(cm::RejectReason::ShallowRing) => {
+                        "our receive ring is too shallow for the listener"
+                    }
+                    Some(cm::RejectReason::NoResources) => {
+                        "the listener could not set the connection up (out of receive \
+                         buffers or queue pairs)"
+                    }
+                    None => {
+                        "the listener rejected it without saying why (it is closing, out of \
+                         receive buffers, keeps as many peers as it takes, or our receive \
+                         ring is too shallow for it)"
+                    }
+                })
+            }
             VerbsError::ShallowPeer { depth: Some(d) } => write!(
                 f,
                 "RDMA connection refused: the peer announced a receive ring of {d}, \
@@ -94,6 +124,14 @@ impl From<VerbsError> for Error {
             VerbsError::Call { call, errno } => Error::Call { call, code: errno },
             VerbsError::NoDevice(_) => Error::Backend("verbs: no RDMA device"),
             VerbsError::Connect(_) => Error::Backend("verbs: the connection failed"),
+            VerbsError::NoListener => Error::Backend("verbs: nothing listens at that address"),
+            VerbsError::Rejected(Some(cm::RejectReason::Refused)) => Error::Protocol {
+                peer: zerohop_core::PeerId(u32::MAX),
+                error: zerohop_core::session::ProtocolError::Refused,
+            },
+            VerbsError::Rejected(_) => {
+                Error::Backend("verbs: the listener rejected the connection")
+            }
             VerbsError::ShallowPeer { .. } => {
                 Error::Backend("verbs: the peer's receive ring is too shallow")
             }

@@ -2,10 +2,12 @@
 //! and the connection manager's events that bring one up or take it down
 //! (the data path, posts and completions, is the parent module's).
 //!
-//! The CM private data is one little-endian word, this side's ring depth:
-//! the peer's frame credits before the Hellos cross. A peer whose ring is
-//! shallower than [`MIN_RECV_DEPTH`] (or that sends none) is refused, on
-//! either side.
+//! The CM private data is one little-endian word. On a request and its
+//! acceptance it is this side's ring depth: the peer's frame credits before
+//! the Hellos cross. A peer whose ring is shallower than [`MIN_RECV_DEPTH`]
+//! (or that sends none) is refused, on either side. On a reject it says why
+//! ([`RejectReason`]), so the connecting side can tell a listener at its
+//! peer limits from one it does not fit.
 
 use super::*;
 
@@ -39,6 +41,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         let id = CmId::new(&EventChannel::new()?)?;
         id.resolve(addr).map_err(at)?;
         let mut conn = self.setup(id).map_err(|(e, _)| at(e))?;
+        self.post_ring(&mut conn).map_err(at)?;
         conn.qp
             .id()
             .connect(&self.config.recv_depth.to_le_bytes())?;
@@ -51,7 +54,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 "connection",
             )
             .map_err(at)?;
-        let ring = usable_depth(ev.peer_depth)?;
+        let ring = usable_depth(ev.word)?;
         // Tokens tell the two ends of a connection apart: the accepting
         // side's is 0, the connecting side's 1.
         conn.session = Session::new(self.session_config(), 1, self.now()).with_peer_ring(ring);
@@ -88,16 +91,17 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         }
     }
 
-    /// Creates the QP (and its CQ) on `id` and posts the receive ring. On
-    /// failure the id comes back, to be rejected or dropped.
+    /// Creates the QP (and its CQ) on `id`, and a connection around it with
+    /// nothing posted ([`post_ring`](Self::post_ring) next). On failure the
+    /// id comes back, to be rejected or dropped.
     #[allow(clippy::result_large_err)]
-    fn setup(&mut self, id: CmId) -> Result<Conn<M>, (VerbsError, Option<CmId>)> {
+    fn setup(&mut self, id: CmId) -> Result<Conn<M>, (VerbsError, CmId)> {
         if id.verbs() != self.device.ctx() {
             let why = format!(
                 "the route leaves through another RDMA device than {}",
                 self.device.name()
             );
-            return Err((VerbsError::Connect(why), Some(id)));
+            return Err((VerbsError::Connect(why), id));
         }
         let config = self.session_config();
         // The data ring and the control slots (see `CONTROL_SLOTS`).
@@ -108,15 +112,15 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             (depth + send_depth) * HEADER_LEN,
         ) {
             Ok(h) => h,
-            Err(e) => return Err((VerbsError::Connect(format!("header ring: {e}")), Some(id))),
+            Err(e) => return Err((VerbsError::Connect(format!("header ring: {e}")), id)),
         };
         let shape = QpShape {
             send_depth,
             recv_depth: depth,
             inline_want: INLINE_WANT,
         };
-        let qp = Qp::create(id, self.device.pd(), shape).map_err(|(e, id)| (e, Some(id)))?;
-        let mut conn = Conn {
+        let qp = Qp::create(id, self.device.pd(), shape)?;
+        Ok(Conn {
             qp,
             session: Session::new(config, 0, self.now()),
             headers,
@@ -130,18 +134,17 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             established: false,
             addr: None,
             accepted: false,
-        };
-        for slot in 0..depth {
-            if let Err(e) = Self::post_recv(&self.recv_pool, self.config.fragment, &mut conn, slot)
-            {
-                // The connection (QP, id, CQ) goes as it drops.
-                return Err((
-                    VerbsError::Connect(format!("posting the receive ring: {e}")),
-                    None,
-                ));
-            }
+        })
+    }
+
+    /// Posts a new connection's receive ring. On failure the connection goes
+    /// as it drops (QP, CQ, id), what was posted back in the pool.
+    fn post_ring(&mut self, conn: &mut Conn<M>) -> Result<(), VerbsError> {
+        for slot in 0..conn.recv.len() {
+            Self::post_recv(&self.recv_pool, self.config.fragment, conn, slot)
+                .map_err(|e| VerbsError::Connect(format!("posting the receive ring: {e}")))?;
         }
-        Ok(conn)
+        Ok(())
     }
 
     pub(super) fn accept_all(&mut self) -> bool {
@@ -178,32 +181,34 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 }
                 if let Err(why) = self.config.peer_limits.admit(kept, same) {
                     debug!("verbs: a connect request from {} refused: {}", from, why);
-                    return id.reject();
+                    return id.reject(RejectReason::Refused);
                 }
-                let ring = match usable_depth(ev.peer_depth) {
-                    Ok(ring) if !self.closed && self.peers.vacant().is_some() => ring,
-                    _ => return id.reject(),
+                if self.closed || self.peers.vacant().is_none() {
+                    return id.reject(RejectReason::Refused);
+                }
+                let Ok(ring) = usable_depth(ev.word) else {
+                    return id.reject(RejectReason::ShallowRing);
                 };
-                match self.setup(id) {
-                    Ok(mut conn) => {
-                        conn.session =
-                            Session::new(self.session_config(), 0, self.now()).with_peer_ring(ring);
-                        conn.addr = conn.qp.id().peer_addr();
-                        conn.accepted = true;
-                        // The table had room (above): the insert takes it.
-                        if conn
-                            .qp
-                            .id()
-                            .accept(&self.config.recv_depth.to_le_bytes())
-                            .is_ok()
-                        {
-                            let _ = self.peers.insert(Box::new(conn));
-                        }
-                    }
-                    Err((_, Some(id))) => id.reject(),
-                    // Setup failed after the QP took the id: the CM rejects
-                    // a request whose id goes away unanswered.
-                    Err((_, None)) => {}
+                let mut conn = match self.setup(id) {
+                    Ok(conn) => conn,
+                    Err((_, id)) => return id.reject(RejectReason::NoResources),
+                };
+                if self.post_ring(&mut conn).is_err() {
+                    // Rejected with why; the connection goes as it drops.
+                    return conn.qp.id().reject(RejectReason::NoResources);
+                }
+                conn.session =
+                    Session::new(self.session_config(), 0, self.now()).with_peer_ring(ring);
+                conn.addr = conn.qp.id().peer_addr();
+                conn.accepted = true;
+                // The table had room (above): the insert takes it.
+                if conn
+                    .qp
+                    .id()
+                    .accept(&self.config.recv_depth.to_le_bytes())
+                    .is_ok()
+                {
+                    let _ = self.peers.insert(Box::new(conn));
                 }
             }
             ffi::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED => {
