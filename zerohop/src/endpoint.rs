@@ -194,7 +194,8 @@ fn resolve(
 }
 
 /// Waits for the Hello of a peer just attached, and returns the id it ends
-/// up with; one that did not answer in time is let go.
+/// up with; on any failure the peer is let go (a no-op where the wire
+/// already dropped it).
 fn answered<T: zerohop_std::Wire>(
     e: &Driven<T>,
     peer: PeerId,
@@ -202,9 +203,7 @@ fn answered<T: zerohop_std::Wire>(
     let_go: fn(&mut T, PeerId) -> bool,
 ) -> Result<PeerId, ConnectError> {
     e.wait_open(peer, Deadline::after(timeout)).map_err(|err| {
-        if err == zerohop_core::Error::Timeout {
-            e.with(|t| let_go(t, peer));
-        }
+        e.with(|t| let_go(t, peer));
         ConnectError::from(err)
     })
 }
@@ -407,6 +406,12 @@ impl Endpoint {
         let mut tried = Vec::new();
         for a in addrs {
             let left = until.map_or(timeout, |u| u.saturating_duration_since(Instant::now()));
+            if left.is_zero() {
+                // The time went to the addresses before it.
+                let late = std::io::Error::from(std::io::ErrorKind::TimedOut);
+                tried.push((a, ConnectError::Unreachable(late)));
+                continue;
+            }
             match self.connect_one(a, left) {
                 Ok(peer) => {
                     self.book().insert(peer, Entry { addr: a, errors: 0 });

@@ -36,7 +36,8 @@ pub enum Error {
         op: &'static str,
         /// The address as given.
         addr: String,
-        /// What failed (the last address tried, for a name with several).
+        /// What failed (for `listen`, at the last address tried of a name
+        /// with several).
         why: String,
     },
     /// `connect` reached no peer: each address of the name was tried, and
@@ -83,7 +84,8 @@ impl Error {
     }
 
     /// Why `connect` failed, for the address that got furthest (a refusal
-    /// or another version over a host that did not answer).
+    /// or another version over a host that did not answer; of several as
+    /// far, the last tried).
     pub fn connect_error(&self) -> Option<&ConnectError> {
         match self {
             Error::Connect { tried, .. } => tried.iter().map(|(_, e)| e).max_by_key(|e| e.reach()),
@@ -119,12 +121,15 @@ pub enum ConnectError {
     /// No connection was made: nothing listens there, the host cannot be
     /// reached, or it did not answer within the timeout (the system's error).
     Unreachable(std::io::Error),
-    /// A connection was made, but no Hello came back within the timeout:
+    /// A connection was made, but no Hello came back within the timeout
+    /// (or the wire's own handshake timeout, `idle_timeout`, if shorter):
     /// not a zerohop listener, or one too busy to answer.
     NoAnswer,
     /// The listener turned a newcomer away: it keeps as many peers as its
     /// limits allow (in all, or from this address; see
-    /// [`PeerLimits`](crate::PeerLimits)), or it is closing.
+    /// [`PeerLimits`](crate::PeerLimits)), it is closing, or (over RDMA) it
+    /// has no room for another connection now. Worth trying later, or
+    /// elsewhere.
     Refused,
     /// The peer speaks another version of zerohop's protocol.
     Version {
@@ -163,6 +168,11 @@ impl From<zerohop_core::Error> for ConnectError {
             zerohop_core::Error::Timeout => ConnectError::NoAnswer,
             zerohop_core::Error::Protocol { error, .. } => match error {
                 P::Refused => ConnectError::Refused,
+                // The session's own handshake timer (`idle_timeout`) ran
+                // out before the connect's: silence, not a broken protocol.
+                P::Stalled {
+                    during: zerohop_core::session::Stall::Handshake,
+                } => ConnectError::NoAnswer,
                 P::Decode(D::UnsupportedVersion { ours, theirs }) => {
                     ConnectError::Version { ours, theirs }
                 }
@@ -176,12 +186,23 @@ impl From<zerohop_core::Error> for ConnectError {
 #[cfg(feature = "gpudirect-verbs")]
 impl From<zerohop_backends::verbs::VerbsError> for ConnectError {
     fn from(e: zerohop_backends::verbs::VerbsError) -> Self {
+        use std::io::{Error as Io, ErrorKind};
         use zerohop_backends::verbs::{cm::RejectReason, VerbsError as V};
         match e {
-            V::NoListener => {
-                ConnectError::Unreachable(std::io::ErrorKind::ConnectionRefused.into())
+            V::NoListener => ConnectError::Unreachable(ErrorKind::ConnectionRefused.into()),
+            V::Unreachable(why) => ConnectError::Unreachable(Io::new(ErrorKind::TimedOut, why)),
+            V::NoHello => ConnectError::NoAnswer,
+            // A listener that answered no: at its limits, out of room, or
+            // (an older or foreign one) without saying why. A ring of ours
+            // too shallow for it is this side's setting: `Other`.
+            V::Rejected(Some(RejectReason::Refused | RejectReason::NoResources) | None) => {
+                ConnectError::Refused
             }
-            V::Rejected(Some(RejectReason::Refused)) => ConnectError::Refused,
+            V::ShallowPeer { depth: Some(d) } => {
+                ConnectError::Protocol(zerohop_core::session::ProtocolError::ShallowPeer {
+                    ring: u16::try_from(d).unwrap_or(u16::MAX),
+                })
+            }
             V::Protocol(error) => zerohop_core::Error::Protocol {
                 peer: zerohop_core::PeerId(u32::MAX),
                 error,

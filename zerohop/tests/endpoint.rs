@@ -293,16 +293,39 @@ fn connecting_where_nobody_listens_or_to_a_stranger_is_a_clear_error() {
         text.contains(&format!("version {}", ours + 1)) && text.contains(&ours.to_string()),
         "{text}"
     );
-    // A listener that accepts and says nothing: the timeout, named.
+    // A listener that accepts and says nothing: the timeout, named, and
+    // our end of the connection closed (no half-open peer left behind).
     let mute = TcpListener::bind("127.0.0.1:0").unwrap();
     let at = mute.local_addr().unwrap();
+    let hung_up = std::thread::spawn(move || {
+        let (mut s, _) = mute.accept().unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        let mut sink = Vec::new();
+        // Our Hello, then the end of the stream once we let go.
+        s.read_to_end(&mut sink).map(|_| sink.len())
+    });
     let e = c.connect(at, Duration::from_millis(300)).unwrap_err();
     assert!(
         matches!(e.connect_error(), Some(ConnectError::NoAnswer)),
         "{e:?}"
     );
     assert!(e.to_string().contains("no answer"), "{e}");
+    assert!(
+        matches!(hung_up.join().unwrap(), Ok(32..)),
+        "our side closed after its Hello"
+    );
     assert!(c.peers().is_empty());
+    // The same where the wire's handshake timeout (`idle_timeout`) runs out
+    // before the connect's: still no answer, not a broken protocol.
+    let mut quick = tcp();
+    quick.idle_timeout = Duration::from_millis(200);
+    let c = Endpoint::open(quick).unwrap();
+    let mute = TcpListener::bind("127.0.0.1:0").unwrap();
+    let e = c.connect(mute.local_addr().unwrap(), WAIT).unwrap_err();
+    assert!(
+        matches!(e.connect_error(), Some(ConnectError::NoAnswer)),
+        "{e:?}"
+    );
 }
 
 /// A name with several addresses: each is tried, the error lists each, and
@@ -339,6 +362,12 @@ fn a_connect_tried_at_several_addresses_reports_each_and_types_the_furthest() {
         }
     }
     let c = Endpoint::open(tcp()).unwrap();
+    // Either way round: the furthest, not the last.
+    let e = c.connect(Name(&[full, free], &shown), WAIT).unwrap_err();
+    assert!(
+        matches!(e.connect_error(), Some(ConnectError::Refused)),
+        "the furthest, tried first: {e:?}"
+    );
     let e = c.connect(Name(&both, &shown), WAIT).unwrap_err();
     let Error::Connect { addr, tried } = &e else {
         panic!("{e:?}");

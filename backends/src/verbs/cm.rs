@@ -147,15 +147,15 @@ impl EventChannel {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(VerbsError::Connect(format!("timed out waiting for {what}")));
+                return Err(VerbsError::Unreachable(format!(
+                    "timed out waiting for {what}"
+                )));
             }
             if let Some(ev) = self.next(left)? {
                 if ev.kind == want {
                     return Ok(ev);
                 }
-                return Err(rejected(&ev).unwrap_or_else(|| {
-                    VerbsError::Connect(format!("{what}: got {} (status {})", ev.name(), ev.status))
-                }));
+                return Err(unexpected(&ev, what));
             }
         }
     }
@@ -174,6 +174,7 @@ impl Drop for EventChannel {
 /// the CM's own answer to a request whose id went away unanswered) names
 /// every cause.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
 pub enum RejectReason {
     /// The listener keeps as many peers as its limits allow, has no slot
     /// left, or is closing: a newcomer is turned away.
@@ -182,7 +183,8 @@ pub enum RejectReason {
     /// keep moving (below [`MIN_RECV_DEPTH`](super::MIN_RECV_DEPTH)).
     ShallowRing = 2,
     /// The listener could not set a connection up (no receive buffers or
-    /// header ring left, or the device refused a queue pair).
+    /// header ring left, the device refused a queue pair, or the route
+    /// leaves through another RDMA device than its own).
     NoResources = 3,
 }
 
@@ -197,18 +199,28 @@ impl RejectReason {
     }
 }
 
-/// What a REJECTED event says, for the two causes a zerohop peer meets: the
-/// IB CM's reject reasons (RoCE and InfiniBand), as `ib_cm.h` numbers them.
-fn rejected(ev: &CmEvent) -> Option<VerbsError> {
+/// What an event other than the one awaited (during `what`) says: for a
+/// REJECTED event, the two causes a zerohop peer meets (the IB CM's reject
+/// reasons, RoCE and InfiniBand, as `ib_cm.h` numbers them); for the events
+/// of a peer never reached, that.
+fn unexpected(ev: &CmEvent, what: &str) -> VerbsError {
+    use ffi::rdma_cm_event_type as t;
     const INVALID_SERVICE_ID: i32 = 8;
     const CONSUMER_DEFINED: i32 = 28;
-    if ev.kind != ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED {
-        return None;
-    }
-    match ev.status {
-        INVALID_SERVICE_ID => Some(VerbsError::NoListener),
-        CONSUMER_DEFINED => Some(VerbsError::Rejected(RejectReason::from_word(ev.word))),
-        _ => None,
+    let got = || format!("{what}: got {} (status {})", ev.name(), ev.status);
+    match (ev.kind, ev.status) {
+        (t::RDMA_CM_EVENT_REJECTED, INVALID_SERVICE_ID) => VerbsError::NoListener,
+        (t::RDMA_CM_EVENT_REJECTED, CONSUMER_DEFINED) => {
+            VerbsError::Rejected(RejectReason::from_word(ev.word))
+        }
+        (
+            t::RDMA_CM_EVENT_ADDR_ERROR
+            | t::RDMA_CM_EVENT_ROUTE_ERROR
+            | t::RDMA_CM_EVENT_UNREACHABLE
+            | t::RDMA_CM_EVENT_CONNECT_ERROR,
+            _,
+        ) => VerbsError::Unreachable(got()),
+        _ => VerbsError::Connect(got()),
     }
 }
 
@@ -449,7 +461,9 @@ impl CmId {
     /// saying why (best effort).
     pub fn reject(&self, why: RejectReason) {
         let word = (why as u32).to_le_bytes();
-        // SAFETY: a live id of a connect request; `word` outlives the call.
+        // SAFETY: a live id, of a connect request or one answered (the CM
+        // refuses any other with an error, which is ignored); librdmacm
+        // copies `word` during the call.
         unsafe { ffi::rdma_reject(self.as_ptr(), word.as_ptr().cast(), word.len() as u8) };
     }
 

@@ -49,6 +49,11 @@ pub enum VerbsError {
     Connect(String),
     /// Nothing listens at the address (the CM's "invalid service ID").
     NoListener,
+    /// No listener could be reached: no address or route to it, the host
+    /// did not answer, or the CM timed out (the text says which step).
+    Unreachable(String),
+    /// The connection came up, but the peer's Hello did not come in time.
+    NoHello,
     /// The listener rejected the connection: why, where it said (a zerohop
     /// listener does; see [`cm::RejectReason`]).
     Rejected(Option<cm::RejectReason>),
@@ -76,6 +81,8 @@ impl fmt::Display for VerbsError {
             VerbsError::NoListener => {
                 f.write_str("RDMA connection refused: nothing listens on that port")
             }
+            VerbsError::Unreachable(why) => write!(f, "RDMA peer not reached: {why}"),
+            VerbsError::NoHello => f.write_str("RDMA connection up, but no hello from the peer"),
             VerbsError::Rejected(why) => {
                 f.write_str("RDMA connection refused: ")?;
                 f.write_str(match why {
@@ -125,6 +132,8 @@ impl From<VerbsError> for Error {
             VerbsError::NoDevice(_) => Error::Backend("verbs: no RDMA device"),
             VerbsError::Connect(_) => Error::Backend("verbs: the connection failed"),
             VerbsError::NoListener => Error::Backend("verbs: nothing listens at that address"),
+            VerbsError::Unreachable(_) => Error::Backend("verbs: the peer could not be reached"),
+            VerbsError::NoHello => Error::Backend("verbs: no hello from the peer"),
             VerbsError::Rejected(Some(cm::RejectReason::Refused)) => Error::Protocol {
                 peer: zerohop_core::PeerId(u32::MAX),
                 error: zerohop_core::session::ProtocolError::Refused,

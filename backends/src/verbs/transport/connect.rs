@@ -31,8 +31,11 @@ impl<M: PayloadMemory> RdmaTransport<M> {
 
     /// Connects to a listening transport: blocks until the connection is
     /// established and the peer's Hello has come (at most the CM timeout).
-    /// A peer whose ring is too shallow (`ShallowPeer`), of another protocol
-    /// version, or that says no Hello, is refused; nothing is left behind.
+    /// Nothing listening is `NoListener`, a listener never reached
+    /// `Unreachable`, one that rejects us `Rejected` (with its reason), one
+    /// that says no Hello `NoHello`; a peer whose ring is too shallow
+    /// (`ShallowPeer`) or of another protocol version (`Protocol`) is
+    /// refused. Nothing is left behind.
     pub fn connect(&mut self, addr: SocketAddr) -> Result<PeerId, VerbsError> {
         let at = |e| match e {
             VerbsError::Connect(why) => VerbsError::Connect(format!("to {addr}: {why}")),
@@ -83,9 +86,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
             }
             if StdInstant::now() >= until {
                 self.peers.remove(i);
-                return Err(VerbsError::Connect(format!(
-                    "to {addr}: no hello from the peer"
-                )));
+                return Err(VerbsError::NoHello);
             }
             std::hint::spin_loop();
         }
