@@ -48,7 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(())
     });
     let mut client = RdmaTransport::new(Device::open()?, RdmaConfig::default())?;
-    let peer = client.connect(addr)?;
+    let peer = client.connect(addr, std::time::Duration::from_secs(10))?;
     let mut one_way = Vec::with_capacity(iters);
     for i in 0..iters + WARMUP {
         let t0 = Instant::now();

@@ -1214,6 +1214,10 @@ impl<M: zerohop_backends::verbs::PayloadMemory> Wire for zerohop_backends::verbs
         zerohop_backends::verbs::RdmaTransport::peers_left(self)
     }
 
+    fn opened(&mut self, peer: PeerId) -> Option<Result<PeerId, Error>> {
+        zerohop_backends::verbs::RdmaTransport::opened(self, peer)
+    }
+
     fn take_accepted(&mut self) -> Option<(PeerId, SocketAddr)> {
         zerohop_backends::verbs::RdmaTransport::take_accepted(self)
     }

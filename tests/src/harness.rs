@@ -258,7 +258,9 @@ impl Harness for Rdma {
         let b = Endpoint::new(b, EndpointConfig::default()).map_err(|e| e.to_string())?;
         let mut a = RdmaTransport::new(device, config).map_err(|e| e.to_string())?;
         // The listener accepts from its progress thread while this side connects.
-        let to_b = a.connect(addr).map_err(|e| e.to_string())?;
+        let to_b = a
+            .connect(addr, std::time::Duration::from_secs(10))
+            .map_err(|e| e.to_string())?;
         let (a_pool, b_pool) = (Arc::clone(a.send_pool()), b.with(|t| Arc::clone(t.pool())));
         let a = Endpoint::new(a, EndpointConfig::default()).map_err(|e| e.to_string())?;
         let t0 = std::time::Instant::now();

@@ -20,6 +20,8 @@ use zerohop_std::{probe_host, Deadline, Endpoint, EndpointConfig};
 use zerohop_tests::harness::rdma_addr;
 
 const WAIT: Duration = Duration::from_secs(60);
+/// A connect's timeout.
+const CONNECT: Duration = Duration::from_secs(10);
 
 #[test]
 fn probe_reports_the_verbs_stack() {
@@ -149,7 +151,7 @@ fn pair_looking(
     b.listen(addr).unwrap();
     let b = Endpoint::new(b, b_looks).unwrap();
     let mut a = RdmaTransport::new(dev, a_config).unwrap();
-    let peer = a.connect(addr).unwrap();
+    let peer = a.connect(addr, CONNECT).unwrap();
     Some((
         Endpoint::new(a, EndpointConfig::default()).unwrap(),
         b,
@@ -370,7 +372,7 @@ fn listen_and_connect(
     let dev = Arc::clone(dev);
     let connecting = std::thread::spawn(move || {
         let mut a = RdmaTransport::new(dev, config).unwrap();
-        let peer = a.connect(addr).unwrap();
+        let peer = a.connect(addr, CONNECT).unwrap();
         (a, peer)
     });
     (b, connecting)
@@ -391,7 +393,7 @@ fn connecting(
     let dev = Arc::clone(dev);
     std::thread::spawn(move || {
         let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
-        let peer = a.connect(addr);
+        let peer = a.connect(addr, CONNECT);
         (a, peer)
     })
 }
@@ -828,7 +830,7 @@ fn a_lost_peers_id_does_not_reach_the_peer_that_takes_its_place() {
     let dev2 = Arc::clone(&dev);
     let connecting = std::thread::spawn(move || {
         let mut a = RdmaTransport::new(dev2, small_ring()).unwrap();
-        let peer = a.connect(addr).unwrap();
+        let peer = a.connect(addr, CONNECT).unwrap();
         (a, peer)
     });
     let second = accept(&mut b);
@@ -1009,6 +1011,69 @@ fn the_facade_over_rdma_tells_a_refusal_from_nobody_listening() {
     assert!(e.to_string().contains(&nobody.to_string()), "{e}");
 }
 
+/// A connect to a host that never answers ends at its timeout, and holds up
+/// no other peer meanwhile: the dial runs outside the transport's lock (it
+/// held it for the whole CM handshake, up to some 20 s whatever the
+/// timeout asked).
+#[test]
+fn the_facade_over_rdma_dials_within_its_timeout_without_holding_up_other_peers() {
+    use std::net::{IpAddr, SocketAddr};
+    use std::time::Instant;
+    use zerohop::{Config, ConnectError, Endpoint as Facade, Kind};
+    if device_or_skip().is_none() {
+        return;
+    }
+    let addr = rdma_addr(19_157).expect("an RDMA address");
+    let open = || {
+        let mut c = Config::only(Kind::Rdma);
+        c.pool_bytes = 16 << 20;
+        Facade::open(c).unwrap()
+    };
+    let s = open();
+    s.listen(addr).unwrap();
+    let c = open();
+    let peer = c.connect(addr, WAIT).unwrap();
+    // Nobody at .77 of the VM's subnet (its device is a dummy interface):
+    // the CM's request goes unanswered.
+    let IpAddr::V4(ip) = addr.ip() else {
+        panic!("{addr}")
+    };
+    let [a, b, n, _] = ip.octets();
+    let void = SocketAddr::from(([a, b, n, 77], 19_158));
+    let timeout = Duration::from_secs(2);
+    std::thread::scope(|scope| {
+        let dialing = scope.spawn(|| {
+            let t0 = Instant::now();
+            (c.connect(void, timeout), t0.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        // Messages cross while the dial waits.
+        for i in 0..10u8 {
+            let t0 = Instant::now();
+            c.send(peer, &[i; 64]).unwrap();
+            let m = s.recv(WAIT).unwrap();
+            assert_eq!(m.bytes(), Some(&[i; 64][..]));
+            assert!(
+                t0.elapsed() < Duration::from_millis(500),
+                "message {i} took {:?}",
+                t0.elapsed()
+            );
+        }
+        assert!(!dialing.is_finished(), "the dial ended before the messages");
+        let (r, took) = dialing.join().unwrap();
+        let e = r.unwrap_err();
+        assert!(
+            matches!(e.connect_error(), Some(ConnectError::Unreachable(_))),
+            "{e:?}"
+        );
+        assert!(
+            took >= timeout && took < timeout + Duration::from_millis(1500),
+            "{took:?}"
+        );
+    });
+    assert_eq!(c.peers().len(), 1);
+}
+
 #[test]
 fn a_listener_refuses_a_peer_whose_ring_cannot_take_a_data_frame() {
     // A data frame needs a data slot: a peer announcing a ring of 0, or
@@ -1073,7 +1138,7 @@ fn connecting_to_a_peer_whose_ring_cannot_take_a_data_frame_is_refused_and_leaks
             }
             Ok(seen)
         });
-        let err = a.connect(addr).unwrap_err();
+        let err = a.connect(addr, CONNECT).unwrap_err();
         match (&err, announced) {
             // The CM pads private data with zeros: "nothing" reads as 0 on IB and RoCE.
             (VerbsError::ShallowPeer { depth: Some(0) }, Some(0)) => {}
@@ -1107,7 +1172,7 @@ fn connecting_where_nobody_listens_is_a_typed_error_and_leaks_nothing() {
     let mut a = RdmaTransport::new(Arc::clone(&dev), small_ring()).unwrap();
     let pools = [Arc::clone(a.pool()), Arc::clone(a.send_pool())];
     for _ in 0..3 {
-        let err = a.connect(addr).unwrap_err();
+        let err = a.connect(addr, CONNECT).unwrap_err();
         assert!(matches!(err, VerbsError::NoListener), "{err:?}");
         assert!(err.to_string().contains("nothing listens"), "{err}");
         assert_eq!(a.peer_count(), 0);
@@ -1129,7 +1194,7 @@ fn connecting_where_nobody_listens_is_a_typed_error_and_leaks_nothing() {
             }
         }
     });
-    let peer = a.connect(addr).unwrap();
+    let peer = a.connect(addr, CONNECT).unwrap();
     a.try_send(peer, b"after three refusals").unwrap();
     drive_until_finished(&mut a, &listening);
     assert_eq!(listening.join().unwrap(), b"after three refusals");
@@ -1229,7 +1294,8 @@ mod cm_peer {
         /// Resolves `addr` and sends a connect request with `private` data.
         pub fn connect(addr: SocketAddr, private: &[u8]) -> Result<Self, String> {
             let id = Self::fresh_id()?;
-            id.resolve(addr).map_err(|e| e.to_string())?;
+            id.resolve(addr, std::time::Instant::now() + Duration::from_secs(10))
+                .map_err(|e| e.to_string())?;
             id.connect_without_qp(private, NO_QP)
                 .map_err(|e| e.to_string())?;
             Ok(Peer { accepted: None, id })
@@ -1513,7 +1579,7 @@ fn messages_waiting_for_a_buffer_outlive_their_connection_and_its_close_comes_la
     let long = |i: usize| (0..600_000).map(|k| (k * 7 + i) as u8).collect::<Vec<u8>>();
     let sender = std::thread::spawn(move || {
         let mut a = RdmaTransport::new(dev, small_ring()).unwrap();
-        let peer = a.connect(addr).unwrap();
+        let peer = a.connect(addr, CONNECT).unwrap();
         for m in [long(0), long(1), long(2), vec![0xA5; 100]] {
             loop {
                 match a.try_send(peer, &m) {

@@ -7,6 +7,8 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "gpudirect-verbs")]
+use zerohop_backends::verbs::RdmaTransport;
 use zerohop_core::{Capabilities, Choice, Kind, PeerId};
 use zerohop_std::shm::{LocalWire, ShmConfig, ShmLease};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
@@ -427,27 +429,38 @@ impl Endpoint {
     }
 
     fn connect_one(&self, addr: SocketAddr, timeout: Duration) -> Result<PeerId, ConnectError> {
+        // The timeout covers the whole connect: the dial, then the Hello.
+        let until = Instant::now() + timeout;
+        let left = || until.saturating_duration_since(Instant::now());
         let other = |e: std::io::Error| ConnectError::Other(Box::new(e));
+        // Each wire dials without its transport's lock (a host slow to
+        // answer holds up no other peer), then attaches and waits.
         match &self.wire {
             Wire::Tcp(e) => {
-                // The blocking part outside the transport: a host slow to
-                // answer holds up no other peer.
                 let dialed = TcpTransport::dial(addr, timeout, self.tcp_lanes)
                     .map_err(ConnectError::Unreachable)?;
                 let peer = e.with(|t| t.attach(dialed)).map_err(other)?;
-                answered(e, peer, timeout, TcpTransport::disconnect)
+                answered(e, peer, left(), TcpTransport::disconnect)
             }
             Wire::Local(e) => {
                 let dialed = TcpTransport::dial(addr, timeout, self.tcp_lanes)
                     .map_err(ConnectError::Unreachable)?;
                 let peer = e.with(|t| t.attach(dialed)).map_err(other)?;
                 // The id it ends up with: a lane's, for a peer on this host.
-                answered(e, peer, timeout, LocalWire::disconnect)
+                answered(e, peer, left(), LocalWire::disconnect)
             }
             #[cfg(feature = "gpudirect-verbs")]
-            Wire::Rdma(e) => e.with(|t| t.connect(addr)).map_err(ConnectError::from),
+            Wire::Rdma(e) => {
+                let dialed = e.with(|t| t.dialer()).dial(addr, timeout)?;
+                let peer = e.with(|t| t.attach(dialed))?;
+                answered(e, peer, left(), RdmaTransport::disconnect)
+            }
             #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
-            Wire::Gpu(e) => e.with(|t| t.connect(addr)).map_err(ConnectError::from),
+            Wire::Gpu(e) => {
+                let dialed = e.with(|t| t.dialer()).dial(addr, timeout)?;
+                let peer = e.with(|t| t.attach(dialed))?;
+                answered(e, peer, left(), RdmaTransport::disconnect)
+            }
         }
     }
 

@@ -22,7 +22,8 @@ use rdma_sys as ffi;
 
 use super::{call_failed, VerbsError};
 
-/// How long address and route resolution, and a connection, may take (ms).
+/// The longest the CM's own timers are given for address or route
+/// resolution (ms); a connect's timeout bounds each further.
 pub const CM_TIMEOUT_MS: i32 = 5000;
 
 fn set_nonblocking(fd: i32) {
@@ -137,15 +138,15 @@ impl EventChannel {
         Ok(Some(out))
     }
 
-    /// Waits (up to the CM timeout) for the next event, which must be `want`.
+    /// Waits (until `until`) for the next event, which must be `want`.
     pub fn expect(
         &self,
         want: ffi::rdma_cm_event_type::Type,
         what: &str,
+        until: Instant,
     ) -> Result<CmEvent, VerbsError> {
-        let deadline = Instant::now() + Duration::from_millis(CM_TIMEOUT_MS as u64 + 1000);
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(VerbsError::Unreachable(format!(
                     "timed out waiting for {what}"
@@ -393,8 +394,14 @@ impl CmId {
         }
     }
 
-    /// Resolves `addr` and the route to it, waiting for both on the channel.
-    pub fn resolve(&self, addr: SocketAddr) -> Result<(), VerbsError> {
+    /// Resolves `addr` and the route to it, waiting for both on the channel
+    /// until `until` at most.
+    pub fn resolve(&self, addr: SocketAddr, until: Instant) -> Result<(), VerbsError> {
+        // What is left of the time, for the CM's own timers (1 ms at least).
+        let left = || {
+            let ms = until.saturating_duration_since(Instant::now()).as_millis();
+            ms.clamp(1, CM_TIMEOUT_MS as u128) as i32
+        };
         let mut ss = sockaddr(addr);
         // SAFETY: a live id and a valid destination sockaddr.
         let rc = unsafe {
@@ -402,7 +409,7 @@ impl CmId {
                 self.as_ptr(),
                 ptr::null_mut(),
                 (&mut ss as *mut libc::sockaddr_storage).cast(),
-                CM_TIMEOUT_MS,
+                left(),
             )
         };
         if rc != 0 {
@@ -411,14 +418,16 @@ impl CmId {
         self.channel.expect(
             ffi::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED,
             "address resolution",
+            until,
         )?;
         // SAFETY: a live id with a resolved address.
-        if unsafe { ffi::rdma_resolve_route(self.as_ptr(), CM_TIMEOUT_MS) } != 0 {
+        if unsafe { ffi::rdma_resolve_route(self.as_ptr(), left()) } != 0 {
             return Err(call_failed("rdma_resolve_route"));
         }
         self.channel.expect(
             ffi::rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED,
             "route resolution",
+            until,
         )?;
         Ok(())
     }

@@ -26,7 +26,7 @@ use zerohop_core::{
 #[cfg(feature = "cuda-uma")]
 pub use payload::{GpuChunks, GpuPayload, GpuPool};
 pub use payload::{HostPayload, PayloadLease, PayloadMemory, PayloadPool};
-pub use transport::{RdmaConfig, RdmaTransport, MIN_RECV_DEPTH};
+pub use transport::{Dialed, Dialer, RdmaConfig, RdmaTransport, MIN_RECV_DEPTH};
 
 /// The environment variable naming the RDMA device to use (e.g. `rxe0`, `mlx5_0`).
 pub const DEVICE_ENV: &str = "ZEROHOP_RDMA_DEVICE";

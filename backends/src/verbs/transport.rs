@@ -43,7 +43,7 @@ use zerohop_core::{
     Transport,
 };
 
-use super::cm::{CmEvent, CmId, EventChannel, Qp, QpShape, RejectReason, CM_TIMEOUT_MS};
+use super::cm::{CmEvent, CmId, EventChannel, Qp, QpShape, RejectReason};
 use super::payload::{HostPayload, PayloadLease, PayloadMemory, PayloadPool};
 use super::{Device, Registry, VerbsError};
 use crate::{host_bytes_mut, HeapTables, HostPool, PeerLimits, PeerSlots, SessionClock};
@@ -52,6 +52,7 @@ mod connect;
 mod recv;
 mod slots;
 
+pub use connect::{Dialed, Dialer};
 use recv::{arrive, receive_classes, Held};
 use slots::SendSlots;
 

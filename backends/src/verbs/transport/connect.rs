@@ -11,6 +11,137 @@
 
 use super::*;
 
+/// What dialing a peer needs of a transport (its device, pools and
+/// settings), taken under its lock in a moment ([`RdmaTransport::dialer`]):
+/// the dial itself — address and route resolution, the queue pair and its
+/// receive ring, the CM's handshake — then runs without the transport, and
+/// other peers are served meanwhile.
+pub struct Dialer<M: PayloadMemory> {
+    device: Arc<Device>,
+    config: RdmaConfig,
+    header_pool: Arc<HeaderPool>,
+    recv_pool: Arc<M::Pool>,
+    session: SessionConfig,
+    clock: SessionClock,
+}
+
+/// A connection [`Dialer::dial`] brought up, for [`RdmaTransport::attach`]
+/// (dropped instead, it is torn down).
+pub struct Dialed<M: PayloadMemory> {
+    conn: Box<Conn<M>>,
+    /// The ring the peer announced: our frame credits.
+    ring: u16,
+}
+
+impl<M: PayloadMemory> std::fmt::Debug for Dialer<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dialer")
+            .field("device", &self.device.name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<M: PayloadMemory> std::fmt::Debug for Dialed<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dialed")
+            .field("addr", &self.conn.addr)
+            .field("ring", &self.ring)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<M: PayloadMemory> Dialer<M> {
+    /// Resolves `addr`, sets a connection up and brings it up through the
+    /// CM, within `timeout`.
+    pub fn dial(&self, addr: SocketAddr, timeout: Duration) -> Result<Dialed<M>, VerbsError> {
+        let until = StdInstant::now() + timeout;
+        let at = |e| match e {
+            VerbsError::Connect(why) => VerbsError::Connect(format!("to {addr}: {why}")),
+            e => e,
+        };
+        let id = CmId::new(&EventChannel::new()?)?;
+        id.resolve(addr, until).map_err(at)?;
+        let mut conn = self.setup(id).map_err(|(e, _)| at(e))?;
+        self.post_ring(&mut conn).map_err(at)?;
+        conn.qp
+            .id()
+            .connect(&self.config.recv_depth.to_le_bytes())?;
+        let ev = conn
+            .qp
+            .id()
+            .channel()
+            .expect(
+                ffi::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
+                "connection",
+                until,
+            )
+            .map_err(at)?;
+        let ring = usable_depth(ev.word)?;
+        conn.established = true;
+        conn.addr = Some(addr);
+        Ok(Dialed {
+            conn: Box::new(conn),
+            ring,
+        })
+    }
+
+    /// Creates the QP (and its CQ) on `id`, and a connection around it with
+    /// nothing posted ([`post_ring`](Self::post_ring) next). On failure the
+    /// id comes back, to be rejected or dropped.
+    #[allow(clippy::result_large_err)]
+    fn setup(&self, id: CmId) -> Result<Conn<M>, (VerbsError, CmId)> {
+        if id.verbs() != self.device.ctx() {
+            let why = format!(
+                "the route leaves through another RDMA device than {}",
+                self.device.name()
+            );
+            return Err((VerbsError::Connect(why), id));
+        }
+        // The data ring and the control slots (see `CONTROL_SLOTS`).
+        let depth = self.session.posted_slots() as usize;
+        let send_depth = depth + 8;
+        let headers = match Lease::take(
+            Arc::clone(&self.header_pool),
+            (depth + send_depth) * HEADER_LEN,
+        ) {
+            Ok(h) => h,
+            Err(e) => return Err((VerbsError::Connect(format!("header ring: {e}")), id)),
+        };
+        let shape = QpShape {
+            send_depth,
+            recv_depth: depth,
+            inline_want: INLINE_WANT,
+        };
+        let qp = Qp::create(id, self.device.pd(), shape)?;
+        Ok(Conn {
+            qp,
+            // A stand-in: the side that keeps the connection makes its own.
+            session: Session::new(self.session, 0, self.clock.now()),
+            headers,
+            recv: (0..depth).map(|_| None).collect(),
+            unposted: Vec::with_capacity(depth),
+            recv_dry: false,
+            send: SendSlots::new(send_depth),
+            queue: VecDeque::new(),
+            assembling: None,
+            held: VecDeque::new(),
+            established: false,
+            addr: None,
+            accepted: false,
+        })
+    }
+
+    /// Posts a new connection's receive ring. On failure the connection goes
+    /// as it drops (QP, CQ, id), what was posted back in the pool.
+    fn post_ring(&self, conn: &mut Conn<M>) -> Result<(), VerbsError> {
+        for slot in 0..conn.recv.len() {
+            RdmaTransport::post_recv(&self.recv_pool, self.config.fragment, conn, slot)
+                .map_err(|e| VerbsError::Connect(format!("posting the receive ring: {e}")))?;
+        }
+        Ok(())
+    }
+}
+
 /// The address of a peer whose source the CM did not give (not IP): such
 /// peers share it, and the overall bound applies to them as to any.
 const UNSPECIFIED: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
@@ -30,122 +161,100 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     }
 
     /// Connects to a listening transport: blocks until the connection is
-    /// established and the peer's Hello has come (at most the CM timeout).
-    /// Nothing listening is `NoListener`, a listener never reached
-    /// `Unreachable`, one that rejects us `Rejected` (with its reason), one
-    /// that says no Hello `NoHello`; a peer whose ring is too shallow
-    /// (`ShallowPeer`) or of another protocol version (`Protocol`) is
-    /// refused. Nothing is left behind.
-    pub fn connect(&mut self, addr: SocketAddr) -> Result<PeerId, VerbsError> {
-        let at = |e| match e {
-            VerbsError::Connect(why) => VerbsError::Connect(format!("to {addr}: {why}")),
-            e => e,
-        };
-        let id = CmId::new(&EventChannel::new()?)?;
-        id.resolve(addr).map_err(at)?;
-        let mut conn = self.setup(id).map_err(|(e, _)| at(e))?;
-        self.post_ring(&mut conn).map_err(at)?;
-        conn.qp
-            .id()
-            .connect(&self.config.recv_depth.to_le_bytes())?;
-        let ev = conn
-            .qp
-            .id()
-            .channel()
-            .expect(
-                ffi::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
-                "connection",
-            )
-            .map_err(at)?;
-        let ring = usable_depth(ev.word)?;
+    /// established and the peer's Hello has come, at most `timeout` (all of
+    /// it under this `&mut self`: an endpoint dials with
+    /// [`dialer`](Self::dialer) and [`attach`](Self::attach) instead, so
+    /// that other peers are served meanwhile). Nothing listening is
+    /// `NoListener`, a listener never reached `Unreachable`, one that
+    /// rejects us `Rejected` (with its reason), one that says no Hello
+    /// `NoHello`; a peer whose ring is too shallow (`ShallowPeer`) or of
+    /// another protocol version (`Protocol`) is refused. Nothing is left
+    /// behind.
+    pub fn connect(&mut self, addr: SocketAddr, timeout: Duration) -> Result<PeerId, VerbsError> {
+        let until = StdInstant::now() + timeout;
+        let dialed = self.dialer().dial(addr, timeout)?;
+        let peer = self.attach(dialed)?;
+        loop {
+            match self.opened(peer) {
+                Some(Ok(peer)) => return Ok(peer),
+                Some(Err(Error::Protocol { error, .. })) => {
+                    return Err(VerbsError::Protocol(error))
+                }
+                Some(Err(_)) => {
+                    return Err(VerbsError::Connect(format!(
+                        "to {addr}: the peer went away before its hello"
+                    )))
+                }
+                None if StdInstant::now() >= until => {
+                    self.disconnect(peer);
+                    return Err(VerbsError::NoHello);
+                }
+                None => {
+                    let _ = self.poll_all();
+                    std::hint::spin_loop();
+                }
+            }
+        }
+    }
+
+    /// What a connect needs of this transport, to dial without it.
+    pub fn dialer(&self) -> Dialer<M> {
+        Dialer {
+            device: Arc::clone(&self.device),
+            config: self.config,
+            header_pool: Arc::clone(&self.header_pool),
+            recv_pool: Arc::clone(&self.recv_pool),
+            session: self.session_config(),
+            clock: self.session_clock,
+        }
+    }
+
+    /// Makes a peer of a connection [`Dialer::dial`] brought up, and sends
+    /// its Hello. The peer's Hello is yet to come: [`opened`](Self::opened)
+    /// says when it has.
+    pub fn attach(&mut self, dialed: Dialed<M>) -> Result<PeerId, VerbsError> {
+        let Dialed { mut conn, ring } = dialed;
+        let addr = conn.addr;
         // Tokens tell the two ends of a connection apart: the accepting
         // side's is 0, the connecting side's 1.
         conn.session = Session::new(self.session_config(), 1, self.now()).with_peer_ring(ring);
-        conn.established = true;
-        conn.addr = Some(addr);
-        let (i, peer) = self
-            .peers
-            .insert(Box::new(conn))
-            .map_err(|_| VerbsError::Connect(format!("to {addr}: every peer slot is taken")))?;
-        // The Hellos cross; a refusal (another version, no zerohop peer)
-        // retires the connection with a typed error.
-        let until = StdInstant::now() + Duration::from_millis(CM_TIMEOUT_MS as u64);
-        loop {
-            let before = self.arrivals.len();
-            self.service(i, Self::drain_and_pump);
-            let Some(c) = self.peers.get(peer) else {
-                return Err(match self.arrivals.drain(before..).next() {
-                    Some(Err(Error::Protocol { error, .. })) => VerbsError::Protocol(error),
-                    _ => VerbsError::Connect(format!(
-                        "to {addr}: the peer went away before its hello"
-                    )),
-                });
-            };
-            if c.session.is_open() {
-                return Ok(peer);
-            }
-            if StdInstant::now() >= until {
-                self.peers.remove(i);
-                return Err(VerbsError::NoHello);
-            }
-            std::hint::spin_loop();
-        }
+        let (i, peer) = self.peers.insert(conn).map_err(|_| {
+            let to = addr.map(|a| format!("to {a}: ")).unwrap_or_default();
+            VerbsError::Connect(format!("{to}every peer slot is taken"))
+        })?;
+        self.service(i, Self::drain_and_pump); // our Hello
+        Ok(peer)
     }
 
-    /// Creates the QP (and its CQ) on `id`, and a connection around it with
-    /// nothing posted ([`post_ring`](Self::post_ring) next). On failure the
-    /// id comes back, to be rejected or dropped.
-    #[allow(clippy::result_large_err)]
-    fn setup(&mut self, id: CmId) -> Result<Conn<M>, (VerbsError, CmId)> {
-        if id.verbs() != self.device.ctx() {
-            let why = format!(
-                "the route leaves through another RDMA device than {}",
-                self.device.name()
-            );
-            return Err((VerbsError::Connect(why), id));
+    /// Whether the Hellos of a peer this side connected to have crossed:
+    /// `Some(Ok)` they have, `None` not yet, `Some(Err)` the peer refused
+    /// (another version, not zerohop) or went, with why (taken from what
+    /// `try_recv` would have said).
+    pub fn opened(&mut self, peer: PeerId) -> Option<Result<PeerId, Error>> {
+        if let Some(c) = self.peers.get(peer) {
+            return c.session.is_open().then_some(Ok(peer));
         }
-        let config = self.session_config();
-        // The data ring and the control slots (see `CONTROL_SLOTS`).
-        let depth = config.posted_slots() as usize;
-        let send_depth = depth + 8;
-        let headers = match Lease::take(
-            Arc::clone(&self.header_pool),
-            (depth + send_depth) * HEADER_LEN,
-        ) {
-            Ok(h) => h,
-            Err(e) => return Err((VerbsError::Connect(format!("header ring: {e}")), id)),
+        let about = |e: &Error| match *e {
+            Error::PeerClosed(p) => p == peer,
+            ref e => e.lost_peer() == Some(peer),
         };
-        let shape = QpShape {
-            send_depth,
-            recv_depth: depth,
-            inline_want: INLINE_WANT,
-        };
-        let qp = Qp::create(id, self.device.pd(), shape)?;
-        Ok(Conn {
-            qp,
-            session: Session::new(config, 0, self.now()),
-            headers,
-            recv: (0..depth).map(|_| None).collect(),
-            unposted: Vec::with_capacity(depth),
-            recv_dry: false,
-            send: SendSlots::new(send_depth),
-            queue: VecDeque::new(),
-            assembling: None,
-            held: VecDeque::new(),
-            established: false,
-            addr: None,
-            accepted: false,
-        })
+        let at = self
+            .arrivals
+            .iter()
+            .position(|a| a.as_ref().err().is_some_and(about));
+        Some(Err(at
+            .and_then(|i| self.arrivals.remove(i))
+            .and_then(Result::err)
+            .unwrap_or(Error::PeerLost(peer))))
     }
 
-    /// Posts a new connection's receive ring. On failure the connection goes
-    /// as it drops (QP, CQ, id), what was posted back in the pool.
-    fn post_ring(&mut self, conn: &mut Conn<M>) -> Result<(), VerbsError> {
-        for slot in 0..conn.recv.len() {
-            Self::post_recv(&self.recv_pool, self.config.fragment, conn, slot)
-                .map_err(|e| VerbsError::Connect(format!("posting the receive ring: {e}")))?;
-        }
-        Ok(())
+    /// Drops a peer at once, without a Close: its connection is torn down
+    /// and what it had under way is lost. False if there is no such peer.
+    pub fn disconnect(&mut self, peer: PeerId) -> bool {
+        let Some(i) = self.peers.slot(peer) else {
+            return false;
+        };
+        self.peers.remove(i).is_some()
     }
 
     pub(super) fn accept_all(&mut self) -> bool {
@@ -190,11 +299,12 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 let Ok(ring) = usable_depth(ev.word) else {
                     return id.reject(RejectReason::ShallowRing);
                 };
-                let mut conn = match self.setup(id) {
+                let dialer = self.dialer();
+                let mut conn = match dialer.setup(id) {
                     Ok(conn) => conn,
                     Err((_, id)) => return id.reject(RejectReason::NoResources),
                 };
-                if self.post_ring(&mut conn).is_err() {
+                if dialer.post_ring(&mut conn).is_err() {
                     // Rejected with why; the connection goes as it drops.
                     return conn.qp.id().reject(RejectReason::NoResources);
                 }
