@@ -3119,3 +3119,20 @@ fn two_network_namespaces_100k_messages() {
         "{text}"
     );
 }
+
+/// A dial ends outside the transport (an endpoint dials without its lock):
+/// one that lands after the transport closed is refused, its connection
+/// closed, and no peer is left that a closing endpoint would wait for.
+#[test]
+fn a_dial_that_lands_after_the_transport_closed_is_refused() {
+    let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());
+    let mut t = transport(64 << 20, TcpConfig::default());
+    let dialed = TcpTransport::dial(addr, SECOND, true).unwrap();
+    t.close().unwrap();
+    let e = t.attach(dialed).unwrap_err();
+    assert!(e.to_string().contains("closed"), "{e}");
+    assert_eq!(t.peer_count(), 0);
+    // The listener sees the connection go before any Hello: no peer there.
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(server.with(|s| s.peer_count()), 0);
+}

@@ -204,9 +204,15 @@ fn answered<T: zerohop_std::Wire>(
     timeout: Duration,
     let_go: fn(&mut T, PeerId) -> bool,
 ) -> Result<PeerId, ConnectError> {
-    e.wait_open(peer, Deadline::after(timeout)).map_err(|err| {
-        e.with(|t| let_go(t, peer));
-        ConnectError::from(err)
+    e.wait_open(peer, Deadline::after(timeout)).or_else(|err| {
+        e.with(|t| match t.opened(peer) {
+            // Its Hello came as the wait ended: the peer is kept.
+            Some(Ok(peer)) => Ok(peer),
+            _ => {
+                let_go(t, peer);
+                Err(ConnectError::from(err))
+            }
+        })
     })
 }
 
@@ -430,8 +436,8 @@ impl Endpoint {
 
     fn connect_one(&self, addr: SocketAddr, timeout: Duration) -> Result<PeerId, ConnectError> {
         // The timeout covers the whole connect: the dial, then the Hello.
-        let until = Instant::now() + timeout;
-        let left = || until.saturating_duration_since(Instant::now());
+        let until = Instant::now().checked_add(timeout);
+        let left = || until.map_or(timeout, |u| u.saturating_duration_since(Instant::now()));
         let other = |e: std::io::Error| ConnectError::Other(Box::new(e));
         // Each wire dials without its transport's lock (a host slow to
         // answer holds up no other peer), then attaches and waits.

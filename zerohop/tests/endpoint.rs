@@ -328,6 +328,21 @@ fn connecting_where_nobody_listens_or_to_a_stranger_is_a_clear_error() {
     );
 }
 
+/// A connect told to wait for ever (`Duration::MAX`) waits as long as it
+/// must: no deadline arithmetic overflows.
+#[test]
+fn a_connect_may_wait_for_ever() {
+    let s = Endpoint::open(tcp()).unwrap();
+    let addr = s.listen("127.0.0.1:0").unwrap();
+    let c = Endpoint::open(tcp()).unwrap();
+    let peer = c.connect(addr, Duration::MAX).unwrap();
+    c.send(peer, b"ever").unwrap();
+    let Event::Message(m) = next_non_connect(&s) else {
+        panic!("the message");
+    };
+    assert_eq!(m.bytes(), Some(&b"ever"[..]));
+}
+
 /// A name with several addresses: each is tried, the error lists each, and
 /// the typed reason is the one that got furthest (a listener's answer over
 /// a port where nothing listens).

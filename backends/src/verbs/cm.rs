@@ -93,7 +93,8 @@ impl EventChannel {
             events: libc::POLLIN,
             revents: 0,
         };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        // Whole milliseconds, rounded up: a wait under one is not a spin.
+        let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
         // SAFETY: one valid pollfd.
         if unsafe { libc::poll(&mut pfd, 1, ms) } <= 0 {
             return Ok(None);
@@ -148,6 +149,14 @@ impl EventChannel {
         loop {
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
+                // One last look: an event already queued is taken.
+                if let Some(ev) = self.next(Duration::ZERO)? {
+                    return if ev.kind == want {
+                        Ok(ev)
+                    } else {
+                        Err(unexpected(&ev, what))
+                    };
+                }
                 return Err(VerbsError::Unreachable(format!(
                     "timed out waiting for {what}"
                 )));

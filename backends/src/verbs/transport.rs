@@ -34,8 +34,8 @@ use std::time::{Duration, Instant as StdInstant};
 
 use rdma_sys as ffi;
 use zerohop_core::session::{
-    DataFrame, HostRole, Instant, Outgoing, SendError, Session, SessionConfig, SessionStats,
-    MIN_RING,
+    DataFrame, HostRole, Instant, Outgoing, ProtocolError, SendError, Session, SessionConfig,
+    SessionStats, Stall, MIN_RING,
 };
 use zerohop_core::wire::{DataFlags, HEADER_LEN};
 use zerohop_core::{

@@ -551,12 +551,16 @@ impl TcpTransport {
     /// peer): opens the connection to `addr`, and with `lane` its second
     /// connection, which says its Hello at once.
     pub fn dial(addr: SocketAddr, timeout: Duration, lane: bool) -> io::Result<Dialed> {
+        let until = StdInstant::now().checked_add(timeout);
         let main = TcpStream::connect_timeout(&addr, timeout)?;
+        // The second connection within what is left of the time.
+        let left = until.map_or(timeout, |u| u.saturating_duration_since(StdInstant::now()));
+        let lane = lane && !left.is_zero();
         use std::hash::BuildHasher;
         // Unique among the acceptor's peers: a random key over this connection's address.
         let token = std::collections::hash_map::RandomState::new()
             .hash_one((main.local_addr()?, std::process::id())) as u32;
-        let lane = match lane.then(|| lane::dial_lane(addr, timeout, token)) {
+        let lane = match lane.then(|| lane::dial_lane(addr, left, token)) {
             Some(Err(e)) => {
                 log::info!(
                     "tcp: no second connection to {addr} ({e}): large messages go unstriped"
@@ -577,6 +581,10 @@ impl TcpTransport {
     /// The other half of [`connect`](Self::connect): the dialed connection
     /// becomes a peer, whose Hello goes at once.
     pub fn attach(&mut self, dialed: Dialed) -> io::Result<PeerId> {
+        // A dial that ends while the transport closes: its connections go.
+        if self.closed {
+            return Err(io::Error::other("the transport is closed"));
+        }
         let Dialed {
             main,
             lane,

@@ -54,7 +54,7 @@ impl<M: PayloadMemory> Dialer<M> {
     /// Resolves `addr`, sets a connection up and brings it up through the
     /// CM, within `timeout`.
     pub fn dial(&self, addr: SocketAddr, timeout: Duration) -> Result<Dialed<M>, VerbsError> {
-        let until = StdInstant::now() + timeout;
+        let until = deadline(timeout);
         let at = |e| match e {
             VerbsError::Connect(why) => VerbsError::Connect(format!("to {addr}: {why}")),
             e => e,
@@ -142,6 +142,14 @@ impl<M: PayloadMemory> Dialer<M> {
     }
 }
 
+/// `timeout` from now, or a year for one too long to add (a connect told to
+/// wait "for ever").
+fn deadline(timeout: Duration) -> StdInstant {
+    let now = StdInstant::now();
+    now.checked_add(timeout)
+        .unwrap_or_else(|| now + Duration::from_secs(365 * 86_400))
+}
+
 /// The address of a peer whose source the CM did not give (not IP): such
 /// peers share it, and the overall bound applies to them as to any.
 const UNSPECIFIED: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
@@ -171,12 +179,20 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// another protocol version (`Protocol`) is refused. Nothing is left
     /// behind.
     pub fn connect(&mut self, addr: SocketAddr, timeout: Duration) -> Result<PeerId, VerbsError> {
-        let until = StdInstant::now() + timeout;
+        let until = deadline(timeout);
         let dialed = self.dialer().dial(addr, timeout)?;
         let peer = self.attach(dialed)?;
         loop {
             match self.opened(peer) {
                 Some(Ok(peer)) => return Ok(peer),
+                // The session's own handshake timer ran out first.
+                Some(Err(Error::Protocol {
+                    error:
+                        ProtocolError::Stalled {
+                            during: Stall::Handshake,
+                        },
+                    ..
+                })) => return Err(VerbsError::NoHello),
                 Some(Err(Error::Protocol { error, .. })) => {
                     return Err(VerbsError::Protocol(error))
                 }
@@ -213,6 +229,10 @@ impl<M: PayloadMemory> RdmaTransport<M> {
     /// its Hello. The peer's Hello is yet to come: [`opened`](Self::opened)
     /// says when it has.
     pub fn attach(&mut self, dialed: Dialed<M>) -> Result<PeerId, VerbsError> {
+        // A dial that ends while the transport closes: its connection goes.
+        if self.closed {
+            return Err(VerbsError::Connect("the transport is closed".into()));
+        }
         let Dialed { mut conn, ring } = dialed;
         let addr = conn.addr;
         // Tokens tell the two ends of a connection apart: the accepting
