@@ -1075,6 +1075,35 @@ fn the_facade_over_rdma_dials_within_its_timeout_without_holding_up_other_peers(
     assert_eq!(c.peers().len(), 1);
 }
 
+/// A connection dialed by one transport is refused by another's `attach`
+/// (its ring and memory keys are the first's), and goes without a trace.
+#[test]
+fn a_connection_dialed_by_another_transport_is_refused_at_attach() {
+    let Some(dev) = device_or_skip() else {
+        return;
+    };
+    let addr = rdma_addr(19_159).expect("an RDMA address");
+    let mut b = RdmaTransport::new(Arc::clone(&dev), small_ring()).unwrap();
+    b.listen(addr).unwrap();
+    let a = RdmaTransport::new(Arc::clone(&dev), small_ring()).unwrap();
+    let mut other = RdmaTransport::new(dev, small_ring()).unwrap();
+    let dialing = std::thread::spawn(move || {
+        let dialed = a.dialer().dial(addr, CONNECT);
+        (a, dialed)
+    });
+    let until = std::time::Instant::now() + WAIT;
+    while !dialing.is_finished() {
+        b.progress().unwrap();
+        assert!(std::time::Instant::now() < until, "the dial did not end");
+    }
+    let (a, dialed) = dialing.join().unwrap();
+    let e = other.attach(dialed.unwrap()).unwrap_err();
+    assert!(e.to_string().contains("another transport"), "{e}");
+    assert_eq!(other.peer_count(), 0);
+    assert_eq!(a.peer_count(), 0);
+    assert_eq!(a.pool().stats().leases, 0, "its ring went back");
+}
+
 #[test]
 fn a_listener_refuses_a_peer_whose_ring_cannot_take_a_data_frame() {
     // A data frame needs a data slot: a peer announcing a ring of 0, or

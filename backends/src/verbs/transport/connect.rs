@@ -29,6 +29,9 @@ pub struct Dialer<M: PayloadMemory> {
 /// (dropped instead, it is torn down).
 pub struct Dialed<M: PayloadMemory> {
     conn: Box<Conn<M>>,
+    /// The receive pool its ring came from: the transport's own, or
+    /// another's, which `attach` refuses.
+    from: Arc<M::Pool>,
     /// The ring the peer announced: our frame credits.
     ring: u16,
 }
@@ -81,6 +84,7 @@ impl<M: PayloadMemory> Dialer<M> {
         conn.addr = Some(addr);
         Ok(Dialed {
             conn: Box::new(conn),
+            from: Arc::clone(&self.recv_pool),
             ring,
         })
     }
@@ -225,15 +229,27 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         }
     }
 
-    /// Makes a peer of a connection [`Dialer::dial`] brought up, and sends
-    /// its Hello. The peer's Hello is yet to come: [`opened`](Self::opened)
+    /// Makes a peer of a connection [`Dialer::dial`] brought up (from this
+    /// transport's own [`dialer`](Self::dialer); another's is refused), and
+    /// sends its Hello. The peer's Hello is yet to come: [`opened`](Self::opened)
     /// says when it has.
     pub fn attach(&mut self, dialed: Dialed<M>) -> Result<PeerId, VerbsError> {
         // A dial that ends while the transport closes: its connection goes.
         if self.closed {
             return Err(VerbsError::Connect("the transport is closed".into()));
         }
-        let Dialed { mut conn, ring } = dialed;
+        let Dialed {
+            mut conn,
+            from,
+            ring,
+        } = dialed;
+        // Another transport's dial: its ring, QP and memory keys are that
+        // transport's, and would be posted and reaped here as ours.
+        if !Arc::ptr_eq(&from, &self.recv_pool) {
+            return Err(VerbsError::Connect(
+                "a connection dialed by another transport".into(),
+            ));
+        }
         let addr = conn.addr;
         // Tokens tell the two ends of a connection apart: the accepting
         // side's is 0, the connecting side's 1.
