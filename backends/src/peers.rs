@@ -546,6 +546,31 @@ impl Looks {
     }
 }
 
+/// Why `peer` ended, taken from a wire's arrivals, where its end waits for
+/// `try_recv` (a Close, a loss, a refusal of its Hello); [`PeerLost`]
+/// where none is there. What a wire's `opened` answers for a peer that is
+/// gone before its Hellos crossed.
+///
+/// [`PeerLost`]: zerohop_core::Error::PeerLost
+pub fn take_end<L>(
+    arrivals: &mut std::collections::VecDeque<
+        Result<zerohop_core::Received<L>, zerohop_core::Error>,
+    >,
+    peer: PeerId,
+) -> zerohop_core::Error {
+    use zerohop_core::Error;
+    let about = |e: &Error| match *e {
+        Error::PeerClosed(p) => p == peer,
+        ref e => e.lost_peer() == Some(peer),
+    };
+    arrivals
+        .iter()
+        .position(|a| a.as_ref().err().is_some_and(about))
+        .and_then(|i| arrivals.remove(i))
+        .and_then(Result::err)
+        .unwrap_or(Error::PeerLost(peer))
+}
+
 /// How long without a look at the timers is an absence: half the idle
 /// timeout, and at least a quarter of a second (a loaded machine's waiter
 /// may be late by a scheduler's slice or two).

@@ -1091,11 +1091,7 @@ fn a_connection_dialed_by_another_transport_is_refused_at_attach() {
         let dialed = a.dialer().dial(addr, CONNECT);
         (a, dialed)
     });
-    let until = std::time::Instant::now() + WAIT;
-    while !dialing.is_finished() {
-        b.progress().unwrap();
-        assert!(std::time::Instant::now() < until, "the dial did not end");
-    }
+    drive_until_finished(&mut b, &dialing);
     let (a, dialed) = dialing.join().unwrap();
     let e = other.attach(dialed.unwrap()).unwrap_err();
     assert!(e.to_string().contains("another transport"), "{e}");

@@ -201,10 +201,10 @@ fn resolve(
 fn answered<T: zerohop_std::Wire>(
     e: &Driven<T>,
     peer: PeerId,
-    timeout: Duration,
+    deadline: Deadline,
     let_go: fn(&mut T, PeerId) -> bool,
 ) -> Result<PeerId, ConnectError> {
-    e.wait_open(peer, Deadline::after(timeout)).or_else(|err| {
+    e.wait_open(peer, deadline).or_else(|err| {
         e.with(|t| match t.opened(peer) {
             // Its Hello came as the wait ended: the peer is kept.
             Some(Ok(peer)) => Ok(peer),
@@ -436,8 +436,7 @@ impl Endpoint {
 
     fn connect_one(&self, addr: SocketAddr, timeout: Duration) -> Result<PeerId, ConnectError> {
         // The timeout covers the whole connect: the dial, then the Hello.
-        let until = Instant::now().checked_add(timeout);
-        let left = || until.map_or(timeout, |u| u.saturating_duration_since(Instant::now()));
+        let deadline = Deadline::after(timeout).started();
         let other = |e: std::io::Error| ConnectError::Other(Box::new(e));
         // Each wire dials without its transport's lock (a host slow to
         // answer holds up no other peer), then attaches and waits.
@@ -446,26 +445,26 @@ impl Endpoint {
                 let dialed = TcpTransport::dial(addr, timeout, self.tcp_lanes)
                     .map_err(ConnectError::Unreachable)?;
                 let peer = e.with(|t| t.attach(dialed)).map_err(other)?;
-                answered(e, peer, left(), TcpTransport::disconnect)
+                answered(e, peer, deadline, TcpTransport::disconnect)
             }
             Wire::Local(e) => {
                 let dialed = TcpTransport::dial(addr, timeout, self.tcp_lanes)
                     .map_err(ConnectError::Unreachable)?;
                 let peer = e.with(|t| t.attach(dialed)).map_err(other)?;
                 // The id it ends up with: a lane's, for a peer on this host.
-                answered(e, peer, left(), LocalWire::disconnect)
+                answered(e, peer, deadline, LocalWire::disconnect)
             }
             #[cfg(feature = "gpudirect-verbs")]
             Wire::Rdma(e) => {
                 let dialed = e.with(|t| t.dialer()).dial(addr, timeout)?;
                 let peer = e.with(|t| t.attach(dialed))?;
-                answered(e, peer, left(), RdmaTransport::disconnect)
+                answered(e, peer, deadline, RdmaTransport::disconnect)
             }
             #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
             Wire::Gpu(e) => {
                 let dialed = e.with(|t| t.dialer()).dial(addr, timeout)?;
                 let peer = e.with(|t| t.attach(dialed))?;
-                answered(e, peer, left(), RdmaTransport::disconnect)
+                answered(e, peer, deadline, RdmaTransport::disconnect)
             }
         }
     }

@@ -731,18 +731,7 @@ impl TcpTransport {
         if let Some(p) = self.peer(peer) {
             return (p.session.is_open() && p.session.host_settled()).then_some(Ok(peer));
         }
-        let about = |e: &Error| match *e {
-            Error::PeerClosed(p) => p == peer,
-            ref e => e.lost_peer() == Some(peer),
-        };
-        let at = self
-            .arrivals
-            .iter()
-            .position(|a| a.as_ref().err().is_some_and(about));
-        Some(Err(at
-            .and_then(|i| self.arrivals.remove(i))
-            .and_then(Result::err)
-            .unwrap_or(Error::PeerLost(peer))))
+        Some(Err(zerohop_backends::take_end(&mut self.arrivals, peer)))
     }
 
     /// Bytes queued for sending, over all peers (0: everything is with the kernel).

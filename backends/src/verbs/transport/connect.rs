@@ -270,18 +270,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         if let Some(c) = self.peers.get(peer) {
             return c.session.is_open().then_some(Ok(peer));
         }
-        let about = |e: &Error| match *e {
-            Error::PeerClosed(p) => p == peer,
-            ref e => e.lost_peer() == Some(peer),
-        };
-        let at = self
-            .arrivals
-            .iter()
-            .position(|a| a.as_ref().err().is_some_and(about));
-        Some(Err(at
-            .and_then(|i| self.arrivals.remove(i))
-            .and_then(Result::err)
-            .unwrap_or(Error::PeerLost(peer))))
+        Some(Err(crate::take_end(&mut self.arrivals, peer)))
     }
 
     /// Drops a peer at once, without a Close: its connection is torn down
