@@ -585,3 +585,69 @@ fn a_recv_with_nothing_to_read_times_out_and_the_endpoint_goes_on() {
     c.send(peer, b"late").unwrap();
     assert_eq!(s.recv(WAIT).unwrap().bytes(), Some(&b"late"[..]));
 }
+
+/// A node that is behind on reading (its inbox full: 4 096 unread) still
+/// connects to a new peer: the newcomer's Hello is not a message, and a full
+/// inbox is no reason to report that the newcomer did not answer.
+fn connect_with_a_full_inbox(case: &str, config: fn() -> Config) {
+    let a = Endpoint::open(config()).unwrap();
+    let a_addr = a.listen("127.0.0.1:0").unwrap();
+    const N: u32 = 5000; // past the inbox's 4 096 messages
+    const LEN: usize = 512;
+    let sender = std::thread::spawn(move || {
+        let b = Endpoint::open(config()).unwrap();
+        let to_a = b.connect(a_addr, WAIT).unwrap();
+        for i in 0..N {
+            b.send(to_a, &i.to_le_bytes().repeat(LEN / 4)).unwrap();
+        }
+        b
+    });
+    // `a` accepts and reads what it can without taking it, until its inbox
+    // is full (the sender stays blocked from then on).
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until {
+        a.progress().unwrap();
+    }
+    // The newcomer answers by itself (`a` is the one under test).
+    let mut answers = config();
+    answers.progress_thread = true;
+    let c = Endpoint::open(answers).unwrap();
+    let c_addr = c.listen("127.0.0.1:0").unwrap();
+    let to_c = a.connect(c_addr, Duration::from_secs(3));
+    assert!(to_c.is_ok(), "{case}: {to_c:?}");
+    // Nothing of the backlog was lost or reordered meanwhile.
+    let mut got = 0;
+    while got < N {
+        match a.next_event(WAIT).unwrap() {
+            Event::Message(m) => {
+                assert_eq!(
+                    &m.bytes().unwrap()[..4],
+                    &got.to_le_bytes(),
+                    "{case}: message {got}"
+                );
+                assert_eq!(m.len(), LEN);
+                got += 1;
+            }
+            Event::Connected { .. } => {}
+            ev => panic!("{ev:?}"),
+        }
+    }
+    a.send(to_c.unwrap(), b"hello").unwrap();
+    assert_eq!(c.recv(WAIT).unwrap().bytes().unwrap(), b"hello");
+    drop(sender.join().unwrap());
+}
+
+#[test]
+fn a_connect_is_answered_while_unread_messages_fill_the_inbox() {
+    connect_with_a_full_inbox("tcp", tcp);
+    connect_with_a_full_inbox("tcp, caller-driven", || {
+        let mut c = tcp();
+        c.progress_thread = false;
+        c
+    });
+    connect_with_a_full_inbox("shm", || {
+        let mut c = Config::only(Kind::Shm);
+        c.pool_bytes = 64 << 20;
+        c
+    });
+}

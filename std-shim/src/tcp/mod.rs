@@ -326,6 +326,14 @@ struct Peer {
 }
 
 impl Peer {
+    /// Its Hello (and, this side having offered, the answer on the same
+    /// host) has not come yet: what it sends until then is no message, so
+    /// a full inbox does not keep it unread (a connect would wait out its
+    /// timeout and blame the peer).
+    fn opening(&self) -> bool {
+        !(self.session.is_open() && self.session.host_settled())
+    }
+
     /// Something waits for a read, found by a peek (bytes, their end or an
     /// error): in its main connection, or on its lane for a striped
     /// payload under way that wants them (lane bytes nothing wants yet are
@@ -893,10 +901,11 @@ impl TcpTransport {
             now.duration_since(*since) < REFUSING_FOR && accept::drained(s, left) == Some(false)
         });
         for slot in 0..self.peers.len() {
-            let full = self.inbox_full();
+            let inbox_full = self.inbox_full();
             let Some(p) = self.peers.at_mut(slot) else {
                 continue;
             };
+            let full = inbox_full && !p.opening();
             // A peer is judged on what it sent, read first: what waits for
             // it (readiness not used yet, or bytes in its sockets: a
             // progress thread leaves reading to an application thread that
@@ -906,10 +915,11 @@ impl TcpTransport {
             if due(p) && !full && (p.readable || p.note_unread()) {
                 self.read_turn(slot);
             }
-            let (full, queued) = (self.inbox_full(), !self.arrivals.is_empty());
+            let (inbox_full, queued) = (self.inbox_full(), !self.arrivals.is_empty());
             let Some(p) = self.peers.at_mut(slot) else {
                 continue;
             };
+            let full = inbox_full && !p.opening();
             // A quiet peer's empty stage goes back (see `quiet_scans`).
             if p.stage_start == p.stage_end && p.incoming.is_none() && !p.stage.is_empty() {
                 p.quiet_scans += 1;

@@ -181,15 +181,19 @@ impl TcpTransport {
             self.pool_dry = false;
         }
         for _ in 0..self.hot_read.len() {
-            if self.inbox_full() {
-                break;
-            }
+            let full = self.inbox_full();
             let Some(slot) = self.hot_read.pop_front() else {
                 break;
             };
             let Some(p) = self.peers.at_mut(slot) else {
                 continue;
             };
+            if full && !p.opening() {
+                // Read once the application makes room, in its turn; a
+                // peer still opening is read now (see `Peer::opening`).
+                self.hot_read.push_back(slot);
+                continue;
+            }
             p.in_read = false;
             self.read_turn(slot);
         }
@@ -232,9 +236,9 @@ impl TcpTransport {
         let protocol = |error| Outcome::Bad(Error::Protocol { peer: id, error });
         let mut frames = 0;
         loop {
-            if self.arrivals.len() >= inbox
-                || self.arrival_bytes >= inbox_bytes
-                || frames == FRAMES_PER_TURN
+            if frames == FRAMES_PER_TURN
+                || ((self.arrivals.len() >= inbox || self.arrival_bytes >= inbox_bytes)
+                    && !p.opening())
             {
                 return Outcome::Stopped;
             }
