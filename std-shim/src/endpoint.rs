@@ -841,7 +841,7 @@ impl<T: Wire> Endpoint<T> {
         mut deadline: Deadline,
         cancel: Option<&CancelToken>,
     ) -> Result<Received<T::Lease>, Error> {
-        self.wait_for(&mut deadline, cancel, |t| {
+        self.wait_for(&mut deadline, cancel, true, |t| {
             match self.take_early(t).unwrap_or_else(|| t.try_recv()) {
                 Ok(r) => Ok(Some(r)),
                 // An empty wire, or a dry pool (waits for leases to come back).
@@ -871,7 +871,7 @@ impl<T: Wire> Endpoint<T> {
         deadline: &mut Deadline,
         cancel: Option<&CancelToken>,
     ) -> Result<Event<T::Lease>, Error> {
-        self.wait_for(deadline, cancel, |t| {
+        self.wait_for(deadline, cancel, true, |t| {
             if let Some((peer, addr)) = t.take_accepted() {
                 return Ok(Some(Event::Accepted { peer, addr }));
             }
@@ -919,7 +919,9 @@ impl<T: Wire> Endpoint<T> {
     /// [`Wire::opened`]): a peer that refuses (another version, not
     /// zerohop) or goes is the error `recv` would have given.
     pub fn wait_open(&self, peer: PeerId, mut deadline: Deadline) -> Result<PeerId, Error> {
-        self.wait_for(&mut deadline, None, |t| {
+        // Not `reading`: messages that come meanwhile wait for a later
+        // `recv`, and must not keep this wait from sleeping.
+        self.wait_for(&mut deadline, None, false, |t| {
             if let Some(r) = t.opened(peer) {
                 return r.map(Some);
             }
@@ -930,11 +932,13 @@ impl<T: Wire> Endpoint<T> {
 
     /// Polls `look` until it finds something (`Ok(Some)`) or fails, as a
     /// receiver waits: spinning on the transport, then asleep on its
-    /// descriptors, until the deadline or a cancellation.
+    /// descriptors, until the deadline or a cancellation. `reading`: `look`
+    /// takes arrivals (then one waiting keeps it from sleeping).
     fn wait_for<R>(
         &self,
         deadline: &mut Deadline,
         cancel: Option<&CancelToken>,
+        reading: bool,
         mut look: impl FnMut(&mut T) -> Result<Option<R>, Error>,
     ) -> Result<R, Error> {
         // The spin is timed from the first clock check (CLOCK_EVERY polls in):
@@ -984,7 +988,7 @@ impl<T: Wire> Endpoint<T> {
             if self.thread.is_none() && t.progress() == Ok(true) {
                 continue;
             }
-            t = self.wait_io(t, *deadline, true);
+            t = self.wait_io(t, *deadline, reading);
         };
         Shared::adjust(&self.shared.app_reading, -1, &t);
         drop(t);

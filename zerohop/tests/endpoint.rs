@@ -651,3 +651,73 @@ fn a_connect_is_answered_while_unread_messages_fill_the_inbox() {
         c
     });
 }
+
+/// This thread's CPU time (user and system), from /proc.
+fn thread_cpu() -> Duration {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
+    // The fields after the command's closing parenthesis: utime and stime
+    // are the 12th and 13th, in clock ticks (100 a second on Linux).
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<u64> = rest
+        .split(' ')
+        .skip(11)
+        .take(2)
+        .map(|v| v.parse().unwrap())
+        .collect();
+    Duration::from_millis((f[0] + f[1]) * 10)
+}
+
+/// A connect that waits for an answer sleeps while messages that came
+/// meanwhile wait unread: they are for a later `recv`, not for this wait.
+fn a_connect_sleeps_beside_unread_messages(case: &str, config: fn() -> Config) {
+    let mut answers = config();
+    answers.progress_thread = true;
+    let a = Endpoint::open(answers).unwrap();
+    let a_addr = a.listen("127.0.0.1:0").unwrap();
+    let c = Endpoint::open(config()).unwrap();
+    let to_a = c.connect(a_addr, WAIT).unwrap();
+    // Unread by `c` until after its second connect.
+    a.send(next_peer(&a), b"unread").unwrap();
+    let until = Instant::now() + Duration::from_millis(500);
+    while Instant::now() < until {
+        c.progress().unwrap();
+    }
+    let mute = TcpListener::bind("127.0.0.1:0").unwrap();
+    const WAITED: Duration = Duration::from_secs(1);
+    let cpu = thread_cpu();
+    let e = c.connect(mute.local_addr().unwrap(), WAITED).unwrap_err();
+    let used = thread_cpu() - cpu;
+    assert!(
+        matches!(e.connect_error(), Some(ConnectError::NoAnswer)),
+        "{case}: {e:?}"
+    );
+    assert!(
+        used < WAITED / 4,
+        "{case}: the connect spun: {used:?} of CPU in {WAITED:?}"
+    );
+    let m = c.recv(WAIT).unwrap();
+    assert_eq!((m.peer(), m.bytes().unwrap()), (to_a, &b"unread"[..]));
+}
+
+/// The peer of the next connection `e` hears of.
+fn next_peer(e: &Endpoint) -> zerohop::Peer {
+    match e.next_event(WAIT).unwrap() {
+        Event::Connected { peer, .. } => peer,
+        ev => panic!("{ev:?}"),
+    }
+}
+
+#[test]
+fn a_connect_sleeps_while_earlier_messages_wait_unread() {
+    a_connect_sleeps_beside_unread_messages("tcp", tcp);
+    a_connect_sleeps_beside_unread_messages("tcp, caller-driven", || {
+        let mut c = tcp();
+        c.progress_thread = false;
+        c
+    });
+    a_connect_sleeps_beside_unread_messages("shm", || {
+        let mut c = Config::only(Kind::Shm);
+        c.pool_bytes = 64 << 20;
+        c
+    });
+}

@@ -1135,7 +1135,8 @@ impl Wire for LocalWire {
     }
 
     fn prepare_sleep(&mut self, waiter: Waiter) -> bool {
-        let mut any = self.tcp.prepare_sleep(waiter) || !self.arrivals.is_empty();
+        let mut any = self.tcp.prepare_sleep(waiter)
+            || (waiter == Waiter::App { reading: true } && !self.arrivals.is_empty());
         for (_, l) in self.lanes.iter_mut() {
             any |= l.prepare_sleep();
             tally(&mut self.unsent_lanes, l);
