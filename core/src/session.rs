@@ -42,6 +42,7 @@
 use core::fmt;
 use core::time::Duration;
 
+use crate::transport::PeerId;
 use crate::wire::{
     Close, Credit, Data, DataFlags, DecodeError, Decoded, Frame, FrameKind, Hello, Host, HostStep,
     ShortRecord, Takes, Want, HEADER_LEN, MAX_FRAME_CREDITS,
@@ -453,12 +454,28 @@ pub enum SendError {
         /// The peer's maximum.
         max: usize,
     },
-    /// This side closed, or the peer did.
+    /// This side closed (or the session moved to another wire).
     Closed,
+    /// The peer closed: its Close came.
+    PeerClosed,
     /// The session failed.
     Failed(ProtocolError),
     /// The 2^64th message.
     SequenceExhausted,
+}
+
+impl SendError {
+    /// As the error a driver's send reports for `peer` (the same on every
+    /// wire): not now is `WouldBlock`; a failed session is no longer a peer.
+    pub fn to_error(self, peer: PeerId) -> crate::Error {
+        match self {
+            SendError::NotOpen | SendError::NoCredit => crate::Error::WouldBlock,
+            SendError::TooLarge { len, max } => crate::Error::TooLarge { len, max },
+            SendError::Closed => crate::Error::Closed,
+            SendError::PeerClosed => crate::Error::PeerClosed(peer),
+            SendError::Failed(_) | SendError::SequenceExhausted => crate::Error::UnknownPeer(peer),
+        }
+    }
 }
 
 /// A message being sent: a cursor over its fragments. The driver keeps it
@@ -945,7 +962,10 @@ impl Session {
         if let Some(e) = self.failed {
             return Err(SendError::Failed(e));
         }
-        if self.closing || self.peer_closed || self.is_moved() {
+        if self.peer_closed {
+            return Err(SendError::PeerClosed);
+        }
+        if self.closing || self.is_moved() {
             return Err(SendError::Closed);
         }
         let Some(peer) = self.peer.filter(|_| self.host_settled()) else {

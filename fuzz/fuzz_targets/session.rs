@@ -286,6 +286,7 @@ fuzz_target!(|setup: Setup| {
                         SendError::NotOpen
                         | SendError::NoCredit
                         | SendError::Closed
+                        | SendError::PeerClosed
                         | SendError::TooLarge { .. }
                         | SendError::Failed(_),
                     ) => {}

@@ -7,7 +7,7 @@
 
 use core::ops::Deref;
 
-use zerohop_core::session::{DataIn, Inbound, Instant, SendError, Session, SessionConfig};
+use zerohop_core::session::{DataIn, Inbound, Instant, Session, SessionConfig};
 use zerohop_core::wire::{DataFlags, HEADER_LEN};
 use zerohop_core::{
     Access, Capabilities, Error, Kind, Lease, PeerId, Pool, Received, Rejected, Transport,
@@ -226,12 +226,10 @@ where
         if self.link.room().is_none_or(|room| room < bytes.len()) {
             return Err(Error::WouldBlock);
         }
-        let mut out = self.session.send(bytes.len()).map_err(|e| match e {
-            SendError::NotOpen | SendError::NoCredit => Error::WouldBlock,
-            SendError::TooLarge { len, max } => Error::TooLarge { len, max },
-            SendError::Closed => Error::Closed,
-            SendError::Failed(_) | SendError::SequenceExhausted => Error::UnknownPeer(PEER),
-        })?;
+        let mut out = self
+            .session
+            .send(bytes.len())
+            .map_err(|e| e.to_error(PEER))?;
         // One frame: the peer takes messages whole (a stream configuration).
         while let Some(f) = self
             .session

@@ -545,7 +545,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 .err()
                 .unwrap_or(SendError::NoCredit);
             let _ = Self::pump(conn); // a Want, when credit is short
-            return Err((send_error(e, peer), lease));
+            return Err((e.to_error(peer), lease));
         }
         // A small message with nothing ahead goes inline straight from where
         // it is: the caller's bytes, or a host lease of our own.
@@ -561,7 +561,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
         ) {
             let mut out = match conn.session.send(total) {
                 Ok(out) => out,
-                Err(e) => return Err((send_error(e, peer), lease)),
+                Err(e) => return Err((e.to_error(peer), lease)),
             };
             // One fragment (it fits inline, so it fits a frame), framed now.
             let Some(f) = conn.session.next_frame(&mut out, None, DataFlags::NONE) else {
@@ -613,7 +613,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                     Parts::Lease(l) => Some(l),
                     _ => None,
                 });
-                return Err((send_error(e, peer), lease));
+                return Err((e.to_error(peer), lease));
             }
         };
         drop(lease); // copied: the caller's lease goes back to its pool
@@ -824,15 +824,6 @@ impl<M: PayloadMemory> Conn<M> {
     /// Nothing queued and nothing in flight.
     fn idle(&self) -> bool {
         self.queue.is_empty() && self.send.in_flight() == 0 && self.held.is_empty()
-    }
-}
-
-fn send_error(e: SendError, peer: PeerId) -> Error {
-    match e {
-        SendError::NotOpen | SendError::NoCredit => Error::WouldBlock,
-        SendError::TooLarge { len, max } => Error::TooLarge { len, max },
-        SendError::Closed => Error::Closed,
-        SendError::Failed(_) | SendError::SequenceExhausted => Error::UnknownPeer(peer),
     }
 }
 

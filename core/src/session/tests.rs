@@ -946,7 +946,7 @@ fn a_clean_close_follows_the_data_and_is_answered() {
     assert_eq!(b_saw.last(), Some(&SimEvent::Closed));
     assert_eq!(a_saw, [SimEvent::Closed], "b answered with its own close");
     assert!(a.session.is_finished() && b.session.is_finished());
-    assert_eq!(b.session.send(1), Err(SendError::Closed));
+    assert_eq!(b.session.send(1), Err(SendError::PeerClosed));
 }
 
 #[test]

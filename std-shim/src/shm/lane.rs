@@ -12,8 +12,7 @@ use std::sync::Arc;
 
 use zerohop_backends::{host_bytes, host_bytes_mut, shared_place};
 use zerohop_core::session::{
-    DataFrame, DataIn, Delivered, Inbound, Instant, ProtocolError, SendError, Session,
-    SessionConfig,
+    DataFrame, DataIn, Delivered, Inbound, Instant, ProtocolError, Session, SessionConfig,
 };
 use zerohop_core::wire::{DataFlags, ShortRecord, HEADER_LEN};
 use zerohop_core::{Error, Lease, PeerId, Received};
@@ -660,7 +659,7 @@ impl Lane {
             Ok(o) => o,
             Err(e) => {
                 self.control();
-                return Err((send_error(peer, e), lease));
+                return Err((e.to_error(peer), lease));
             }
         };
         let Some(f) = self.session.next_frame(&mut out, None, DataFlags::DEVICE) else {
@@ -1159,7 +1158,7 @@ impl Lane {
             Ok(o) => o,
             Err(e) => {
                 self.control(); // a Want, when credit is short
-                return Err(payload.refused(send_error(peer, e)));
+                return Err(payload.refused(e.to_error(peer)));
             }
         };
         let Some(f) = self.session.next_frame(&mut out, None, DataFlags::NONE) else {
@@ -1939,16 +1938,6 @@ fn device_stage() -> Stage {
 #[cfg(not(feature = "cuda-uma"))]
 fn device_stage() -> Stage {
     Stage::Inline
-}
-
-/// Why the engine refused a message, as the transport says it.
-fn send_error(peer: PeerId, e: SendError) -> Error {
-    match e {
-        SendError::NotOpen | SendError::NoCredit => Error::WouldBlock,
-        SendError::TooLarge { len, max } => Error::TooLarge { len, max },
-        SendError::Closed => Error::Closed,
-        SendError::Failed(_) | SendError::SequenceExhausted => Error::UnknownPeer(peer),
-    }
 }
 
 /// What [`Lane::send`] sends: the caller's bytes, or a lease.

@@ -5,7 +5,6 @@ use std::io::{self, IoSlice};
 use std::net::TcpStream;
 
 use zerohop_backends::host_bytes;
-use zerohop_core::session::SendError;
 use zerohop_core::wire::{DataFlags, Decoded, Frame, FrameKind, ShortRecord, HEADER_LEN};
 use zerohop_core::{Error, PeerId};
 
@@ -66,15 +65,6 @@ pub(super) struct Direct {
     pub(super) header: [u8; HEADER_LEN],
     pub(super) split: usize,
     pub(super) sent: Sent,
-}
-
-pub(super) fn send_error(e: SendError, peer: PeerId) -> Error {
-    match e {
-        SendError::NotOpen | SendError::NoCredit => Error::WouldBlock,
-        SendError::TooLarge { len, max } => Error::TooLarge { len, max },
-        SendError::Closed => Error::Closed,
-        SendError::Failed(_) | SendError::SequenceExhausted => Error::UnknownPeer(peer),
-    }
 }
 
 /// Two credit headers this side encoded, `earlier` then `later`, as one.
@@ -193,7 +183,7 @@ impl TcpTransport {
             Ok(out) => out,
             Err(e) => {
                 self.control(slot); // a Want, when credit is short
-                return Err((send_error(e, peer), src));
+                return Err((e.to_error(peer), src));
             }
         };
         let striped = stripe_min.is_some_and(|m| len >= m)
