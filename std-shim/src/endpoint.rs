@@ -1047,7 +1047,9 @@ impl<T: Wire> Endpoint<T> {
                 return Err(Error::Timeout);
             }
             self.shared.wake_progress();
-            t = self.wait_io(t, deadline, true);
+            // Not `reading`: messages that came wait for `recv`, and must
+            // not keep this wait from sleeping.
+            t = self.wait_io(t, deadline, false);
         }
     }
 

@@ -721,3 +721,64 @@ fn a_connect_sleeps_while_earlier_messages_wait_unread() {
         c
     });
 }
+
+/// A close that waits for a peer's answering Close sleeps while messages
+/// that came before wait unread (they are for `recv`, after or beside it).
+fn a_close_sleeps_beside_unread_messages(case: &str, config: fn() -> Config) {
+    let a = Endpoint::open(config()).unwrap();
+    let a_addr = a.listen("127.0.0.1:0").unwrap();
+    // `b` sends and answers by itself; `mute` connects, then never calls
+    // again, so its answering Close never comes.
+    let mut answers = config();
+    answers.progress_thread = true;
+    let b = Endpoint::open(answers).unwrap();
+    let mut silent = config();
+    silent.progress_thread = false;
+    let mute = Endpoint::open(silent).unwrap();
+    std::thread::scope(|s| {
+        let to_a = s.spawn(|| b.connect(a_addr, WAIT).unwrap());
+        let muted = s.spawn(|| mute.connect(a_addr, WAIT).unwrap());
+        while !(to_a.is_finished() && muted.is_finished()) {
+            a.progress().unwrap();
+        }
+        b.send(to_a.join().unwrap(), b"unread").unwrap();
+        muted.join().unwrap();
+    });
+    let until = Instant::now() + Duration::from_millis(500);
+    while Instant::now() < until {
+        a.progress().unwrap();
+    }
+    const WAITED: Duration = Duration::from_secs(1);
+    let cpu = thread_cpu();
+    let closed = a.close(WAITED);
+    let used = thread_cpu() - cpu;
+    assert!(
+        closed.as_ref().is_err_and(Error::is_timeout),
+        "{case}: {closed:?}"
+    );
+    assert!(
+        used < WAITED / 4,
+        "{case}: the close spun: {used:?} of CPU in {WAITED:?}"
+    );
+    // What came before the close is still there to read.
+    let mut read = false;
+    while let Ok(ev) = a.next_event(Duration::from_millis(100)) {
+        read |= matches!(&ev, Event::Message(m) if m.bytes() == Some(&b"unread"[..]));
+    }
+    assert!(read, "{case}: the message sent before the close was lost");
+}
+
+#[test]
+fn a_close_sleeps_while_earlier_messages_wait_unread() {
+    a_close_sleeps_beside_unread_messages("tcp", tcp);
+    a_close_sleeps_beside_unread_messages("tcp, caller-driven", || {
+        let mut c = tcp();
+        c.progress_thread = false;
+        c
+    });
+    a_close_sleeps_beside_unread_messages("shm", || {
+        let mut c = Config::only(Kind::Shm);
+        c.pool_bytes = 64 << 20;
+        c
+    });
+}
