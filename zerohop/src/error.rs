@@ -125,6 +125,9 @@ pub enum ConnectError {
     /// (or the wire's own handshake timeout, `idle_timeout`, if shorter):
     /// not a zerohop listener, or one too busy to answer.
     NoAnswer,
+    /// A connection was made, and the other side ended it before its Hello
+    /// came: not a zerohop listener, or one that went down.
+    HungUp,
     /// The listener turned a newcomer away: it keeps as many peers as its
     /// limits allow (in all, or from this address; see
     /// [`PeerLimits`](crate::PeerLimits)), it is closing, or (over RDMA) it
@@ -152,7 +155,7 @@ impl ConnectError {
         match self {
             ConnectError::Unreachable(_) => 0,
             ConnectError::Other(_) => 1,
-            ConnectError::NoAnswer => 2,
+            ConnectError::NoAnswer | ConnectError::HungUp => 2,
             ConnectError::Refused | ConnectError::Version { .. } | ConnectError::Protocol(_) => 3,
         }
     }
@@ -166,6 +169,11 @@ impl From<zerohop_core::Error> for ConnectError {
         use zerohop_core::wire::DecodeError as D;
         match e {
             zerohop_core::Error::Timeout => ConnectError::NoAnswer,
+            // The peer went before its Hellos crossed (an answer would
+            // have been a refusal or another version).
+            zerohop_core::Error::PeerLost(_) | zerohop_core::Error::PeerClosed(_) => {
+                ConnectError::HungUp
+            }
             zerohop_core::Error::Protocol { error, .. } => match error {
                 P::Refused => ConnectError::Refused,
                 // The session's own handshake timer (`idle_timeout`) ran
@@ -218,6 +226,7 @@ impl fmt::Display for ConnectError {
         match self {
             ConnectError::Unreachable(e) => write!(f, "no connection: {e}"),
             ConnectError::NoAnswer => f.write_str("no answer to our hello within the timeout"),
+            ConnectError::HungUp => f.write_str("the other side hung up before its hello"),
             ConnectError::Refused => f.write_str(
                 "refused: the listener keeps as many peers as its limits allow, or is closing",
             ),

@@ -782,3 +782,39 @@ fn a_close_sleeps_while_earlier_messages_wait_unread() {
         c
     });
 }
+
+/// A listener that takes the connection and hangs up before any Hello:
+/// the connect fails at once, and says so, over tcp as over shm (whose
+/// side waits for a same-host answer that can no longer come).
+#[test]
+fn a_listener_that_hangs_up_before_its_hello_fails_the_connect_at_once() {
+    for (case, config) in [
+        ("tcp", tcp()),
+        ("shm", {
+            let mut c = Config::only(Kind::Shm);
+            c.pool_bytes = 64 << 20;
+            c
+        }),
+    ] {
+        let c = Endpoint::open(config).unwrap();
+        let rude = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = rude.local_addr().unwrap();
+        let hangs_up = std::thread::spawn(move || {
+            let (mut s, _) = rude.accept().unwrap();
+            // Our Hello first, so the end is not a reset.
+            let _ = s.read(&mut [0u8; 64]);
+            drop(s);
+        });
+        let started = Instant::now();
+        let e = c.connect(at, Duration::from_secs(5)).unwrap_err();
+        let took = started.elapsed();
+        hangs_up.join().unwrap();
+        assert!(
+            matches!(e.connect_error(), Some(ConnectError::HungUp)),
+            "{case}: {e:?}"
+        );
+        assert!(e.to_string().contains("hung up"), "{case}: {e}");
+        assert!(took < Duration::from_secs(2), "{case}: waited {took:?}");
+        assert!(c.peers().is_empty(), "{case}");
+    }
+}

@@ -1226,11 +1226,16 @@ impl Wire for LocalWire {
     }
 
     fn opened(&mut self, peer: PeerId) -> Option<Result<PeerId, Error>> {
+        if self.dialed.contains_key(&peer) && self.tcp.peer_addr(peer).is_none() {
+            // Gone from TCP before its answer was taken: a read outside a
+            // pass (`try_recv`) may have left the answer for `upgrade`.
+            self.upgrade();
+        }
         if let Some(r) = self.moved.remove(&peer) {
             return Some(r);
         }
-        let waiting =
-            self.dialed.contains_key(&peer) || self.awaiting.values().any(|(p, _, _)| *p == peer);
+        // The answer taken: the TCP peer leaves as its lane comes.
+        let on_its_way = self.awaiting.values().any(|(p, _, _)| *p == peer);
         match self.tcp.opened(peer) {
             Some(Ok(p)) if !self.config.required => {
                 self.dialed.remove(&peer);
@@ -1238,10 +1243,11 @@ impl Wire for LocalWire {
             }
             // Required: only a lane will do; a declined offer comes back as `moved`.
             Some(Ok(_)) => None,
-            // The TCP peer went: its lane is on its way. Not one that broke
-            // or refused the session (another version, a listener at its
-            // peer limits): no lane comes, and the wait would time out.
-            Some(Err(e)) if waiting && !matches!(e, Error::Protocol { .. }) => None,
+            // The TCP peer went: its lane is on its way. Not one that went
+            // before its answer (a listener that hung up), nor one that
+            // broke or refused the session (another version, a listener at
+            // its peer limits): no lane comes, and the wait would time out.
+            Some(Err(e)) if on_its_way && !matches!(e, Error::Protocol { .. }) => None,
             Some(Err(e)) => {
                 self.dialed.remove(&peer);
                 Some(Err(e))
