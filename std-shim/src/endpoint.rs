@@ -443,6 +443,13 @@ struct Shared<T: Wire> {
     /// than the two locked instructions of taking `early`'s lock.
     /// Changed under the transport mutex only.
     early_held: AtomicBool,
+    /// Peers a connect attached and waits for (see [`Endpoint::attach`]),
+    /// each with its end once one came: kept for that connect's
+    /// `wait_open`, not handed to another thread's look. Changed with the
+    /// transport locked.
+    claimed: Mutex<Vec<(PeerId, Option<Error>)>>,
+    /// Whether `claimed` lists any: a look that finds an end asks.
+    any_claimed: AtomicBool,
 }
 
 impl<T: Wire> Shared<T> {
@@ -526,6 +533,8 @@ impl<T: Wire> Endpoint<T> {
             config,
             early: Mutex::new(None),
             early_held: AtomicBool::new(false),
+            claimed: Mutex::new(Vec::new()),
+            any_claimed: AtomicBool::new(false),
         });
         let thread = match config.progress_thread {
             true => {
@@ -624,6 +633,73 @@ impl<T: Wire> Endpoint<T> {
         let r = f(&mut self.shared.lock());
         self.shared.wake_progress();
         r
+    }
+
+    /// Makes a peer of a connection this thread dialed (`attach`: the
+    /// wire's own attach, run with the transport locked), for this
+    /// thread's [`wait_open`](Self::wait_open): until that returns, the
+    /// peer's end (a refusal, another version, a hang-up) is kept for it,
+    /// and no other thread's `recv` or `next_event` takes it instead.
+    pub fn attach<E>(&self, attach: impl FnOnce(&mut T) -> Result<PeerId, E>) -> Result<PeerId, E> {
+        let mut t = self.shared.lock();
+        let peer = attach(&mut t)?;
+        self.claims().push((peer, None));
+        // Relaxed: the transport mutex orders it (as `early_held`).
+        self.shared.any_claimed.store(true, Ordering::Relaxed);
+        drop(t);
+        self.shared.wake_progress();
+        Ok(peer)
+    }
+
+    /// `r`, unless it is the end of a peer a connect waits for: then it is
+    /// kept for that connect (`_locked`: the transport, which the caller
+    /// has locked).
+    fn unclaimed(
+        &self,
+        r: Result<Received<T::Lease>, Error>,
+        _locked: &T,
+    ) -> Option<Result<Received<T::Lease>, Error>> {
+        // Relaxed: as in `take_early`.
+        let Err(e) = r else { return Some(r) };
+        if !self.shared.any_claimed.load(Ordering::Relaxed) {
+            return Some(Err(e));
+        }
+        let about = match e {
+            Error::PeerClosed(p) => Some(p),
+            ref e => e.lost_peer(),
+        };
+        let mut claims = self.claims();
+        match claims
+            .iter_mut()
+            .find(|(p, end)| Some(*p) == about && end.is_none())
+        {
+            Some((_, end)) => {
+                *end = Some(e);
+                None
+            }
+            None => Some(Err(e)),
+        }
+    }
+
+    /// Ends the claim on `peer` (`_locked`: as in `unclaimed`), returning
+    /// its end if one came.
+    fn unclaim(&self, peer: PeerId, _locked: &T) -> Option<Error> {
+        let mut claims = self.claims();
+        let i = claims.iter().position(|(p, _)| *p == peer)?;
+        let (_, end) = claims.swap_remove(i);
+        // Relaxed: as in `attach`.
+        self.shared
+            .any_claimed
+            .store(!claims.is_empty(), Ordering::Relaxed);
+        end
+    }
+
+    fn claims(&self) -> MutexGuard<'_, Vec<(PeerId, Option<Error>)>> {
+        // Changed an entry at a time: a poisoned list is still consistent.
+        self.shared
+            .claimed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     fn wait<'a>(&self, guard: MutexGuard<'a, T>, mut deadline: Deadline) -> MutexGuard<'a, T> {
@@ -842,11 +918,13 @@ impl<T: Wire> Endpoint<T> {
         cancel: Option<&CancelToken>,
     ) -> Result<Received<T::Lease>, Error> {
         self.wait_for(&mut deadline, cancel, true, |t| {
-            match self.take_early(t).unwrap_or_else(|| t.try_recv()) {
-                Ok(r) => Ok(Some(r)),
-                // An empty wire, or a dry pool (waits for leases to come back).
-                Err(Error::WouldBlock | Error::Pool(_)) => Ok(None),
-                Err(e) => Err(e),
+            let r = self.take_early(t).unwrap_or_else(|| t.try_recv());
+            match self.unclaimed(r, t) {
+                Some(Ok(r)) => Ok(Some(r)),
+                // An empty wire, a dry pool (waits for leases to come back),
+                // or a connect's peer's end (kept for the connect).
+                Some(Err(Error::WouldBlock | Error::Pool(_))) | None => Ok(None),
+                Some(Err(e)) => Err(e),
             }
         })
     }
@@ -876,9 +954,12 @@ impl<T: Wire> Endpoint<T> {
                 return Ok(Some(Event::Accepted { peer, addr }));
             }
             if let Some(r) = self.take_early(t) {
-                return Event::from_recv(r);
+                return self.unclaimed(r, t).map_or(Ok(None), Event::from_recv);
             }
-            let r = t.try_recv();
+            // A connect's peer's end is kept for the connect.
+            let Some(r) = self.unclaimed(t.try_recv(), t) else {
+                return Ok(None);
+            };
             if !matches!(r, Err(Error::WouldBlock | Error::Pool(_))) {
                 // The same pass may have accepted the peer this came from:
                 // news of the peer goes first.
@@ -919,15 +1000,29 @@ impl<T: Wire> Endpoint<T> {
     /// [`Wire::opened`]): a peer that refuses (another version, not
     /// zerohop) or goes is the error `recv` would have given.
     pub fn wait_open(&self, peer: PeerId, mut deadline: Deadline) -> Result<PeerId, Error> {
+        // Its end, where `attach` claimed it and one came, else the wire's.
+        let opened = |t: &mut T| match self.claims().iter().find(|(p, _)| *p == peer) {
+            Some((_, Some(end))) => Some(Err(end.clone())),
+            _ => t.opened(peer),
+        };
         // Not `reading`: messages that come meanwhile wait for a later
         // `recv`, and must not keep this wait from sleeping.
-        self.wait_for(&mut deadline, None, false, |t| {
-            if let Some(r) = t.opened(peer) {
+        let r = self.wait_for(&mut deadline, None, false, |t| {
+            if let Some(r) = opened(t) {
                 return r.map(Some);
             }
             t.progress()?;
-            t.opened(peer).transpose()
-        })
+            opened(t).transpose()
+        });
+        // One last look as the wait ends (its Hello may have come with the
+        // deadline), then the claim goes: later news of the peer is anyone's.
+        let mut t = self.shared.lock();
+        let r = match r {
+            Err(Error::Timeout) => opened(&mut t).unwrap_or(r),
+            r => r,
+        };
+        self.unclaim(peer, &t);
+        r
     }
 
     /// Polls `look` until it finds something (`Ok(Some)`) or fails, as a

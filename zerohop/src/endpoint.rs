@@ -195,24 +195,18 @@ fn resolve(
     Ok(addrs)
 }
 
-/// Waits for the Hello of a peer just attached, and returns the id it ends
-/// up with; on any failure the peer is let go (a no-op where the wire
-/// already dropped it).
+/// Waits for the Hello of a peer just attached (by [`Driven::attach`]), and
+/// returns the id it ends up with; on any failure the peer is let go (a
+/// no-op where the wire already dropped it).
 fn answered<T: zerohop_std::Wire>(
     e: &Driven<T>,
     peer: PeerId,
     deadline: Deadline,
     let_go: fn(&mut T, PeerId) -> bool,
 ) -> Result<PeerId, ConnectError> {
-    e.wait_open(peer, deadline).or_else(|err| {
-        e.with(|t| match t.opened(peer) {
-            // Its Hello came as the wait ended: the peer is kept.
-            Some(Ok(peer)) => Ok(peer),
-            _ => {
-                let_go(t, peer);
-                Err(ConnectError::from(err))
-            }
-        })
+    e.wait_open(peer, deadline).map_err(|err| {
+        e.with(|t| let_go(t, peer));
+        ConnectError::from(err)
     })
 }
 
@@ -444,26 +438,26 @@ impl Endpoint {
             Wire::Tcp(e) => {
                 let dialed = TcpTransport::dial(addr, timeout, self.tcp_lanes)
                     .map_err(ConnectError::Unreachable)?;
-                let peer = e.with(|t| t.attach(dialed)).map_err(other)?;
+                let peer = e.attach(|t| t.attach(dialed)).map_err(other)?;
                 answered(e, peer, deadline, TcpTransport::disconnect)
             }
             Wire::Local(e) => {
                 let dialed = TcpTransport::dial(addr, timeout, self.tcp_lanes)
                     .map_err(ConnectError::Unreachable)?;
-                let peer = e.with(|t| t.attach(dialed)).map_err(other)?;
+                let peer = e.attach(|t| t.attach(dialed)).map_err(other)?;
                 // The id it ends up with: a lane's, for a peer on this host.
                 answered(e, peer, deadline, LocalWire::disconnect)
             }
             #[cfg(feature = "gpudirect-verbs")]
             Wire::Rdma(e) => {
                 let dialed = e.with(|t| t.dialer()).dial(addr, timeout)?;
-                let peer = e.with(|t| t.attach(dialed))?;
+                let peer = e.attach(|t| t.attach(dialed))?;
                 answered(e, peer, deadline, RdmaTransport::disconnect)
             }
             #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
             Wire::Gpu(e) => {
                 let dialed = e.with(|t| t.dialer()).dial(addr, timeout)?;
-                let peer = e.with(|t| t.attach(dialed))?;
+                let peer = e.attach(|t| t.attach(dialed))?;
                 answered(e, peer, deadline, RdmaTransport::disconnect)
             }
         }

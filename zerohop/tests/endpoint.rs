@@ -818,3 +818,57 @@ fn a_listener_that_hangs_up_before_its_hello_fails_the_connect_at_once() {
         assert!(c.peers().is_empty(), "{case}");
     }
 }
+
+/// A refusal of a connect's Hello is the connect's to report, even while
+/// another thread reads the same endpoint's events: that thread hears
+/// nothing of a peer it never had.
+fn refusal_beside_a_reader(case: &str, config: fn() -> Config) {
+    let mut limited = config();
+    limited.peer_limits = zerohop::PeerLimits {
+        accepted: 1,
+        per_address: 1,
+    };
+    let s = Endpoint::open(limited).unwrap();
+    let addr = s.listen("127.0.0.1:0").unwrap();
+    let kept = Endpoint::open(config()).unwrap();
+    kept.connect(addr, WAIT).unwrap();
+    let late = Arc::new(Endpoint::open(config()).unwrap());
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (late, stop) = (Arc::clone(&late), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let mut heard = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match late.next_event(Duration::from_millis(20)) {
+                    Ok(ev) => heard.push(format!("{ev:?}")),
+                    Err(e) if e.is_timeout() => {}
+                    Err(e) => heard.push(format!("{e:?}")),
+                }
+            }
+            heard
+        })
+    };
+    for i in 0..20 {
+        let e = late.connect(addr, WAIT).unwrap_err();
+        assert!(
+            matches!(e.connect_error(), Some(ConnectError::Refused)),
+            "{case}, attempt {i}: {e:?}"
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let heard = reader.join().unwrap();
+    assert!(
+        heard.is_empty(),
+        "{case}: the reader heard of peers it never had: {heard:?}"
+    );
+}
+
+#[test]
+fn a_refusal_reaches_the_connect_while_another_thread_reads_events() {
+    refusal_beside_a_reader("tcp", tcp);
+    refusal_beside_a_reader("shm", || {
+        let mut c = Config::only(Kind::Shm);
+        c.pool_bytes = 64 << 20;
+        c
+    });
+}
