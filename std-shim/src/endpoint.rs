@@ -651,22 +651,17 @@ impl<T: Wire> Endpoint<T> {
         Ok(peer)
     }
 
-    /// `r`, unless it is the end of a peer a connect waits for: then it is
+    /// `e`, unless it is the end of a peer a connect waits for: then it is
     /// kept for that connect (`_locked`: the transport, which the caller
     /// has locked).
-    fn unclaimed(
-        &self,
-        r: Result<Received<T::Lease>, Error>,
-        _locked: &T,
-    ) -> Option<Result<Received<T::Lease>, Error>> {
+    fn unclaimed(&self, e: Error, _locked: &T) -> Option<Error> {
         // Relaxed: as in `take_early`.
-        let Err(e) = r else { return Some(r) };
         if !self.shared.any_claimed.load(Ordering::Relaxed) {
-            return Some(Err(e));
+            return Some(e);
         }
         let about = match e {
             Error::PeerClosed(p) => Some(p),
-            ref e => e.lost_peer(),
+            e => e.lost_peer(),
         };
         let mut claims = self.claims();
         match claims
@@ -677,7 +672,7 @@ impl<T: Wire> Endpoint<T> {
                 *end = Some(e);
                 None
             }
-            None => Some(Err(e)),
+            None => Some(e),
         }
     }
 
@@ -918,13 +913,12 @@ impl<T: Wire> Endpoint<T> {
         cancel: Option<&CancelToken>,
     ) -> Result<Received<T::Lease>, Error> {
         self.wait_for(&mut deadline, cancel, true, |t| {
-            let r = self.take_early(t).unwrap_or_else(|| t.try_recv());
-            match self.unclaimed(r, t) {
-                Some(Ok(r)) => Ok(Some(r)),
-                // An empty wire, a dry pool (waits for leases to come back),
-                // or a connect's peer's end (kept for the connect).
-                Some(Err(Error::WouldBlock | Error::Pool(_))) | None => Ok(None),
-                Some(Err(e)) => Err(e),
+            match self.take_early(t).unwrap_or_else(|| t.try_recv()) {
+                Ok(r) => Ok(Some(r)),
+                // An empty wire, or a dry pool (waits for leases to come back).
+                Err(Error::WouldBlock | Error::Pool(_)) => Ok(None),
+                // Unless it is a connect's peer's end (kept for the connect).
+                Err(e) => self.unclaimed(e, t).map_or(Ok(None), Err),
             }
         })
     }
@@ -949,27 +943,53 @@ impl<T: Wire> Endpoint<T> {
         deadline: &mut Deadline,
         cancel: Option<&CancelToken>,
     ) -> Result<Event<T::Lease>, Error> {
+        self.next_event_with(deadline, cancel, |ev| ev)
+    }
+
+    /// As [`next_event_by`](Self::next_event_by), the event given to `then`
+    /// with the transport still locked: what `then` records of peers
+    /// (connected, gone) is in the order the wire told it, whichever
+    /// threads take the events.
+    pub fn next_event_with<R>(
+        &self,
+        deadline: &mut Deadline,
+        cancel: Option<&CancelToken>,
+        mut then: impl FnMut(Event<T::Lease>) -> R,
+    ) -> Result<R, Error> {
         self.wait_for(deadline, cancel, true, |t| {
-            if let Some((peer, addr)) = t.take_accepted() {
-                return Ok(Some(Event::Accepted { peer, addr }));
-            }
-            if let Some(r) = self.take_early(t) {
-                return self.unclaimed(r, t).map_or(Ok(None), Event::from_recv);
-            }
-            // A connect's peer's end is kept for the connect.
-            let Some(r) = self.unclaimed(t.try_recv(), t) else {
-                return Ok(None);
-            };
-            if !matches!(r, Err(Error::WouldBlock | Error::Pool(_))) {
-                // The same pass may have accepted the peer this came from:
-                // news of the peer goes first.
-                if let Some((peer, addr)) = t.take_accepted() {
-                    self.hold_early(r, t);
-                    return Ok(Some(Event::Accepted { peer, addr }));
-                }
-            }
-            Event::from_recv(r)
+            Ok(self.look_for_event(t)?.map(&mut then))
         })
+    }
+
+    /// One look for the next event (the transport locked).
+    fn look_for_event(&self, t: &mut T) -> Result<Option<Event<T::Lease>>, Error> {
+        if let Some((peer, addr)) = t.take_accepted() {
+            return Ok(Some(Event::Accepted { peer, addr }));
+        }
+        if let Some(r) = self.take_early(t) {
+            return match r {
+                Err(e) => self
+                    .unclaimed(e, t)
+                    .map_or(Ok(None), |e| Event::from_recv(Err(e))),
+                r => Event::from_recv(r),
+            };
+        }
+        let r = match t.try_recv() {
+            Err(Error::WouldBlock | Error::Pool(_)) => return Ok(None),
+            // A connect's peer's end is kept for the connect.
+            Err(e) => match self.unclaimed(e, t) {
+                Some(e) => Err(e),
+                None => return Ok(None),
+            },
+            r => r,
+        };
+        // The same pass may have accepted the peer this came from: news of
+        // the peer goes first.
+        if let Some((peer, addr)) = t.take_accepted() {
+            self.hold_early(r, t);
+            return Ok(Some(Event::Accepted { peer, addr }));
+        }
+        Event::from_recv(r)
     }
 
     /// What a pass held back for the next look, if anything (`_locked`:
@@ -999,7 +1019,19 @@ impl<T: Wire> Endpoint<T> {
     /// have crossed, and returns the id that names it from now on (see
     /// [`Wire::opened`]): a peer that refuses (another version, not
     /// zerohop) or goes is the error `recv` would have given.
-    pub fn wait_open(&self, peer: PeerId, mut deadline: Deadline) -> Result<PeerId, Error> {
+    pub fn wait_open(&self, peer: PeerId, deadline: Deadline) -> Result<PeerId, Error> {
+        self.wait_open_with(peer, deadline, |_| {})
+    }
+
+    /// As [`wait_open`](Self::wait_open), `then` given the peer's id once
+    /// open, with the transport still locked (and the peer still claimed):
+    /// what it records of the peer comes before any news of its end.
+    pub fn wait_open_with(
+        &self,
+        peer: PeerId,
+        mut deadline: Deadline,
+        then: impl FnOnce(PeerId),
+    ) -> Result<PeerId, Error> {
         // Its end, where `attach` claimed it and one came, else the wire's.
         let opened = |t: &mut T| match self.claims().iter().find(|(p, _)| *p == peer) {
             Some((_, Some(end))) => Some(Err(end.clone())),
@@ -1021,6 +1053,9 @@ impl<T: Wire> Endpoint<T> {
             Err(Error::Timeout) => opened(&mut t).unwrap_or(r),
             r => r,
         };
+        if let Ok(p) = r {
+            then(p);
+        }
         self.unclaim(peer, &t);
         r
     }

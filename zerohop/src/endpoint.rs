@@ -203,8 +203,9 @@ fn answered<T: zerohop_std::Wire>(
     peer: PeerId,
     deadline: Deadline,
     let_go: fn(&mut T, PeerId) -> bool,
+    then: impl FnOnce(PeerId),
 ) -> Result<PeerId, ConnectError> {
-    e.wait_open(peer, deadline).map_err(|err| {
+    e.wait_open_with(peer, deadline, then).map_err(|err| {
         e.with(|t| let_go(t, peer));
         ConnectError::from(err)
     })
@@ -415,10 +416,7 @@ impl Endpoint {
                 continue;
             }
             match self.connect_one(a, left) {
-                Ok(peer) => {
-                    self.book().insert(peer, Entry { addr: a, errors: 0 });
-                    return Ok(Peer(peer));
-                }
+                Ok(peer) => return Ok(Peer(peer)),
                 Err(e) => tried.push((a, e)),
             }
         }
@@ -431,6 +429,10 @@ impl Endpoint {
     fn connect_one(&self, addr: SocketAddr, timeout: Duration) -> Result<PeerId, ConnectError> {
         // The timeout covers the whole connect: the dial, then the Hello.
         let deadline = Deadline::after(timeout).started();
+        // In the book before any news of the peer's end can be taken.
+        let known = |peer| {
+            self.book().insert(peer, Entry { addr, errors: 0 });
+        };
         let other = |e: std::io::Error| ConnectError::Other(Box::new(e));
         // Each wire dials without its transport's lock (a host slow to
         // answer holds up no other peer), then attaches and waits.
@@ -439,26 +441,26 @@ impl Endpoint {
                 let dialed = TcpTransport::dial(addr, timeout, self.tcp_lanes)
                     .map_err(ConnectError::Unreachable)?;
                 let peer = e.attach(|t| t.attach(dialed)).map_err(other)?;
-                answered(e, peer, deadline, TcpTransport::disconnect)
+                answered(e, peer, deadline, TcpTransport::disconnect, known)
             }
             Wire::Local(e) => {
                 let dialed = TcpTransport::dial(addr, timeout, self.tcp_lanes)
                     .map_err(ConnectError::Unreachable)?;
                 let peer = e.attach(|t| t.attach(dialed)).map_err(other)?;
                 // The id it ends up with: a lane's, for a peer on this host.
-                answered(e, peer, deadline, LocalWire::disconnect)
+                answered(e, peer, deadline, LocalWire::disconnect, known)
             }
             #[cfg(feature = "gpudirect-verbs")]
             Wire::Rdma(e) => {
                 let dialed = e.with(|t| t.dialer()).dial(addr, timeout)?;
                 let peer = e.attach(|t| t.attach(dialed))?;
-                answered(e, peer, deadline, RdmaTransport::disconnect)
+                answered(e, peer, deadline, RdmaTransport::disconnect, known)
             }
             #[cfg(all(feature = "gpudirect-verbs", feature = "cuda-uma"))]
             Wire::Gpu(e) => {
                 let dialed = e.with(|t| t.dialer()).dial(addr, timeout)?;
                 let peer = e.attach(|t| t.attach(dialed))?;
-                answered(e, peer, deadline, RdmaTransport::disconnect)
+                answered(e, peer, deadline, RdmaTransport::disconnect, known)
             }
         }
     }
@@ -579,7 +581,9 @@ impl Endpoint {
     }
 
     fn event_by(&self, deadline: &mut Deadline) -> Result<Event> {
-        each_wire!(&self.wire, e => e.next_event_by(deadline, None).map(|ev| self.event(ev)))
+        // The address book changes with the transport locked: in the order
+        // the wire tells of peers, whichever threads take the events.
+        each_wire!(&self.wire, e => e.next_event_with(deadline, None, |ev| self.event(ev)))
             .map_err(Error::Endpoint)
     }
 

@@ -872,3 +872,50 @@ fn a_refusal_reaches_the_connect_while_another_thread_reads_events() {
         c
     });
 }
+
+/// Several threads take one endpoint's events while peers come and go at
+/// once: the address book ends as the peers did, empty (a peer's end taken
+/// by one thread before another recorded its arrival left it there).
+#[test]
+fn the_address_book_follows_peers_that_come_and_go_under_several_readers() {
+    let (s, addr) = server();
+    let s = Arc::new(s);
+    const PEERS: usize = 200;
+    let ends = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let readers: Vec<_> = (0..4)
+        .map(|_| {
+            let (s, ends) = (Arc::clone(&s), Arc::clone(&ends));
+            std::thread::spawn(move || {
+                while ends.load(std::sync::atomic::Ordering::SeqCst) < PEERS {
+                    match s.next_event(Duration::from_millis(20)) {
+                        Ok(Event::Closed { .. } | Event::Lost { .. }) => {
+                            ends.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        }
+                        Ok(_) => {}
+                        Err(e) if e.is_timeout() => {}
+                        Err(e) => panic!("{e:?}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut c = tcp();
+    c.progress_thread = false;
+    for i in 0..PEERS {
+        let e = Endpoint::open(c.clone()).unwrap();
+        e.connect(addr, WAIT).unwrap();
+        // Gone at once: half with a Close, half lost.
+        if i % 2 == 0 {
+            let _ = e.close(Duration::from_millis(200));
+        }
+    }
+    let until = Instant::now() + WAIT;
+    while ends.load(std::sync::atomic::Ordering::SeqCst) < PEERS && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    ends.fetch_add(PEERS, std::sync::atomic::Ordering::SeqCst); // the readers stop
+    for r in readers {
+        r.join().unwrap();
+    }
+    assert_eq!(s.peers(), vec![], "peers that had gone are still listed");
+}
