@@ -97,3 +97,31 @@ fn uma_peers_on_this_host_move_to_shared_memory_into_managed_memory() {
         }
     }
 }
+
+/// A peer that stays on TCP (it offers no shared memory) and goes while it
+/// is the shm listener's only TCP peer: its loss is an event at once, and
+/// the listener sleeps afterwards (the loss sat unread in the TCP side,
+/// which was read only while it had peers, and kept every wait awake).
+#[test]
+fn the_loss_of_the_last_tcp_peer_of_a_same_host_listener_is_told() {
+    let s = open(Kind::Shm);
+    let addr = s.listen("127.0.0.1:0").unwrap();
+    let c = open(Kind::Tcp);
+    let peer = c.connect(addr, WAIT).unwrap();
+    assert_eq!(peer.id() & LANE, 0, "a tcp-only peer stays on tcp");
+    let Event::Connected { peer: from, .. } = s.next_event(WAIT).unwrap() else {
+        panic!("the connection first");
+    };
+    drop(c); // no Close: lost
+             // Found by the progress thread's pass, not by this thread's look.
+    std::thread::sleep(Duration::from_millis(500));
+    match s.next_event(WAIT) {
+        Ok(Event::Lost { peer, .. }) => assert_eq!(peer, from),
+        other => panic!("expected the peer's loss, got {other:?}"),
+    }
+    // Nothing left to tell: a wait sleeps and times out.
+    let started = std::time::Instant::now();
+    let r = s.next_event(Duration::from_millis(300));
+    assert!(r.as_ref().is_err_and(zerohop::Error::is_timeout), "{r:?}");
+    assert!(started.elapsed() >= Duration::from_millis(300));
+}

@@ -1037,8 +1037,9 @@ impl Transport for LocalWire {
                 self.read_lanes();
             }
             // TCP peers are read when there are any (else its epoll would
-            // cost a system call on every poll of a lane).
-            if self.arrivals.is_empty() && self.tcp.peers_left() > 0 {
+            // cost a system call on every poll of a lane), and what the TCP
+            // side holds is taken: the end of its last peer, found by a pass.
+            if self.arrivals.is_empty() && (self.tcp.peers_left() > 0 || self.tcp.has_arrivals()) {
                 match self.tcp.try_recv() {
                     Ok(m) => {
                         return Ok(Received {

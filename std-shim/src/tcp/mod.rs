@@ -742,6 +742,11 @@ impl TcpTransport {
         Some(Err(zerohop_backends::take_end(&mut self.arrivals, peer)))
     }
 
+    /// Whether messages or news of peers wait for `try_recv`.
+    pub(crate) fn has_arrivals(&self) -> bool {
+        !self.arrivals.is_empty()
+    }
+
     /// Bytes queued for sending, over all peers (0: everything is with the kernel).
     pub fn queued_bytes(&self) -> usize {
         self.queued_total
