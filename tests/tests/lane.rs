@@ -1261,3 +1261,41 @@ fn a_peer_that_drips_a_message_is_dropped_at_the_minimum_rate() {
         assert_eq!(rig.pool_used(), 0, "its receive buffer back");
     }
 }
+
+/// A record alone holds no receive buffer: one of a message in the ring is
+/// leased once its first payload bytes are there, one of a single-copy
+/// message once its whole descriptor is. (Each was leased at the record:
+/// hundreds of lanes that wrote a record for a large message and nothing
+/// more held a buffer each, the pool's whole budget, until their timeout.)
+#[test]
+fn a_record_alone_holds_no_receive_buffer() {
+    // In the ring: a record, then its bytes in two parts.
+    let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+    rig.peer_write(&hello());
+    rig.read().unwrap();
+    let payload: Vec<u8> = (0..3000).map(|i| i as u8).collect();
+    rig.peer_write(&short_record(0, payload.len() as u32));
+    rig.read().unwrap();
+    assert_eq!(rig.pool_used(), 0, "held at the record alone");
+    rig.peer_write(&payload[..1000]);
+    rig.read().unwrap();
+    assert!(rig.pool_used() >= payload.len(), "leased once bytes came");
+    rig.peer_write(&payload[1000..]);
+    rig.read().unwrap();
+    assert_eq!(rig.take_messages(), vec![Ok(payload)]);
+    assert_eq!(rig.pool_used(), 0);
+}
+
+/// As `a_record_alone_holds_no_receive_buffer`, for a single-copy message:
+/// its record, then part of its descriptor.
+#[test]
+fn a_single_copy_record_holds_no_receive_buffer_before_its_descriptor() {
+    let mut rig = LaneRig::new_shared(1 << 16, 1 << 20).unwrap();
+    greet(&mut rig, hello());
+    rig.peer_write(&short_record(0, 48 << 10));
+    rig.read().unwrap();
+    rig.peer_write(&[0u8; SINGLE_COPY_DESC_BYTES - 1]);
+    rig.read().unwrap();
+    assert_eq!(rig.pool_used(), 0, "held before the whole descriptor came");
+    assert!(rig.take_delivered().is_empty());
+}

@@ -1599,6 +1599,26 @@ impl Lane {
             }
             if let Some(inc) = self.incoming.as_mut() {
                 if inc.lease.is_none() {
+                    // Leased once what it needs is there: a whole
+                    // descriptor, or payload bytes in the ring. A record
+                    // alone holds no buffer (hundreds of lanes could each
+                    // hold one of the largest until their timeout).
+                    let ready = match &mut inc.stage {
+                        Stage::Desc { have, buf } => {
+                            match self.rx.read(&mut buf[*have..]) {
+                                Ok(n) => *have += n,
+                                Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
+                            }
+                            *have == cma::DESC_BYTES
+                        }
+                        _ => match self.rx.available() {
+                            Ok(n) => n > 0 || inc.d.len == 0,
+                            Err(c) => return Outcome::Bad(Self::corrupt(peer, c)),
+                        },
+                    };
+                    if !ready {
+                        return Outcome::Drained;
+                    }
                     match Lease::take(Arc::clone(pool), inc.d.msg_len.max(1)) {
                         Ok(mut l) => {
                             let _ = l.set_len(inc.d.msg_len);
@@ -1712,7 +1732,8 @@ impl Lane {
                 if have < d.len {
                     self.incoming = Some(Incoming {
                         d,
-                        lease: Some(lease),
+                        // None of its bytes yet: no buffer held (step 1).
+                        lease: (have > 0).then_some(lease),
                         have,
                         stage,
                     });
