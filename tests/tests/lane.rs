@@ -1299,3 +1299,27 @@ fn a_single_copy_record_holds_no_receive_buffer_before_its_descriptor() {
     assert_eq!(rig.pool_used(), 0, "held before the whole descriptor came");
     assert!(rig.take_delivered().is_empty());
 }
+
+/// A long message from another user's process is read whole by this side:
+/// its tail is not offered (that process cannot write here, and one that
+/// took the tail could hold this side's reader, keep the buffer, or say it
+/// wrote what it did not).
+#[test]
+fn a_sender_of_another_user_is_offered_no_tail() {
+    let mut rig = LaneRig::new(1 << 16, 4 << 20).unwrap();
+    rig.peer_of_another_user();
+    rig.peer_write(&hello());
+    let long: Vec<u8> = (0..64 << 10).map(|i| (i % 241) as u8).collect();
+    assert!(help_split(long.len(), false).is_some());
+    // A sender that would take an offer and say it wrote the tail.
+    rig.peer_helps_during_next_copy(vec![0xA5; 32 << 10], None);
+    peer_claimed(&mut rig, 1, 0, &long);
+    rig.read().unwrap();
+    let got = rig.take_messages();
+    assert!(
+        got == [Ok(long)],
+        "not the sender's bytes: the tail was offered"
+    );
+    assert_eq!(rig.peer_help_word(), 0, "no offer made");
+    assert_eq!(rig.pool_used(), 0);
+}

@@ -193,6 +193,14 @@ struct SingleIn {
     files: PeerFiles,
     /// The peer's process (reads by `process_vm_readv`), if known.
     peer_pid: Option<i32>,
+    /// Offers a long message's tail for the sender to write here: only to
+    /// a process of this user. Another user's cannot write into this one
+    /// (the kernel refuses it), but could take the tail and hold this
+    /// side's reader for the whole wait, keep the buffer for as long as it
+    /// lives, or say it wrote what it did not (the buffer's old bytes,
+    /// maybe another peer's, delivered as its message); this user's could
+    /// do worse to this process anyway.
+    offers_tails: bool,
     /// Large messages come by a single copy (until this side refuses one).
     cma: bool,
     /// The last claimed ticket this side took, and the last placed one.
@@ -295,7 +303,8 @@ impl SingleIn {
         use std::sync::atomic::Ordering;
         // Offered only where a sender that dies while it writes can be
         // told from one that is slow (its pidfd).
-        let Some(at) = cma::help_split(dst.len(), placed).filter(|_| self.files.knows_process())
+        let Some(at) = cma::help_split(dst.len(), placed)
+            .filter(|_| self.offers_tails && self.files.knows_process())
         else {
             return Ok(self.copy(desc, dst, ring));
         };
@@ -523,9 +532,9 @@ impl Lane {
     ) -> Lane {
         let (mine, theirs) = if creator { (0, 1) } else { (1, 0) };
         // The process at the other end of the link (the kernel's word, not the peer's).
-        let peer_pid = rustix::net::sockopt::socket_peercred(&link)
-            .ok()
-            .map(|c| c.pid.as_raw_nonzero().get());
+        let cred = rustix::net::sockopt::socket_peercred(&link).ok();
+        let peer_pid = cred.as_ref().map(|c| c.pid.as_raw_nonzero().get());
+        let same_user = cred.is_some_and(|c| c.uid == rustix::process::geteuid());
         Lane {
             addr,
             accepted: creator,
@@ -550,6 +559,7 @@ impl Lane {
             single_in: SingleIn {
                 files: PeerFiles::new(peer_pid),
                 peer_pid,
+                offers_tails: same_user,
                 cma: true,
                 ticket: 0,
                 placed: 0,
@@ -1785,6 +1795,12 @@ impl Lane {
         } else {
             Stage::Inline
         }
+    }
+
+    /// Takes the peer for another user's process (see `offers_tails`).
+    #[cfg(feature = "testing")]
+    pub(crate) fn peer_of_another_user(&mut self) {
+        self.single_in.offers_tails = false;
     }
 
     /// Whether the peer's end of the link is still there (a peer killed

@@ -571,6 +571,14 @@ impl LaneRig {
         self.lane.as_ref().is_some_and(|l| l.alive())
     }
 
+    /// The lane takes its peer for another user's process (as if the
+    /// link's credentials named one): no tail is offered to it.
+    pub fn peer_of_another_user(&mut self) {
+        if let Some(l) = self.lane.as_mut() {
+            l.peer_of_another_user();
+        }
+    }
+
     /// Bytes leased from the receive pool now.
     pub fn pool_used(&self) -> usize {
         self.pool.used_bytes()
