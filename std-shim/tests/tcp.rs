@@ -3136,3 +3136,87 @@ fn a_dial_that_lands_after_the_transport_closed_is_refused() {
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(server.with(|s| s.peer_count()), 0);
 }
+
+/// Peers that each keep a large message under way at the minimum rate, as
+/// many as fill the budget for payloads still to come (half the pool),
+/// cannot keep an honest peer's large message waiting for good: once it has
+/// waited the idle timeout, the slowest of them is dropped as too slow, and
+/// the honest message goes in. (Before, they held the budget for as long as
+/// they kept the rate.)
+#[test]
+fn peers_that_keep_the_budget_for_coming_payloads_at_the_minimum_rate_give_way() {
+    let config = TcpConfig {
+        idle_timeout: SECOND / 2,
+        ..TcpConfig::default()
+    };
+    let (server, addr, _pool) = listener(64 << 20, config);
+    let (good, peer) = client(addr);
+    expect_still_served(&server, &good, peer);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        // Two messages of 16 MiB under way fill the 32 MiB budget; each
+        // keeps 256 KiB/s, four times the minimum rate.
+        let drippers: Vec<_> = (0..2)
+            .map(|_| {
+                let stop = &stop;
+                s.spawn(move || {
+                    let mut raw = Raw::connect(addr);
+                    raw.send(&Raw::whole(true, 0, 16 << 20));
+                    // (At most 15 s: a failing test ends too.)
+                    let t0 = Instant::now();
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                        && t0.elapsed() < 15 * SECOND
+                        && raw.s.write_all(&[7u8; 16 << 10]).is_ok()
+                    {
+                        std::thread::sleep(Duration::from_millis(60));
+                    }
+                })
+            })
+            .collect();
+        while server.with(|t| t.peer_count()) < 3 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(300)); // both under way
+                                                        // The drippers stop however this ends.
+        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let _stop = Stop(&stop);
+        let big = vec![0x5Au8; 1 << 20];
+        good.send(peer, &big, Deadline::after(10 * SECOND), None)
+            .unwrap();
+        let t0 = Instant::now();
+        let mut slow = 0;
+        let m = loop {
+            match server.recv(Deadline::after(10 * SECOND), None) {
+                Ok(m) => break m,
+                Err(Error::Protocol {
+                    error:
+                        ProtocolError::Stalled {
+                            during: Stall::Slow,
+                        },
+                    ..
+                }) => slow += 1,
+                Err(e) => panic!("{e:?}"),
+            }
+        };
+        assert_eq!(m.peer, peer);
+        assert!(
+            host_bytes(&m.lease) == &big[..],
+            "the honest message, whole"
+        );
+        assert!(slow >= 1, "no dripper was dropped");
+        assert!(
+            t0.elapsed() < 3 * SECOND,
+            "the honest message waited {:?}",
+            t0.elapsed()
+        );
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for d in drippers {
+            d.join().unwrap();
+        }
+    });
+}

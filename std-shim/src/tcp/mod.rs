@@ -287,6 +287,11 @@ struct Peer {
     /// Of `lease`, the bytes counted in the transport's `coming_bytes`
     /// (zero for a message whose payload was all staged when leased).
     coming: usize,
+    /// When `lease` was taken.
+    leased_at: Instant,
+    /// Refused a buffer for a payload to come: the budget for those
+    /// (`coming_budget`) was full.
+    waits_for_budget: bool,
     queue: VecDeque<Out>,
     queued_bytes: usize,
     direct: Option<Direct>,
@@ -426,6 +431,9 @@ pub struct TcpTransport {
     /// still comes).
     coming_bytes: usize,
     coming_budget: usize,
+    /// Since when a peer has waited for room in `coming_budget` (see
+    /// `free_budget`).
+    budget_wait_since: Option<Instant>,
     closed: bool,
 }
 
@@ -501,6 +509,7 @@ impl TcpTransport {
             wants: VecDeque::new(),
             coming_bytes: 0,
             coming_budget,
+            budget_wait_since: None,
             closed: false,
         })
     }
@@ -809,6 +818,8 @@ impl TcpTransport {
                 incoming: None,
                 lease: None,
                 coming: 0,
+                leased_at: Instant::from_micros(0),
+                waits_for_budget: false,
                 queue: VecDeque::new(),
                 queued_bytes: 0,
                 direct: None,
@@ -954,8 +965,55 @@ impl TcpTransport {
                 continue;
             }
         }
+        self.free_budget(t);
         self.grant_in_turn(t);
         self.arrivals.len() != before
+    }
+
+    /// Payloads still to come hold at most `coming_budget` between them. A
+    /// peer kept waiting for room there for the idle timeout frees it from
+    /// the slowest message under way that long (its peer dropped,
+    /// [`Stall::Slow`](zerohop_core::session::Stall::Slow)), one a scan:
+    /// peers that each keep a large message at the minimum rate cannot
+    /// hold the budget for good. (128 of them, at 128 KiB/s each, held it
+    /// against an honest peer's 1 MiB message for as long as they went on.)
+    fn free_budget(&mut self, t: Instant) {
+        let Some(since) = self.budget_wait_since else {
+            return;
+        };
+        if !self.peers.iter().any(|(_, p)| p.waits_for_budget) {
+            self.budget_wait_since = None;
+            return;
+        }
+        let idle = self.config.idle_timeout;
+        if t < since.after(idle) {
+            return;
+        }
+        // Bytes of the message in a second, as far as its current frame tells.
+        let pace = |p: &Peer| {
+            let got = p
+                .incoming
+                .as_ref()
+                .map_or(0, |i| i.d.offset + i.have + i.lane_have);
+            let took = t.as_micros().saturating_sub(p.leased_at.as_micros()).max(1);
+            got as u128 * 1_000_000 / u128::from(took)
+        };
+        let slowest = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.coming > 0 && t >= p.leased_at.after(idle))
+            .min_by_key(|(_, p)| pace(p))
+            .map(|(slot, _)| slot);
+        if let Some(slot) = slowest {
+            let peer = self.id(slot);
+            log::warn!("tcp: peer {peer} is the slowest to send a message others wait to receive; dropping it");
+            let error = zerohop_core::session::ProtocolError::Stalled {
+                during: zerohop_core::session::Stall::Slow,
+            };
+            self.arrivals
+                .push_back(Err(Error::Protocol { peer, error }));
+            self.drop_peer(slot, true);
+        }
     }
 
     /// Grants past the window, from the budget all peers share, to the

@@ -283,6 +283,8 @@ impl TcpTransport {
                         && self.coming_bytes + coming > self.coming_budget
                     {
                         p.dry = true;
+                        p.waits_for_budget = true;
+                        self.budget_wait_since.get_or_insert(now);
                         return Outcome::Stopped;
                     }
                     match Lease::take(Arc::clone(&self.pool), lease_len) {
@@ -290,7 +292,9 @@ impl TcpTransport {
                             let _ = l.set_len(inc.d.msg_len);
                             p.lease = Some(l);
                             p.dry = false;
+                            p.waits_for_budget = false;
                             p.coming = coming;
+                            p.leased_at = now;
                             self.coming_bytes += coming;
                         }
                         Err(e) => {
