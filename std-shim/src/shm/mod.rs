@@ -561,7 +561,7 @@ impl LocalWire {
         let error = error.or_else(|| (!lane.session.peer_closed()).then_some(Error::PeerLost(id)));
         if let Some(e) = error {
             log::info!("shm: lane to {} ended: {e}", lane.addr);
-            self.arrivals.push_back(Err(e));
+            self.arrivals.push_back(Err(lane_end(id, e)));
         }
     }
 
@@ -930,6 +930,20 @@ impl LocalWire {
     }
 }
 
+/// What the application hears of lane `id` that ended with `e`: always
+/// news of that peer (a lost or closed peer's event), never an error of the
+/// whole wire. A rule the peer broke, told as the backend's, is that rule;
+/// a failure of this side's (a device copy, say) is the peer's loss, its
+/// cause logged by the caller.
+fn lane_end(id: PeerId, e: Error) -> Error {
+    match e {
+        Error::PeerClosed(p) if p == id => e,
+        e if e.lost_peer() == Some(id) => e,
+        Error::Backend(rule) => Error::WireRule { peer: id, rule },
+        _ => Error::PeerLost(id),
+    }
+}
+
 /// Counts `l` in `unsent_lanes` while it has bytes unsent, after a call
 /// that may have changed them (see `LocalWire::unsent_lanes`).
 #[inline]
@@ -1272,6 +1286,41 @@ impl Wire for LocalWire {
         match peer.0 & LANE_BIT {
             0 => self.tcp.peer_stats(peer),
             _ => self.lane(peer).map(|l| l.session.stats()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lane_that_ended_is_always_news_of_its_peer() {
+        let id = PeerId(LANE_BIT | 3);
+        let other = PeerId(LANE_BIT | 4);
+        let protocol = Error::Protocol {
+            peer: id,
+            error: zerohop_core::session::ProtocolError::Refused,
+        };
+        for (ended, told) in [
+            (Error::PeerClosed(id), Error::PeerClosed(id)),
+            (Error::PeerLost(id), Error::PeerLost(id)),
+            (protocol, protocol),
+            (
+                Error::Backend("shm: a fragment on a stream lane"),
+                Error::WireRule {
+                    peer: id,
+                    rule: "shm: a fragment on a stream lane",
+                },
+            ),
+            (Error::Timeout, Error::PeerLost(id)),
+            (Error::PeerLost(other), Error::PeerLost(id)),
+        ] {
+            assert_eq!(lane_end(id, ended), told, "{ended:?}");
+            assert!(
+                told.lost_peer() == Some(id) || told == Error::PeerClosed(id),
+                "{told:?}"
+            );
         }
     }
 }
