@@ -372,6 +372,9 @@ impl Endpoint {
     /// must belong to the RDMA device's network interface.
     pub fn listen(&self, addr: impl ToSocketAddrs + fmt::Display) -> Result<SocketAddr> {
         let addrs = resolve(&addr, "listen on")?;
+        if each_wire!(&self.wire, e => e.with(|t| t.is_closed())) {
+            return Err(Error::Endpoint(zerohop_core::Error::Closed));
+        }
         let mut why = String::new();
         for a in addrs {
             let bound = each_wire!(&self.wire, e => e.with(|t| t.listen_at(a)));

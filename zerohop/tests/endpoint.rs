@@ -919,3 +919,20 @@ fn the_address_book_follows_peers_that_come_and_go_under_several_readers() {
     }
     assert_eq!(s.peers(), vec![], "peers that had gone are still listed");
 }
+
+/// A closed endpoint takes no new peers: a listen after `close` is refused
+/// as closed (peers accepted then would keep it from ever finishing).
+#[test]
+fn a_closed_endpoint_refuses_to_listen() {
+    for config in [tcp(), {
+        let mut c = Config::only(Kind::Shm);
+        c.pool_bytes = 64 << 20;
+        c
+    }] {
+        let e = Endpoint::open(config).unwrap();
+        e.close(WAIT).unwrap();
+        let r = e.listen("127.0.0.1:0");
+        assert!(r.as_ref().is_err_and(Error::is_closed), "{r:?}");
+        assert_eq!(e.local_addr(), None);
+    }
+}

@@ -404,9 +404,14 @@ impl LocalWire {
         &self.tcp
     }
 
-    /// Listens on `addr` (TCP; same-host peers then move).
+    /// Listens on `addr` (TCP; same-host peers then move). Refused once closed.
     pub fn listen(&mut self, addr: SocketAddr) -> io::Result<SocketAddr> {
         self.tcp.listen(addr)
+    }
+
+    /// Whether [`close`](Transport::close) was called: no new peers.
+    pub fn is_closed(&self) -> bool {
+        self.closed
     }
 
     /// Where it listens.

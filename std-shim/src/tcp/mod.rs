@@ -536,8 +536,18 @@ impl TcpTransport {
         self.config.max_message
     }
 
+    /// Whether [`close`](Transport::close) was called: no new peers.
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
     /// Listens on `addr` (port 0 picks one; see [`local_addr`](Self::local_addr)).
+    /// Refused once closed: peers accepted then would keep a closing
+    /// transport from finishing.
     pub fn listen(&mut self, addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
+        if self.closed {
+            return Err(io::Error::other("the transport is closed"));
+        }
         let l = TcpListener::bind(addr)?;
         l.set_nonblocking(true)?;
         self.poller.add(&l, Set::Ctl, LISTENER, true, false)?;

@@ -161,10 +161,20 @@ const UNSPECIFIED: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::U
 impl<M: PayloadMemory> RdmaTransport<M> {
     /// Listens for RDMA CM connections on `addr` (an address of the RDMA device's netdev).
     pub fn listen(&mut self, addr: SocketAddr) -> Result<(), VerbsError> {
+        // Refused once closed: peers accepted then would keep a closing
+        // transport from finishing.
+        if self.closed {
+            return Err(VerbsError::Connect("the transport is closed".into()));
+        }
         let id = CmId::new(&EventChannel::new()?)?;
         id.listen(addr, 64)?;
         self.listener = Some(id);
         Ok(())
+    }
+
+    /// Whether [`close`](Transport::close) was called: no new peers.
+    pub fn is_closed(&self) -> bool {
+        self.closed
     }
 
     /// Where it listens, if it does (with the port the system gave, for port 0).
