@@ -199,6 +199,12 @@ fn a_message_longer_than_the_peer_takes_fails_at_the_sender_naming_the_limit() {
     c.send(peer, &vec![7u8; 1 << 20]).unwrap();
     let m = s.recv(WAIT).unwrap();
     assert_eq!(m.len(), 1 << 20);
+    // The limit is the receiver's: the small side sends the larger side
+    // what it could not take itself (its own limit was checked as well,
+    // and the refusal named the peer).
+    let back = m.peer();
+    s.send(back, &vec![9u8; 4 << 20]).unwrap();
+    assert_eq!(c.recv(WAIT).unwrap().len(), 4 << 20);
 }
 
 #[test]

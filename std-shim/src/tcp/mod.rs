@@ -163,7 +163,7 @@ impl Reported {
 /// TCP wire settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TcpConfig {
-    /// Largest message accepted or sent (default 64 MiB).
+    /// Largest message this side takes (default 64 MiB; its Hello tells peers). What it sends is held to each peer's.
     pub max_message: usize,
     /// Message bytes a peer may have on their way — sent, and not yet
     /// delivered into the inbox — before this side returns credit (default

@@ -161,16 +161,14 @@ impl TcpTransport {
         if self.closed {
             return Err((Error::Closed, src));
         }
-        let (max, limit, check, stripe_min) = (
-            self.config.max_message,
+        let (limit, check, stripe_min) = (
             self.config.send_queue_bytes,
             self.config.check_payload,
             self.config.stripe_min,
         );
+        // The longest message is the receiver's to say (the engine holds
+        // it to the peer's Hello); `max_message` is what this side takes.
         let len = src.bytes().len();
-        if len > max {
-            return Err((Error::TooLarge { len, max }, src));
-        }
         let Some((slot, p)) = self.peers.find_mut(peer) else {
             return Err((Error::UnknownPeer(peer), src));
         };
