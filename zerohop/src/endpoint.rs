@@ -481,6 +481,18 @@ impl Endpoint {
             .map_err(|error| self.about(peer, error))
     }
 
+    /// Sends a copy of `bytes` if the wire has room now: `Ok(false)` where
+    /// it has none (not an error: not counted against the peer).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn send_now(&self, peer: Peer, bytes: &[u8]) -> Result<bool> {
+        let deadline = Deadline::after(Duration::ZERO);
+        match each_wire!(&self.wire, e => e.send(peer.0, bytes, deadline, None)) {
+            Ok(()) => Ok(true),
+            Err(zerohop_core::Error::Timeout) => Ok(false),
+            Err(error) => Err(self.about(peer, error)),
+        }
+    }
+
     /// A buffer of `len` bytes to fill in place and send without a copy
     /// (from the wire's send pool: registered with the NIC where there is one).
     /// A dry pool is an error at once: see [`lease_timeout`](Self::lease_timeout).

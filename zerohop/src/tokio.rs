@@ -105,14 +105,16 @@ impl AsyncEndpoint {
     /// Sends a copy of `bytes`: at once when the wire has room, else from
     /// a copy on the runtime's blocking pool, up to the endpoint's
     /// `send_timeout`.
+    ///
+    /// Not cancel-safe: a message the wire had no room for is on the
+    /// blocking pool once this future has been polled, and goes on if the
+    /// future is dropped; a send made after the drop may arrive before it.
     pub async fn send(&self, peer: Peer, bytes: &[u8]) -> Result<()> {
-        match self.inner.send_timeout(peer, bytes, Duration::ZERO) {
-            Err(e) if e.is_timeout() => {
-                let (ep, owned) = (Arc::clone(&self.inner), bytes.to_vec());
-                blocking(move || ep.send(peer, &owned)).await
-            }
-            r => r,
+        if self.inner.send_now(peer, bytes)? {
+            return Ok(());
         }
+        let (ep, owned) = (Arc::clone(&self.inner), bytes.to_vec());
+        blocking(move || ep.send(peer, &owned)).await
     }
 
     /// The next message; a peer's end comes back as an [`Error::Peer`], as

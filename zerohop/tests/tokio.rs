@@ -56,6 +56,7 @@ async fn sends_that_must_wait_for_credit_finish_once_the_receiver_reads() {
         stats.credit_stalls > 0,
         "the sender waited for credit: {stats:?}"
     );
+    assert_eq!(stats.errors, 0, "waiting for room is no error: {stats:?}");
 }
 
 #[tokio::test(flavor = "current_thread")]
