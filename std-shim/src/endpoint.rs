@@ -1034,7 +1034,7 @@ impl<T: Wire> Endpoint<T> {
     ) -> Result<PeerId, Error> {
         // Its end, where `attach` claimed it and one came, else the wire's.
         let opened = |t: &mut T| match self.claims().iter().find(|(p, _)| *p == peer) {
-            Some((_, Some(end))) => Some(Err(end.clone())),
+            Some((_, Some(end))) => Some(Err(*end)),
             _ => t.opened(peer),
         };
         // Not `reading`: messages that come meanwhile wait for a later

@@ -908,7 +908,7 @@ fn the_address_book_follows_peers_that_come_and_go_under_several_readers() {
     let mut c = tcp();
     c.progress_thread = false;
     for i in 0..PEERS {
-        let e = Endpoint::open(c.clone()).unwrap();
+        let e = Endpoint::open(c).unwrap();
         e.connect(addr, WAIT).unwrap();
         // Gone at once: half with a Close, half lost.
         if i % 2 == 0 {
