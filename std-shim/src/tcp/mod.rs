@@ -109,6 +109,8 @@ const REFUSING: usize = 64;
 const REFUSING_FOR: Duration = Duration::from_secs(1);
 /// How often the idle timers are looked at.
 const TIMER_SCAN: Duration = Duration::from_millis(20);
+/// Bytes from a peer in one timer scan that keep its stage (about 50 KB/s).
+const SPOKE_BYTES: usize = 1 << 10;
 /// One `try_recv` in this many also does the connection work.
 const CTL_EVERY: u32 = 32;
 /// One `try_recv` in this many asks epoll; the others read the peer that
@@ -323,11 +325,14 @@ struct Peer {
     /// Accepting side: the application has been told of this peer (once
     /// the same-host exchange settled on this wire).
     announced: bool,
-    /// Timer scans since bytes last came into the stage: a peer quiet for
-    /// the idle timeout with nothing staged gives its stage back (64 KiB
-    /// each: a thousand idle peers held 64 MB), and takes one anew when
-    /// bytes come.
+    /// Timer scans since one that saw at least `SPOKE_BYTES` come: a peer
+    /// quiet for the idle timeout with nothing staged gives its stage back
+    /// (64 KiB each: a thousand idle peers held 64 MB), and takes one anew
+    /// when bytes come. A frame now and then is quiet: a thousand peers
+    /// that each sent a 32-byte frame every few seconds kept theirs.
     quiet_scans: u32,
+    /// Bytes read since the last timer scan.
+    scan_bytes: usize,
 }
 
 impl Peer {
@@ -849,6 +854,7 @@ impl TcpTransport {
                 direct_stream: false,
                 announced: false,
                 quiet_scans: 0,
+                scan_bytes: 0,
             }))
             .map_err(|_| io::Error::from(io::ErrorKind::OutOfMemory))?;
         let stream = &self.peers.at(slot).expect("just inserted").stream;
@@ -947,7 +953,9 @@ impl TcpTransport {
             };
             let full = inbox_full && !p.opening();
             // A quiet peer's empty stage goes back (see `quiet_scans`).
-            if p.stage_start == p.stage_end && p.incoming.is_none() && !p.stage.is_empty() {
+            if std::mem::take(&mut p.scan_bytes) >= SPOKE_BYTES {
+                p.quiet_scans = 0;
+            } else if p.stage_start == p.stage_end && p.incoming.is_none() && !p.stage.is_empty() {
                 p.quiet_scans += 1;
                 if p.quiet_scans >= quiet_scans {
                     p.stage = Box::default();

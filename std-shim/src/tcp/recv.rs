@@ -67,7 +67,7 @@ pub(super) fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
         match rustix::io::read(&p.stream, &mut p.stage[p.stage_end..end]) {
             Ok(0) => return Err(()),
             Ok(n) => {
-                p.quiet_scans = 0;
+                p.scan_bytes = p.scan_bytes.saturating_add(n);
                 // Short: the socket had no more. Anything later raises a new
                 // edge, except an end already reported (then read on to it).
                 p.readable = p.stage_end + n == end || p.hup;
@@ -383,7 +383,7 @@ impl TcpTransport {
                     match p.stream.read_vectored(&mut bufs) {
                         Ok(0) => return Outcome::Gone { clean: false },
                         Ok(n) => {
-                            p.quiet_scans = 0;
+                            p.scan_bytes = p.scan_bytes.saturating_add(n);
                             inc.have += n.min(into_lease);
                             p.stage_end = n.saturating_sub(into_lease);
                             p.readable = n == into_lease + READ_AHEAD || p.hup;
