@@ -1020,44 +1020,67 @@ impl<T: Wire> Endpoint<T> {
     /// [`Wire::opened`]): a peer that refuses (another version, not
     /// zerohop) or goes is the error `recv` would have given.
     pub fn wait_open(&self, peer: PeerId, deadline: Deadline) -> Result<PeerId, Error> {
-        self.wait_open_with(peer, deadline, |_| {})
+        self.wait_open_with(peer, deadline, |_| {}, |_, _| {})
     }
 
-    /// As [`wait_open`](Self::wait_open), `then` given the peer's id once
-    /// open, with the transport still locked (and the peer still claimed):
-    /// what it records of the peer comes before any news of its end.
+    /// As [`wait_open`](Self::wait_open), with the transport still locked
+    /// in the look that decides (and the peer still claimed, see
+    /// [`attach`](Self::attach)): `then` given the peer's id once open, so
+    /// that what it records of the peer comes before any news of its end;
+    /// or, where it failed, `let_go` given the transport and the peer, so
+    /// that no news of a peer the caller never had reaches anyone.
     pub fn wait_open_with(
         &self,
         peer: PeerId,
         mut deadline: Deadline,
         then: impl FnOnce(PeerId),
+        let_go: impl FnOnce(&mut T, PeerId),
     ) -> Result<PeerId, Error> {
         // Its end, where `attach` claimed it and one came, else the wire's.
-        let opened = |t: &mut T| match self.claims().iter().find(|(p, _)| *p == peer) {
-            Some((_, Some(end))) => Some(Err(*end)),
-            _ => t.opened(peer),
+        let opened = |t: &mut T| {
+            let end = self
+                .claims()
+                .iter()
+                .find_map(|&(p, end)| end.filter(|_| p == peer));
+            end.map(Err).or_else(|| t.opened(peer))
+        };
+        // The look that finds it open gives it to `then` and ends the claim
+        // under the same lock (no end can come between).
+        let mut then = Some(then);
+        let mut open = |t: &mut T, p: PeerId| {
+            if let Some(then) = then.take() {
+                then(p);
+            }
+            self.unclaim(peer, t);
+            p
         };
         // Not `reading`: messages that come meanwhile wait for a later
         // `recv`, and must not keep this wait from sleeping.
         let r = self.wait_for(&mut deadline, None, false, |t| {
             if let Some(r) = opened(t) {
-                return r.map(Some);
+                return r.map(|p| Some(open(t, p)));
             }
             t.progress()?;
-            opened(t).transpose()
+            opened(t).transpose().map(|p| p.map(|p| open(t, p)))
         });
+        if r.is_ok() {
+            return r;
+        }
         // One last look as the wait ends (its Hello may have come with the
-        // deadline), then the claim goes: later news of the peer is anyone's.
+        // deadline); failed, the peer is let go before the claim ends.
         let mut t = self.shared.lock();
         let r = match r {
             Err(Error::Timeout) => opened(&mut t).unwrap_or(r),
             r => r,
         };
-        if let Ok(p) = r {
-            then(p);
+        match r {
+            Ok(p) => Ok(open(&mut t, p)),
+            Err(e) => {
+                let_go(&mut t, peer);
+                self.unclaim(peer, &t);
+                Err(e)
+            }
         }
-        self.unclaim(peer, &t);
-        r
     }
 
     /// Polls `look` until it finds something (`Ok(Some)`) or fails, as a

@@ -1323,3 +1323,19 @@ fn a_sender_of_another_user_is_offered_no_tail() {
     assert_eq!(rig.peer_help_word(), 0, "no offer made");
     assert_eq!(rig.pool_used(), 0);
 }
+
+/// Bytes waiting in the ring keep awake a sleeper that would read them, not
+/// one that waits to send, connect or close (a lane held by a full inbox has
+/// bytes for as long as the inbox is full: such a wait spun a core).
+#[test]
+fn bytes_in_the_ring_keep_awake_only_a_sleeper_that_reads() {
+    let mut rig = LaneRig::new(1 << 16, 1 << 20).unwrap();
+    greet(&mut rig, hello());
+    rig.peer_write(&short_record(0, 5));
+    rig.peer_write(b"hello");
+    assert!(rig.prepare_sleep(), "a reader stays up for them");
+    assert!(!rig.prepare_sleep_not_reading(), "a sender sleeps");
+    rig.read().unwrap();
+    assert_eq!(rig.take_messages(), [Ok(b"hello".to_vec())]);
+    assert!(!rig.prepare_sleep(), "nothing left: a reader sleeps too");
+}

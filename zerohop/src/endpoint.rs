@@ -205,10 +205,10 @@ fn answered<T: zerohop_std::Wire>(
     let_go: fn(&mut T, PeerId) -> bool,
     then: impl FnOnce(PeerId),
 ) -> Result<PeerId, ConnectError> {
-    e.wait_open_with(peer, deadline, then).map_err(|err| {
-        e.with(|t| let_go(t, peer));
-        ConnectError::from(err)
+    e.wait_open_with(peer, deadline, then, |t, peer| {
+        let_go(t, peer);
     })
+    .map_err(ConnectError::from)
 }
 
 impl Endpoint {

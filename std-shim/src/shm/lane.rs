@@ -1826,8 +1826,9 @@ impl Lane {
     }
 
     /// About to sleep: tells the peer to ring (for bytes, and for room if
-    /// frames wait for it). `true`: something came meanwhile, do not sleep.
-    pub(crate) fn prepare_sleep(&mut self) -> bool {
+    /// frames wait for it). `true`: something came meanwhile, do not sleep
+    /// (bytes to read only for a sleeper that `takes_bytes`).
+    pub(crate) fn prepare_sleep(&mut self, takes_bytes: bool) -> bool {
         handshake::drain(&self.link);
         // Each read pass gives back the room it took; nothing read may
         // stay held while this side sleeps (the peer may wait for it).
@@ -1854,7 +1855,7 @@ impl Lane {
         self.waiting_room = for_room || for_claim || for_done;
         // The flag first (its fence), then the second look at what it waits for.
         let room = self.waiting_room && self.tx.prepare_wait().unwrap_or(true);
-        bytes
+        (bytes && takes_bytes)
             || (for_room && room)
             || (for_claim && self.claim_moved())
             || (for_done && self.done_moved())

@@ -564,6 +564,17 @@ impl LocalWire {
         };
         self.stuck.extend(lane.take_stuck());
         let error = error.or_else(|| (!lane.session.peer_closed()).then_some(Error::PeerLost(id)));
+        // A lane that a connect has not taken yet (`opened`) ends that
+        // connect: news of a peer nobody had reaches no one else.
+        let connect = self
+            .moved
+            .iter_mut()
+            .find(|(_, r)| matches!(r, Ok(l) if *l == id))
+            .map(|(_, r)| r);
+        if let Some(r) = connect {
+            *r = Err(lane_end(id, error.unwrap_or(Error::PeerClosed(id))));
+            return;
+        }
         if let Some(e) = error {
             log::info!("shm: lane to {} ended: {e}", lane.addr);
             self.arrivals.push_back(Err(lane_end(id, e)));
@@ -1157,8 +1168,12 @@ impl Wire for LocalWire {
     fn prepare_sleep(&mut self, waiter: Waiter) -> bool {
         let mut any = self.tcp.prepare_sleep(waiter)
             || (waiter == Waiter::App { reading: true } && !self.arrivals.is_empty());
+        // Bytes in a lane's ring keep awake a waiter that would read them:
+        // not an application thread waiting to send, connect or close (a
+        // lane held by a full inbox has bytes for as long as it is full).
+        let takes_bytes = waiter != Waiter::App { reading: false };
         for (_, l) in self.lanes.iter_mut() {
-            any |= l.prepare_sleep();
+            any |= l.prepare_sleep(takes_bytes);
             tally(&mut self.unsent_lanes, l);
         }
         if !any {

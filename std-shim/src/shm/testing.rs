@@ -217,7 +217,13 @@ impl LaneRig {
     /// The lane's look before the wire sleeps: `true`, do not sleep (see
     /// `Lane::prepare_sleep`).
     pub fn prepare_sleep(&mut self) -> bool {
-        self.lane.as_mut().is_some_and(|l| l.prepare_sleep())
+        self.lane.as_mut().is_some_and(|l| l.prepare_sleep(true))
+    }
+
+    /// As [`prepare_sleep`](Self::prepare_sleep), for a sleeper that will
+    /// not read (a thread waiting to send, connect or close).
+    pub fn prepare_sleep_not_reading(&mut self) -> bool {
+        self.lane.as_mut().is_some_and(|l| l.prepare_sleep(false))
     }
 
     /// The lane reads what is there. `Err`: the lane broke (typed); it

@@ -109,6 +109,12 @@ const REFUSING: usize = 64;
 const REFUSING_FOR: Duration = Duration::from_secs(1);
 /// How often the idle timers are looked at.
 const TIMER_SCAN: Duration = Duration::from_millis(20);
+/// A message under way that holds room others wait for is dropped below
+/// this many times the minimum rate (see `free_budget`): 1 MiB/s at the
+/// default rate.
+const SLOW_UNDER_CONTENTION: u128 = 16;
+/// Quiet scans a stage taken again after a quiet spell is kept (60 ms).
+const RETAKEN_SCANS: u32 = 3;
 /// Bytes from a peer in one timer scan that keep its stage (about 50 KB/s).
 const SPOKE_BYTES: usize = 1 << 10;
 /// One `try_recv` in this many also does the connection work.
@@ -959,6 +965,10 @@ impl TcpTransport {
                 p.quiet_scans += 1;
                 if p.quiet_scans >= quiet_scans {
                     p.stage = Box::default();
+                    // A stage taken again by a frame now and then goes
+                    // after a few quiet scans more, not at the next one (a
+                    // zeroed 64 KiB a frame would cost more than it holds).
+                    p.quiet_scans = quiet_scans.saturating_sub(RETAKEN_SCANS);
                 }
             }
             // A payload this side leaves in the socket while the application
@@ -990,11 +1000,16 @@ impl TcpTransport {
 
     /// Payloads still to come hold at most `coming_budget` between them. A
     /// peer kept waiting for room there for the idle timeout frees it from
-    /// the slowest message under way that long (its peer dropped,
-    /// [`Stall::Slow`](zerohop_core::session::Stall::Slow)), one a scan:
-    /// peers that each keep a large message at the minimum rate cannot
-    /// hold the budget for good. (128 of them, at 128 KiB/s each, held it
-    /// against an honest peer's 1 MiB message for as long as they went on.)
+    /// the slowest message under way that long, if that one comes slower
+    /// than `SLOW_UNDER_CONTENTION` times the minimum rate (its peer
+    /// dropped, [`Stall::Slow`](zerohop_core::session::Stall::Slow)); then
+    /// the wait starts again. Peers that each keep a large message at a
+    /// little over the minimum rate cannot hold the budget for good (128 of
+    /// them, at 128 KiB/s each, held it against an honest peer's 1 MiB
+    /// message for as long as they went on); an honest message on a slow
+    /// link is not judged by the budget's contention alone. Not while this
+    /// side holds the peers back itself (a full inbox, a dry pool): then
+    /// nobody's message moves.
     fn free_budget(&mut self, t: Instant) {
         let Some(since) = self.budget_wait_since else {
             return;
@@ -1004,9 +1019,14 @@ impl TcpTransport {
             return;
         }
         let idle = self.config.idle_timeout;
+        if self.inbox_full() || self.pool_dry {
+            self.budget_wait_since = Some(t); // this side's wait, not theirs
+            return;
+        }
         if t < since.after(idle) {
             return;
         }
+        let slow = u128::from(self.config.min_rate) * SLOW_UNDER_CONTENTION;
         // Bytes of the message in a second, as far as its current frame tells.
         let pace = |p: &Peer| {
             let got = p
@@ -1020,8 +1040,11 @@ impl TcpTransport {
             .peers
             .iter()
             .filter(|(_, p)| p.coming > 0 && t >= p.leased_at.after(idle))
-            .min_by_key(|(_, p)| pace(p))
+            .map(|(slot, p)| (slot, pace(p)))
+            .min_by_key(|&(_, pace)| pace)
+            .filter(|&(_, pace)| pace < slow)
             .map(|(slot, _)| slot);
+        self.budget_wait_since = Some(t);
         if let Some(slot) = slowest {
             let peer = self.id(slot);
             log::warn!("tcp: peer {peer} is the slowest to send a message others wait to receive; dropping it");

@@ -266,6 +266,7 @@ impl TcpTransport {
                     p.deferred =
                         inc.d.len.saturating_sub(staged) >= DIRECT_MIN && !self.arrivals.is_empty();
                     if p.deferred {
+                        p.waits_for_budget = false;
                         return Outcome::Stopped;
                     }
                     // A payload still to come holds its buffer while it comes
@@ -302,6 +303,7 @@ impl TcpTransport {
                                 log::warn!("tcp: receive pool failed: {e}");
                             }
                             p.dry = true;
+                            p.waits_for_budget = false; // for the pool now
                             self.pool_dry = true;
                             return Outcome::Stopped;
                         }
