@@ -3264,3 +3264,84 @@ fn peers_that_keep_the_budget_for_coming_payloads_at_the_minimum_rate_give_way()
         }
     });
 }
+
+/// The rule above judges a message's pace only while the peer could send:
+/// not while this side holds every peer back itself (its inbox full, the
+/// application away). A slow holder is kept through such a spell, and
+/// judged once the application reads again.
+#[test]
+fn a_holder_is_not_judged_while_a_full_inbox_holds_it_back() {
+    let config = TcpConfig {
+        idle_timeout: SECOND / 2,
+        inbox_messages: 4,
+        ..TcpConfig::default()
+    };
+    let (server, addr, pool) = listener(32 << 20, config);
+    let (good, peer) = client(addr);
+    let (filler, to_server) = client(addr);
+    expect_still_served(&server, &good, peer);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        // One message of 16 MiB under way, the whole budget (half the
+        // pool), at 256 KiB/s.
+        let used = pool.used_bytes();
+        let dripper = s.spawn(|| {
+            let mut raw = Raw::connect(addr);
+            raw.send(&Raw::whole(true, 0, 16 << 20));
+            let t0 = Instant::now();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                && t0.elapsed() < 15 * SECOND
+                && raw.s.write_all(&[7u8; 16 << 10]).is_ok()
+            {
+                std::thread::sleep(Duration::from_millis(60));
+            }
+        });
+        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let _stop = Stop(&stop);
+        await_partial_lease(&pool, used);
+        // The honest 1 MiB waits for room; then the inbox fills, unread.
+        let big = vec![0x5Au8; 1 << 20];
+        good.send(peer, &big, Deadline::after(10 * SECOND), None)
+            .unwrap();
+        for i in 0..4u8 {
+            filler
+                .send(to_server, &[i], Deadline::after(SECOND), None)
+                .unwrap();
+        }
+        // Four idle timeouts with the application away: nobody is judged.
+        std::thread::sleep(2 * SECOND);
+        assert_eq!(
+            server.with(|t| t.peer_count()),
+            3,
+            "a peer was dropped for this side's own stall"
+        );
+        // Reading again: the filler's four, then the honest message once the
+        // slow holder has been judged.
+        let mut small = 0;
+        let mut slow = 0;
+        let m = loop {
+            match server.recv(Deadline::after(10 * SECOND), None) {
+                Ok(m) if m.lease.len() == 1 => small += 1,
+                Ok(m) => break m,
+                Err(Error::Protocol {
+                    error:
+                        ProtocolError::Stalled {
+                            during: Stall::Slow,
+                        },
+                    ..
+                }) => slow += 1,
+                Err(e) => panic!("{e:?}"),
+            }
+        };
+        assert_eq!(m.peer, peer);
+        assert_eq!(m.lease.len(), 1 << 20);
+        assert_eq!((small, slow), (4, 1));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        dripper.join().unwrap();
+    });
+}
