@@ -558,17 +558,16 @@ pub fn take_end<L>(
     >,
     peer: PeerId,
 ) -> zerohop_core::Error {
-    use zerohop_core::Error;
-    let about = |e: &Error| match *e {
-        Error::PeerClosed(p) => p == peer,
-        ref e => e.lost_peer() == Some(peer),
-    };
     arrivals
         .iter()
-        .position(|a| a.as_ref().err().is_some_and(about))
+        .position(|a| {
+            a.as_ref()
+                .err()
+                .is_some_and(|e| e.ended_peer() == Some(peer))
+        })
         .and_then(|i| arrivals.remove(i))
         .and_then(Result::err)
-        .unwrap_or(Error::PeerLost(peer))
+        .unwrap_or(zerohop_core::Error::PeerLost(peer))
 }
 
 /// How long without a look at the timers is an absence: half the idle

@@ -115,6 +115,15 @@ impl Error {
             _ => None,
         }
     }
+
+    /// The peer whose end this is: one lost ([`lost_peer`](Self::lost_peer)),
+    /// or one that closed cleanly (`PeerClosed`).
+    pub fn ended_peer(&self) -> Option<PeerId> {
+        match *self {
+            Error::PeerClosed(peer) => Some(peer),
+            ref e => e.lost_peer(),
+        }
+    }
 }
 
 impl fmt::Display for Error {

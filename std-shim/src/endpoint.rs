@@ -659,10 +659,7 @@ impl<T: Wire> Endpoint<T> {
         if !self.shared.any_claimed.load(Ordering::Relaxed) {
             return Some(e);
         }
-        let about = match e {
-            Error::PeerClosed(p) => Some(p),
-            e => e.lost_peer(),
-        };
+        let about = e.ended_peer();
         let mut claims = self.claims();
         match claims
             .iter_mut()
@@ -676,17 +673,14 @@ impl<T: Wire> Endpoint<T> {
         }
     }
 
-    /// Ends the claim on `peer` (`_locked`: as in `unclaimed`), returning
-    /// its end if one came.
-    fn unclaim(&self, peer: PeerId, _locked: &T) -> Option<Error> {
+    /// Ends the claim on `peer` (`_locked`: as in `unclaimed`).
+    fn unclaim(&self, peer: PeerId, _locked: &T) {
         let mut claims = self.claims();
-        let i = claims.iter().position(|(p, _)| *p == peer)?;
-        let (_, end) = claims.swap_remove(i);
+        claims.retain(|&(p, _)| p != peer);
         // Relaxed: as in `attach`.
         self.shared
             .any_claimed
             .store(!claims.is_empty(), Ordering::Relaxed);
-        end
     }
 
     fn claims(&self) -> MutexGuard<'_, Vec<(PeerId, Option<Error>)>> {

@@ -953,8 +953,7 @@ impl LocalWire {
 /// cause logged by the caller.
 fn lane_end(id: PeerId, e: Error) -> Error {
     match e {
-        Error::PeerClosed(p) if p == id => e,
-        e if e.lost_peer() == Some(id) => e,
+        e if e.ended_peer() == Some(id) => e,
         Error::Backend(rule) => Error::WireRule { peer: id, rule },
         _ => Error::PeerLost(id),
     }
@@ -1337,10 +1336,7 @@ mod tests {
             (Error::PeerLost(other), Error::PeerLost(id)),
         ] {
             assert_eq!(lane_end(id, ended), told, "{ended:?}");
-            assert!(
-                told.lost_peer() == Some(id) || told == Error::PeerClosed(id),
-                "{told:?}"
-            );
+            assert_eq!(told.ended_peer(), Some(id), "{told:?}");
         }
     }
 }
