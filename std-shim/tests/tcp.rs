@@ -1121,6 +1121,7 @@ fn client_of_8_mib(addr: SocketAddr) -> (Endpoint<TcpTransport>, PeerId) {
 /// before it.
 fn recv_counting_stalls(
     server: &Endpoint<TcpTransport>,
+    during: Stall,
 ) -> (
     zerohop_core::Received<<TcpTransport as Transport>::Lease>,
     usize,
@@ -1130,12 +1131,9 @@ fn recv_counting_stalls(
         match server.recv(Deadline::after(5 * SECOND), None) {
             Ok(r) => return (r, stalls),
             Err(Error::Protocol {
-                error:
-                    ProtocolError::Stalled {
-                        during: Stall::Frame,
-                    },
+                error: ProtocolError::Stalled { during: d },
                 ..
-            }) => stalls += 1,
+            }) if d == during => stalls += 1,
             Err(e) => panic!("{e}"),
         }
     }
@@ -1160,7 +1158,7 @@ fn a_grant_never_used_is_taken_back_with_its_peer_and_serves_another() {
     let long = sized(1, 4 << 20);
     good.send(peer, &long, Deadline::after(5 * SECOND), None)
         .expect("the budget came back once the granted peer was dropped");
-    let (got, stalls) = recv_counting_stalls(&server);
+    let (got, stalls) = recv_counting_stalls(&server, Stall::Frame);
     assert!(stalls > 0, "the granted peer was dropped as stalled");
     assert_eq!(host_bytes(&got.lease), &long[..]);
     assert!(
@@ -1196,7 +1194,7 @@ fn grants_past_the_window_go_first_asked_first_served() {
         let early_credit = keep_sending_credit(&early, 2 * SECOND);
         // The hog's grant runs out; the budget goes to the honest peer, which
         // asked before the early one: only the hog stalls before it is served.
-        let (got, stalls) = recv_counting_stalls(&server);
+        let (got, stalls) = recv_counting_stalls(&server, Stall::Frame);
         assert_eq!(host_bytes(&got.lease), &long[..]);
         assert_eq!(stalls, 1, "served before the peer that asked after it");
         sending.join().unwrap().unwrap();
@@ -3200,53 +3198,20 @@ fn peers_that_keep_the_budget_for_coming_payloads_at_the_minimum_rate_give_way()
     std::thread::scope(|s| {
         // Two messages of 16 MiB under way fill the 32 MiB budget; each
         // keeps 256 KiB/s, four times the minimum rate.
-        let drippers: Vec<_> = (0..2)
-            .map(|_| {
-                let stop = &stop;
-                s.spawn(move || {
-                    let mut raw = Raw::connect(addr);
-                    raw.send(&Raw::whole(true, 0, 16 << 20));
-                    // (At most 15 s: a failing test ends too.)
-                    let t0 = Instant::now();
-                    while !stop.load(std::sync::atomic::Ordering::Relaxed)
-                        && t0.elapsed() < 15 * SECOND
-                        && raw.s.write_all(&[7u8; 16 << 10]).is_ok()
-                    {
-                        std::thread::sleep(Duration::from_millis(60));
-                    }
-                })
-            })
-            .collect();
+        // The drippers stop however this ends (the scope then joins them).
+        let _stop = StopOnDrop(&stop);
+        for _ in 0..2 {
+            s.spawn(|| drip(addr, 16 << 20, &stop));
+        }
         while server.with(|t| t.peer_count()) < 3 {
             std::thread::sleep(Duration::from_millis(5));
         }
         std::thread::sleep(Duration::from_millis(300)); // both under way
-                                                        // The drippers stop however this ends.
-        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
-        impl Drop for Stop<'_> {
-            fn drop(&mut self) {
-                self.0.store(true, std::sync::atomic::Ordering::Relaxed);
-            }
-        }
-        let _stop = Stop(&stop);
         let big = vec![0x5Au8; 1 << 20];
         good.send(peer, &big, Deadline::after(10 * SECOND), None)
             .unwrap();
         let t0 = Instant::now();
-        let mut slow = 0;
-        let m = loop {
-            match server.recv(Deadline::after(10 * SECOND), None) {
-                Ok(m) => break m,
-                Err(Error::Protocol {
-                    error:
-                        ProtocolError::Stalled {
-                            during: Stall::Slow,
-                        },
-                    ..
-                }) => slow += 1,
-                Err(e) => panic!("{e:?}"),
-            }
-        };
+        let (m, slow) = recv_counting_stalls(&server, Stall::Slow);
         assert_eq!(m.peer, peer);
         assert!(
             host_bytes(&m.lease) == &big[..],
@@ -3258,11 +3223,31 @@ fn peers_that_keep_the_budget_for_coming_payloads_at_the_minimum_rate_give_way()
             "the honest message waited {:?}",
             t0.elapsed()
         );
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        for d in drippers {
-            d.join().unwrap();
-        }
     });
+}
+
+/// Sends a short record for a message of `len` bytes, then its payload at
+/// about 256 KiB/s (four times the minimum rate), until `stop`, a closed
+/// connection, or 15 s (a failing test ends too).
+fn drip(addr: SocketAddr, len: u32, stop: &std::sync::atomic::AtomicBool) {
+    let mut raw = Raw::connect(addr);
+    raw.send(&Raw::whole(true, 0, len));
+    let t0 = Instant::now();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed)
+        && t0.elapsed() < 15 * SECOND
+        && raw.s.write_all(&[7u8; 16 << 10]).is_ok()
+    {
+        std::thread::sleep(Duration::from_millis(60));
+    }
+}
+
+/// Sets its flag when dropped: threads that poll it stop however a test ends.
+struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// The rule above judges a message's pace only while the peer could send:
@@ -3285,24 +3270,8 @@ fn a_holder_is_not_judged_while_a_full_inbox_holds_it_back() {
         // One message of 16 MiB under way, the whole budget (half the
         // pool), at 256 KiB/s.
         let used = pool.used_bytes();
-        let dripper = s.spawn(|| {
-            let mut raw = Raw::connect(addr);
-            raw.send(&Raw::whole(true, 0, 16 << 20));
-            let t0 = Instant::now();
-            while !stop.load(std::sync::atomic::Ordering::Relaxed)
-                && t0.elapsed() < 15 * SECOND
-                && raw.s.write_all(&[7u8; 16 << 10]).is_ok()
-            {
-                std::thread::sleep(Duration::from_millis(60));
-            }
-        });
-        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
-        impl Drop for Stop<'_> {
-            fn drop(&mut self) {
-                self.0.store(true, std::sync::atomic::Ordering::Relaxed);
-            }
-        }
-        let _stop = Stop(&stop);
+        let _stop = StopOnDrop(&stop);
+        s.spawn(|| drip(addr, 16 << 20, &stop));
         await_partial_lease(&pool, used);
         // The honest 1 MiB waits for room; then the inbox fills, unread.
         let big = vec![0x5Au8; 1 << 20];
@@ -3322,26 +3291,17 @@ fn a_holder_is_not_judged_while_a_full_inbox_holds_it_back() {
         );
         // Reading again: the filler's four, then the honest message once the
         // slow holder has been judged.
-        let mut small = 0;
-        let mut slow = 0;
+        let (mut small, mut slow) = (0, 0);
         let m = loop {
-            match server.recv(Deadline::after(10 * SECOND), None) {
-                Ok(m) if m.lease.len() == 1 => small += 1,
-                Ok(m) => break m,
-                Err(Error::Protocol {
-                    error:
-                        ProtocolError::Stalled {
-                            during: Stall::Slow,
-                        },
-                    ..
-                }) => slow += 1,
-                Err(e) => panic!("{e:?}"),
+            let (m, stalls) = recv_counting_stalls(&server, Stall::Slow);
+            slow += stalls;
+            match m.lease.len() {
+                1 => small += 1,
+                _ => break m,
             }
         };
         assert_eq!(m.peer, peer);
         assert_eq!(m.lease.len(), 1 << 20);
         assert_eq!((small, slow), (4, 1));
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        dripper.join().unwrap();
     });
 }

@@ -18,6 +18,20 @@ fn tcp() -> Config {
     c
 }
 
+/// The same-host wire (moved to after a TCP handshake), as `tcp()`.
+fn shm() -> Config {
+    let mut c = Config::only(Kind::Shm);
+    c.pool_bytes = 64 << 20;
+    c
+}
+
+/// `tcp()` with no progress thread: the application's calls drive it.
+fn tcp_caller_driven() -> Config {
+    let mut c = tcp();
+    c.progress_thread = false;
+    c
+}
+
 fn server() -> (Endpoint, SocketAddr) {
     let s = Endpoint::open(tcp()).unwrap();
     let addr = s.listen("127.0.0.1:0").unwrap();
@@ -646,16 +660,8 @@ fn connect_with_a_full_inbox(case: &str, config: fn() -> Config) {
 #[test]
 fn a_connect_is_answered_while_unread_messages_fill_the_inbox() {
     connect_with_a_full_inbox("tcp", tcp);
-    connect_with_a_full_inbox("tcp, caller-driven", || {
-        let mut c = tcp();
-        c.progress_thread = false;
-        c
-    });
-    connect_with_a_full_inbox("shm", || {
-        let mut c = Config::only(Kind::Shm);
-        c.pool_bytes = 64 << 20;
-        c
-    });
+    connect_with_a_full_inbox("tcp, caller-driven", tcp_caller_driven);
+    connect_with_a_full_inbox("shm", shm);
 }
 
 /// This thread's CPU time (user and system), from /proc.
@@ -716,16 +722,8 @@ fn next_peer(e: &Endpoint) -> zerohop::Peer {
 #[test]
 fn a_connect_sleeps_while_earlier_messages_wait_unread() {
     a_connect_sleeps_beside_unread_messages("tcp", tcp);
-    a_connect_sleeps_beside_unread_messages("tcp, caller-driven", || {
-        let mut c = tcp();
-        c.progress_thread = false;
-        c
-    });
-    a_connect_sleeps_beside_unread_messages("shm", || {
-        let mut c = Config::only(Kind::Shm);
-        c.pool_bytes = 64 << 20;
-        c
-    });
+    a_connect_sleeps_beside_unread_messages("tcp, caller-driven", tcp_caller_driven);
+    a_connect_sleeps_beside_unread_messages("shm", shm);
 }
 
 /// A close that waits for a peer's answering Close sleeps while messages
@@ -777,16 +775,8 @@ fn a_close_sleeps_beside_unread_messages(case: &str, config: fn() -> Config) {
 #[test]
 fn a_close_sleeps_while_earlier_messages_wait_unread() {
     a_close_sleeps_beside_unread_messages("tcp", tcp);
-    a_close_sleeps_beside_unread_messages("tcp, caller-driven", || {
-        let mut c = tcp();
-        c.progress_thread = false;
-        c
-    });
-    a_close_sleeps_beside_unread_messages("shm", || {
-        let mut c = Config::only(Kind::Shm);
-        c.pool_bytes = 64 << 20;
-        c
-    });
+    a_close_sleeps_beside_unread_messages("tcp, caller-driven", tcp_caller_driven);
+    a_close_sleeps_beside_unread_messages("shm", shm);
 }
 
 /// A listener that takes the connection and hangs up before any Hello:
@@ -794,14 +784,7 @@ fn a_close_sleeps_while_earlier_messages_wait_unread() {
 /// side waits for a same-host answer that can no longer come).
 #[test]
 fn a_listener_that_hangs_up_before_its_hello_fails_the_connect_at_once() {
-    for (case, config) in [
-        ("tcp", tcp()),
-        ("shm", {
-            let mut c = Config::only(Kind::Shm);
-            c.pool_bytes = 64 << 20;
-            c
-        }),
-    ] {
+    for (case, config) in [("tcp", tcp()), ("shm", shm())] {
         let c = Endpoint::open(config).unwrap();
         let rude = TcpListener::bind("127.0.0.1:0").unwrap();
         let at = rude.local_addr().unwrap();
@@ -872,11 +855,7 @@ fn refusal_beside_a_reader(case: &str, config: fn() -> Config) {
 #[test]
 fn a_refusal_reaches_the_connect_while_another_thread_reads_events() {
     refusal_beside_a_reader("tcp", tcp);
-    refusal_beside_a_reader("shm", || {
-        let mut c = Config::only(Kind::Shm);
-        c.pool_bytes = 64 << 20;
-        c
-    });
+    refusal_beside_a_reader("shm", shm);
 }
 
 /// Several threads take one endpoint's events while peers come and go at
@@ -930,11 +909,7 @@ fn the_address_book_follows_peers_that_come_and_go_under_several_readers() {
 /// as closed (peers accepted then would keep it from ever finishing).
 #[test]
 fn a_closed_endpoint_refuses_to_listen() {
-    for config in [tcp(), {
-        let mut c = Config::only(Kind::Shm);
-        c.pool_bytes = 64 << 20;
-        c
-    }] {
+    for config in [tcp(), shm()] {
         let e = Endpoint::open(config).unwrap();
         e.close(WAIT).unwrap();
         let r = e.listen("127.0.0.1:0");

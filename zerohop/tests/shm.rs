@@ -112,8 +112,9 @@ fn the_loss_of_the_last_tcp_peer_of_a_same_host_listener_is_told() {
     let Event::Connected { peer: from, .. } = s.next_event(WAIT).unwrap() else {
         panic!("the connection first");
     };
-    drop(c); // no Close: lost
-             // Found by the progress thread's pass, not by this thread's look.
+    // Gone with no Close: lost, found by the progress thread's pass, not
+    // by this thread's look.
+    drop(c);
     std::thread::sleep(Duration::from_millis(500));
     match s.next_event(WAIT) {
         Ok(Event::Lost { peer, .. }) => assert_eq!(peer, from),
