@@ -196,6 +196,11 @@ impl SessionConfig {
 /// holding a window's buffer costs a stranger that much of its bandwidth.
 pub const MIN_RATE: u32 = 64 << 10;
 
+/// How many times [`SessionConfig::min_rate`] a message under way must
+/// keep up while it holds receive room that other peers wait for (see
+/// [`Session::slow_under_contention`]): 1 MiB/s at the default rate.
+pub const CONTENDED_RATE_FACTOR: u32 = 16;
+
 /// The shallowest data ring a ring wire may have: one slot moves messages
 /// (slowly); control frames have slots of their own ([`CONTROL_SLOTS`]).
 pub const MIN_RING: u16 = 1;
@@ -1351,6 +1356,29 @@ impl Session {
             }
         }
         Some((at, during))
+    }
+
+    /// The pace of the peer's message under way, in payload bytes a
+    /// second, when it is slower than [`CONTENDED_RATE_FACTOR`] times
+    /// [`SessionConfig::min_rate`] and has been timed for the idle timeout
+    /// (timed as for `min_rate`: from the first look at the timers once it
+    /// began, the time this side held the peer back or was away not
+    /// counted). A driver whose receive room for payloads still to come is
+    /// full, with other peers waiting for it, drops the slowest such peer:
+    /// messages that each keep a little over `min_rate` cannot hold that
+    /// room for good. `None` otherwise (no message under way, not timed
+    /// that long, faster, no `min_rate`, or a build without `min-rate`).
+    pub fn slow_under_contention(&self, now: Instant) -> Option<u64> {
+        let since = self
+            .rate_since
+            .filter(|_| RATE_RULE && self.mid_message())?;
+        if now < since.after(self.config.idle_timeout) {
+            return None;
+        }
+        let took = now.0.saturating_sub(since.0).max(1);
+        let pace = self.rate_bytes.saturating_mul(1_000_000) / took;
+        let slow = u64::from(self.config.min_rate) * u64::from(CONTENDED_RATE_FACTOR);
+        (pace < slow).then_some(pace)
     }
 
     /// A message (or a frame, or part of a header) of the peer's is under way.

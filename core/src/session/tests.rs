@@ -2738,6 +2738,59 @@ fn a_message_under_way_must_keep_up_the_minimum_rate() {
     assert_eq!(paced(&mut s, T0, 1, false), Ok(false));
 }
 
+/// Under contention for receive room, a message under way is judged by
+/// its pace, timed as for `min_rate`: not before the idle timeout; then
+/// bytes heard over the time since the first look, told while below 16
+/// times the minimum rate (1 MiB/s); the time this side held the peer
+/// back not counted; nothing between messages, or without a minimum.
+#[test]
+fn a_message_under_way_is_told_slow_under_contention_by_its_pace() {
+    let cfg = SessionConfig {
+        idle_timeout: Duration::from_secs(1),
+        ..stream()
+    };
+    assert_eq!(
+        u64::from(cfg.min_rate) * u64::from(CONTENDED_RATE_FACTOR),
+        1 << 20
+    );
+    let at = |micros: u64| Instant::from_micros(T0.as_micros() + micros);
+    let f = data(0, 1 << 20, 1 << 20, false);
+    let under_way = |config: SessionConfig| {
+        let mut s = opened(config, hello(1 << 20, 0));
+        assert!(s.handle_header(T0, &f[..HEADER_LEN], None).is_ok());
+        s
+    };
+    // Timed from the first look: none yet, none to tell.
+    let mut s = under_way(cfg);
+    s.handle_activity(at(500_000), 100 << 10, false);
+    assert_eq!(s.slow_under_contention(at(5_000_000)), None);
+    // 100 KiB heard: told from the idle timeout on, at its pace.
+    assert_eq!(s.handle_timeout(T0), Ok(()));
+    assert_eq!(s.slow_under_contention(at(999_999)), None);
+    assert_eq!(s.slow_under_contention(at(1_000_000)), Some(100 << 10));
+    assert_eq!(s.slow_under_contention(at(2_000_000)), Some(50 << 10));
+    // At the line it is not slow.
+    s.handle_activity(at(900_000), (924 << 10) - 1, false);
+    assert_eq!(s.slow_under_contention(at(1_000_000)), Some((1 << 20) - 1));
+    s.handle_activity(at(950_000), 1, false);
+    assert_eq!(s.slow_under_contention(at(1_000_000)), None);
+    // Held back by this side for 2 s after the first look: timed from then.
+    let mut s = under_way(cfg);
+    assert_eq!(s.handle_timeout(T0), Ok(()));
+    s.handle_activity(at(500_000), 100 << 10, false);
+    s.handle_held(at(2_000_000));
+    assert_eq!(s.slow_under_contention(at(2_500_000)), None);
+    assert_eq!(s.slow_under_contention(at(3_000_000)), Some(100 << 10));
+    // Between messages: nothing under way.
+    let mut s = opened(cfg, hello(1 << 20, 0));
+    assert_eq!(paced(&mut s, T0, 13_108, false), Ok(true));
+    assert_eq!(s.slow_under_contention(at(60_000_000)), None);
+    // No minimum rate: nobody is slow.
+    let mut s = under_way(SessionConfig { min_rate: 0, ..cfg });
+    assert_eq!(s.handle_timeout(T0), Ok(()));
+    assert_eq!(s.slow_under_contention(at(1_000_000)), None);
+}
+
 /// On a ring wire each fragment arrives whole, and its bytes are the
 /// message's progress: 80 KiB/s in 4 KiB fragments keeps up the minimum
 /// rate; 40 KiB/s falls behind once its deficit passes the grace (at

@@ -109,10 +109,6 @@ const REFUSING: usize = 64;
 const REFUSING_FOR: Duration = Duration::from_secs(1);
 /// How often the idle timers are looked at.
 const TIMER_SCAN: Duration = Duration::from_millis(20);
-/// A message under way that holds room others wait for is dropped below
-/// this many times the minimum rate (see `free_budget`): 1 MiB/s at the
-/// default rate.
-const SLOW_UNDER_CONTENTION: u128 = 16;
 /// Quiet scans a stage taken again after a quiet spell is kept (60 ms).
 const RETAKEN_SCANS: u32 = 3;
 /// Bytes from a peer in one timer scan that keep its stage (about 50 KB/s).
@@ -295,8 +291,6 @@ struct Peer {
     /// Of `lease`, the bytes counted in the transport's `coming_bytes`
     /// (zero for a message whose payload was all staged when leased).
     coming: usize,
-    /// When `lease` was taken.
-    leased_at: Instant,
     /// Refused a buffer for a payload to come: the budget for those
     /// (`coming_budget`) was full.
     waits_for_budget: bool,
@@ -839,7 +833,6 @@ impl TcpTransport {
                 incoming: None,
                 lease: None,
                 coming: 0,
-                leased_at: Instant::from_micros(0),
                 waits_for_budget: false,
                 queue: VecDeque::new(),
                 queued_bytes: 0,
@@ -1000,10 +993,11 @@ impl TcpTransport {
 
     /// Payloads still to come hold at most `coming_budget` between them. A
     /// peer kept waiting for room there for the idle timeout frees it from
-    /// the slowest message under way that long, if that one comes slower
-    /// than `SLOW_UNDER_CONTENTION` times the minimum rate (its peer
-    /// dropped, [`Stall::Slow`](zerohop_core::session::Stall::Slow)); then
-    /// the wait starts again. Peers that each keep a large message at a
+    /// the slowest message under way that its session tells slow under
+    /// contention ([`Session::slow_under_contention`]: timed that long, and
+    /// slower than 16 times the minimum rate), its peer dropped
+    /// ([`Stall::Slow`](zerohop_core::session::Stall::Slow)); then the wait
+    /// starts again. Peers that each keep a large message at a
     /// little over the minimum rate cannot hold the budget for good (128 of
     /// them, at 128 KiB/s each, held it against an honest peer's 1 MiB
     /// message for as long as they went on); an honest message on a slow
@@ -1026,23 +1020,12 @@ impl TcpTransport {
         if t < since.after(idle) {
             return;
         }
-        let slow = u128::from(self.config.min_rate) * SLOW_UNDER_CONTENTION;
-        // Bytes of the message in a second, as far as its current frame tells.
-        let pace = |p: &Peer| {
-            let got = p
-                .incoming
-                .as_ref()
-                .map_or(0, |i| i.d.offset + i.have + i.lane_have);
-            let took = t.as_micros().saturating_sub(p.leased_at.as_micros()).max(1);
-            got as u128 * 1_000_000 / u128::from(took)
-        };
         let slowest = self
             .peers
             .iter()
-            .filter(|(_, p)| p.coming > 0 && t >= p.leased_at.after(idle))
-            .map(|(slot, p)| (slot, pace(p)))
+            .filter(|(_, p)| p.coming > 0)
+            .filter_map(|(slot, p)| Some((slot, p.session.slow_under_contention(t)?)))
             .min_by_key(|&(_, pace)| pace)
-            .filter(|&(_, pace)| pace < slow)
             .map(|(slot, _)| slot);
         self.budget_wait_since = Some(t);
         if let Some(slot) = slowest {

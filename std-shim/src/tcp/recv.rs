@@ -295,7 +295,6 @@ impl TcpTransport {
                             p.dry = false;
                             p.waits_for_budget = false;
                             p.coming = coming;
-                            p.leased_at = now;
                             self.coming_bytes += coming;
                         }
                         Err(e) => {
