@@ -2733,6 +2733,59 @@ fn a_lane_from_another_address_is_not_paired_whatever_its_token() {
     drop((main, own));
 }
 
+/// A lane whose main connection never comes is closed at the idle timeout
+/// (before, it was kept for good, a descriptor each).
+#[test]
+fn a_lane_whose_main_connection_never_comes_is_closed_at_the_idle_timeout() {
+    use std::io::Read;
+    let config = TcpConfig {
+        idle_timeout: SECOND / 2,
+        ..TcpConfig::default()
+    };
+    let (_server, addr, _pool) = listener(64 << 20, config);
+    let mut lane = raw_lane(addr, 0x0DD);
+    lane.s.set_read_timeout(Some(5 * SECOND)).unwrap();
+    let t0 = Instant::now();
+    let mut b = [0u8; HEADER_LEN];
+    let r = lane.s.read(&mut b);
+    let waited = t0.elapsed();
+    assert!(
+        matches!(r, Ok(0))
+            || r.as_ref()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "the lane was kept: {r:?} after {waited:?}"
+    );
+    assert!(
+        waited >= SECOND * 2 / 5 && waited < 3 * SECOND,
+        "closed after {waited:?}"
+    );
+}
+
+/// Lanes waiting for their main connection are kept two an address: a
+/// stranger's flood of lane Hellos from one address does not push out a
+/// lane from another, which still pairs when its main connection comes
+/// (before, the ninth lane pushed out the oldest, whoever's).
+#[test]
+fn a_flood_of_lanes_from_one_address_does_not_push_out_anothers() {
+    let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());
+    let token = 0x5EED;
+    let mut own = raw_lane(addr, token);
+    std::thread::sleep(Duration::from_millis(100));
+    let flood: Vec<Raw> = (0..32)
+        .map(|i| Raw::lane_from(addr, std::net::Ipv4Addr::new(127, 0, 0, 2), 0xF100 + i))
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let main = Raw::connect_with(addr, token, 0);
+    own.s.set_read_timeout(Some(5 * SECOND)).unwrap();
+    match own.read_frame().0 {
+        Frame::Hello(h) => assert_eq!((h.lane, h.token), (1, token), "the ack"),
+        other => panic!("not an ack: {other:?}"),
+    }
+    let peer = wait_for_peer(&server);
+    assert_eq!(server.with(|t| t.connections(peer)), Some(2));
+    drop((main, flood));
+}
+
 #[test]
 fn a_striped_frame_without_a_paired_lane_breaks_the_wires_rule() {
     let (server, addr, pool) = listener(64 << 20, TcpConfig::default());

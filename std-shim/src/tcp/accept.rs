@@ -147,7 +147,7 @@ impl TcpTransport {
             }
             self.refusing.push_back((p.stream, StdInstant::now(), left));
         }
-        self.unclaimed.retain(|l| !l.fits(Some(token), p.addr));
+        self.unclaimed.retain(|(l, _)| !l.fits(Some(token), p.addr));
     }
 
     pub(super) fn hello(&mut self, p: Pending) {
@@ -173,9 +173,9 @@ impl TcpTransport {
                         match self.add_peer(p.stream, p.addr, session) {
                             // Announced once its same-host frame settles (`control`).
                             Ok(id) => {
-                                let mine = |l: &Lane| l.fits(Some(token), p.addr);
+                                let mine = |(l, _): &(Lane, _)| l.fits(Some(token), p.addr);
                                 if let Some(k) = self.unclaimed.iter().position(mine) {
-                                    if let Some(lane) = self.unclaimed.remove(k) {
+                                    if let Some((lane, _)) = self.unclaimed.remove(k) {
                                         self.attach_lane(id, lane);
                                     }
                                 }

@@ -3,12 +3,12 @@
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant as StdInstant};
 
 use zerohop_core::wire::{Frame, Hello, Takes, HEADER_LEN};
 use zerohop_core::PeerId;
 
-use super::{key, TcpTransport, LANE, UNCLAIMED_LANES};
+use super::{key, TcpTransport, LANE, UNCLAIMED_LANES, UNCLAIMED_PER_ADDRESS};
 use crate::poller::Set;
 
 /// Payload bytes of a striped message that travel on the main connection:
@@ -143,10 +143,18 @@ impl TcpTransport {
                 self.attach_lane(id, lane);
             }
             None => {
-                if self.unclaimed.len() == UNCLAIMED_LANES {
-                    self.unclaimed.pop_front();
+                let from = lane.from.to_canonical();
+                let same = |(l, _): &(Lane, StdInstant)| l.from.to_canonical() == from;
+                let replaced =
+                    if self.unclaimed.iter().filter(|l| same(l)).count() >= UNCLAIMED_PER_ADDRESS {
+                        self.unclaimed.iter().position(same)
+                    } else {
+                        (self.unclaimed.len() >= UNCLAIMED_LANES).then_some(0)
+                    };
+                if let Some(k) = replaced {
+                    self.unclaimed.remove(k);
                 }
-                self.unclaimed.push_back(lane);
+                self.unclaimed.push_back((lane, StdInstant::now()));
             }
         }
     }

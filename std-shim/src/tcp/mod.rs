@@ -33,7 +33,9 @@
 //! and says a Hello with `lane` 1 and its main connection's token; the
 //! acceptor pairs them (a lane from another address than its main
 //! connection's is not paired: the token alone is 32 bits) and acks with its
-//! own lane Hello, the first bytes that way; the connecting side stripes only
+//! own lane Hello, the first bytes that way (a lane that comes before its
+//! main connection waits for it the idle timeout, two an address and eight
+//! in all); the connecting side stripes only
 //! once it has read the ack. A message of at least `stripe_min` bytes leaves
 //! with [`DataFlags::STRIPED`](zerohop_core::wire::DataFlags::STRIPED):
 //! header and first half on the main connection, the rest on the lane, read
@@ -82,8 +84,12 @@ const FRAMES_PER_TURN: u32 = 256;
 pub const STRIPE_MIN: usize = 1 << 20;
 /// A message at least this long re-arms quick ACKs (see [`quick_ack`]).
 const QUICK_ACK_MIN: usize = 1 << 20;
-/// Lanes whose main connection is not there yet, kept at most.
+/// Lanes whose main connection is not there yet, kept at most (each for
+/// the idle timeout), and at most from one address: a newcomer past either
+/// bound replaces the oldest it competes with, so one stranger's flood of
+/// lane Hellos cannot push out another address's lane.
 const UNCLAIMED_LANES: usize = 8;
+const UNCLAIMED_PER_ADDRESS: usize = 2;
 /// How long accepting pauses when the process is out of descriptors.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// How often a run of failed accepts, or of newcomers refused by the peer
@@ -405,7 +411,8 @@ pub struct TcpTransport {
     /// Answers to this side's offers: the peer, and whether it took it
     /// (then the TCP peer is gone: its session moved).
     answers: VecDeque<(PeerId, bool)>,
-    unclaimed: VecDeque<Lane>,
+    /// Lanes whose main connection is not there yet, and since when.
+    unclaimed: VecDeque<(Lane, StdInstant)>,
     /// The sessions' clock (see `now`).
     session_clock: SessionClock,
     next_scan: StdInstant,
@@ -928,6 +935,8 @@ impl TcpTransport {
                 *p = None;
             }
         }
+        self.unclaimed
+            .retain(|(_, since)| now.duration_since(*since) < idle);
         self.refusing.retain_mut(|(s, since, left)| {
             now.duration_since(*since) < REFUSING_FOR && accept::drained(s, left) == Some(false)
         });
