@@ -225,9 +225,9 @@ impl<T> PeerSlots<T> {
 pub struct PeerLimits {
     /// Accepted peers, over all addresses (default 4096; at least 1).
     pub accepted: usize,
-    /// Accepted peers from one IP address (default 4096, no bound of its
-    /// own: peers behind one NAT, or on one host, share an address; at
-    /// least 1).
+    /// Accepted peers from one IP address, or one IPv6 /64
+    /// ([`counted_address`]) (default 4096, no bound of its own: peers
+    /// behind one NAT, or on one host, share an address; at least 1).
     pub per_address: usize,
 }
 
@@ -296,10 +296,23 @@ impl PeerLimits {
     }
 }
 
+/// The address a peer counts under in [`PeerLimits::per_address`]: an
+/// IPv4 address (one mapped into IPv6 too), or an IPv6 address's /64
+/// prefix, a host's usual allocation (a host picks at will among the 2^64
+/// addresses of its /64: counted one by one, it would have no bound).
+pub fn counted_address(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip.to_canonical() {
+        std::net::IpAddr::V6(v6) => {
+            std::net::IpAddr::V6((u128::from(v6) & !u128::from(u64::MAX)).into())
+        }
+        v4 => v4,
+    }
+}
+
 /// The accepted peers a listening wire keeps, counted by address as they
-/// come and go: a newcomer is judged without a walk of the peers (a
-/// stranger that reconnects in a loop would cost a walk each time).
-/// IPv4 addresses mapped into IPv6 count as the IPv4 address they carry.
+/// come and go ([`counted_address`]): a newcomer is judged without a walk
+/// of the peers (a stranger that reconnects in a loop would cost a walk
+/// each time).
 #[derive(Debug, Default)]
 pub struct AcceptedPeers {
     by_address: std::collections::HashMap<std::net::IpAddr, usize>,
@@ -309,13 +322,13 @@ pub struct AcceptedPeers {
 impl AcceptedPeers {
     /// A peer from `ip` is kept.
     pub fn add(&mut self, ip: std::net::IpAddr) {
-        *self.by_address.entry(ip.to_canonical()).or_default() += 1;
+        *self.by_address.entry(counted_address(ip)).or_default() += 1;
         self.total += 1;
     }
 
     /// A peer from `ip` that [`add`](Self::add) counted has gone.
     pub fn remove(&mut self, ip: std::net::IpAddr) {
-        let ip = ip.to_canonical();
+        let ip = counted_address(ip);
         if let Some(n) = self.by_address.get_mut(&ip) {
             *n -= 1;
             if *n == 0 {
@@ -327,7 +340,7 @@ impl AcceptedPeers {
 
     /// Whether a newcomer from `from` may join them under `limits`.
     pub fn admit(&self, limits: &PeerLimits, from: std::net::IpAddr) -> Result<(), Refusal> {
-        let same = self.by_address.get(&from.to_canonical()).copied();
+        let same = self.by_address.get(&counted_address(from)).copied();
         limits.admit(self.total, same.unwrap_or(0))
     }
 
@@ -399,6 +412,38 @@ mod tests {
             };
             assert!(bad.check().is_err(), "{bad:?}");
         }
+    }
+
+    /// An IPv6 host counts as its /64: two addresses there share one
+    /// bound, a neighbouring /64 has its own; IPv4 addresses count alone.
+    #[test]
+    fn an_ipv6_host_counts_as_its_64_under_the_per_address_bound() {
+        use std::net::IpAddr;
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let limits = PeerLimits {
+            accepted: 16,
+            per_address: 2,
+        };
+        let mut kept = AcceptedPeers::default();
+        kept.add(ip("2001:db8:1:2::1"));
+        kept.add(ip("2001:db8:1:2:ffff:ffff:ffff:fffe"));
+        let address_full = Err(Refusal::AddressFull { per_address: 2 });
+        assert_eq!(
+            kept.admit(&limits, ip("2001:db8:1:2:abcd::7")),
+            address_full
+        );
+        assert_eq!(kept.admit(&limits, ip("2001:db8:1:3::1")), Ok(()));
+        assert_eq!(kept.admit(&limits, ip("2001:db8:1:1::1")), Ok(()));
+        kept.add(ip("10.0.0.1"));
+        kept.add(ip("10.0.0.2"));
+        assert_eq!(kept.admit(&limits, ip("10.0.0.3")), Ok(()));
+        assert_eq!(
+            counted_address(ip("2001:db8:1:2:abcd::7")),
+            ip("2001:db8:1:2::")
+        );
+        assert_eq!(counted_address(ip("::ffff:10.0.0.1")), ip("10.0.0.1"));
+        kept.remove(ip("2001:db8:1:2::99"));
+        assert_eq!(kept.admit(&limits, ip("2001:db8:1:2::1")), Ok(()));
     }
 
     #[test]

@@ -5,6 +5,7 @@ use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant as StdInstant};
 
+use zerohop_backends::counted_address;
 use zerohop_core::wire::{Frame, Hello, Takes, HEADER_LEN};
 use zerohop_core::PeerId;
 
@@ -143,8 +144,8 @@ impl TcpTransport {
                 self.attach_lane(id, lane);
             }
             None => {
-                let from = lane.from.to_canonical();
-                let same = |(l, _): &(Lane, StdInstant)| l.from.to_canonical() == from;
+                let from = counted_address(lane.from);
+                let same = |(l, _): &(Lane, StdInstant)| counted_address(l.from) == from;
                 let replaced =
                     if self.unclaimed.iter().filter(|l| same(l)).count() >= UNCLAIMED_PER_ADDRESS {
                         self.unclaimed.iter().position(same)

@@ -317,7 +317,9 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                 // peers as it keeps, or a peer whose ring could never take
                 // a data frame: refused before anything is set up.
                 // Counted by a walk: a request costs a queue pair, far more.
-                let ip = |a: Option<SocketAddr>| a.map_or(UNSPECIFIED, |a| a.ip().to_canonical());
+                let ip = |a: Option<SocketAddr>| {
+                    a.map_or(UNSPECIFIED, |a| crate::peers::counted_address(a.ip()))
+                };
                 let from = ip(id.peer_addr());
                 let (mut kept, mut same) = (0, 0);
                 for (_, c) in self.peers.iter().filter(|(_, c)| c.accepted) {
