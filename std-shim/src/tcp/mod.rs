@@ -310,8 +310,8 @@ struct Peer {
     /// Readiness seen and not yet used up (edge-triggered: a read that
     /// comes back short, or empty, uses it up; the next arrival raises it).
     readable: bool,
-    /// Bytes that came into the stage and the session has not been told of.
-    heard: usize,
+    /// Bytes came into the stage that the session has not been told of.
+    heard: bool,
     lane_readable: bool,
     /// epoll reported the other side's end (or an error) on the socket: it
     /// stays readable until a read says so, however short the reads before.
@@ -848,7 +848,7 @@ impl TcpTransport {
                 token,
                 striped_sent: 0,
                 readable: true,
-                heard: 0,
+                heard: false,
                 lane_readable: true,
                 hup: false,
                 lane_hup: false,
@@ -983,8 +983,10 @@ impl TcpTransport {
             if p.dry || (unreadable && p.note_unread()) {
                 p.session.handle_held(t);
             }
-            // Nor is the time nobody drove this wire a slow peer's.
-            if came_back {
+            // Nor is the time nobody drove this wire a slow peer's, nor a
+            // full inbox's, in which nobody is read: its message's timing
+            // pauses (its silence is judged as ever).
+            if came_back || full {
                 p.session.handle_absence(t);
             }
             if let Err(error) = p.session.handle_timeout(t) {

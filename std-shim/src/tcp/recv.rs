@@ -72,7 +72,7 @@ pub(super) fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
                 // edge, except an end already reported (then read on to it).
                 p.readable = p.stage_end + n == end || p.hup;
                 p.stage_end += n;
-                p.heard += n;
+                p.heard = true;
                 return Ok(true);
             }
             Err(rustix::io::Errno::AGAIN) => {
@@ -350,11 +350,10 @@ impl TcpTransport {
                         .copy_from_slice(&p.stage[p.stage_start..p.stage_start + take]);
                     inc.have += take;
                     p.stage_start += take;
-                    if inc.have < inc.split {
-                        // Progress of a payload still under way (one that
-                        // is in counts for nothing more).
-                        p.session.handle_activity(now, take, false);
-                    }
+                    // The message's progress (the stage's bytes were told
+                    // as news of the peer only: headers and control frames
+                    // are not progress).
+                    p.session.handle_activity(now, take, false);
                 }
                 if inc.have < inc.split {
                     if want - take < DIRECT_MIN {
@@ -554,9 +553,10 @@ impl TcpTransport {
             // Only bytes are news of the peer: a spinning receiver looks at
             // the peer that delivered last on every poll, and a look that
             // finds nothing must not keep one stalled mid-header alive.
-            if p.heard > 0 {
-                p.session
-                    .handle_activity(now, std::mem::take(&mut p.heard), staged > 0);
+            // News only: a payload's bytes count toward its message's rate
+            // as they are taken (1b), not as staged.
+            if std::mem::take(&mut p.heard) {
+                p.session.handle_activity(now, 0, staged > 0);
             }
             // 3. More bytes into the stage.
             let room = if p.direct_stream {
