@@ -1452,6 +1452,47 @@ fn a_peer_flooding_control_frames_mid_message_is_dropped_at_the_minimum_rate() {
     expect_stalled(&mut t, Stall::Slow);
 }
 
+/// Control frames are news of a peer, not progress of its message: one
+/// that keeps a large message under way with a byte of payload and then
+/// sends Credit frames at about 240 KB/s (nearly four times the minimum
+/// rate, in frames) is dropped at the minimum rate (before, the stage's
+/// bytes all counted as the message's, and it was kept for good).
+#[test]
+fn a_peer_sending_control_frames_at_a_rate_mid_message_is_still_dropped_at_the_minimum_rate() {
+    let idle = Duration::from_millis(500);
+    let mut t = with_idle_timeout(idle);
+    let addr = t.listen("127.0.0.1:0").unwrap();
+    let mut raw = Raw::connect(addr);
+    let first = Frame::Data(Data {
+        flags: DataFlags::MORE,
+        seq: 0,
+        msg_len: 8 << 20,
+        len: 1,
+        offset: 0,
+        credits: 0,
+        control: 0,
+    });
+    raw.send(&first.encode(&[]));
+    raw.send(&[7]);
+    progress_with_nothing_to_deliver(&mut t, Duration::from_millis(50));
+    // 150 frames (4.8 KB) every 20 ms, read as they come.
+    let burst: Vec<u8> = (0..150).flat_map(|_| Raw::credit()).collect();
+    let t0 = Instant::now();
+    while t.peer_count() == 1 {
+        assert!(
+            t0.elapsed() < 5 * SECOND,
+            "the credit-sending peer was kept"
+        );
+        raw.send(&burst);
+        let next = Instant::now() + Duration::from_millis(20);
+        while Instant::now() < next {
+            t.progress().unwrap();
+        }
+    }
+    assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
+    expect_stalled(&mut t, Stall::Slow);
+}
+
 /// Bytes waiting in a peer's socket while the inbox is full and the
 /// progress thread leaves reading to the application (which has not
 /// taken its messages): they cannot be read, so the peer is held, not
@@ -2743,9 +2784,9 @@ fn a_lane_whose_main_connection_never_comes_is_closed_at_the_idle_timeout() {
         ..TcpConfig::default()
     };
     let (_server, addr, _pool) = listener(64 << 20, config);
+    let t0 = Instant::now();
     let mut lane = raw_lane(addr, 0x0DD);
     lane.s.set_read_timeout(Some(5 * SECOND)).unwrap();
-    let t0 = Instant::now();
     let mut b = [0u8; HEADER_LEN];
     let r = lane.s.read(&mut b);
     let waited = t0.elapsed();
@@ -2761,18 +2802,22 @@ fn a_lane_whose_main_connection_never_comes_is_closed_at_the_idle_timeout() {
     );
 }
 
-/// Lanes waiting for their main connection are kept two an address: a
-/// stranger's flood of lane Hellos from one address does not push out a
-/// lane from another, which still pairs when its main connection comes
+/// Lanes waiting for their main connection are kept two an address, eight
+/// in all, and the ones pushed out are of addresses at their bound: a
+/// stranger's flood of lane Hellos from four addresses does not push out
+/// a lane from another, which still pairs when its main connection comes
 /// (before, the ninth lane pushed out the oldest, whoever's).
 #[test]
-fn a_flood_of_lanes_from_one_address_does_not_push_out_anothers() {
+fn a_flood_of_lanes_from_a_few_addresses_does_not_push_out_anothers() {
     let (server, addr, _pool) = listener(64 << 20, TcpConfig::default());
     let token = 0x5EED;
     let mut own = raw_lane(addr, token);
     std::thread::sleep(Duration::from_millis(100));
     let flood: Vec<Raw> = (0..32)
-        .map(|i| Raw::lane_from(addr, std::net::Ipv4Addr::new(127, 0, 0, 2), 0xF100 + i))
+        .map(|i| {
+            let from = std::net::Ipv4Addr::new(127, 0, 0, 2 + (i % 4) as u8);
+            Raw::lane_from(addr, from, 0xF100 + i)
+        })
         .collect();
     std::thread::sleep(Duration::from_millis(300));
     let main = Raw::connect_with(addr, token, 0);

@@ -144,14 +144,22 @@ impl TcpTransport {
                 self.attach_lane(id, lane);
             }
             None => {
+                let waiting = &self.unclaimed;
+                let of = |ip| move |(l, _): &(Lane, StdInstant)| counted_address(l.from) == ip;
+                let at_bound =
+                    |ip| waiting.iter().filter(|w| of(ip)(w)).count() >= UNCLAIMED_PER_ADDRESS;
+                // Its own address's oldest past the address's bound; past
+                // the overall bound, the oldest of an address at its bound
+                // (else the oldest): addresses with one lane each go last.
                 let from = counted_address(lane.from);
-                let same = |(l, _): &(Lane, StdInstant)| counted_address(l.from) == from;
-                let replaced =
-                    if self.unclaimed.iter().filter(|l| same(l)).count() >= UNCLAIMED_PER_ADDRESS {
-                        self.unclaimed.iter().position(same)
-                    } else {
-                        (self.unclaimed.len() >= UNCLAIMED_LANES).then_some(0)
-                    };
+                let replaced = if at_bound(from) {
+                    waiting.iter().position(of(from))
+                } else if waiting.len() >= UNCLAIMED_LANES {
+                    let crowded = |(l, _): &(Lane, StdInstant)| at_bound(counted_address(l.from));
+                    waiting.iter().position(crowded).or(Some(0))
+                } else {
+                    None
+                };
                 if let Some(k) = replaced {
                     self.unclaimed.remove(k);
                 }

@@ -327,6 +327,7 @@ impl<M: PayloadMemory> RdmaTransport<M> {
                     same += usize::from(ip(c.addr) == from);
                 }
                 if let Err(why) = self.config.peer_limits.admit(kept, same) {
+                    let from = id.peer_addr().map_or(UNSPECIFIED, |a| a.ip());
                     debug!("verbs: a connect request from {} refused: {}", from, why);
                     return id.reject(RejectReason::Refused);
                 }
