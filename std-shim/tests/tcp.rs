@@ -1644,6 +1644,40 @@ fn hundreds_of_connections_that_never_say_hello_make_room_oldest_first() {
     drop(idle);
 }
 
+/// Past `max_handshakes`, the connection that makes room is the oldest of
+/// the address with the most connections that have not said Hello: one
+/// address's flood of silent connections does not push out another's
+/// connection before its Hello (before, the oldest went, whoever's).
+#[test]
+fn a_flood_of_silent_connections_from_one_address_does_not_push_out_anothers_handshake() {
+    let config = TcpConfig {
+        max_handshakes: 8,
+        ..TcpConfig::default()
+    };
+    let (server, addr, _pool) = listener(64 << 20, config);
+    let honest = TcpStream::connect(addr).unwrap();
+    honest.set_nodelay(true).unwrap();
+    while server.with(|t| t.handshaking()) < 1 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let flood: Vec<TcpStream> = (0..32)
+        .map(|_| Raw::socket(addr, Some(std::net::Ipv4Addr::new(127, 0, 0, 2)), None))
+        .collect();
+    let t0 = Instant::now();
+    while server.with(|t| t.handshaking()) < 8 || t0.elapsed() < Duration::from_millis(200) {
+        assert!(t0.elapsed() < 10 * SECOND);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut honest = Raw::greet(honest, 0x7E57, 0);
+    honest.s.set_read_timeout(Some(5 * SECOND)).unwrap();
+    assert!(
+        matches!(honest.read_frame().0, Frame::Hello(_)),
+        "the listener's Hello"
+    );
+    wait_for_peer(&server);
+    drop(flood);
+}
+
 /// Every peer's main connection, accepted or dialed, has TCP keepalive on with
 /// zerohop's short idle time (as the kernel reports its timers in
 /// /proc/net/tcp): a peer that dies without a word is found and its place

@@ -5,6 +5,7 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Instant as StdInstant;
 
+use zerohop_backends::counted_address;
 use zerohop_core::session::{HostRole, Session};
 use zerohop_core::wire::{Close, Frame, HEADER_LEN};
 
@@ -65,12 +66,23 @@ impl TcpTransport {
     pub(super) fn add_pending(&mut self, s: TcpStream, addr: SocketAddr) -> io::Result<()> {
         s.set_nonblocking(true)?;
         if self.handshaking() >= self.config.max_handshakes {
-            // The oldest connection that never said Hello makes room.
+            // The oldest connection that never said Hello, of the address
+            // with the most of them, makes room: one address's flood of
+            // silent connections pushes out its own, not another's.
+            let mut by_address = std::collections::HashMap::new();
+            for p in self.pending.iter().flatten() {
+                *by_address
+                    .entry(counted_address(p.addr.ip()))
+                    .or_insert(0usize) += 1;
+            }
+            let most = by_address.values().copied().max().unwrap_or(0);
+            let crowded =
+                |p: &Pending| by_address.get(&counted_address(p.addr.ip())) == Some(&most);
             let oldest = self
                 .pending
                 .iter()
                 .enumerate()
-                .filter_map(|(i, p)| Some((i, p.as_ref()?.since)))
+                .filter_map(|(i, p)| Some((i, p.as_ref().filter(|p| crowded(p))?.since)))
                 .min_by_key(|&(_, t)| t);
             if let Some((i, _)) = oldest {
                 self.pending[i] = None;

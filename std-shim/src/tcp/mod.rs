@@ -208,7 +208,8 @@ pub struct TcpConfig {
     /// 0: none): a peer that drips a large message's bytes to hold its
     /// buffer is dropped.
     pub min_rate: u32,
-    /// Connections that have not said Hello, kept at most; the oldest goes first (default 256).
+    /// Connections that have not said Hello, kept at most; past it the
+    /// oldest of the address with the most of them goes (default 256).
     pub max_handshakes: usize,
     /// Accepted peers kept at most, overall and from one address (peers
     /// this side connected to do not count; under a
