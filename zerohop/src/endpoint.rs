@@ -401,7 +401,10 @@ impl Endpoint {
     /// [`Error::Connect`] says for each address why ([`ConnectError`]: no
     /// connection, no answer, refused at the listener's peer limits, another
     /// protocol version, not zerohop); a name that does not resolve is
-    /// [`Error::Address`]. Other peers are served meanwhile.
+    /// [`Error::Address`]. Other peers are served meanwhile. The peer's
+    /// first messages can reach another thread's `recv` or `events` just
+    /// before this call returns its [`Peer`] (and, for that moment,
+    /// [`peer_addr`](Self::peer_addr) of it is `None`).
     pub fn connect(
         &self,
         addr: impl ToSocketAddrs + fmt::Display,
