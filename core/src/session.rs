@@ -1654,7 +1654,9 @@ impl Session {
         // takes one of the peer's: it never owes CONTROL_SLOTS - 1 (two) for
         // one such frame alone, so frames answering frames die out.
         let control = ring && self.owed_control >= CONTROL_SLOTS - 1;
-        let moved = self.rx_limit - self.rx_limit_sent;
+        // (Below what was sent once a grant was taken back: the peer
+        // keeps the higher limit it was told, and may not use it.)
+        let moved = self.rx_limit.saturating_sub(self.rx_limit_sent);
         let bytes = moved > 0
             && (moved >= u64::from(self.config.window / 4).max(1)
                 || self.rx_want.is_some_and(|(offset, len)| {
@@ -1872,6 +1874,13 @@ impl Session {
         {
             self.rx_want = None; // its message (or another in its place) came
             self.granted_at = None;
+            // A grant is room for the message asked for: what it let in
+            // past a shorter one in its place goes back (kept, it would
+            // count against the budget all peers share for good).
+            let normal = self
+                .rx_consumed
+                .saturating_add(u64::from(self.config.window));
+            self.rx_limit = self.rx_limit.min(end.max(normal));
         }
         Ok(())
     }

@@ -1171,6 +1171,79 @@ fn a_grant_never_used_is_taken_back_with_its_peer_and_serves_another() {
     assert_eq!(pool.stats().used_bytes, 0);
 }
 
+/// A grant is room for the message asked for: a peer that sends a 1-byte
+/// message in its place and goes quiet gives the rest back, and another
+/// peer's long message is granted at once (before, the rest counted
+/// against the budget for as long as the quiet peer stayed: 129 bytes
+/// kept every long message of every peer out).
+#[test]
+fn a_short_message_in_a_granted_ones_place_gives_the_grant_back_to_others() {
+    let (server, addr, pool) = grant_listener();
+    let mut hog = Raw::connect(addr);
+    hog.send(&want_4_mib());
+    await_grant(&mut hog);
+    hog.send(&Raw::data(0, 1, DataFlags::NONE));
+    hog.send(&[1]);
+    let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), &[1]);
+    drop(r);
+    let (good, peer) = client_of_8_mib(addr);
+    let long = sized(1, 4 << 20);
+    let t0 = Instant::now();
+    good.send(peer, &long, Deadline::after(5 * SECOND), None)
+        .expect("granted while the quiet peer stays");
+    let got = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+    assert_eq!(host_bytes(&got.lease), &long[..]);
+    assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
+    assert_eq!(server.with(|t| t.peer_count()), 2, "the quiet peer is kept");
+    drop(got);
+    drop(hog);
+    let t0 = Instant::now();
+    while pool.stats().used_bytes != 0 {
+        assert!(t0.elapsed() < 5 * SECOND, "every buffer back");
+        let _ = server.recv(Deadline::after(Duration::from_millis(20)), None);
+    }
+}
+
+/// A granted message that comes at a little over the minimum rate does not
+/// keep the grant budget from another peer for good: once that peer has
+/// waited the idle timeout for its grant, the slow holder is dropped
+/// (`Stall::Slow`) and the other's long message is granted (before, the
+/// budget's contention counted only peers waiting for receive buffers:
+/// the honest message waited for the whole 4 MiB to drip in, 16 s).
+#[test]
+fn a_granted_message_dripped_slowly_gives_way_to_another_peers_grant() {
+    let (server, addr, _pool) = grant_listener();
+    let mut hog = Raw::connect(addr);
+    hog.send(&want_4_mib());
+    await_grant(&mut hog);
+    hog.send(&Raw::whole(false, 0, 4 << 20));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let _stop = StopOnDrop(&stop);
+        // About 256 KiB/s: four times the minimum rate, under 1 MiB/s.
+        s.spawn(|| {
+            let t0 = Instant::now();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                && t0.elapsed() < 15 * SECOND
+                && hog.s.write_all(&[7u8; 16 << 10]).is_ok()
+            {
+                std::thread::sleep(Duration::from_millis(60));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(200)); // under way
+        let (good, peer) = client_of_8_mib(addr);
+        let long = sized(1, 4 << 20);
+        let t0 = Instant::now();
+        good.send(peer, &long, Deadline::after(10 * SECOND), None)
+            .expect("granted once the slow holder was dropped");
+        let (got, slow) = recv_counting_stalls(&server, Stall::Slow);
+        assert_eq!(host_bytes(&got.lease), &long[..]);
+        assert_eq!(slow, 1, "the slow holder was dropped");
+        assert!(t0.elapsed() < 3 * SECOND, "{:?}", t0.elapsed());
+    });
+}
+
 /// Grants past the window go to the peers that asked, in the order they
 /// asked: a peer that asks while others wait queues behind them, whatever
 /// its place among the connections (before, the budget went to the lowest

@@ -703,6 +703,75 @@ fn a_message_longer_than_the_window_waits_for_a_grant_that_the_receiver_counts()
     assert_eq!(s.handle_header(T0, &w, None), Err(ProtocolError::BadWant));
 }
 
+/// A grant is room for the message asked for: a shorter message sent in
+/// its place gives the rest back (it counted against the budget all peers
+/// share for as long as the peer stayed, quiet), and the peer cannot use
+/// it; the limit told to the peer does not go back, and the next Credit
+/// frame goes once the limit passes it.
+#[test]
+fn a_shorter_message_in_a_granted_ones_place_gives_the_grant_back() {
+    let small = SessionConfig {
+        window: 1000,
+        ..stream()
+    };
+    let granted = || {
+        let mut s = opened(small, hello(1 << 20, 0));
+        let w = Frame::Want(Want {
+            offset: 0,
+            len: 5000,
+        })
+        .encode(&[]);
+        assert_eq!(s.handle_header(T0, &w, None), Ok(Inbound::Want));
+        s.grant(T0);
+        assert_eq!(s.extra_granted(), 4000);
+        // The grant goes to the peer: limit 5000.
+        let c = s.poll_control().expect("the grant's credit");
+        assert!(matches!(
+            Frame::decode(&c.header, 0).unwrap().frame,
+            Frame::Credit(c) if c.limit == 5000
+        ));
+        s
+    };
+    let mut s = granted();
+    assert_eq!(
+        feed(&mut s, &data(0, 1, 1, false)).map(|d| d.is_some()),
+        Ok(true)
+    );
+    assert_eq!(s.extra_granted(), 0);
+    assert_eq!(s.poll_timeout(), None, "no grant to start");
+    assert_eq!(
+        feed(&mut s, &data(1, 1000, 1000, false)),
+        Err(ProtocolError::CreditExceeded {
+            limit: 1000,
+            end: 1001
+        })
+    );
+    // Messages consumed: while the limit is below the one told (5000), no
+    // Credit frame; once it is a quarter window past it, one goes.
+    let mut s = granted();
+    feed(&mut s, &data(0, 1, 1, false)).unwrap();
+    s.consumed(1);
+    for seq in 1..=5u64 {
+        assert!(s.poll_control().is_none(), "before message {seq}");
+        let got = feed(&mut s, &data(seq, 1000, 1000, false));
+        assert_eq!(got.map(|d| d.is_some()), Ok(true));
+        s.consumed(1000);
+    }
+    let c = s.poll_control().expect("the limit passed the one told");
+    assert!(matches!(
+        Frame::decode(&c.header, 0).unwrap().frame,
+        Frame::Credit(c) if c.limit == 6001
+    ));
+    // The message asked for keeps its whole grant.
+    let mut s = granted();
+    let first = data(0, 5000, 1000, true);
+    assert!(matches!(
+        s.handle_header(T0, &first[..HEADER_LEN], Some(1000)),
+        Ok(Inbound::Data(_))
+    ));
+    assert_eq!(s.extra_granted(), 4000);
+}
+
 #[test]
 fn a_want_within_the_window_is_answered_as_soon_as_consumption_covers_it() {
     let small = SessionConfig {

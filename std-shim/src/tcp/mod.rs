@@ -313,6 +313,8 @@ struct Peer {
     readable: bool,
     /// Bytes came into the stage that the session has not been told of.
     heard: bool,
+    /// In `wants`: it asked for a grant past its window.
+    asked: bool,
     lane_readable: bool,
     /// epoll reported the other side's end (or an error) on the socket: it
     /// stays readable until a read says so, however short the reads before.
@@ -444,9 +446,11 @@ pub struct TcpTransport {
     /// still comes).
     coming_bytes: usize,
     coming_budget: usize,
-    /// Since when a peer has waited for room in `coming_budget` (see
-    /// `free_budget`).
+    /// Since when a peer has waited for room in `coming_budget`, or for a
+    /// grant (see `free_budget`).
     budget_wait_since: Option<Instant>,
+    /// The first peer in `wants` waits for room in `grant_budget`.
+    grant_waits: bool,
     closed: bool,
 }
 
@@ -523,6 +527,7 @@ impl TcpTransport {
             coming_bytes: 0,
             coming_budget,
             budget_wait_since: None,
+            grant_waits: false,
             closed: false,
         })
     }
@@ -850,6 +855,7 @@ impl TcpTransport {
                 striped_sent: 0,
                 readable: true,
                 heard: false,
+                asked: false,
                 lane_readable: true,
                 hup: false,
                 lane_hup: false,
@@ -1003,9 +1009,10 @@ impl TcpTransport {
         self.arrivals.len() != before
     }
 
-    /// Payloads still to come hold at most `coming_budget` between them. A
-    /// peer kept waiting for room there for the idle timeout frees it from
-    /// the slowest message under way that its session tells slow under
+    /// Payloads still to come hold at most `coming_budget` between them, and
+    /// grants past the window at most `grant_budget`. A peer kept waiting
+    /// for room in either for the idle timeout frees it from the slowest
+    /// message under way (holding either) that its session tells slow under
     /// contention ([`Session::slow_under_contention`]: timed that long, and
     /// slower than 16 times the minimum rate), its peer dropped
     /// ([`Stall::Slow`](zerohop_core::session::Stall::Slow)); then the wait
@@ -1020,7 +1027,7 @@ impl TcpTransport {
         let Some(since) = self.budget_wait_since else {
             return;
         };
-        if !self.peers.iter().any(|(_, p)| p.waits_for_budget) {
+        if !self.grant_waits && !self.peers.iter().any(|(_, p)| p.waits_for_budget) {
             self.budget_wait_since = None;
             return;
         }
@@ -1035,7 +1042,7 @@ impl TcpTransport {
         let slowest = self
             .peers
             .iter()
-            .filter(|(_, p)| p.coming > 0)
+            .filter(|(_, p)| p.coming > 0 || p.session.extra_granted() > 0)
             .filter_map(|(slot, p)| Some((slot, p.session.slow_under_contention(t)?)))
             .min_by_key(|&(_, pace)| pace)
             .map(|(slot, _)| slot);
@@ -1058,6 +1065,7 @@ impl TcpTransport {
     /// peer that asks again (its last grant taken back with it) queues
     /// behind every peer already waiting.
     fn grant_in_turn(&mut self, t: Instant) {
+        self.grant_waits = false;
         if self.wants.is_empty() {
             return;
         }
@@ -1072,19 +1080,24 @@ impl TcpTransport {
                 continue;
             };
             let Some(len) = p.session.pending_grant() else {
-                self.wants.pop_front(); // its message came within its window
+                p.asked = false; // its message came within its window
+                self.wants.pop_front();
                 continue;
             };
             if len as u64 > self.config.grant_budget as u64 {
                 // More than the whole budget: never granted, and it must
                 // not hold up those behind it (its sender's send times out).
+                p.asked = false;
                 self.wants.pop_front();
                 continue;
             }
             if granted + len as u64 > self.config.grant_budget as u64 {
+                self.grant_waits = true;
+                self.budget_wait_since.get_or_insert(t);
                 return;
             }
             p.session.grant(t);
+            p.asked = false;
             granted += p.session.extra_granted();
             self.wants.pop_front();
             self.control(slot);

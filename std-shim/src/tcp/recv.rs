@@ -530,7 +530,7 @@ impl TcpTransport {
                     // A Want is answered by the timers, in turn, within the
                     // budget (`grant_in_turn`).
                     Inbound::Want => {
-                        if !self.wants.contains(&id) {
+                        if !std::mem::replace(&mut p.asked, true) {
                             self.wants.push_back(id);
                         }
                     }
