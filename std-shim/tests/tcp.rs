@@ -1566,6 +1566,67 @@ fn a_peer_sending_control_frames_at_a_rate_mid_message_is_still_dropped_at_the_m
     expect_stalled(&mut t, Stall::Slow);
 }
 
+/// A large payload waits in its socket while messages wait for the
+/// application (so it is read into the buffer the application gives
+/// back), but not for good: another peer whose small messages keep coming
+/// keeps messages waiting, and the large one is read and delivered among
+/// them (before, it waited until the application had taken every message:
+/// a flood of small ones stalled every other peer's large messages).
+#[test]
+fn a_large_payload_waits_for_the_application_only_a_moment_while_others_messages_keep_coming() {
+    let mut t = transport(64 << 20, TcpConfig::default());
+    let addr = t.listen("127.0.0.1:0").unwrap();
+    let mut flood = Raw::connect_with(addr, 0x1111, 0);
+    let mut honest = Raw::connect_with(addr, 0x2222, 0);
+    progress_with_nothing_to_deliver(&mut t, Duration::from_millis(50));
+    assert_eq!(t.peer_count(), 2);
+    let one = |raw: &mut Raw, seq: u64| {
+        raw.send(&Raw::data(seq, 1, DataFlags::NONE));
+        raw.send(&[1]);
+    };
+    one(&mut flood, 0);
+    let large = sized(3, 256 << 10);
+    honest.send(&Raw::data(0, large.len() as u32, DataFlags::NONE));
+    honest.send(&large);
+    // 200 ms of passes, a small message every 5 ms, none taken.
+    let t0 = Instant::now();
+    let mut seq = 1;
+    while t0.elapsed() < Duration::from_millis(200) {
+        one(&mut flood, seq);
+        seq += 1;
+        let next = Instant::now() + Duration::from_millis(5);
+        while Instant::now() < next {
+            t.progress().unwrap();
+        }
+    }
+    // In order of arrival: the large one, then small ones after it.
+    let mut after = None;
+    let by = Instant::now() + 5 * SECOND;
+    while after.is_none() || seq > 0 {
+        assert!(Instant::now() < by, "not all delivered");
+        t.progress().unwrap();
+        match t.try_recv() {
+            Ok(m) if m.lease.len() == large.len() => {
+                assert!(host_bytes(&m.lease) == &large[..]);
+                after = Some(0);
+            }
+            Ok(m) => {
+                assert_eq!(m.lease.len(), 1);
+                seq -= 1;
+                if let Some(n) = after.as_mut() {
+                    *n += 1;
+                }
+            }
+            Err(Error::WouldBlock) => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(
+        after.is_some_and(|n| n > 10),
+        "small messages after the large one: {after:?}"
+    );
+}
+
 /// Bytes waiting in a peer's socket while the inbox is full and the
 /// progress thread leaves reading to the application (which has not
 /// taken its messages): they cannot be read, so the peer is held, not

@@ -74,6 +74,9 @@ const STAGE_BYTES: usize = 64 << 10;
 const DIRECT_MIN: usize = 1 << 10;
 /// How far past a message read straight into its lease the same read goes.
 const READ_AHEAD: usize = 4 << 10;
+/// How long a large payload waits in its socket for the application to
+/// take a message and give its buffer back, at most (see `read_peer`).
+const DEFER_AT_MOST: Duration = Duration::from_millis(1);
 /// Frames one peer's read takes before the others' turn (its read goes on
 /// at the next pass): frames that deliver nothing (credit, a Want) fill no
 /// inbox, and a peer streaming them would otherwise keep the read for good.
@@ -328,6 +331,8 @@ struct Peer {
     /// before a large one is read (its bytes stay in the socket).
     dry: bool,
     deferred: bool,
+    /// Since when the message whose payload waits (`deferred`) has waited.
+    deferred_since: Option<Instant>,
     /// The last message was read straight into its lease: the next read
     /// into the stage takes only a header's worth and a little more.
     direct_stream: bool,
@@ -864,6 +869,7 @@ impl TcpTransport {
                 in_write: false,
                 dry: false,
                 deferred: false,
+                deferred_since: None,
                 direct_stream: false,
                 announced: false,
                 quiet_scans: 0,

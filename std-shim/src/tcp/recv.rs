@@ -14,8 +14,8 @@ use zerohop_core::{Error, Lease, Received};
 
 use super::lane::stripe_split;
 use super::{
-    Peer, TcpTransport, DIRECT_MIN, FRAMES_PER_TURN, LANE, LISTENER, PENDING, QUICK_ACK_MIN,
-    READ_AHEAD, STAGE_BYTES, WATCHED,
+    Peer, TcpTransport, DEFER_AT_MOST, DIRECT_MIN, FRAMES_PER_TURN, LANE, LISTENER, PENDING,
+    QUICK_ACK_MIN, READ_AHEAD, STAGE_BYTES, WATCHED,
 };
 use crate::poller::Set;
 
@@ -263,8 +263,12 @@ impl TcpTransport {
                     // A payload that must come from the socket waits while a
                     // message waits for the application: read now, it would
                     // fill a second, cold buffer; later, the one given back.
-                    p.deferred =
+                    // For `DEFER_AT_MOST` at most: other peers' messages can
+                    // keep the inbox from emptying for good.
+                    let may_wait =
                         inc.d.len.saturating_sub(staged) >= DIRECT_MIN && !self.arrivals.is_empty();
+                    let since = may_wait.then(|| *p.deferred_since.get_or_insert(now));
+                    p.deferred = since.is_some_and(|since| now < since.after(DEFER_AT_MOST));
                     if p.deferred {
                         p.waits_for_budget = false;
                         return Outcome::Stopped;
@@ -292,6 +296,7 @@ impl TcpTransport {
                         Ok(mut l) => {
                             let _ = l.set_len(inc.d.msg_len);
                             p.lease = Some(l);
+                            p.deferred_since = None;
                             p.dry = false;
                             p.waits_for_budget = false;
                             p.coming = coming;
