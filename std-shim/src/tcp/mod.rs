@@ -63,11 +63,13 @@ mod accept;
 mod lane;
 mod recv;
 mod send;
+mod stage;
 
 use accept::Pending;
 use lane::Lane;
 use recv::Incoming;
 use send::{write_frame, Direct, Out, Payload, Source};
+use stage::Stage;
 
 const STAGE_BYTES: usize = 64 << 10;
 /// The rest of a message at least this long is read straight into its lease.
@@ -292,7 +294,7 @@ struct Peer {
     stream: TcpStream,
     addr: SocketAddr,
     session: Session,
-    stage: Box<[u8]>,
+    stage: Stage,
     stage_start: usize,
     stage_end: usize,
     incoming: Option<Incoming>,
@@ -845,7 +847,7 @@ impl TcpTransport {
                 stream: s,
                 addr,
                 session,
-                stage: Box::default(), // taken at the first read
+                stage: Stage::default(), // mapped at the first read
                 stage_start: 0,
                 stage_end: 0,
                 incoming: None,
@@ -979,10 +981,10 @@ impl TcpTransport {
             } else if p.stage_start == p.stage_end && p.incoming.is_none() && !p.stage.is_empty() {
                 p.quiet_scans += 1;
                 if p.quiet_scans >= quiet_scans {
-                    p.stage = Box::default();
+                    p.stage.release();
                     // A stage taken again by a frame now and then goes
                     // after a few quiet scans more, not at the next one (a
-                    // zeroed 64 KiB a frame would cost more than it holds).
+                    // fresh mapping a frame would cost more than it holds).
                     p.quiet_scans = quiet_scans.saturating_sub(RETAKEN_SCANS);
                 }
             }

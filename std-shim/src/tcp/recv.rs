@@ -13,6 +13,7 @@ use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{Error, Lease, Received};
 
 use super::lane::stripe_split;
+use super::stage::Stage;
 use super::{
     Peer, TcpTransport, DEFER_AT_MOST, DIRECT_MIN, FRAMES_PER_TURN, LANE, LISTENER, PENDING,
     QUICK_ACK_MIN, READ_AHEAD, STAGE_BYTES, WATCHED,
@@ -42,7 +43,7 @@ pub(super) enum Outcome {
 /// Reads into the stage, up to `room` bytes past its start: `Ok(true)` when
 /// bytes came, `Ok(false)` when the socket is drained, `Err` at its end.
 pub(super) fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
-    stage_ready(&mut p.stage);
+    stage_ready(&mut p.stage, p.addr)?;
     if p.stage_start == p.stage_end {
         p.stage_start = 0;
         p.stage_end = 0;
@@ -87,10 +88,12 @@ pub(super) fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
 
 /// Gives a peer its stage before a read into it: its first read, or its
 /// first since a quiet spell took the stage (see `Peer::quiet_scans`).
-fn stage_ready(stage: &mut Box<[u8]>) {
-    if stage.is_empty() {
-        *stage = vec![0u8; STAGE_BYTES].into_boxed_slice();
-    }
+/// Maps a peer's stage if it has none; out of memory for it, the peer
+/// goes (it alone).
+fn stage_ready(stage: &mut Stage, addr: std::net::SocketAddr) -> Result<(), ()> {
+    stage.ready().map_err(|e| {
+        log::warn!("tcp: no stage for {addr} ({e}): dropped");
+    })
 }
 
 /// Takes `stream` out of TCP's interactive mode, in which it delays its
@@ -376,7 +379,9 @@ impl TcpTransport {
                         continue;
                     }
                     // The rest straight into the lease; a little beyond it into the stage.
-                    stage_ready(&mut p.stage);
+                    if stage_ready(&mut p.stage, p.addr).is_err() {
+                        return Outcome::Gone { clean: false };
+                    }
                     p.stage_start = 0;
                     p.stage_end = 0;
                     let rest = &mut host_bytes_mut(lease)[base + inc.have..base + inc.split];
