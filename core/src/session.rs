@@ -1307,10 +1307,13 @@ impl Session {
     /// the peer's Hello, a frame's payload or a message's next fragment is
     /// awaited (or the driver holds part of a header), the idle timeout after
     /// the peer was last heard; while the peer owes its part of the
-    /// same-host exchange, the idle timeout after its Hello; while a message
-    /// granted past the window has not started, the idle timeout after the
-    /// grant (the last two whatever else the peer sends meanwhile: credit
-    /// frames would keep them open for ever); otherwise never (a quiet open
+    /// same-host exchange, the idle timeout after its Hello; while no
+    /// message is under way and credit granted past the window is unused
+    /// (the message asked for has not started, or a shorter one came in its
+    /// place), the idle timeout after the grant (the last two whatever else
+    /// the peer sends meanwhile: credit frames would keep them open for
+    /// ever; a grant counts against what this side holds for all its peers,
+    /// and told credit cannot be taken back); otherwise never (a quiet open
     /// session is fine).
     ///
     /// And while a message is under way, at the latest when it falls behind
@@ -1333,10 +1336,10 @@ impl Session {
             (self.last_heard, Stall::Handshake)
         } else if self.peer_owes_host() {
             (self.opened_at, Stall::Handshake)
-        } else if let Some(t) = self.granted_at {
-            (t, Stall::Frame)
         } else if self.mid_message() {
             (self.last_heard, Stall::Frame)
+        } else if let Some(t) = self.granted_at.filter(|_| self.grant_unused()) {
+            (t, Stall::Frame)
         } else {
             return None;
         };
@@ -1379,6 +1382,15 @@ impl Session {
         let pace = self.rate_bytes.saturating_mul(1_000_000) / took;
         let slow = u64::from(self.config.min_rate) * u64::from(CONTENDED_RATE_FACTOR);
         (pace < slow).then_some(pace)
+    }
+
+    /// Credit granted past the window that the peer has not used: room told
+    /// beyond both what its messages took and the window.
+    fn grant_unused(&self) -> bool {
+        let normal = self
+            .rx_consumed
+            .saturating_add(u64::from(self.config.window));
+        self.rx_limit > self.rx_started.max(normal)
     }
 
     /// A message (or a frame, or part of a header) of the peer's is under way.
@@ -1654,9 +1666,7 @@ impl Session {
         // takes one of the peer's: it never owes CONTROL_SLOTS - 1 (two) for
         // one such frame alone, so frames answering frames die out.
         let control = ring && self.owed_control >= CONTROL_SLOTS - 1;
-        // (Below what was sent once a grant was taken back: the peer
-        // keeps the higher limit it was told, and may not use it.)
-        let moved = self.rx_limit.saturating_sub(self.rx_limit_sent);
+        let moved = self.rx_limit - self.rx_limit_sent;
         let bytes = moved > 0
             && (moved >= u64::from(self.config.window / 4).max(1)
                 || self.rx_want.is_some_and(|(offset, len)| {
@@ -1872,15 +1882,9 @@ impl Session {
             .rx_want
             .is_some_and(|(offset, _)| offset < self.rx_started)
         {
-            self.rx_want = None; // its message (or another in its place) came
-            self.granted_at = None;
-            // A grant is room for the message asked for: what it let in
-            // past a shorter one in its place goes back (kept, it would
-            // count against the budget all peers share for good).
-            let normal = self
-                .rx_consumed
-                .saturating_add(u64::from(self.config.window));
-            self.rx_limit = self.rx_limit.min(end.max(normal));
+            // Its message (or another in its place) came. The grant's
+            // clock (`granted_at`) runs on while credit it gave is unused.
+            self.rx_want = None;
         }
         Ok(())
     }

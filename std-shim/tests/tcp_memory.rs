@@ -75,8 +75,10 @@ fn quiet_peers_hold_a_page_of_stage_at_most_and_none_once_quiet() {
         lim.rlim_cur = want;
         common::set_nofile(lim);
     }
+    // Long enough that no stage goes before the 500 are in (on a loaded
+    // machine too), and the sample sees them all.
     let config = TcpConfig {
-        idle_timeout: Duration::from_millis(500),
+        idle_timeout: Duration::from_secs(2),
         ..TcpConfig::default()
     };
     let mut t = TcpTransport::new(private_pool(64 << 20).unwrap(), config, Kind::Tcp).unwrap();
@@ -116,12 +118,14 @@ fn quiet_peers_hold_a_page_of_stage_at_most_and_none_once_quiet() {
         "{PEERS} peers: stages {staged} B mapped; resident +{speaking} B new, +{quiet} B quiet"
     );
     assert!(staged > 0, "the peers' Hellos were read into stages");
+    // Measured with mapped stages: 5.7 KB a new peer, 1.6 KB a quiet one;
+    // with heap stages (64 KiB, zeroed), 18 KB a quiet one.
     assert!(
-        speaking < PEERS * (24 << 10),
+        speaking < PEERS * (16 << 10),
         "{speaking} B for {PEERS} new peers"
     );
     assert!(
-        quiet < PEERS * (12 << 10),
+        quiet < PEERS * (4 << 10),
         "{quiet} B for {PEERS} quiet peers"
     );
     assert!(

@@ -703,19 +703,24 @@ fn a_message_longer_than_the_window_waits_for_a_grant_that_the_receiver_counts()
     assert_eq!(s.handle_header(T0, &w, None), Err(ProtocolError::BadWant));
 }
 
-/// A grant is room for the message asked for: a shorter message sent in
-/// its place gives the rest back (it counted against the budget all peers
-/// share for as long as the peer stayed, quiet), and the peer cannot use
-/// it; the limit told to the peer does not go back, and the next Credit
-/// frame goes once the limit passes it.
+/// Credit granted past the window must be used within the idle timeout of
+/// the grant, unless a message is under way: a peer that sends a shorter
+/// message in the granted one's place and goes quiet fails `Stalled` then
+/// (it kept the rest counted against the budget all peers share for as
+/// long as it stayed); told credit is honoured meanwhile (another message
+/// may use it, as another thread's send does); a granted message under
+/// way longer than the idle timeout is judged by its silence, not the
+/// grant's clock; once the credit is used, there is no deadline.
 #[test]
-fn a_shorter_message_in_a_granted_ones_place_gives_the_grant_back() {
-    let small = SessionConfig {
+fn credit_granted_past_the_window_and_left_unused_stalls_the_peer() {
+    let cfg = SessionConfig {
         window: 1000,
+        idle_timeout: Duration::from_secs(1),
         ..stream()
     };
+    let at = |ms: u64| T0.after(Duration::from_millis(ms));
     let granted = || {
-        let mut s = opened(small, hello(1 << 20, 0));
+        let mut s = opened(cfg, hello(1 << 20, 0));
         let w = Frame::Want(Want {
             offset: 0,
             len: 5000,
@@ -724,52 +729,58 @@ fn a_shorter_message_in_a_granted_ones_place_gives_the_grant_back() {
         assert_eq!(s.handle_header(T0, &w, None), Ok(Inbound::Want));
         s.grant(T0);
         assert_eq!(s.extra_granted(), 4000);
-        // The grant goes to the peer: limit 5000.
-        let c = s.poll_control().expect("the grant's credit");
-        assert!(matches!(
-            Frame::decode(&c.header, 0).unwrap().frame,
-            Frame::Credit(c) if c.limit == 5000
-        ));
         s
     };
+    let frame_stall = Err(ProtocolError::Stalled {
+        during: Stall::Frame,
+    });
+    // A byte in the grant's place, then quiet: stalled at the grant's
+    // idle timeout, whatever was consumed.
     let mut s = granted();
     assert_eq!(
         feed(&mut s, &data(0, 1, 1, false)).map(|d| d.is_some()),
         Ok(true)
     );
-    assert_eq!(s.extra_granted(), 0);
-    assert_eq!(s.poll_timeout(), None, "no grant to start");
-    assert_eq!(
-        feed(&mut s, &data(1, 1000, 1000, false)),
-        Err(ProtocolError::CreditExceeded {
-            limit: 1000,
-            end: 1001
-        })
-    );
-    // Messages consumed: while the limit is below the one told (5000), no
-    // Credit frame; once it is a quarter window past it, one goes.
+    s.consumed(1);
+    assert_eq!(s.poll_timeout(), Some(at(1000)));
+    assert_eq!(s.handle_timeout(at(999)), Ok(()));
+    assert_eq!(s.handle_timeout(at(1000)), frame_stall);
+    // Told credit is honoured: two messages use it all, and then nothing
+    // is due.
     let mut s = granted();
     feed(&mut s, &data(0, 1, 1, false)).unwrap();
-    s.consumed(1);
-    for seq in 1..=5u64 {
-        assert!(s.poll_control().is_none(), "before message {seq}");
-        let got = feed(&mut s, &data(seq, 1000, 1000, false));
-        assert_eq!(got.map(|d| d.is_some()), Ok(true));
-        s.consumed(1000);
-    }
-    let c = s.poll_control().expect("the limit passed the one told");
-    assert!(matches!(
-        Frame::decode(&c.header, 0).unwrap().frame,
-        Frame::Credit(c) if c.limit == 6001
-    ));
-    // The message asked for keeps its whole grant.
+    assert_eq!(
+        feed(&mut s, &data(1, 3999, 3999, false)).map(|d| d.is_some()),
+        Ok(true)
+    );
+    assert_eq!(s.poll_timeout(), Some(at(1000)), "1000 bytes unused");
+    assert_eq!(
+        feed(&mut s, &data(2, 1000, 1000, false)).map(|d| d.is_some()),
+        Ok(true)
+    );
+    assert_eq!(s.poll_timeout(), None, "all used");
+    assert_eq!(s.handle_timeout(at(5000)), Ok(()));
+    // The granted message under way past the grant's idle timeout, heard
+    // from: judged by its silence.
     let mut s = granted();
     let first = data(0, 5000, 1000, true);
     assert!(matches!(
         s.handle_header(T0, &first[..HEADER_LEN], Some(1000)),
         Ok(Inbound::Data(_))
     ));
-    assert_eq!(s.extra_granted(), 4000);
+    assert_eq!(s.handle_payload(T0, Some(&first[HEADER_LEN..])), Ok(None));
+    s.handle_activity(at(900), 0, true);
+    assert_eq!(s.handle_timeout(at(1500)), Ok(()));
+    assert_eq!(s.poll_timeout(), Some(at(1900)));
+    // Consumed past the grant: the window covers it, nothing is due.
+    let mut s = granted();
+    feed(&mut s, &data(0, 1, 1, false)).unwrap();
+    s.consumed(1);
+    for seq in 1..=4u64 {
+        feed(&mut s, &data(seq, 1000, 1000, false)).unwrap();
+        s.consumed(1000);
+    }
+    assert_eq!(s.poll_timeout(), None);
 }
 
 #[test]

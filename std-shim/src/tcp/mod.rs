@@ -1035,7 +1035,10 @@ impl TcpTransport {
         let Some(since) = self.budget_wait_since else {
             return;
         };
-        if !self.grant_waits && !self.peers.iter().any(|(_, p)| p.waits_for_budget) {
+        // Which budget is short: its holders are the ones judged.
+        let room_waits = self.peers.iter().any(|(_, p)| p.waits_for_budget);
+        let grant_waits = self.grant_waits;
+        if !grant_waits && !room_waits {
             self.budget_wait_since = None;
             return;
         }
@@ -1050,7 +1053,9 @@ impl TcpTransport {
         let slowest = self
             .peers
             .iter()
-            .filter(|(_, p)| p.coming > 0 || p.session.extra_granted() > 0)
+            .filter(|(_, p)| {
+                (room_waits && p.coming > 0) || (grant_waits && p.session.extra_granted() > 0)
+            })
             .filter_map(|(slot, p)| Some((slot, p.session.slow_under_contention(t)?)))
             .min_by_key(|&(_, pace)| pace)
             .map(|(slot, _)| slot);
