@@ -666,8 +666,9 @@ impl TcpTransport {
         self.peer(peer).map_or(0, |p| p.striped_sent)
     }
 
-    /// Bytes of staging buffer the peers hold (a diagnostic: a peer quiet
-    /// for the idle timeout holds none).
+    /// Bytes of staging buffer the peers have mapped (a diagnostic: a peer
+    /// quiet for the idle timeout holds none; of what is mapped, only the
+    /// pages bytes landed in are resident).
     pub fn stage_bytes(&self) -> usize {
         self.peers.iter().map(|(_, p)| p.stage.len()).sum()
     }
