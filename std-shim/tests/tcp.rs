@@ -1498,14 +1498,10 @@ fn a_dripping_peer_is_dropped_at_the_minimum_rate_while_the_progress_thread_leav
     expect_stalled(&mut t, Stall::Slow);
 }
 
-/// The same with a peer that, mid-message, floods control frames instead
-/// of its payload: the timers' read stops at a turn's cap (256 frames),
-/// and readiness left by the cap is the peer's, not a hold (held, it was
-/// kept for as long as the application only sent).
-#[test]
-fn a_peer_flooding_control_frames_mid_message_is_dropped_at_the_minimum_rate() {
-    let idle = Duration::from_millis(500);
-    let mut t = with_idle_timeout(idle);
+/// A listener (a 500 ms idle timeout) with one peer whose 8 MiB message
+/// is under way with one byte of its payload, taken in.
+fn a_byte_of_8_mib_under_way() -> (TcpTransport, Raw) {
+    let mut t = with_idle_timeout(Duration::from_millis(500));
     let addr = t.listen("127.0.0.1:0").unwrap();
     let mut raw = Raw::connect(addr);
     let first = Frame::Data(Data {
@@ -1520,6 +1516,16 @@ fn a_peer_flooding_control_frames_mid_message_is_dropped_at_the_minimum_rate() {
     raw.send(&first.encode(&[]));
     raw.send(&[7]);
     progress_with_nothing_to_deliver(&mut t, Duration::from_millis(50));
+    (t, raw)
+}
+
+/// The same with a peer that, mid-message, floods control frames instead
+/// of its payload: the timers' read stops at a turn's cap (256 frames),
+/// and readiness left by the cap is the peer's, not a hold (held, it was
+/// kept for as long as the application only sent).
+#[test]
+fn a_peer_flooding_control_frames_mid_message_is_dropped_at_the_minimum_rate() {
+    let (mut t, mut raw) = a_byte_of_8_mib_under_way();
     let flood: Vec<u8> = (0..300).flat_map(|_| Raw::credit()).collect();
     raw.send(&flood);
     passes_leaving_reading_until_dropped(&mut t, 1, "flooding", |_| {});
@@ -1533,22 +1539,7 @@ fn a_peer_flooding_control_frames_mid_message_is_dropped_at_the_minimum_rate() {
 /// bytes all counted as the message's, and it was kept for good).
 #[test]
 fn a_peer_sending_control_frames_at_a_rate_mid_message_is_still_dropped_at_the_minimum_rate() {
-    let idle = Duration::from_millis(500);
-    let mut t = with_idle_timeout(idle);
-    let addr = t.listen("127.0.0.1:0").unwrap();
-    let mut raw = Raw::connect(addr);
-    let first = Frame::Data(Data {
-        flags: DataFlags::MORE,
-        seq: 0,
-        msg_len: 8 << 20,
-        len: 1,
-        offset: 0,
-        credits: 0,
-        control: 0,
-    });
-    raw.send(&first.encode(&[]));
-    raw.send(&[7]);
-    progress_with_nothing_to_deliver(&mut t, Duration::from_millis(50));
+    let (mut t, mut raw) = a_byte_of_8_mib_under_way();
     // 150 frames (4.8 KB) every 20 ms, read as they come.
     let burst: Vec<u8> = (0..150).flat_map(|_| Raw::credit()).collect();
     let t0 = Instant::now();
