@@ -9,6 +9,7 @@ use zerohop_backends::counted_address;
 use zerohop_core::wire::{Frame, Hello, Takes, HEADER_LEN};
 use zerohop_core::PeerId;
 
+use super::accept::oldest_of_most_crowded;
 use super::{key, TcpTransport, LANE, UNCLAIMED_LANES, UNCLAIMED_PER_ADDRESS};
 use crate::poller::Set;
 
@@ -145,18 +146,16 @@ impl TcpTransport {
             }
             None => {
                 let waiting = &self.unclaimed;
-                let of = |ip| move |(l, _): &(Lane, StdInstant)| counted_address(l.from) == ip;
-                let at_bound =
-                    |ip| waiting.iter().filter(|w| of(ip)(w)).count() >= UNCLAIMED_PER_ADDRESS;
-                // Its own address's oldest past the address's bound; past
-                // the overall bound, the oldest of an address at its bound
-                // (else the oldest): addresses with one lane each go last.
                 let from = counted_address(lane.from);
-                let replaced = if at_bound(from) {
-                    waiting.iter().position(of(from))
+                let own = |(l, _): &(Lane, StdInstant)| counted_address(l.from) == from;
+                // Its own address's oldest past the address's bound; past
+                // the overall bound, the oldest of the address with the most.
+                let replaced = if waiting.iter().filter(|w| own(w)).count() >= UNCLAIMED_PER_ADDRESS
+                {
+                    waiting.iter().position(own)
                 } else if waiting.len() >= UNCLAIMED_LANES {
-                    let crowded = |(l, _): &(Lane, StdInstant)| at_bound(counted_address(l.from));
-                    waiting.iter().position(crowded).or(Some(0))
+                    let all = waiting.iter().enumerate();
+                    oldest_of_most_crowded(all.map(|(i, (l, since))| (i, l.from, *since)))
                 } else {
                     None
                 };

@@ -87,9 +87,8 @@ pub(super) fn read_stage(p: &mut Peer, room: usize) -> Result<bool, ()> {
 }
 
 /// Gives a peer its stage before a read into it: its first read, or its
-/// first since a quiet spell took the stage (see `Peer::quiet_scans`).
-/// Maps a peer's stage if it has none; out of memory for it, the peer
-/// goes (it alone).
+/// first since a quiet spell took the stage (see `Peer::quiet_scans`). Out
+/// of memory for it, the peer goes (it alone).
 fn stage_ready(stage: &mut Stage, addr: std::net::SocketAddr) -> Result<(), ()> {
     stage.ready().map_err(|e| {
         log::warn!("tcp: no stage for {addr} ({e}): dropped");
