@@ -932,10 +932,14 @@ impl Session {
     /// those messages are consumed: what a driver counts against its budget
     /// for such grants.
     pub fn extra_granted(&self) -> u64 {
-        let normal = self
-            .rx_consumed
-            .saturating_add(u64::from(self.config.window));
-        self.rx_limit.saturating_sub(normal)
+        self.rx_limit.saturating_sub(self.window_limit())
+    }
+
+    /// The byte limit the window alone gives the peer: what it consumed,
+    /// plus the window.
+    fn window_limit(&self) -> u64 {
+        self.rx_consumed
+            .saturating_add(u64::from(self.config.window))
     }
 
     /// A message longer than the window that the peer waits to send: its
@@ -1032,10 +1036,7 @@ impl Session {
         // More than was received is a driver bug; the counters never pass it.
         debug_assert!(self.rx_consumed + len <= self.rx_started);
         self.rx_consumed = (self.rx_consumed + len).min(self.rx_started);
-        let normal = self
-            .rx_consumed
-            .saturating_add(u64::from(self.config.window));
-        self.rx_limit = self.rx_limit.max(normal);
+        self.rx_limit = self.rx_limit.max(self.window_limit());
     }
 
     /// Ring wires: `n` receive slots were posted again; the peer learns it
@@ -1387,10 +1388,7 @@ impl Session {
     /// Credit granted past the window that the peer has not used: room told
     /// beyond both what its messages took and the window.
     fn grant_unused(&self) -> bool {
-        let normal = self
-            .rx_consumed
-            .saturating_add(u64::from(self.config.window));
-        self.rx_limit > self.rx_started.max(normal)
+        self.rx_limit > self.rx_started.max(self.window_limit())
     }
 
     /// A message (or a frame, or part of a header) of the peer's is under way.
