@@ -23,6 +23,7 @@ mod sync;
 pub mod tcp;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod waiting_room;
 
 pub use config::{parse_bytes, Config, ConfigError};
 // What a driver implements beyond `Wire` (`Waiter`, `Leaser`) stays in `endpoint`.

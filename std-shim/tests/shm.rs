@@ -1937,6 +1937,68 @@ fn a_lane_socket_full_for_a_while_is_dialled_again() {
     drop(strangers);
 }
 
+/// A flood on the lane socket behind an honest taker's connection does not
+/// push it out: its setup, there when the connection is taken, is read
+/// then. Before, connections were all taken first and their setups read
+/// after, and past the 64 waiting the oldest went: the honest one, taken
+/// first, went with its setup unread, and the connect failed at the setup
+/// timeout (`PeerLost`).
+#[test]
+fn a_flood_on_the_lane_socket_does_not_push_out_a_setup_that_came() {
+    let _one = serial();
+    let (server, addr, _pool) = listener();
+    let theirs = lane_sockets();
+    let pool = private_pool(64 << 20).unwrap();
+    let mut w = wire(&pool);
+    // Until the strangers are in the backlog (resumed below).
+    w.pause_lane_accepts(WAIT);
+    let c = Endpoint::new(w, EndpointConfig::default()).unwrap();
+    let mine: Vec<String> = lane_sockets()
+        .into_iter()
+        .filter(|n| !theirs.contains(n))
+        .collect();
+    assert_eq!(mine.len(), 1, "the connector's lane socket: {mine:?}");
+    let name = rustix::net::SocketAddrUnix::new_abstract_name(mine[0].as_bytes()).unwrap();
+    let d = TcpTransport::dial(addr, WAIT, true).unwrap();
+    let p = c.with(|t| t.attach(d)).unwrap();
+    let (peer, from, strangers) = std::thread::scope(|s| {
+        let from = s.spawn(|| accepted(&server));
+        // The taker dialled the lane socket and sent its setup: its lane is made.
+        let until = Instant::now() + WAIT;
+        while server.with(|t| t.lane_count()) == 0 {
+            assert!(Instant::now() < until, "the taker never dialled");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Strangers that say nothing fill the backlog behind it.
+        let mut strangers = Vec::new();
+        loop {
+            let s = rustix::net::socket_with(
+                rustix::net::AddressFamily::UNIX,
+                rustix::net::SocketType::STREAM,
+                rustix::net::SocketFlags::NONBLOCK,
+                None,
+            )
+            .unwrap();
+            match rustix::net::connect(&s, &name) {
+                Ok(()) => strangers.push(s),
+                Err(e) => {
+                    assert_eq!(e, rustix::io::Errno::AGAIN, "a full backlog");
+                    break;
+                }
+            }
+            assert!(strangers.len() <= 1024, "the backlog never filled");
+        }
+        assert!(strangers.len() > 64, "more strangers than the links kept");
+        c.with(|t| t.pause_lane_accepts(Duration::ZERO));
+        let peer = c.wait_open(p, Deadline::after(WAIT));
+        (peer, from.join().unwrap(), strangers)
+    });
+    let peer = peer.expect("the lane, its setup read as its connection was taken");
+    assert!(peer.0 & LANE_BIT != 0, "moved to shared memory");
+    exchange(&c, peer, &server, from);
+    drop(strangers);
+}
+
 /// A caller that leaves mid ring frame (its deadline passed while the rest
 /// waited in its slice): the rest goes to the queue — the one call in which
 /// a lane's unsent bytes go from none to some (a frame written from the

@@ -51,6 +51,7 @@ use zerohop_core::{Capabilities, Error, Kind, PeerId, Received, Rejected, Transp
 use crate::endpoint::{pool_leaser, Leaser, Waiter, Wire};
 use crate::host::{StdLease, StdPool};
 use crate::tcp::{Dialed, TcpConfig, TcpTransport};
+use crate::waiting_room::oldest_of_most_crowded;
 
 use self::handshake::{LaneListener, Setup, SetupRead};
 use self::lane::{Lane, Outcome, Source};
@@ -120,8 +121,9 @@ impl ShmLease {
 /// table's tag.
 pub const LANE_BIT: u32 = zerohop_backends::TAG_BIT;
 /// Connections on the lane socket whose setup has not come, kept at most
-/// (the oldest go). Setups that came wait for their TCP answer only when
-/// they answer an offer of this side's, so those are bounded by its peers.
+/// (past it, the oldest of the user with the most go). Setups that came
+/// wait for their TCP answer only when they answer an offer of this
+/// side's, so those are bounded by its peers.
 const MAX_PENDING: usize = 64;
 /// How long a setup or its answer may keep the other waiting.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(5);
@@ -149,6 +151,8 @@ const SIDE_PERIOD: Duration = Duration::from_millis(1);
 struct Link {
     stream: UnixStream,
     since: StdInstant,
+    /// The user of the process at the other end (the kernel's word).
+    uid: Option<u32>,
     /// Its setup came, and this process had no room for its descriptors.
     no_room: bool,
 }
@@ -613,16 +617,28 @@ impl LocalWire {
         while self.accept_due.is_some_and(|t| now >= t) && !no_room(&self.links) {
             match self.listener.accept() {
                 Ok(Some(s)) => {
-                    if self.links.len() >= MAX_PENDING {
-                        // Full: the oldest goes (a flood of strangers that say
-                        // nothing costs them their connections, not a peer its lane).
-                        self.links.remove(0);
-                    }
-                    self.links.push(Link {
+                    let uid = rustix::net::sockopt::socket_peercred(&s).ok();
+                    let link = Link {
                         stream: s,
                         since: now,
+                        uid: uid.map(|c| c.uid.as_raw()),
                         no_room: false,
-                    });
+                    };
+                    // Its setup at once: a taker sends it as it connects, and
+                    // a flood behind it must not push it out unread.
+                    let Some(link) = self.read_setup(link, now) else {
+                        continue;
+                    };
+                    if self.links.len() >= MAX_PENDING {
+                        // Full: a flood of strangers that say nothing costs
+                        // them their connections, not a peer its lane.
+                        let waiting = self.links.iter().enumerate();
+                        let waiting = waiting.map(|(i, l)| (i, l.uid, l.since));
+                        if let Some(i) = oldest_of_most_crowded(waiting) {
+                            self.links.remove(i);
+                        }
+                    }
+                    self.links.push(link);
                 }
                 Ok(None) => self.accept_due = None,
                 // Out of descriptors (EMFILE): the connection waits in the
@@ -633,28 +649,9 @@ impl LocalWire {
                 }
             }
         }
-        let mut i = 0;
-        while i < self.links.len() {
-            let link = &mut self.links[i];
-            match handshake::recv_setup(&link.stream) {
-                Ok(SetupRead::Ready(setup)) => {
-                    let link = self.links.swap_remove(i);
-                    // Only for an offer of ours (its answer may come before
-                    // or after): any local process can connect and send
-                    // setups, each holding a segment and a link here.
-                    let ours = self.awaiting.contains_key(&setup.token)
-                        || self.dialed.values().any(|(t, _)| *t == setup.token);
-                    if ours {
-                        self.setups.insert(setup.token, (setup, link.stream, now));
-                    }
-                }
-                Ok(wait) if now.duration_since(link.since) < SETUP_TIMEOUT => {
-                    link.no_room = matches!(wait, SetupRead::NoRoom);
-                    i += 1;
-                }
-                Ok(_) | Err(_) => {
-                    self.links.swap_remove(i);
-                }
+        for link in std::mem::take(&mut self.links) {
+            if let Some(link) = self.read_setup(link, now) {
+                self.links.push(link);
             }
         }
         while let Some((peer, taken)) = self.tcp.take_answer() {
@@ -687,6 +684,29 @@ impl LocalWire {
         }
         self.setups
             .retain(|_, (_, _, at)| at.elapsed() < SETUP_TIMEOUT);
+    }
+
+    /// Reads a lane connection's setup: taken (kept only for an offer of
+    /// ours), or the link back while it may still come.
+    fn read_setup(&mut self, mut link: Link, now: StdInstant) -> Option<Link> {
+        match handshake::recv_setup(&link.stream) {
+            Ok(SetupRead::Ready(setup)) => {
+                // Only for an offer of ours (its answer may come before or
+                // after): any local process can connect and send setups,
+                // each holding a segment and a link here.
+                let ours = self.awaiting.contains_key(&setup.token)
+                    || self.dialed.values().any(|(t, _)| *t == setup.token);
+                if ours {
+                    self.setups.insert(setup.token, (setup, link.stream, now));
+                }
+                None
+            }
+            Ok(wait) if now.duration_since(link.since) < SETUP_TIMEOUT => {
+                link.no_room = matches!(wait, SetupRead::NoRoom);
+                Some(link)
+            }
+            Ok(_) | Err(_) => None,
+        }
     }
 
     /// Accepting side: answers a same-host offer first made at `first` —

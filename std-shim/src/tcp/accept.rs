@@ -1,9 +1,8 @@
 //! Accepting: a connection holds 32 bytes and a deadline until its Hello
 //! makes it a peer, or pairs it as a peer's lane.
 
-use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::time::Instant as StdInstant;
 
 use zerohop_backends::counted_address;
@@ -12,6 +11,7 @@ use zerohop_core::wire::{Close, Frame, HEADER_LEN};
 
 use super::{key, Lane, TcpTransport, ACCEPT_BACKOFF, PENDING, REFUSING, WARN_EVERY};
 use crate::poller::Set;
+use crate::waiting_room::oldest_of_most_crowded;
 
 /// An accepted connection before its Hello: 32 bytes and a deadline.
 pub(super) struct Pending {
@@ -70,8 +70,10 @@ impl TcpTransport {
             // The oldest connection that never said Hello, of the address
             // with the most of them, makes room.
             let waiting = self.pending.iter().enumerate();
-            let waiting =
-                waiting.filter_map(|(i, p)| p.as_ref().map(|p| (i, p.addr.ip(), p.since)));
+            let waiting = waiting.filter_map(|(i, p)| {
+                p.as_ref()
+                    .map(|p| (i, counted_address(p.addr.ip()), p.since))
+            });
             if let Some(i) = oldest_of_most_crowded(waiting) {
                 self.pending[i] = None;
             }
@@ -194,24 +196,6 @@ impl TcpTransport {
             Err(e) => log::info!("tcp: {} is not a zerohop peer ({e}); closed", p.addr),
         }
     }
-}
-
-/// Which of the entries of a full waiting room (handshakes, unclaimed lanes:
-/// its index, its address, since when it waits) makes room: the oldest of
-/// the address ([`counted_address`]) with the most entries, so one address's
-/// flood pushes out its own entries, not another's.
-pub(super) fn oldest_of_most_crowded(
-    waiting: impl Iterator<Item = (usize, IpAddr, StdInstant)> + Clone,
-) -> Option<usize> {
-    let mut by_address = HashMap::new();
-    for (_, ip, _) in waiting.clone() {
-        *by_address.entry(counted_address(ip)).or_insert(0usize) += 1;
-    }
-    let most = by_address.values().copied().max()?;
-    waiting
-        .filter(|&(_, ip, _)| by_address.get(&counted_address(ip)) == Some(&most))
-        .min_by_key(|&(_, _, since)| since)
-        .map(|(i, _, _)| i)
 }
 
 /// Bytes read from a refused newcomer, at most, before it is cut off: an

@@ -9,9 +9,9 @@ use zerohop_backends::counted_address;
 use zerohop_core::wire::{Frame, Hello, Takes, HEADER_LEN};
 use zerohop_core::PeerId;
 
-use super::accept::oldest_of_most_crowded;
 use super::{key, TcpTransport, LANE, UNCLAIMED_LANES, UNCLAIMED_PER_ADDRESS};
 use crate::poller::Set;
+use crate::waiting_room::oldest_of_most_crowded;
 
 /// Payload bytes of a striped message that travel on the main connection:
 /// half, rounded down to a page. Both sides compute it from the length.
@@ -155,7 +155,9 @@ impl TcpTransport {
                     waiting.iter().position(own)
                 } else if waiting.len() >= UNCLAIMED_LANES {
                     let all = waiting.iter().enumerate();
-                    oldest_of_most_crowded(all.map(|(i, (l, since))| (i, l.from, *since)))
+                    oldest_of_most_crowded(
+                        all.map(|(i, (l, since))| (i, counted_address(l.from), *since)),
+                    )
                 } else {
                     None
                 };
