@@ -274,7 +274,10 @@ pub enum Stall {
     Handshake,
     /// A frame or a message was begun and not finished.
     Frame,
-    /// A message under way came slower than [`SessionConfig::min_rate`].
+    /// A message under way came slower than [`SessionConfig::min_rate`];
+    /// or, with other peers waiting for the receive room or grants it
+    /// held, it was the slowest holder ([`Session::slow_under_contention`]:
+    /// a message slower than 16 times `min_rate`, or a grant left unused).
     Slow,
 }
 
@@ -697,9 +700,9 @@ pub struct Session {
     rx_limit_sent: u64,
     /// The peer's Want, (offset, len), until satisfied.
     rx_want: Option<(u64, u32)>,
-    /// When a Want past the window was last [granted](Self::grant), until
-    /// its message comes: it must start within the idle timeout of it (see
-    /// `poll_timeout`).
+    /// When a Want past the window was last [granted](Self::grant): credit
+    /// it gave left unused an idle timeout on is the slowest of holders
+    /// under contention (see `slow_under_contention`).
     granted_at: Option<Instant>,
     /// When the peer's Hello came: the same-host exchange must be over
     /// within the idle timeout of it.
@@ -1339,8 +1342,6 @@ impl Session {
             (self.opened_at, Stall::Handshake)
         } else if self.mid_message() {
             (self.last_heard, Stall::Frame)
-        } else if let Some(t) = self.granted_at.filter(|_| self.grant_unused()) {
-            (t, Stall::Frame)
         } else {
             return None;
         };
@@ -1367,16 +1368,28 @@ impl Session {
     /// [`SessionConfig::min_rate`] and has been timed for the idle timeout
     /// (timed as for `min_rate`: from the first look at the timers once it
     /// began, the time this side held the peer back or was away not
-    /// counted). A driver whose receive room for payloads still to come is
-    /// full, with other peers waiting for it, drops the slowest such peer:
-    /// messages that each keep a little over `min_rate` cannot hold that
-    /// room for good. `None` otherwise (no message under way, not timed
+    /// counted); zero for credit [granted](Self::grant) past the window an
+    /// idle timeout ago and not used, with no message under way. A driver
+    /// whose receive room for payloads still to come, or whose budget for
+    /// grants, is short, with other peers waiting for it, drops the slowest
+    /// such peer: messages that each keep a little over `min_rate`, or
+    /// grants left unused, cannot hold that room for good. `None` otherwise
+    /// (no message under way and no grant left unused that long, not timed
     /// that long, faster, no `min_rate`, or a build without `min-rate`).
+    /// Unused credit is no stall by itself: credit told cannot be taken
+    /// back, and an honest sender may give up the send it asked for.
     pub fn slow_under_contention(&self, now: Instant) -> Option<u64> {
+        let idle = self.config.idle_timeout;
+        if !self.mid_message()
+            && self.grant_unused()
+            && self.granted_at.is_some_and(|t| now >= t.after(idle))
+        {
+            return Some(0);
+        }
         let since = self
             .rate_since
             .filter(|_| RATE_RULE && self.mid_message())?;
-        if now < since.after(self.config.idle_timeout) {
+        if now < since.after(idle) {
             return None;
         }
         let took = now.0.saturating_sub(since.0).max(1);

@@ -1140,11 +1140,11 @@ fn recv_counting_stalls(
 }
 
 /// A Want for a message longer than the window, granted from the budget
-/// all peers share, must be followed by its message within the idle
-/// timeout of the grant, whatever else the peer sends: one that never
-/// sends it is dropped, and the budget serves another peer's long
-/// message. (The grant was held for good, and every other long message
-/// waited on it.)
+/// all peers share, and never followed by its message, whatever else the
+/// peer sends: once another peer has waited the idle timeout for the
+/// budget, the holder is dropped as the slowest (`Stall::Slow`), and the
+/// budget serves the other's long message. (The grant was held for good,
+/// and every other long message waited on it.)
 #[test]
 fn a_grant_never_used_is_taken_back_with_its_peer_and_serves_another() {
     let (server, addr, pool) = grant_listener();
@@ -1158,8 +1158,8 @@ fn a_grant_never_used_is_taken_back_with_its_peer_and_serves_another() {
     let long = sized(1, 4 << 20);
     good.send(peer, &long, Deadline::after(5 * SECOND), None)
         .expect("the budget came back once the granted peer was dropped");
-    let (got, stalls) = recv_counting_stalls(&server, Stall::Frame);
-    assert!(stalls > 0, "the granted peer was dropped as stalled");
+    let (got, stalls) = recv_counting_stalls(&server, Stall::Slow);
+    assert!(stalls > 0, "the granted peer was dropped as the slowest");
     assert_eq!(host_bytes(&got.lease), &long[..]);
     assert!(
         t0.elapsed() >= Duration::from_millis(350),
@@ -1171,11 +1171,12 @@ fn a_grant_never_used_is_taken_back_with_its_peer_and_serves_another() {
     assert_eq!(pool.stats().used_bytes, 0);
 }
 
-/// Credit granted past the window must be used within the idle timeout of
-/// the grant: a peer that sends a 1-byte message in the granted one's
-/// place and goes quiet is dropped then, and another peer's long message is
-/// granted (before, the rest counted against the budget for as long as the
-/// quiet peer stayed: 129 bytes kept every long message of every peer out).
+/// Credit granted past the window and left unused gives way to others: a
+/// peer that sends a 1-byte message in the granted one's place and goes
+/// quiet is dropped once another peer has waited the idle timeout for the
+/// budget, and that peer's long message is granted (before, the rest
+/// counted against the budget for as long as the quiet peer stayed: 129
+/// bytes kept every long message of every peer out).
 #[test]
 fn a_short_message_in_a_granted_ones_place_gives_the_grant_back_to_others() {
     let (server, addr, pool) = grant_listener();
@@ -1192,7 +1193,7 @@ fn a_short_message_in_a_granted_ones_place_gives_the_grant_back_to_others() {
     let t0 = Instant::now();
     good.send(peer, &long, Deadline::after(5 * SECOND), None)
         .expect("granted once the quiet peer was dropped");
-    let (got, stalls) = recv_counting_stalls(&server, Stall::Frame);
+    let (got, stalls) = recv_counting_stalls(&server, Stall::Slow);
     assert_eq!(host_bytes(&got.lease), &long[..]);
     assert_eq!(stalls, 1, "the quiet peer was dropped");
     assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
@@ -1204,6 +1205,30 @@ fn a_short_message_in_a_granted_ones_place_gives_the_grant_back_to_others() {
         assert!(t0.elapsed() < 5 * SECOND, "every buffer back");
         let _ = server.recv(Deadline::after(Duration::from_millis(20)), None);
     }
+}
+
+/// A peer that leaves a grant unused with nobody else waiting for the
+/// budget is kept: an honest sender may give up the send it asked for (its
+/// deadline passed), and credit told cannot be taken back. It is served
+/// long after the idle timeout. (It was dropped, `Stalled`, an idle timeout
+/// after its grant, and its sender saw the peer lost.)
+#[test]
+fn a_grant_left_unused_without_contention_keeps_its_peer() {
+    let (server, addr, pool) = grant_listener();
+    let mut raw = Raw::connect(addr);
+    raw.send(&want_4_mib());
+    await_grant(&mut raw);
+    // Five idle timeouts with the grant unused and nothing else to read.
+    std::thread::sleep(Duration::from_secs(2));
+    raw.send(&Raw::data(0, 1, DataFlags::NONE));
+    raw.send(&[9]);
+    let r = server
+        .recv(Deadline::after(5 * SECOND), None)
+        .expect("the peer kept, its message served");
+    assert_eq!(host_bytes(&r.lease), &[9]);
+    drop(r);
+    assert_eq!(server.with(|t| t.peer_count()), 1);
+    assert_eq!(pool.stats().used_bytes, 0);
 }
 
 /// A granted message that comes at a little over the minimum rate does not
@@ -1266,9 +1291,9 @@ fn grants_past_the_window_go_first_asked_first_served() {
         std::thread::sleep(Duration::from_millis(100)); // its Want is in
         early.send(&want_4_mib());
         let early_credit = keep_sending_credit(&early, 2 * SECOND);
-        // The hog's grant runs out; the budget goes to the honest peer, which
+        // The hog's grant gives way; the budget goes to the honest peer, which
         // asked before the early one: only the hog stalls before it is served.
-        let (got, stalls) = recv_counting_stalls(&server, Stall::Frame);
+        let (got, stalls) = recv_counting_stalls(&server, Stall::Slow);
         assert_eq!(host_bytes(&got.lease), &long[..]);
         assert_eq!(stalls, 1, "served before the peer that asked after it");
         sending.join().unwrap().unwrap();

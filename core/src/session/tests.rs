@@ -703,16 +703,17 @@ fn a_message_longer_than_the_window_waits_for_a_grant_that_the_receiver_counts()
     assert_eq!(s.handle_header(T0, &w, None), Err(ProtocolError::BadWant));
 }
 
-/// Credit granted past the window must be used within the idle timeout of
-/// the grant, unless a message is under way: a peer that sends a shorter
-/// message in the granted one's place and goes quiet fails `Stalled` then
-/// (it kept the rest counted against the budget all peers share for as
-/// long as it stayed); told credit is honoured meanwhile (another message
-/// may use it, as another thread's send does); a granted message under
-/// way longer than the idle timeout is judged by its silence, not the
-/// grant's clock; once the credit is used, there is no deadline.
+/// Credit granted past the window and left unused is no stall by itself
+/// (told credit cannot be taken back, and an honest sender may give up the
+/// send it asked for: its peer kept, its next messages honoured). An idle
+/// timeout after the grant, with no message under way, the peer is the
+/// slowest of holders under contention (pace 0): a peer that sends a
+/// shorter message in the granted one's place and goes quiet gives way to
+/// others waiting for the budget all peers share. A granted message under
+/// way is judged by its silence and its pace, not the grant's clock; once
+/// the credit is used, nothing is due.
 #[test]
-fn credit_granted_past_the_window_and_left_unused_stalls_the_peer() {
+fn credit_granted_past_the_window_and_left_unused_is_slowest_under_contention_only() {
     let cfg = SessionConfig {
         window: 1000,
         idle_timeout: Duration::from_secs(1),
@@ -731,37 +732,44 @@ fn credit_granted_past_the_window_and_left_unused_stalls_the_peer() {
         assert_eq!(s.extra_granted(), 4000);
         s
     };
-    let frame_stall = Err(ProtocolError::Stalled {
-        during: Stall::Frame,
-    });
-    // A byte in the grant's place, then quiet: stalled at the grant's
-    // idle timeout, whatever was consumed.
+    // Nothing sent in the grant's place: no deadline; slowest under
+    // contention from its idle timeout on.
+    let mut s = granted();
+    assert_eq!(s.poll_timeout(), None);
+    assert_eq!(s.handle_timeout(at(60_000)), Ok(()));
+    assert_eq!(s.slow_under_contention(at(999)), None);
+    assert_eq!(s.slow_under_contention(at(1000)), Some(0));
+    // A byte in the grant's place, then quiet: the same, whatever was consumed.
     let mut s = granted();
     assert_eq!(
         feed(&mut s, &data(0, 1, 1, false)).map(|d| d.is_some()),
         Ok(true)
     );
     s.consumed(1);
-    assert_eq!(s.poll_timeout(), Some(at(1000)));
-    assert_eq!(s.handle_timeout(at(999)), Ok(()));
-    assert_eq!(s.handle_timeout(at(1000)), frame_stall);
-    // Told credit is honoured: two messages use it all, and then nothing
-    // is due.
+    assert_eq!(s.poll_timeout(), None);
+    assert_eq!(s.slow_under_contention(at(999)), None);
+    assert_eq!(s.slow_under_contention(at(1000)), Some(0));
+    // Told credit is honoured: two messages use it all, and then it holds
+    // nothing.
     let mut s = granted();
     feed(&mut s, &data(0, 1, 1, false)).unwrap();
     assert_eq!(
         feed(&mut s, &data(1, 3999, 3999, false)).map(|d| d.is_some()),
         Ok(true)
     );
-    assert_eq!(s.poll_timeout(), Some(at(1000)), "1000 bytes unused");
+    assert_eq!(
+        s.slow_under_contention(at(1000)),
+        Some(0),
+        "1000 bytes unused"
+    );
     assert_eq!(
         feed(&mut s, &data(2, 1000, 1000, false)).map(|d| d.is_some()),
         Ok(true)
     );
-    assert_eq!(s.poll_timeout(), None, "all used");
-    assert_eq!(s.handle_timeout(at(5000)), Ok(()));
+    assert_eq!(s.poll_timeout(), None);
+    assert_eq!(s.slow_under_contention(at(5000)), None, "all used");
     // The granted message under way past the grant's idle timeout, heard
-    // from: judged by its silence.
+    // from: judged by its silence, and by its pace, not the grant's clock.
     let mut s = granted();
     let first = data(0, 5000, 1000, true);
     assert!(matches!(
@@ -772,7 +780,8 @@ fn credit_granted_past_the_window_and_left_unused_stalls_the_peer() {
     s.handle_activity(at(900), 0, true);
     assert_eq!(s.handle_timeout(at(1500)), Ok(()));
     assert_eq!(s.poll_timeout(), Some(at(1900)));
-    // Consumed past the grant: the window covers it, nothing is due.
+    assert_ne!(s.slow_under_contention(at(1500)), Some(0));
+    // Consumed past the grant: the window covers it, it holds nothing.
     let mut s = granted();
     feed(&mut s, &data(0, 1, 1, false)).unwrap();
     s.consumed(1);
@@ -781,6 +790,7 @@ fn credit_granted_past_the_window_and_left_unused_stalls_the_peer() {
         s.consumed(1000);
     }
     assert_eq!(s.poll_timeout(), None);
+    assert_eq!(s.slow_under_contention(at(5000)), None);
 }
 
 #[test]
@@ -2327,12 +2337,12 @@ fn a_peer_that_owes_its_host_frame_stalls_the_handshake_whatever_else_it_sends()
     assert_eq!(s.poll_timeout(), None);
 }
 
-/// A message longer than the window, granted, must start within the idle
-/// timeout of the grant, whatever credit frames the peer sends meanwhile:
-/// the grant counts against what the receiver holds for all its peers.
-/// Once it comes, the deadline goes.
+/// A message longer than the window, granted and never started, holds
+/// the grant, whatever credit frames the peer sends meanwhile: from the
+/// idle timeout after the grant it is the slowest holder under contention
+/// (no deadline of its own). Once it comes, it holds nothing.
 #[test]
-fn a_grant_the_peer_never_uses_stalls_it() {
+fn a_grant_the_peer_never_uses_is_slowest_under_contention() {
     let cfg = SessionConfig {
         window: 100,
         ..stream()
@@ -2345,26 +2355,26 @@ fn a_grant_the_peer_never_uses_stalls_it() {
     .encode(&[]);
     let mut s = opened(cfg, hello(1 << 20, 0));
     s.handle_header(T0, &want, None).unwrap();
-    assert_eq!(s.poll_timeout(), None, "not granted yet: this side's wait");
     let at = T0.after(Duration::from_millis(7));
+    assert_eq!(
+        s.slow_under_contention(at.after(idle)),
+        None,
+        "not granted yet: this side's wait"
+    );
     s.grant(at);
-    assert_eq!(s.poll_timeout(), Some(at.after(idle)));
     s.handle_header(at.after(idle / 2), &credit_frame(0, 1 << 20, 0), None)
         .unwrap();
-    assert_eq!(s.poll_timeout(), Some(at.after(idle)));
-    assert_eq!(
-        s.handle_timeout(at.after(idle)),
-        Err(ProtocolError::Stalled {
-            during: Stall::Frame
-        })
-    );
-    // Used in time: no deadline once the message came.
+    assert_eq!(s.poll_timeout(), None);
+    assert_eq!(s.slow_under_contention(at.after(idle / 2)), None);
+    assert_eq!(s.slow_under_contention(at.after(idle)), Some(0));
+    assert_eq!(s.handle_timeout(at.after(idle * 10)), Ok(()));
+    // Used: it holds nothing once the message came.
     let mut s = opened(cfg, hello(1 << 20, 0));
     s.handle_header(T0, &want, None).unwrap();
     s.grant(at);
     feed(&mut s, &data(0, 200, 200, false)).unwrap().unwrap();
     assert_eq!(s.poll_timeout(), None);
-    assert_eq!(s.handle_timeout(at.after(idle * 10)), Ok(()));
+    assert_eq!(s.slow_under_contention(at.after(idle * 10)), None);
 }
 
 #[test]

@@ -1021,9 +1021,10 @@ impl TcpTransport {
     /// Payloads still to come hold at most `coming_budget` between them, and
     /// grants past the window at most `grant_budget`. A peer kept waiting
     /// for room in either for the idle timeout frees it from the slowest
-    /// message under way (holding either) that its session tells slow under
-    /// contention ([`Session::slow_under_contention`]: timed that long, and
-    /// slower than 16 times the minimum rate), its peer dropped
+    /// holder that its session tells slow under contention
+    /// ([`Session::slow_under_contention`]: a message timed that long and
+    /// slower than 16 times the minimum rate, or a grant unused that
+    /// long), its peer dropped
     /// ([`Stall::Slow`](zerohop_core::session::Stall::Slow)); then the wait
     /// starts again. Peers that each keep a large message at a
     /// little over the minimum rate cannot hold the budget for good (128 of
@@ -1063,7 +1064,7 @@ impl TcpTransport {
         self.budget_wait_since = Some(t);
         if let Some(slot) = slowest {
             let peer = self.id(slot);
-            log::warn!("tcp: peer {peer} is the slowest to send a message others wait to receive; dropping it");
+            log::warn!("tcp: peer {peer} is the slowest to use receive room or a grant others wait for; dropping it");
             let error = zerohop_core::session::ProtocolError::Stalled {
                 during: zerohop_core::session::Stall::Slow,
             };
