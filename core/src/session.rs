@@ -945,6 +945,19 @@ impl Session {
             .saturating_add(u64::from(self.config.window))
     }
 
+    /// How much [`extra_granted`](Self::extra_granted) would grow if the
+    /// peer's [`pending_grant`](Self::pending_grant) were granted now (less
+    /// than its length where credit is told already: a sender that gave up
+    /// a granted message and asks again holds its earlier grant).
+    pub fn grant_adds(&self) -> u64 {
+        match self.rx_want {
+            Some((offset, len)) => offset
+                .saturating_add(u64::from(len))
+                .saturating_sub(self.rx_limit.max(self.window_limit())),
+            None => 0,
+        }
+    }
+
     /// A message longer than the window that the peer waits to send: its
     /// length, until [`grant`](Self::grant)ed.
     pub fn pending_grant(&self) -> Option<usize> {
@@ -1060,9 +1073,9 @@ impl Session {
 
     /// Lets the peer send the message longer than the window it waits to
     /// send ([`pending_grant`](Self::pending_grant)): this side will hold it.
-    /// `now` starts the time the peer has to start it (see
-    /// [`poll_timeout`](Self::poll_timeout)): a grant counts against what
-    /// this side holds for all its peers, so one never used is a stall.
+    /// `now` starts the grant's clock: credit it gave left unused an idle
+    /// timeout on makes the peer the slowest holder under contention (see
+    /// [`slow_under_contention`](Self::slow_under_contention)).
     pub fn grant(&mut self, now: Instant) {
         if let Some((offset, len)) = self.rx_want {
             self.rx_limit = self.rx_limit.max(offset.saturating_add(u64::from(len)));
@@ -1311,14 +1324,11 @@ impl Session {
     /// the peer's Hello, a frame's payload or a message's next fragment is
     /// awaited (or the driver holds part of a header), the idle timeout after
     /// the peer was last heard; while the peer owes its part of the
-    /// same-host exchange, the idle timeout after its Hello; while no
-    /// message is under way and credit granted past the window is unused
-    /// (the message asked for has not started, or a shorter one came in its
-    /// place), the idle timeout after the grant (the last two whatever else
-    /// the peer sends meanwhile: credit frames would keep them open for
-    /// ever; a grant counts against what this side holds for all its peers,
-    /// and told credit cannot be taken back); otherwise never (a quiet open
-    /// session is fine).
+    /// same-host exchange, the idle timeout after its Hello (whatever else
+    /// the peer sends meanwhile: credit frames would keep it open for
+    /// ever); otherwise never (a quiet open session is fine, and so is
+    /// credit granted and left unused: see
+    /// [`slow_under_contention`](Self::slow_under_contention)).
     ///
     /// And while a message is under way, at the latest when it falls behind
     /// [`SessionConfig::min_rate`]: the idle timeout, plus a second per
@@ -1368,22 +1378,21 @@ impl Session {
     /// [`SessionConfig::min_rate`] and has been timed for the idle timeout
     /// (timed as for `min_rate`: from the first look at the timers once it
     /// began, the time this side held the peer back or was away not
-    /// counted); zero for credit [granted](Self::grant) past the window an
-    /// idle timeout ago and not used, with no message under way. A driver
-    /// whose receive room for payloads still to come, or whose budget for
-    /// grants, is short, with other peers waiting for it, drops the slowest
-    /// such peer: messages that each keep a little over `min_rate`, or
-    /// grants left unused, cannot hold that room for good. `None` otherwise
-    /// (no message under way and no grant left unused that long, not timed
-    /// that long, faster, no `min_rate`, or a build without `min-rate`).
-    /// Unused credit is no stall by itself: credit told cannot be taken
-    /// back, and an honest sender may give up the send it asked for.
+    /// counted); zero, in every build, for credit [granted](Self::grant)
+    /// past the window an idle timeout ago and not used (whatever else the
+    /// peer sends meanwhile, a part of a header included: the message that
+    /// uses a grant uses it all as it begins). A driver whose receive room
+    /// for payloads still to come, or whose budget for grants, is short,
+    /// with other peers waiting for it, drops the slowest such peers:
+    /// messages that each keep a little over `min_rate`, or grants left
+    /// unused, give way. `None` otherwise (no grant left unused that long,
+    /// and no message under way, or not timed that long, or faster, or no
+    /// `min_rate`, or a build without `min-rate`). Unused credit is no stall
+    /// by itself: credit told cannot be taken back, and an honest sender
+    /// may give up the send it asked for.
     pub fn slow_under_contention(&self, now: Instant) -> Option<u64> {
         let idle = self.config.idle_timeout;
-        if !self.mid_message()
-            && self.grant_unused()
-            && self.granted_at.is_some_and(|t| now >= t.after(idle))
-        {
+        if self.grant_unused() && self.granted_at.is_some_and(|t| now >= t.after(idle)) {
             return Some(0);
         }
         let since = self

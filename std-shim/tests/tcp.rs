@@ -1231,6 +1231,125 @@ fn a_grant_left_unused_without_contention_keeps_its_peer() {
     assert_eq!(pool.stats().used_bytes, 0);
 }
 
+/// Reads `raw`'s frames until a Credit tells a limit of `limit` or more
+/// (within 5 s).
+fn await_limit(raw: &mut Raw, limit: u64) {
+    let t0 = Instant::now();
+    loop {
+        let (f, _) = raw.read_frame();
+        if matches!(f, Frame::Credit(c) if c.limit >= limit) {
+            return;
+        }
+        assert!(t0.elapsed() < 5 * SECOND, "never granted {limit}");
+    }
+}
+
+/// A sender that gave up a granted message and asks again for another as
+/// long holds its earlier grant: only what the new one adds is charged to
+/// the budget. It is granted at once (before, the whole length was charged
+/// on top of its own earlier grant, 3 + 4 MiB against a 4 MiB budget: it
+/// waited on itself, and was dropped as the budget's slowest holder).
+#[test]
+fn a_sender_that_asks_again_after_giving_up_a_grant_is_granted() {
+    let (server, addr, pool) = grant_listener();
+    let mut raw = Raw::connect(addr);
+    raw.send(&want_4_mib());
+    await_grant(&mut raw);
+    // It gave the message up; a 1-byte one goes instead, then it asks again.
+    raw.send(&Raw::data(0, 1, DataFlags::NONE));
+    raw.send(&[5]);
+    let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), &[5]);
+    drop(r);
+    raw.send(
+        &Frame::Want(Want {
+            offset: 1,
+            len: 4 << 20,
+        })
+        .encode(&[]),
+    );
+    let t0 = Instant::now();
+    await_limit(&mut raw, 1 + (4 << 20));
+    assert!(
+        t0.elapsed() < Duration::from_millis(300),
+        "{:?}",
+        t0.elapsed()
+    );
+    let long = sized(3, 4 << 20);
+    raw.send(&Raw::data(1, 4 << 20, DataFlags::NONE));
+    raw.send(&long);
+    let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), &long[..]);
+    drop(r);
+    assert_eq!(pool.stats().used_bytes, 0);
+}
+
+/// Many grants left unused give way to a waiting peer together: its long
+/// message waits about one idle timeout, not one per holder (one was
+/// dropped an idle timeout apart, until the message fit: three of the
+/// four here, 1.2 s).
+#[test]
+fn many_unused_grants_give_way_to_a_waiting_peer_at_once() {
+    let (server, addr, _pool) = grant_listener();
+    // Four holders of 1 MiB past the window each: the whole budget.
+    let mut holders: Vec<Raw> = (0..4).map(|_| Raw::connect(addr)).collect();
+    for h in &mut holders {
+        h.send(
+            &Frame::Want(Want {
+                offset: 0,
+                len: 2 << 20,
+            })
+            .encode(&[]),
+        );
+        await_limit(h, 2 << 20);
+    }
+    let (good, peer) = client_of_8_mib(addr);
+    let long = sized(1, 4 << 20);
+    good.send(peer, &long, Deadline::after(10 * SECOND), None)
+        .expect("granted once the unused grants gave way");
+    let (got, slow) = recv_counting_stalls(&server, Stall::Slow);
+    assert_eq!(host_bytes(&got.lease), &long[..]);
+    assert_eq!(slow, 4, "every unused grant's holder was dropped at once");
+}
+
+/// A holder of an unused grant that keeps part of a header staged (the
+/// end of one credit frame and the start of the next, now and then) is
+/// judged as one that sends nothing: it gives way to a waiting peer (it
+/// counted as a message under way, timed afresh at each part, and held
+/// the grant for good).
+#[test]
+fn an_unused_grant_held_behind_part_of_a_header_gives_way() {
+    let (server, addr, _pool) = grant_listener();
+    let mut hog = Raw::connect(addr);
+    hog.send(&want_4_mib());
+    await_grant(&mut hog);
+    let credit = Raw::credit();
+    hog.send(&credit[..1]);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let _stop = StopOnDrop(&stop);
+        let (mut w, stop) = (hog.s.try_clone().unwrap(), &stop);
+        s.spawn(move || {
+            let t0 = Instant::now();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && t0.elapsed() < 10 * SECOND {
+                let mut part = credit[1..].to_vec();
+                part.push(credit[0]);
+                if w.write_all(&part).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(150));
+            }
+        });
+        let (good, peer) = client_of_8_mib(addr);
+        let long = sized(1, 4 << 20);
+        good.send(peer, &long, Deadline::after(5 * SECOND), None)
+            .expect("granted once the hog gave way");
+        let (got, slow) = recv_counting_stalls(&server, Stall::Slow);
+        assert_eq!(host_bytes(&got.lease), &long[..]);
+        assert_eq!(slow, 1, "the hog was dropped");
+    });
+}
+
 /// A granted message that comes at a little over the minimum rate does not
 /// keep the grant budget from another peer for good: once that peer has
 /// waited the idle timeout for its grant, the slow holder is dropped

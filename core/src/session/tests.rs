@@ -728,6 +728,7 @@ fn credit_granted_past_the_window_and_left_unused_is_slowest_under_contention_on
         })
         .encode(&[]);
         assert_eq!(s.handle_header(T0, &w, None), Ok(Inbound::Want));
+        assert_eq!(s.grant_adds(), 4000);
         s.grant(T0);
         assert_eq!(s.extra_granted(), 4000);
         s
@@ -749,6 +750,27 @@ fn credit_granted_past_the_window_and_left_unused_is_slowest_under_contention_on
     assert_eq!(s.poll_timeout(), None);
     assert_eq!(s.slow_under_contention(at(999)), None);
     assert_eq!(s.slow_under_contention(at(1000)), Some(0));
+    // Part of a header held by the driver (a message under way, to the
+    // idle timer) changes nothing: the message that uses a grant uses it all
+    // as it begins.
+    s.handle_activity(at(900), 0, true);
+    assert_eq!(s.slow_under_contention(at(1000)), Some(0));
+    // Asked again after a shorter message: the grant adds only what is past
+    // the credit already told.
+    let w = Frame::Want(Want {
+        offset: 1,
+        len: 5000,
+    })
+    .encode(&[]);
+    let mut s = granted();
+    assert_eq!(s.grant_adds(), 0, "granted");
+    feed(&mut s, &data(0, 1, 1, false)).unwrap();
+    s.consumed(1);
+    assert_eq!(s.handle_header(T0, &w, None), Ok(Inbound::Want));
+    assert_eq!(s.pending_grant(), Some(5000));
+    assert_eq!(s.grant_adds(), 1);
+    s.grant(T0);
+    assert_eq!((s.extra_granted(), s.grant_adds()), (4000, 0));
     // Told credit is honoured: two messages use it all, and then it holds
     // nothing.
     let mut s = granted();

@@ -611,6 +611,13 @@ impl LocalWire {
         if self.tcp.take_watched() && self.accept_due.is_none() {
             self.accept_due = Some(now);
         }
+        // The setups that came since the last pass first, before a flood
+        // behind them could push them out.
+        for link in std::mem::take(&mut self.links) {
+            if let Some(link) = self.read_setup(link, now) {
+                self.links.push(link);
+            }
+        }
         // A setup waiting for room for its descriptors goes first: another
         // accept would take one of them.
         let no_room = |links: &[Link]| links.iter().any(|l| l.no_room);
@@ -624,8 +631,8 @@ impl LocalWire {
                         uid: uid.map(|c| c.uid.as_raw()),
                         no_room: false,
                     };
-                    // Its setup at once: a taker sends it as it connects, and
-                    // a flood behind it must not push it out unread.
+                    // Its setup at once (a taker sends it just after its
+                    // connect): a flood behind it must not push it out unread.
                     let Some(link) = self.read_setup(link, now) else {
                         continue;
                     };
@@ -635,7 +642,9 @@ impl LocalWire {
                         let waiting = self.links.iter().enumerate();
                         let waiting = waiting.map(|(i, l)| (i, l.uid, l.since));
                         if let Some(i) = oldest_of_most_crowded(waiting) {
-                            self.links.remove(i);
+                            // A last look: a setup that came meanwhile is taken.
+                            let last = self.links.remove(i);
+                            drop(self.read_setup(last, now));
                         }
                     }
                     self.links.push(link);
@@ -647,11 +656,6 @@ impl LocalWire {
                     log::warn!("shm: accepting a lane connection failed: {e}; retrying in {ACCEPT_BACKOFF:?}");
                     self.accept_due = Some(now + ACCEPT_BACKOFF);
                 }
-            }
-        }
-        for link in std::mem::take(&mut self.links) {
-            if let Some(link) = self.read_setup(link, now) {
-                self.links.push(link);
             }
         }
         while let Some((peer, taken)) = self.tcp.take_answer() {

@@ -1023,8 +1023,8 @@ impl TcpTransport {
     /// for room in either for the idle timeout frees it from the slowest
     /// holder that its session tells slow under contention
     /// ([`Session::slow_under_contention`]: a message timed that long and
-    /// slower than 16 times the minimum rate, or a grant unused that
-    /// long), its peer dropped
+    /// slower than 16 times the minimum rate), or from every holder of a
+    /// grant unused that long, their peers dropped
     /// ([`Stall::Slow`](zerohop_core::session::Stall::Slow)); then the wait
     /// starts again. Peers that each keep a large message at a
     /// little over the minimum rate cannot hold the budget for good (128 of
@@ -1052,17 +1052,21 @@ impl TcpTransport {
         if t < since.after(idle) {
             return;
         }
-        let slowest = self
-            .peers
-            .iter()
-            .filter(|(_, p)| {
-                (room_waits && p.coming > 0) || (grant_waits && p.session.extra_granted() > 0)
-            })
+        let holders = self.peers.iter().filter(|(_, p)| {
+            (room_waits && p.coming > 0) || (grant_waits && p.session.extra_granted() > 0)
+        });
+        let mut dropped: Vec<(usize, u64)> = holders
             .filter_map(|(slot, p)| Some((slot, p.session.slow_under_contention(t)?)))
-            .min_by_key(|&(_, pace)| pace)
-            .map(|(slot, _)| slot);
+            .collect();
+        // The slowest; every grant left unused (pace 0) at once, so that
+        // many of them cost a waiter one idle timeout, not one each.
+        let slowest = dropped.iter().map(|&(_, pace)| pace).min();
+        dropped.retain(|&(_, pace)| Some(pace) == slowest);
+        if slowest > Some(0) {
+            dropped.truncate(1);
+        }
         self.budget_wait_since = Some(t);
-        if let Some(slot) = slowest {
+        for (slot, _) in dropped {
             let peer = self.id(slot);
             log::warn!("tcp: peer {peer} is the slowest to use receive room or a grant others wait for; dropping it");
             let error = zerohop_core::session::ProtocolError::Stalled {
@@ -1094,26 +1098,30 @@ impl TcpTransport {
                 self.wants.pop_front(); // gone
                 continue;
             };
-            let Some(len) = p.session.pending_grant() else {
+            if p.session.pending_grant().is_none() {
                 p.asked = false; // its message came within its window
                 self.wants.pop_front();
                 continue;
-            };
-            if len as u64 > self.config.grant_budget as u64 {
+            }
+            // What the grant adds to the credit told: a sender that gave up
+            // a granted message and asks again holds its earlier grant.
+            let adds = p.session.grant_adds();
+            let budget = self.config.grant_budget as u64;
+            if p.session.extra_granted() + adds > budget {
                 // More than the whole budget: never granted, and it must
                 // not hold up those behind it (its sender's send times out).
                 p.asked = false;
                 self.wants.pop_front();
                 continue;
             }
-            if granted + len as u64 > self.config.grant_budget as u64 {
+            if granted + adds > budget {
                 self.grant_waits = true;
                 self.budget_wait_since.get_or_insert(t);
                 return;
             }
             p.session.grant(t);
             p.asked = false;
-            granted += p.session.extra_granted();
+            granted += adds;
             self.wants.pop_front();
             self.control(slot);
         }
