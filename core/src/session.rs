@@ -946,9 +946,10 @@ impl Session {
     }
 
     /// How much [`extra_granted`](Self::extra_granted) would grow if the
-    /// peer's [`pending_grant`](Self::pending_grant) were granted now (less
-    /// than its length where credit is told already: a sender that gave up
-    /// a granted message and asks again holds its earlier grant).
+    /// peer's [`pending_grant`](Self::pending_grant) were granted now: its
+    /// length less the window left, and less what earlier grants gave (a
+    /// sender that gave up a granted message and asks again holds its
+    /// earlier grant).
     pub fn grant_adds(&self) -> u64 {
         match self.rx_want {
             Some((offset, len)) => offset
@@ -1379,9 +1380,10 @@ impl Session {
     /// (timed as for `min_rate`: from the first look at the timers once it
     /// began, the time this side held the peer back or was away not
     /// counted); zero, in every build, for credit [granted](Self::grant)
-    /// past the window an idle timeout ago and not used (whatever else the
-    /// peer sends meanwhile, a part of a header included: the message that
-    /// uses a grant uses it all as it begins). A driver whose receive room
+    /// past the window an idle timeout ago and not used, with no frame's
+    /// payload under way (whatever else the peer sends meanwhile, a part of
+    /// a header included: a message counts as using credit as its first
+    /// header comes). A driver whose receive room
     /// for payloads still to come, or whose budget for grants, is short,
     /// with other peers waiting for it, drops the slowest such peers:
     /// messages that each keep a little over `min_rate`, or grants left
@@ -1392,7 +1394,10 @@ impl Session {
     /// may give up the send it asked for.
     pub fn slow_under_contention(&self, now: Instant) -> Option<u64> {
         let idle = self.config.idle_timeout;
-        if self.grant_unused() && self.granted_at.is_some_and(|t| now >= t.after(idle)) {
+        // A payload under way is judged by its pace (below).
+        let payload = self.pending.is_some() || self.assembly.is_some();
+        if !payload && self.grant_unused() && self.granted_at.is_some_and(|t| now >= t.after(idle))
+        {
             return Some(0);
         }
         let since = self
@@ -1407,10 +1412,15 @@ impl Session {
         (pace < slow).then_some(pace)
     }
 
-    /// Credit granted past the window that the peer has not used: room told
-    /// beyond both what its messages took and the window.
+    /// Credit granted past the window that the peer has not used: room
+    /// told beyond what the window gives once every message it began is
+    /// consumed (a message shorter than its grant, under way, leaves only
+    /// the rest unused where that is past the window).
     fn grant_unused(&self) -> bool {
-        self.rx_limit > self.rx_started.max(self.window_limit())
+        self.rx_limit
+            > self
+                .rx_started
+                .saturating_add(u64::from(self.config.window))
     }
 
     /// A message (or a frame, or part of a header) of the peer's is under way.

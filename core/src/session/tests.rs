@@ -771,25 +771,44 @@ fn credit_granted_past_the_window_and_left_unused_is_slowest_under_contention_on
     assert_eq!(s.grant_adds(), 1);
     s.grant(T0);
     assert_eq!((s.extra_granted(), s.grant_adds()), (4000, 0));
-    // Told credit is honoured: two messages use it all, and then it holds
-    // nothing.
+    // Told credit is honoured: messages use it, and once all but the
+    // window is used it holds nothing.
     let mut s = granted();
     feed(&mut s, &data(0, 1, 1, false)).unwrap();
     assert_eq!(
-        feed(&mut s, &data(1, 3999, 3999, false)).map(|d| d.is_some()),
+        feed(&mut s, &data(1, 2000, 2000, false)).map(|d| d.is_some()),
         Ok(true)
     );
     assert_eq!(
         s.slow_under_contention(at(1000)),
         Some(0),
-        "1000 bytes unused"
+        "1999 bytes past the window unused"
     );
+    // A message's payload under way: judged by its pace, not the grant's
+    // clock, though it leaves some of the grant unused.
+    let next = data(2, 1500, 1000, true);
+    assert!(matches!(
+        s.handle_header(at(990), &next[..HEADER_LEN], Some(1000)),
+        Ok(Inbound::Data(_))
+    ));
     assert_eq!(
-        feed(&mut s, &data(2, 1000, 1000, false)).map(|d| d.is_some()),
-        Ok(true)
+        s.handle_payload(at(990), Some(&next[HEADER_LEN..])),
+        Ok(None)
     );
-    assert_eq!(s.poll_timeout(), None);
-    assert_eq!(s.slow_under_contention(at(5000)), None, "all used");
+    assert_eq!(s.slow_under_contention(at(1000)), None);
+    let end = data_at(2, 1500, 1000, 500, false);
+    feed(&mut s, &end).unwrap().unwrap();
+    assert_eq!(
+        s.slow_under_contention(at(1000)),
+        Some(0),
+        "499 bytes unused"
+    );
+    feed(&mut s, &data(3, 499, 499, false)).unwrap().unwrap();
+    assert_eq!(
+        s.slow_under_contention(at(5000)),
+        None,
+        "all but the window used"
+    );
     // The granted message under way past the grant's idle timeout, heard
     // from: judged by its silence, and by its pace, not the grant's clock.
     let mut s = granted();

@@ -642,9 +642,12 @@ impl LocalWire {
                         let waiting = self.links.iter().enumerate();
                         let waiting = waiting.map(|(i, l)| (i, l.uid, l.since));
                         if let Some(i) = oldest_of_most_crowded(waiting) {
-                            // A last look: a setup that came meanwhile is taken.
+                            // A last look: a setup that came meanwhile is
+                            // taken, and one waiting for descriptors kept.
                             let last = self.links.remove(i);
-                            drop(self.read_setup(last, now));
+                            if let Some(l) = self.read_setup(last, now).filter(|l| l.no_room) {
+                                self.links.push(l);
+                            }
                         }
                     }
                     self.links.push(link);

@@ -1110,6 +1110,8 @@ impl TcpTransport {
             if p.session.extra_granted() + adds > budget {
                 // More than the whole budget: never granted, and it must
                 // not hold up those behind it (its sender's send times out).
+                // Its length less the window, as this driver consumes a
+                // message as it delivers it (none is held when a Want comes).
                 p.asked = false;
                 self.wants.pop_front();
                 continue;
