@@ -1058,6 +1058,24 @@ impl TcpTransport {
         let mut dropped: Vec<(usize, u64)> = holders
             .filter_map(|(slot, p)| Some((slot, p.session.slow_under_contention(t)?)))
             .collect();
+        // A grant's holder with bytes unread (a pass that does not read, or
+        // bytes that came since) may have begun its message: read first,
+        // judged at a later look (not being due, the timers did not read it).
+        let mut unread = Vec::new();
+        dropped.retain(|&(slot, pace)| {
+            let waits = pace == 0
+                && self
+                    .peers
+                    .at_mut(slot)
+                    .is_some_and(|p| p.readable || p.note_unread());
+            if waits {
+                unread.push(slot);
+            }
+            !waits
+        });
+        for slot in unread {
+            self.mark_read(slot);
+        }
         // The slowest; every grant left unused (pace 0) at once, so that
         // many of them cost a waiter one idle timeout, not one each.
         let slowest = dropped.iter().map(|&(_, pace)| pace).min();
