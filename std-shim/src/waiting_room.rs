@@ -1,8 +1,10 @@
-//! The rule for a full waiting room of connections that have not said who
-//! they are yet (TCP handshakes and unclaimed second connections, the
-//! same-host lane socket's links): one source's flood pushes out its own.
+//! Waiting rooms shared by strangers, where one source's flood must cost
+//! that source only: the rule for a full room of connections that have not
+//! said who they are yet (TCP handshakes and unclaimed second connections,
+//! the same-host lane socket's links), and a queue served a source at a
+//! time (TCP's grants past the window).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 use std::time::Instant as StdInstant;
 
@@ -24,6 +26,57 @@ pub(crate) fn oldest_of_most_crowded<K: Hash + Eq>(
         .map(|&(i, _, _)| i)
 }
 
+/// A queue served by turns: one item of each source with items waiting,
+/// in the order the sources first waited, then round again; a source's
+/// items in the order they came. Holds what is pushed until it is taken.
+#[derive(Debug)]
+pub(crate) struct FairQueue<K, T> {
+    turns: VecDeque<K>,
+    items: HashMap<K, VecDeque<T>>,
+}
+
+impl<K, T> Default for FairQueue<K, T> {
+    fn default() -> Self {
+        FairQueue {
+            turns: VecDeque::new(),
+            items: HashMap::new(),
+        }
+    }
+}
+
+impl<K: Hash + Eq + Copy, T: Copy> FairQueue<K, T> {
+    pub(crate) fn push(&mut self, source: K, item: T) {
+        let waiting = self.items.entry(source).or_default();
+        if waiting.is_empty() {
+            self.turns.push_back(source);
+        }
+        waiting.push_back(item);
+    }
+
+    /// The item whose turn it is.
+    pub(crate) fn front(&self) -> Option<T> {
+        self.items.get(self.turns.front()?)?.front().copied()
+    }
+
+    /// Takes the item whose turn it is; its source's next waits behind
+    /// every other source's.
+    pub(crate) fn pop_front(&mut self) -> Option<T> {
+        let source = self.turns.pop_front()?;
+        let waiting = self.items.get_mut(&source)?;
+        let item = waiting.pop_front();
+        if waiting.is_empty() {
+            self.items.remove(&source);
+        } else {
+            self.turns.push_back(source);
+        }
+        item
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.turns.is_empty()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -41,5 +94,25 @@ mod tests {
             oldest_of_most_crowded(std::iter::empty::<(usize, u8, _)>()),
             None
         );
+    }
+
+    #[test]
+    fn a_fair_queue_serves_a_source_at_a_time() {
+        let mut q = FairQueue::default();
+        assert_eq!((q.front(), q.is_empty()), (None::<u32>, true));
+        // Source 1 floods first; source 2 comes after three of its items.
+        for item in [10, 11, 12] {
+            q.push(1, item);
+        }
+        q.push(2, 20);
+        q.push(1, 13);
+        let mut order = Vec::new();
+        while let Some(item) = q.front() {
+            assert_eq!(q.pop_front(), Some(item));
+            order.push(item);
+        }
+        assert_eq!(order, [10, 20, 11, 12, 13]);
+        assert!(q.is_empty() && q.items.is_empty());
+        assert_eq!(q.pop_front(), None);
     }
 }

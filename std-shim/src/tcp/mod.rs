@@ -44,7 +44,7 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 
@@ -58,6 +58,7 @@ use zerohop_core::{Capabilities, Error, Kind, PeerId, PoolError, Received, Rejec
 use crate::endpoint::{pool_leaser, Leaser, Waiter, Wire};
 use crate::host::{StdLease, StdPool};
 use crate::poller::{Poller, Ready, Set};
+use crate::waiting_room::FairQueue;
 
 mod accept;
 mod lane;
@@ -440,9 +441,10 @@ pub struct TcpTransport {
     owns_bell: bool,
     /// Bytes queued over all peers (each peer's `queued_bytes`, summed as they change).
     queued_total: usize,
-    /// Peers that asked for a grant past their window, in the order they
-    /// asked (see `grant_in_turn`).
-    wants: VecDeque<PeerId>,
+    /// Peers that asked for a grant past their window, served an address
+    /// ([`counted_address`](zerohop_backends::counted_address)) at a time,
+    /// each address's in the order they asked (see `grant_in_turn`).
+    wants: FairQueue<IpAddr, PeerId>,
     /// Receive buffers leased for messages whose payload is still coming
     /// (each peer's `coming`, summed), and their bound: half the pool. A
     /// peer that begins a message and stalls holds its buffer until its
@@ -530,7 +532,7 @@ impl TcpTransport {
             pool_dry: false,
             owns_bell: true,
             queued_total: 0,
-            wants: VecDeque::new(),
+            wants: FairQueue::default(),
             coming_bytes: 0,
             coming_budget,
             budget_wait_since: None,
@@ -1097,10 +1099,14 @@ impl TcpTransport {
     }
 
     /// Grants past the window, from the budget all peers share, to the
-    /// peers that asked (a Want) in the order they asked: the first waits
-    /// until the budget has room for it, and those behind it wait too, so a
-    /// peer that asks again (its last grant taken back with it) queues
-    /// behind every peer already waiting.
+    /// peers that asked (a Want), an address at a time in the order the
+    /// addresses came to ask, each address's peers in the order they
+    /// asked: the one whose turn it is waits until the budget has room for
+    /// it, and those behind it wait too. A peer that asks again queues
+    /// behind every peer already waiting, and one address's many peers
+    /// take one turn a round: a stranger that asks from many connections,
+    /// each holding the budget an idle timeout before it gives way, delays
+    /// another address's grant by one turn, not one per connection.
     fn grant_in_turn(&mut self, t: Instant) {
         self.grant_waits = false;
         if self.wants.is_empty() {
@@ -1111,7 +1117,7 @@ impl TcpTransport {
             .iter()
             .map(|(_, p)| p.session.extra_granted())
             .sum();
-        while let Some(&id) = self.wants.front() {
+        while let Some(id) = self.wants.front() {
             let Some((slot, p)) = self.peers.find_mut(id) else {
                 self.wants.pop_front(); // gone
                 continue;

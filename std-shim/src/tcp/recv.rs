@@ -7,7 +7,7 @@ use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use zerohop_backends::{host_bytes, host_bytes_mut};
+use zerohop_backends::{counted_address, host_bytes, host_bytes_mut};
 use zerohop_core::session::{DataIn, Inbound};
 use zerohop_core::wire::HEADER_LEN;
 use zerohop_core::{Error, Lease, Received};
@@ -540,7 +540,7 @@ impl TcpTransport {
                     // budget (`grant_in_turn`).
                     Inbound::Want => {
                         if !std::mem::replace(&mut p.asked, true) {
-                            self.wants.push_back(id);
+                            self.wants.push(counted_address(p.addr.ip()), id);
                         }
                     }
                     // Credit owed, a Close to answer: sent after this pass (`control`).
