@@ -1380,10 +1380,11 @@ impl Session {
     /// (timed as for `min_rate`: from the first look at the timers once it
     /// began, the time this side held the peer back or was away not
     /// counted); zero, in every build, for credit [granted](Self::grant)
-    /// past the window an idle timeout ago and not used, with no frame's
-    /// payload under way (whatever else the peer sends meanwhile, a part of
-    /// a header included: a message counts as using credit as its first
-    /// header comes). A driver whose receive room
+    /// past the window an idle timeout ago and not used, unless a payload
+    /// under way reaches past the window (whatever else the peer sends
+    /// meanwhile, a part of a header or small messages included: a message
+    /// counts as using credit as its first header comes). A driver whose
+    /// receive room
     /// for payloads still to come, or whose budget for grants, is short,
     /// with other peers waiting for it, drops the slowest such peers:
     /// messages that each keep a little over `min_rate`, or grants left
@@ -1394,9 +1395,13 @@ impl Session {
     /// may give up the send it asked for.
     pub fn slow_under_contention(&self, now: Instant) -> Option<u64> {
         let idle = self.config.idle_timeout;
-        // A payload under way is judged by its pace (below).
+        // A payload under way that reaches past the window uses the grant:
+        // it is judged by its pace (below). A small one does not shield it.
         let payload = self.pending.is_some() || self.assembly.is_some();
-        if !payload && self.grant_unused() && self.granted_at.is_some_and(|t| now >= t.after(idle))
+        let past_window = payload && self.rx_started > self.window_limit();
+        if !past_window
+            && self.grant_unused()
+            && self.granted_at.is_some_and(|t| now >= t.after(idle))
         {
             return Some(0);
         }

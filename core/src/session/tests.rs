@@ -733,6 +733,18 @@ fn credit_granted_past_the_window_and_left_unused_is_slowest_under_contention_on
         assert_eq!(s.extra_granted(), 4000);
         s
     };
+    // A payload under way shields the grant only where it reaches past
+    // the window: one up to the window's end does not.
+    for (len, shielded) in [(1000, false), (1001, true)] {
+        let mut s = granted();
+        let first = data(0, len, 100, true);
+        assert!(matches!(
+            s.handle_header(T0, &first[..HEADER_LEN], Some(100)),
+            Ok(Inbound::Data(_))
+        ));
+        let judged = s.slow_under_contention(at(1000));
+        assert_eq!(judged == Some(0), !shielded, "{len}: {judged:?}");
+    }
     // Nothing sent in the grant's place: no deadline; slowest under
     // contention from its idle timeout on.
     let mut s = granted();
@@ -754,6 +766,14 @@ fn credit_granted_past_the_window_and_left_unused_is_slowest_under_contention_on
     // idle timer) changes nothing: the message that uses a grant uses it all
     // as it begins.
     s.handle_activity(at(900), 0, true);
+    assert_eq!(s.slow_under_contention(at(1000)), Some(0));
+    // Nor does a small message's payload under way (one after another, a
+    // payload always under way, would hold the grant for good).
+    let small = data(1, 10, 10, false);
+    assert!(matches!(
+        s.handle_header(at(950), &small[..HEADER_LEN], Some(10)),
+        Ok(Inbound::Data(_))
+    ));
     assert_eq!(s.slow_under_contention(at(1000)), Some(0));
     // Asked again after a shorter message: the grant adds only what is past
     // the credit already told.

@@ -1054,30 +1054,33 @@ impl TcpTransport {
         if t < since.after(idle) {
             return;
         }
-        let holders = self.peers.iter().filter(|(_, p)| {
+        let holds = |p: &Peer| {
             (room_waits && p.coming > 0) || (grant_waits && p.session.extra_granted() > 0)
-        });
-        let mut dropped: Vec<(usize, u64)> = holders
+        };
+        // A grant's holder with bytes unread may have begun its message: it
+        // is read now (not being due, the timers did not read it), a turn's
+        // worth of frames, and judged on what it sent.
+        let unused: Vec<usize> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| holds(p) && p.session.slow_under_contention(t) == Some(0))
+            .map(|(slot, _)| slot)
+            .collect();
+        for slot in unused {
+            if self
+                .peers
+                .at_mut(slot)
+                .is_some_and(|p| p.readable || p.note_unread())
+            {
+                self.read_turn(slot);
+            }
+        }
+        let mut dropped: Vec<(usize, u64)> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| holds(p))
             .filter_map(|(slot, p)| Some((slot, p.session.slow_under_contention(t)?)))
             .collect();
-        // A grant's holder with bytes unread (a pass that does not read, or
-        // bytes that came since) may have begun its message: read first,
-        // judged at a later look (not being due, the timers did not read it).
-        let mut unread = Vec::new();
-        dropped.retain(|&(slot, pace)| {
-            let waits = pace == 0
-                && self
-                    .peers
-                    .at_mut(slot)
-                    .is_some_and(|p| p.readable || p.note_unread());
-            if waits {
-                unread.push(slot);
-            }
-            !waits
-        });
-        for slot in unread {
-            self.mark_read(slot);
-        }
         // The slowest; every grant left unused (pace 0) at once, so that
         // many of them cost a waiter one idle timeout, not one each.
         let slowest = dropped.iter().map(|&(_, pace)| pace).min();
@@ -1122,20 +1125,19 @@ impl TcpTransport {
                 self.wants.pop_front(); // gone
                 continue;
             };
-            if p.session.pending_grant().is_none() {
+            let Some(len) = p.session.pending_grant() else {
                 p.asked = false; // its message came within its window
                 self.wants.pop_front();
                 continue;
-            }
+            };
             // What the grant adds to the credit told: a sender that gave up
             // a granted message and asks again holds its earlier grant.
             let adds = p.session.grant_adds();
             let budget = self.config.grant_budget as u64;
-            if p.session.extra_granted() + adds > budget {
-                // More than the whole budget: never granted, and it must
-                // not hold up those behind it (its sender's send times out).
-                // Its length less the window, as this driver consumes a
-                // message as it delivers it (none is held when a Want comes).
+            if len as u64 > budget + self.config.window as u64 {
+                // More than the whole budget past the window: never
+                // granted, and it must not hold up those behind it (its
+                // sender's send times out).
                 p.asked = false;
                 self.wants.pop_front();
                 continue;
