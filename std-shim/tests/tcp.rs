@@ -1355,6 +1355,55 @@ fn an_unused_grant_held_behind_part_of_a_header_gives_way() {
     });
 }
 
+/// A peer that asks for a second long message while its first, granted,
+/// still comes (between its fragments) waits on its own grant: it is not
+/// judged for it, with nobody else waiting (before, its first message,
+/// coming at under 1 MiB/s, was lost with it as the budget's slowest).
+#[test]
+fn a_peer_waiting_on_its_own_grant_is_not_judged_for_it() {
+    let (server, addr, _pool) = grant_listener();
+    let mut raw = Raw::connect(addr);
+    const M1: u32 = 3 << 19; // 1.5 MiB, past the 1 MiB window
+    const CHUNK: u32 = 32 << 10;
+    raw.send(&Frame::Want(Want { offset: 0, len: M1 }).encode(&[]));
+    await_limit(&mut raw, u64::from(M1));
+    let body = sized(7, M1 as usize);
+    // About 640 KiB/s: under the contended rate (1 MiB/s), over the minimum.
+    for (i, chunk) in body.chunks(CHUNK as usize).enumerate() {
+        let offset = i as u32 * CHUNK;
+        let last = offset + CHUNK >= M1;
+        let header = Frame::Data(Data {
+            flags: DataFlags::NONE.with(DataFlags::MORE, !last),
+            seq: 0,
+            msg_len: M1,
+            len: chunk.len() as u32,
+            offset,
+            credits: 0,
+            control: 0,
+        })
+        .encode(&[]);
+        raw.send(&header);
+        raw.send(chunk);
+        if i == 0 {
+            // The second, asked for at the first's end.
+            raw.send(
+                &Frame::Want(Want {
+                    offset: u64::from(M1),
+                    len: 4 << 20,
+                })
+                .encode(&[]),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let r = server
+        .recv(Deadline::after(5 * SECOND), None)
+        .expect("the first message, its peer kept");
+    assert_eq!(host_bytes(&r.lease), &body[..]);
+    drop(r);
+    await_limit(&mut raw, u64::from(M1) + (4 << 20));
+}
+
 /// Grants go an address at a time: a stranger that asks from many
 /// connections, each granted the whole budget in its turn and holding it
 /// unused until it gives way (an idle timeout), delays another address's

@@ -1054,8 +1054,12 @@ impl TcpTransport {
         if t < since.after(idle) {
             return;
         }
-        let holds = |p: &Peer| {
-            (room_waits && p.coming > 0) || (grant_waits && p.session.extra_granted() > 0)
+        // The peer waiting for a grant is not judged for the grant it holds
+        // (a second message asked for while its first comes).
+        let waiter = self.wants.front().filter(|_| grant_waits);
+        let holds = |id: PeerId, p: &Peer| {
+            (room_waits && p.coming > 0)
+                || (grant_waits && p.session.extra_granted() > 0 && Some(id) != waiter)
         };
         // A grant's holder with bytes unread may have begun its message: it
         // is read now (not being due, the timers did not read it), a turn's
@@ -1063,22 +1067,29 @@ impl TcpTransport {
         let unused: Vec<usize> = self
             .peers
             .iter()
-            .filter(|(_, p)| holds(p) && p.session.slow_under_contention(t) == Some(0))
+            .filter(|&(slot, p)| {
+                holds(self.id(slot), p) && p.session.slow_under_contention(t) == Some(0)
+            })
             .map(|(slot, _)| slot)
             .collect();
         for slot in unused {
             if self
                 .peers
                 .at_mut(slot)
-                .is_some_and(|p| p.readable || p.note_unread())
+                .is_some_and(|p| p.readable || p.stage_end > p.stage_start || p.note_unread())
             {
                 self.read_turn(slot);
             }
         }
+        // Those reads may have filled the inbox: this side's wait then.
+        if self.inbox_full() || self.pool_dry {
+            self.budget_wait_since = Some(t);
+            return;
+        }
         let mut dropped: Vec<(usize, u64)> = self
             .peers
             .iter()
-            .filter(|(_, p)| holds(p))
+            .filter(|&(slot, p)| holds(self.id(slot), p))
             .filter_map(|(slot, p)| Some((slot, p.session.slow_under_contention(t)?)))
             .collect();
         // The slowest; every grant left unused (pace 0) at once, so that
