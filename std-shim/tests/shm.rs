@@ -1870,19 +1870,14 @@ fn a_connect_given_up_leaves_no_peer_behind() {
     assert!(!e.with(|t| t.disconnect(p)), "once");
 }
 
-/// The offering side's lane socket full when the other side takes its
-/// offer (its backlog flooded by strangers while it takes no connection:
-/// abstract sockets have no permissions): the taker dials again until
-/// there is room, and the peer still moves to shared memory.
+/// A connecting endpoint whose lane socket takes no connection until
+/// resumed (`pause_lane_accepts(Duration::ZERO)`), and that socket's name
+/// (call it once the listener's own lane socket exists).
 #[cfg(feature = "testing")]
-#[test]
-fn a_lane_socket_full_for_a_while_is_dialled_again() {
-    let _one = serial();
-    let (server, addr, _pool) = listener();
+fn paused_connector() -> (Endpoint<LocalWire>, rustix::net::SocketAddrUnix) {
     let theirs = lane_sockets();
     let pool = private_pool(64 << 20).unwrap();
     let mut w = wire(&pool);
-    // Until the taker has found the socket full (resumed below).
     w.pause_lane_accepts(WAIT);
     let c = Endpoint::new(w, EndpointConfig::default()).unwrap();
     let mine: Vec<String> = lane_sockets()
@@ -1890,8 +1885,14 @@ fn a_lane_socket_full_for_a_while_is_dialled_again() {
         .filter(|n| !theirs.contains(n))
         .collect();
     assert_eq!(mine.len(), 1, "the connector's lane socket: {mine:?}");
-    // Strangers fill its backlog: a connect is refused at once.
     let name = rustix::net::SocketAddrUnix::new_abstract_name(mine[0].as_bytes()).unwrap();
+    (c, name)
+}
+
+/// Connects to the lane socket `name` until its backlog is full (a connect
+/// refused at once): the strangers' sockets, which say nothing.
+#[cfg(feature = "testing")]
+fn fill_backlog(name: &rustix::net::SocketAddrUnix) -> Vec<std::os::fd::OwnedFd> {
     let mut strangers = Vec::new();
     loop {
         let s = rustix::net::socket_with(
@@ -1901,15 +1902,30 @@ fn a_lane_socket_full_for_a_while_is_dialled_again() {
             None,
         )
         .unwrap();
-        match rustix::net::connect(&s, &name) {
+        match rustix::net::connect(&s, name) {
             Ok(()) => strangers.push(s),
             Err(e) => {
                 assert_eq!(e, rustix::io::Errno::AGAIN, "a full backlog");
-                break;
+                return strangers;
             }
         }
         assert!(strangers.len() <= 1024, "the backlog never filled");
     }
+}
+
+/// The offering side's lane socket full when the other side takes its
+/// offer (its backlog flooded by strangers while it takes no connection:
+/// abstract sockets have no permissions): the taker dials again until
+/// there is room, and the peer still moves to shared memory.
+#[cfg(feature = "testing")]
+#[test]
+fn a_lane_socket_full_for_a_while_is_dialled_again() {
+    let _one = serial();
+    let (server, addr, _pool) = listener();
+    // Until the taker has found the socket full (resumed below).
+    let (c, name) = paused_connector();
+    // Strangers fill its backlog: a connect is refused at once.
+    let strangers = fill_backlog(&name);
     let d = TcpTransport::dial(addr, WAIT, true).unwrap();
     let p = c.with(|t| t.attach(d)).unwrap();
     let (peer, from) = std::thread::scope(|s| {
@@ -1943,22 +1959,13 @@ fn a_lane_socket_full_for_a_while_is_dialled_again() {
 /// after, and past the 64 waiting the oldest went: the honest one, taken
 /// first, went with its setup unread, and the connect failed at the setup
 /// timeout (`PeerLost`).
+#[cfg(feature = "testing")]
 #[test]
 fn a_flood_on_the_lane_socket_does_not_push_out_a_setup_that_came() {
     let _one = serial();
     let (server, addr, _pool) = listener();
-    let theirs = lane_sockets();
-    let pool = private_pool(64 << 20).unwrap();
-    let mut w = wire(&pool);
     // Until the strangers are in the backlog (resumed below).
-    w.pause_lane_accepts(WAIT);
-    let c = Endpoint::new(w, EndpointConfig::default()).unwrap();
-    let mine: Vec<String> = lane_sockets()
-        .into_iter()
-        .filter(|n| !theirs.contains(n))
-        .collect();
-    assert_eq!(mine.len(), 1, "the connector's lane socket: {mine:?}");
-    let name = rustix::net::SocketAddrUnix::new_abstract_name(mine[0].as_bytes()).unwrap();
+    let (c, name) = paused_connector();
     let d = TcpTransport::dial(addr, WAIT, true).unwrap();
     let p = c.with(|t| t.attach(d)).unwrap();
     let (peer, from, strangers) = std::thread::scope(|s| {
@@ -1970,24 +1977,7 @@ fn a_flood_on_the_lane_socket_does_not_push_out_a_setup_that_came() {
             std::thread::sleep(Duration::from_millis(1));
         }
         // Strangers that say nothing fill the backlog behind it.
-        let mut strangers = Vec::new();
-        loop {
-            let s = rustix::net::socket_with(
-                rustix::net::AddressFamily::UNIX,
-                rustix::net::SocketType::STREAM,
-                rustix::net::SocketFlags::NONBLOCK,
-                None,
-            )
-            .unwrap();
-            match rustix::net::connect(&s, &name) {
-                Ok(()) => strangers.push(s),
-                Err(e) => {
-                    assert_eq!(e, rustix::io::Errno::AGAIN, "a full backlog");
-                    break;
-                }
-            }
-            assert!(strangers.len() <= 1024, "the backlog never filled");
-        }
+        let strangers = fill_backlog(&name);
         assert!(strangers.len() > 64, "more strangers than the links kept");
         c.with(|t| t.pause_lane_accepts(Duration::ZERO));
         let peer = c.wait_open(p, Deadline::after(WAIT));
