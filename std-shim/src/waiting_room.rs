@@ -75,6 +75,11 @@ impl<K: Hash + Eq + Copy, T: Copy> FairQueue<K, T> {
     pub(crate) fn is_empty(&self) -> bool {
         self.turns.is_empty()
     }
+
+    /// Items waiting, over every source.
+    pub(crate) fn len(&self) -> usize {
+        self.items.values().map(VecDeque::len).sum()
+    }
 }
 
 #[cfg(test)]
@@ -106,6 +111,7 @@ mod tests {
         }
         q.push(2, 20);
         q.push(1, 13);
+        assert_eq!(q.len(), 5);
         let mut order = Vec::new();
         while let Some(item) = q.front() {
             assert_eq!(q.pop_front(), Some(item));

@@ -1054,12 +1054,18 @@ impl TcpTransport {
         if t < since.after(idle) {
             return;
         }
-        // The peer waiting for a grant is not judged for the grant it holds
-        // (a second message asked for while its first comes).
-        let waiter = self.wants.front().filter(|_| grant_waits);
+        // The peer waiting for a grant, alone, is not judged for the grant
+        // its message under way uses (a second message asked for while its
+        // first comes). Not with others waiting behind it: a first message
+        // trickled just over the minimum rate would hold them all back for
+        // its whole length. Nor for a grant it left unused.
+        let alone = self.wants.len() == 1;
+        let waiter = self.wants.front().filter(|_| grant_waits && alone);
         let holds = |id: PeerId, p: &Peer| {
+            let waits_on_itself =
+                Some(id) == waiter && p.session.slow_under_contention(t) != Some(0);
             (room_waits && p.coming > 0)
-                || (grant_waits && p.session.extra_granted() > 0 && Some(id) != waiter)
+                || (grant_waits && p.session.extra_granted() > 0 && !waits_on_itself)
         };
         // A grant's holder with bytes unread may have begun its message: it
         // is read now (not being due, the timers did not read it), a turn's
