@@ -208,6 +208,11 @@ impl Raw {
     }
 
     /// A data header for a whole message of `len` bytes.
+    /// A Want for a message of `len` bytes at byte `offset`.
+    fn want(offset: u64, len: u32) -> [u8; HEADER_LEN] {
+        Frame::Want(Want { offset, len }).encode(&[])
+    }
+
     fn data(seq: u64, len: u32, flags: DataFlags) -> [u8; HEADER_LEN] {
         Frame::Data(Data {
             flags,
@@ -1092,11 +1097,7 @@ fn grant_listener() -> (Endpoint<TcpTransport>, SocketAddr, Arc<StdPool>) {
 
 /// A Want for a 4 MiB message (3 MiB past a 1 MiB window).
 fn want_4_mib() -> [u8; HEADER_LEN] {
-    Frame::Want(Want {
-        offset: 0,
-        len: 4 << 20,
-    })
-    .encode(&[])
+    Raw::want(0, 4 << 20)
 }
 
 /// Reads `raw`'s frames until a Credit grants it 4 MiB (within 5 s).
@@ -1144,6 +1145,25 @@ fn recv_counting_stalls(
     }
 }
 
+/// An honest client's 4 MiB message (3 MiB past the window: it asks for a
+/// grant), sent within `wait`: it arrives intact. Returns how many peers
+/// were dropped as stalled `during` before it, and the client (kept
+/// connected while the caller looks on).
+fn honest_long_message_goes(
+    server: &Endpoint<TcpTransport>,
+    addr: SocketAddr,
+    wait: Duration,
+    during: Stall,
+) -> (usize, Endpoint<TcpTransport>) {
+    let (good, peer) = client_of_8_mib(addr);
+    let long = sized(1, 4 << 20);
+    good.send(peer, &long, Deadline::after(wait), None)
+        .expect("the honest long message was granted");
+    let (got, stalls) = recv_counting_stalls(server, during);
+    assert_eq!(host_bytes(&got.lease), &long[..]);
+    (stalls, good)
+}
+
 /// A Want for a message longer than the window, granted from the budget
 /// all peers share, and never followed by its message, whatever else the
 /// peer sends: once another peer has waited the idle timeout for the
@@ -1159,19 +1179,14 @@ fn a_grant_never_used_is_taken_back_with_its_peer_and_serves_another() {
     // Granted (3 MiB beyond its window) before the honest peer asks.
     let t0 = Instant::now();
     await_grant(&mut raw);
-    let (good, peer) = client_of_8_mib(addr);
-    let long = sized(1, 4 << 20);
-    good.send(peer, &long, Deadline::after(5 * SECOND), None)
-        .expect("the budget came back once the granted peer was dropped");
-    let (got, stalls) = recv_counting_stalls(&server, Stall::Slow);
+    // The budget comes back once the granted peer is dropped.
+    let (stalls, _good) = honest_long_message_goes(&server, addr, 5 * SECOND, Stall::Slow);
     assert!(stalls > 0, "the granted peer was dropped as the slowest");
-    assert_eq!(host_bytes(&got.lease), &long[..]);
     assert!(
         t0.elapsed() >= Duration::from_millis(350),
         "{:?}",
         t0.elapsed()
     );
-    drop(got);
     credit.join().unwrap();
     assert_eq!(pool.stats().used_bytes, 0);
 }
@@ -1193,17 +1208,11 @@ fn a_short_message_in_a_granted_ones_place_gives_the_grant_back_to_others() {
     let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
     assert_eq!(host_bytes(&r.lease), &[1]);
     drop(r);
-    let (good, peer) = client_of_8_mib(addr);
-    let long = sized(1, 4 << 20);
     let t0 = Instant::now();
-    good.send(peer, &long, Deadline::after(5 * SECOND), None)
-        .expect("granted once the quiet peer was dropped");
-    let (got, stalls) = recv_counting_stalls(&server, Stall::Slow);
-    assert_eq!(host_bytes(&got.lease), &long[..]);
+    let (stalls, _good) = honest_long_message_goes(&server, addr, 5 * SECOND, Stall::Slow);
     assert_eq!(stalls, 1, "the quiet peer was dropped");
     assert!(t0.elapsed() < 2 * SECOND, "{:?}", t0.elapsed());
     assert_eq!(server.with(|t| t.peer_count()), 1);
-    drop(got);
     drop(hog);
     let t0 = Instant::now();
     while pool.stats().used_bytes != 0 {
@@ -1266,13 +1275,7 @@ fn a_sender_that_asks_again_after_giving_up_a_grant_is_granted() {
     let r = server.recv(Deadline::after(5 * SECOND), None).unwrap();
     assert_eq!(host_bytes(&r.lease), &[5]);
     drop(r);
-    raw.send(
-        &Frame::Want(Want {
-            offset: 1,
-            len: 4 << 20,
-        })
-        .encode(&[]),
-    );
+    raw.send(&Raw::want(1, 4 << 20));
     let t0 = Instant::now();
     await_limit(&mut raw, 1 + (4 << 20));
     assert!(
@@ -1299,21 +1302,10 @@ fn many_unused_grants_give_way_to_a_waiting_peer_at_once() {
     // Four holders of 1 MiB past the window each: the whole budget.
     let mut holders: Vec<Raw> = (0..4).map(|_| Raw::connect(addr)).collect();
     for h in &mut holders {
-        h.send(
-            &Frame::Want(Want {
-                offset: 0,
-                len: 2 << 20,
-            })
-            .encode(&[]),
-        );
+        h.send(&Raw::want(0, 2 << 20));
         await_limit(h, 2 << 20);
     }
-    let (good, peer) = client_of_8_mib(addr);
-    let long = sized(1, 4 << 20);
-    good.send(peer, &long, Deadline::after(10 * SECOND), None)
-        .expect("granted once the unused grants gave way");
-    let (got, slow) = recv_counting_stalls(&server, Stall::Slow);
-    assert_eq!(host_bytes(&got.lease), &long[..]);
+    let (slow, _good) = honest_long_message_goes(&server, addr, 10 * SECOND, Stall::Slow);
     assert_eq!(slow, 4, "every unused grant's holder was dropped at once");
 }
 
@@ -1345,12 +1337,7 @@ fn an_unused_grant_held_behind_part_of_a_header_gives_way() {
                 std::thread::sleep(Duration::from_millis(150));
             }
         });
-        let (good, peer) = client_of_8_mib(addr);
-        let long = sized(1, 4 << 20);
-        good.send(peer, &long, Deadline::after(5 * SECOND), None)
-            .expect("granted once the hog gave way");
-        let (got, slow) = recv_counting_stalls(&server, Stall::Slow);
-        assert_eq!(host_bytes(&got.lease), &long[..]);
+        let (slow, _good) = honest_long_message_goes(&server, addr, 5 * SECOND, Stall::Slow);
         assert_eq!(slow, 1, "the hog was dropped");
     });
 }
@@ -1365,7 +1352,7 @@ fn a_peer_waiting_on_its_own_grant_is_not_judged_for_it() {
     let mut raw = Raw::connect(addr);
     const M1: u32 = 3 << 19; // 1.5 MiB, past the 1 MiB window
     const CHUNK: u32 = 32 << 10;
-    raw.send(&Frame::Want(Want { offset: 0, len: M1 }).encode(&[]));
+    raw.send(&Raw::want(0, M1));
     await_limit(&mut raw, u64::from(M1));
     let body = sized(7, M1 as usize);
     // About 640 KiB/s: under the contended rate (1 MiB/s), over the minimum.
@@ -1386,13 +1373,7 @@ fn a_peer_waiting_on_its_own_grant_is_not_judged_for_it() {
         raw.send(chunk);
         if i == 0 {
             // The second, asked for at the first's end.
-            raw.send(
-                &Frame::Want(Want {
-                    offset: u64::from(M1),
-                    len: 4 << 20,
-                })
-                .encode(&[]),
-            );
+            raw.send(&Raw::want(u64::from(M1), 4 << 20));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -1415,11 +1396,7 @@ fn a_peer_waiting_on_its_own_grant_is_not_judged_for_it() {
 fn grants_go_an_address_at_a_time() {
     let (_server, addr, _pool) = grant_listener();
     let from = |last| std::net::Ipv4Addr::new(127, 0, 0, last);
-    let whole_budget = Frame::Want(Want {
-        offset: 0,
-        len: 5 << 20,
-    })
-    .encode(&[]);
+    let whole_budget = Raw::want(0, 5 << 20);
     let mut strangers: Vec<Raw> = (0..5).map(|_| Raw::connect_from(addr, from(2))).collect();
     for s in &mut strangers {
         s.send(&whole_budget);
@@ -1460,13 +1437,8 @@ fn a_granted_message_dripped_slowly_gives_way_to_another_peers_grant() {
             }
         });
         std::thread::sleep(Duration::from_millis(200)); // under way
-        let (good, peer) = client_of_8_mib(addr);
-        let long = sized(1, 4 << 20);
         let t0 = Instant::now();
-        good.send(peer, &long, Deadline::after(10 * SECOND), None)
-            .expect("granted once the slow holder was dropped");
-        let (got, slow) = recv_counting_stalls(&server, Stall::Slow);
-        assert_eq!(host_bytes(&got.lease), &long[..]);
+        let (slow, _good) = honest_long_message_goes(&server, addr, 10 * SECOND, Stall::Slow);
         assert_eq!(slow, 1, "the slow holder was dropped");
         assert!(t0.elapsed() < 3 * SECOND, "{:?}", t0.elapsed());
     });
