@@ -72,6 +72,22 @@ impl<K: Hash + Eq + Copy, T: Copy> FairQueue<K, T> {
         item
     }
 
+    /// Takes `item` out of `source`'s turn wherever it waits (a peer gone
+    /// before its turn: it must not count as waiting, nor stay).
+    pub(crate) fn remove(&mut self, source: K, item: T)
+    where
+        T: PartialEq,
+    {
+        let Some(waiting) = self.items.get_mut(&source) else {
+            return;
+        };
+        waiting.retain(|&i| i != item);
+        if waiting.is_empty() {
+            self.items.remove(&source);
+            self.turns.retain(|&s| s != source);
+        }
+    }
+
     pub(crate) fn is_empty(&self) -> bool {
         self.turns.is_empty()
     }
@@ -120,5 +136,23 @@ mod tests {
         assert_eq!(order, [10, 20, 11, 12, 13]);
         assert!(q.is_empty() && q.items.is_empty());
         assert_eq!(q.pop_front(), None);
+    }
+
+    #[test]
+    fn an_item_taken_out_of_its_turn_neither_counts_nor_stays() {
+        let mut q = FairQueue::default();
+        for (source, item) in [(1, 10), (2, 20), (1, 11), (3, 30)] {
+            q.push(source, item);
+        }
+        q.remove(1, 11);
+        q.remove(2, 20); // its source's only item: the turn goes too
+        q.remove(3, 31); // not there
+        q.remove(4, 40); // nor its source
+        assert_eq!(q.len(), 2);
+        assert_eq!(
+            (q.pop_front(), q.pop_front(), q.pop_front()),
+            (Some(10), Some(30), None)
+        );
+        assert!(q.is_empty() && q.items.is_empty());
     }
 }

@@ -49,7 +49,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 
 use zerohop_backends::{
-    absence, host_bytes, AcceptedPeers, Looks, PeerLimits, PeerSlots, SessionClock,
+    absence, counted_address, host_bytes, AcceptedPeers, Looks, PeerLimits, PeerSlots, SessionClock,
 };
 use zerohop_core::session::{HostOffer, HostRole, Instant, Session, SessionConfig, SessionStats};
 use zerohop_core::wire::HEADER_LEN;
@@ -916,6 +916,9 @@ impl TcpTransport {
         };
         if p.token.is_some() {
             self.kept.remove(p.addr.ip());
+        }
+        if p.asked {
+            self.wants.remove(counted_address(p.addr.ip()), id);
         }
         self.queued_total -= p.queued_bytes;
         self.coming_bytes -= p.coming;
