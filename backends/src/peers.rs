@@ -211,7 +211,10 @@ impl<T> PeerSlots<T> {
 
 /// How many accepted peers a listening wire keeps, at most: past either
 /// bound a newcomer is refused at its handshake, before it holds a peer's
-/// buffers, and the peers kept are not disturbed. One address that opens
+/// buffers, unless the wire lets a kept peer go for it (TCP lets go the
+/// one quiet longest, nothing heard for an idle timeout, of the address
+/// with the most such: one that said Hello and nothing more cannot keep
+/// the place for good); peers that speak are not disturbed. One address that opens
 /// connection after connection (a stranger, a broken client in a loop)
 /// fills its own share, not the table every peer needs. Peers this side
 /// connected to are the application's choice and do not count.

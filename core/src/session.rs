@@ -371,6 +371,11 @@ pub enum ProtocolError {
         /// Where it stopped.
         during: Stall,
     },
+    /// Let go to make room: a listener that kept as many peers as it
+    /// takes let this one go for a newcomer, having heard nothing from it
+    /// for an idle timeout or more (the longest of its address's, the
+    /// address with the most such peers).
+    Evicted,
 }
 
 impl fmt::Display for ProtocolError {
@@ -434,6 +439,9 @@ impl fmt::Display for ProtocolError {
             ProtocolError::Stalled {
                 during: Stall::Slow,
             } => f.write_str("a message under way slower than the minimum rate"),
+            ProtocolError::Evicted => f.write_str(
+                "let go, quiet the longest, for a newcomer to a listener that kept as many peers as it takes",
+            ),
         }
     }
 }
@@ -831,6 +839,12 @@ impl Session {
     /// The peer's Hello came (and no failure since): messages may start.
     pub fn is_open(&self) -> bool {
         self.peer.is_some() && self.failed.is_none()
+    }
+
+    /// When the peer was last heard from (or this side last held it back,
+    /// which is no silence of its own).
+    pub fn last_heard(&self) -> Instant {
+        self.last_heard
     }
 
     /// Why the session failed, if it did.

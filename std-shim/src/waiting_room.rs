@@ -1,17 +1,16 @@
 //! Waiting rooms shared by strangers, where one source's flood must cost
-//! that source only: the rule for a full room of connections that have not
-//! said who they are yet (TCP handshakes and unclaimed second connections,
-//! the same-host lane socket's links), and a queue served a source at a
-//! time (TCP's grants past the window).
+//! that source only: the rule for a full room (TCP handshakes and
+//! unclaimed second connections, the same-host lane socket's links, a TCP
+//! listener's quiet peers when it keeps as many as it takes), and a queue
+//! served a source at a time (TCP's grants past the window).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
-use std::time::Instant as StdInstant;
 
 /// Which entry of a full waiting room (its index, its source, since when it
 /// waits) makes room: the oldest of the source with the most entries.
-pub(crate) fn oldest_of_most_crowded<K: Hash + Eq>(
-    waiting: impl Iterator<Item = (usize, K, StdInstant)>,
+pub(crate) fn oldest_of_most_crowded<K: Hash + Eq, T: Ord + Copy>(
+    waiting: impl Iterator<Item = (usize, K, T)>,
 ) -> Option<usize> {
     let waiting: Vec<_> = waiting.collect();
     let mut by_source = HashMap::new();
@@ -101,7 +100,7 @@ impl<K: Hash + Eq + Copy, T: Copy> FairQueue<K, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+    use std::time::{Duration, Instant as StdInstant};
 
     #[test]
     fn the_oldest_of_the_most_crowded_source_makes_room() {
@@ -112,7 +111,7 @@ mod tests {
         assert_eq!(oldest_of_most_crowded(room.into_iter()), Some(2));
         assert_eq!(oldest_of_most_crowded(room[..1].iter().copied()), Some(0));
         assert_eq!(
-            oldest_of_most_crowded(std::iter::empty::<(usize, u8, _)>()),
+            oldest_of_most_crowded(std::iter::empty::<(usize, u8, StdInstant)>()),
             None
         );
     }

@@ -2068,6 +2068,67 @@ fn every_peer_connection_is_kept_alive_so_a_silent_death_is_found() {
     );
 }
 
+/// A listener that keeps as many peers as it takes lets the one quiet
+/// longest (nothing heard for an idle timeout) go for a newcomer: its side
+/// reads a Close, the application is told (`Evicted`). Peers that speak are
+/// never let go: with none quiet, the newcomer is refused. (Before, a
+/// stranger that held the limit's worth of connections that said Hello and
+/// nothing more kept every newcomer out for as long as it liked: an
+/// outside attack on `perf --listen` did so with 4 100.)
+#[test]
+fn a_full_listener_lets_its_quietest_peer_go_for_a_newcomer() {
+    let config = TcpConfig {
+        idle_timeout: Duration::from_millis(400),
+        peer_limits: PeerLimits {
+            accepted: 3,
+            per_address: 3,
+        },
+        ..TcpConfig::default()
+    };
+    let (server, addr, _pool) = listener(64 << 20, config);
+    let mut kept: Vec<Raw> = (0..3).map(|_| Raw::connect(addr)).collect();
+    for r in &mut kept {
+        assert!(matches!(r.read_frame().0, Frame::Hello(_)));
+        std::thread::sleep(Duration::from_millis(20)); // heard in this order
+    }
+    // The first two speak on, a message every 100 ms; the third is quiet.
+    let mut seq = 0;
+    let mut speak = |kept: &mut [Raw]| {
+        for r in &mut kept[..2] {
+            r.send(&[&Raw::data(seq, 5, DataFlags::NONE)[..], b"hello"].concat());
+        }
+        seq += 1;
+    };
+    for _ in 0..6 {
+        speak(&mut kept);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut newcomer = Raw::connect(addr);
+    assert!(matches!(newcomer.read_frame().0, Frame::Hello(_)), "let in");
+    assert!(
+        matches!(kept[2].read_frame().0, Frame::Close(_)),
+        "the quiet one let go"
+    );
+    assert!(kept[2].closed_by_peer());
+    let evicted = loop {
+        match server.recv(Deadline::after(5 * SECOND), None) {
+            Ok(m) => assert_eq!(host_bytes(&m.lease), b"hello"),
+            Err(Error::Protocol {
+                peer,
+                error: ProtocolError::Evicted,
+            }) => break peer,
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(server.with(|t| t.refused()), 0);
+    // Now none has been quiet an idle timeout: the next is refused.
+    speak(&mut kept);
+    let mut late = Raw::connect(addr);
+    assert!(matches!(late.read_frame().0, Frame::Close(_)), "refused");
+    assert_eq!(server.with(|t| t.refused()), 1);
+    assert!(server.with(|t| t.peer_stats(evicted)).is_none(), "gone");
+}
+
 /// A listener keeps at most its peer limits' accepted peers, overall and
 /// from one address: a newcomer past either is answered with a Close where
 /// the Hello was due (a zerohop peer reports `Refused`), the peers kept are

@@ -5,9 +5,10 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Instant as StdInstant;
 
-use zerohop_backends::counted_address;
-use zerohop_core::session::{HostRole, Session};
+use zerohop_backends::{counted_address, PeerLimits};
+use zerohop_core::session::{HostRole, Instant, ProtocolError, Session};
 use zerohop_core::wire::{Close, Frame, HEADER_LEN};
+use zerohop_core::Error;
 
 use super::{key, Lane, TcpTransport, ACCEPT_BACKOFF, PENDING, REFUSING, WARN_EVERY};
 use crate::poller::Set;
@@ -152,6 +153,63 @@ impl TcpTransport {
         self.unclaimed.retain(|(l, _)| !l.fits(Some(token), p.addr));
     }
 
+    /// A newcomer past the peer limits takes the place of a peer accepted
+    /// here and not heard from for an idle timeout or more: the one quiet
+    /// longest of the address with the most such peers (of the newcomer's
+    /// own address, where its address's share is what is full). Its side
+    /// is sent a Close, the application is told
+    /// ([`ProtocolError::Evicted`]). A stranger that opens connection after
+    /// connection and says nothing more would otherwise keep every place,
+    /// and every newcomer out, for as long as it liked; peers that speak
+    /// are never let go. Whether a place was made.
+    fn make_room(&mut self, why: zerohop_backends::Refusal, ip: std::net::IpAddr) -> bool {
+        let (t, idle) = (self.now(), self.config.idle_timeout);
+        if self.none_quiet_before.is_some_and(|b| t < b) {
+            return false; // a newcomer refused in a loop costs no walk
+        }
+        // The newcomer's address at its share: one of its own makes room.
+        let own = counted_address(ip);
+        let own_share = self
+            .kept
+            .admit(
+                &PeerLimits {
+                    accepted: usize::MAX,
+                    ..self.config.peer_limits
+                },
+                ip,
+            )
+            .is_err();
+        let heard: Vec<(usize, std::net::IpAddr, Instant)> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.token.is_some() && p.announced && !p.opening())
+            .map(|(slot, p)| (slot, counted_address(p.addr.ip()), p.session.last_heard()))
+            .collect();
+        let quiet = heard
+            .iter()
+            .copied()
+            .filter(|&(_, address, last)| last.after(idle) <= t && (!own_share || address == own));
+        let Some(slot) = oldest_of_most_crowded(quiet) else {
+            // Nobody is quiet before the first of them could be.
+            let first = heard.iter().map(|&(_, _, last)| last).min().unwrap_or(t);
+            self.none_quiet_before = Some(first.after(idle));
+            return false;
+        };
+        let peer = self.id(slot);
+        log::warn!("tcp: peer {peer} let go, quiet the longest, for a newcomer from {ip} ({why})");
+        if let Some(p) = self.peers.at_mut(slot) {
+            p.session.close();
+        }
+        self.control(slot);
+        self.flush(slot); // the Close, where its socket takes it now
+        self.arrivals.push_back(Err(Error::Protocol {
+            peer,
+            error: ProtocolError::Evicted,
+        }));
+        self.drop_peer(slot, true);
+        true
+    }
+
     pub(super) fn hello(&mut self, p: Pending) {
         match Frame::decode(&p.hello, 0).map(|d| d.frame) {
             Ok(Frame::Hello(h)) if h.lane == 1 => self.pair(Lane {
@@ -165,7 +223,9 @@ impl TcpTransport {
             }),
             Ok(Frame::Hello(h)) => {
                 if let Err(why) = self.kept.admit(&self.config.peer_limits, p.addr.ip()) {
-                    return self.refuse(p, h.token, why);
+                    if !self.make_room(why, p.addr.ip()) {
+                        return self.refuse(p, h.token, why);
+                    }
                 }
                 let answer = self.config.session(HostRole::Answer);
                 let mut session = Session::new(answer, 0, self.now());

@@ -460,6 +460,9 @@ pub struct TcpTransport {
     budget_wait_since: Option<Instant>,
     /// The first peer in `wants` waits for room in `grant_budget`.
     grant_waits: bool,
+    /// A walk for a quiet peer to let go (`make_room`) found none: none
+    /// can be before this.
+    none_quiet_before: Option<Instant>,
     closed: bool,
 }
 
@@ -537,6 +540,7 @@ impl TcpTransport {
             coming_budget,
             budget_wait_since: None,
             grant_waits: false,
+            none_quiet_before: None,
             closed: false,
         })
     }
