@@ -3110,3 +3110,35 @@ fn the_quick_look_answers_for_an_open_session_with_nothing_due() {
     // Not before this side's Hello has gone.
     assert!(!Session::new(stream(), 1, T0).control_quiet());
 }
+
+/// `last_heard` is when the peer's last frame came (or its Hello), not
+/// when this side sent: a listener lets go the peer heard from longest ago.
+#[test]
+fn a_peer_is_last_heard_at_its_last_frame() {
+    let (mut a, mut b) = open_pair(stream(), stream());
+    assert_eq!(b.session.last_heard(), T0);
+    let t1 = T0.after(Duration::from_millis(300));
+    a.send(&msg(0, 64)).unwrap();
+    for f in &a.transmit() {
+        b.receive(t1, f).unwrap();
+    }
+    assert_eq!(b.session.last_heard(), t1);
+    // Sending is not hearing.
+    b.send(&msg(0, 8)).unwrap();
+    let _ = b.transmit();
+    assert_eq!(a.session.last_heard(), T0);
+}
+
+/// Each way a session fails reads differently: the message names it.
+#[test]
+fn an_evicted_peer_is_told_apart_from_a_stalled_one() {
+    let evicted = std::format!("{}", ProtocolError::Evicted);
+    let stalled = std::format!(
+        "{}",
+        ProtocolError::Stalled {
+            during: Stall::Frame
+        }
+    );
+    assert!(evicted.contains("newcomer"), "{evicted}");
+    assert_ne!(evicted, stalled);
+}
