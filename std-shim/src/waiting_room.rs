@@ -91,9 +91,9 @@ impl<K: Hash + Eq + Copy, T: Copy> FairQueue<K, T> {
         self.turns.is_empty()
     }
 
-    /// Items waiting, over every source.
-    pub(crate) fn len(&self) -> usize {
-        self.items.values().map(VecDeque::len).sum()
+    /// Items waiting, over every source, in no order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = T> + '_ {
+        self.items.values().flatten().copied()
     }
 }
 
@@ -126,7 +126,7 @@ mod tests {
         }
         q.push(2, 20);
         q.push(1, 13);
-        assert_eq!(q.len(), 5);
+        assert_eq!(q.iter().count(), 5);
         let mut order = Vec::new();
         while let Some(item) = q.front() {
             assert_eq!(q.pop_front(), Some(item));
@@ -147,7 +147,9 @@ mod tests {
         q.remove(2, 20); // its source's only item: the turn goes too
         q.remove(3, 31); // not there
         q.remove(4, 40); // nor its source
-        assert_eq!(q.len(), 2);
+        let mut left: Vec<_> = q.iter().collect();
+        left.sort();
+        assert_eq!(left, [10, 30]);
         assert_eq!(
             (q.pop_front(), q.pop_front(), q.pop_front()),
             (Some(10), Some(30), None)

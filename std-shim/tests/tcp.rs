@@ -2068,65 +2068,81 @@ fn every_peer_connection_is_kept_alive_so_a_silent_death_is_found() {
     );
 }
 
-/// A listener that keeps as many peers as it takes lets the one quiet
-/// longest (nothing heard for an idle timeout) go for a newcomer: its side
-/// reads a Close, the application is told (`Evicted`). Peers that speak are
-/// never let go: with none quiet, the newcomer is refused. (Before, a
-/// stranger that held the limit's worth of connections that said Hello and
-/// nothing more kept every newcomer out for as long as it liked: an
-/// outside attack on `perf --listen` did so with 4 100.)
+/// A listener that keeps as many peers as it takes lets a quiet peer go
+/// for a newcomer (nothing heard for an idle timeout): the one quiet
+/// longest of the crowd, never a peer alone at its address nor one that
+/// speaks. Its side reads a Close, the application is told (`Evicted`);
+/// with none to let go, the newcomer is refused. (Before, a stranger that
+/// held the limit's worth of connections that said Hello and nothing more
+/// kept every newcomer out for as long as it liked: an outside attack on
+/// `perf --listen` did so with 4 100.)
 #[test]
-fn a_full_listener_lets_its_quietest_peer_go_for_a_newcomer() {
+fn a_full_listener_lets_a_quiet_peer_of_the_crowd_go_for_a_newcomer() {
     let config = TcpConfig {
         idle_timeout: Duration::from_millis(400),
         peer_limits: PeerLimits {
-            accepted: 3,
-            per_address: 3,
+            accepted: 4,
+            per_address: 4,
         },
         ..TcpConfig::default()
     };
     let (server, addr, _pool) = listener(64 << 20, config);
-    let mut kept: Vec<Raw> = (0..3).map(|_| Raw::connect(addr)).collect();
-    for r in &mut kept {
+    let from = |last| std::net::Ipv4Addr::new(127, 0, 0, last);
+    // Alone at its address and quiet the longest: spared.
+    let mut alone = Raw::connect_from(addr, from(2));
+    assert!(matches!(alone.read_frame().0, Frame::Hello(_)));
+    // A crowd of three at another: two speak on, one is quiet.
+    let mut crowd: Vec<Raw> = (0..3).map(|_| Raw::connect_from(addr, from(1))).collect();
+    for r in &mut crowd {
         assert!(matches!(r.read_frame().0, Frame::Hello(_)));
-        std::thread::sleep(Duration::from_millis(20)); // heard in this order
     }
-    // The first two speak on, a message every 100 ms; the third is quiet.
     let mut seq = 0;
-    let mut speak = |kept: &mut [Raw]| {
-        for r in &mut kept[..2] {
+    let mut speak = |crowd: &mut [Raw]| {
+        for r in &mut crowd[..2] {
             r.send(&[&Raw::data(seq, 5, DataFlags::NONE)[..], b"hello"].concat());
         }
         seq += 1;
-    };
-    for _ in 0..6 {
-        speak(&mut kept);
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let mut newcomer = Raw::connect(addr);
-    assert!(matches!(newcomer.read_frame().0, Frame::Hello(_)), "let in");
-    assert!(
-        matches!(kept[2].read_frame().0, Frame::Close(_)),
-        "the quiet one let go"
-    );
-    assert!(kept[2].closed_by_peer());
-    let evicted = loop {
-        match server.recv(Deadline::after(5 * SECOND), None) {
-            Ok(m) => assert_eq!(host_bytes(&m.lease), b"hello"),
-            Err(Error::Protocol {
-                peer,
-                error: ProtocolError::Evicted,
-            }) => break peer,
-            Err(e) => panic!("{e}"),
+        for _ in 0..2 {
+            let m = server
+                .recv(Deadline::after(5 * SECOND), None)
+                .expect("heard");
+            assert_eq!(host_bytes(&m.lease), b"hello");
         }
     };
+    for _ in 0..6 {
+        speak(&mut crowd);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for r in crowd.iter_mut().chain([&mut alone]) {
+        r.s.set_read_timeout(Some(5 * SECOND)).unwrap(); // fail, not hang
+    }
+    let mut newcomer = Raw::connect_from(addr, from(3));
+    assert!(matches!(newcomer.read_frame().0, Frame::Hello(_)), "let in");
+    assert!(
+        matches!(crowd[2].read_frame().0, Frame::Close(_)),
+        "the quiet one of the crowd let go"
+    );
+    assert!(crowd[2].closed_by_peer());
+    let evicted = match server.recv(Deadline::after(5 * SECOND), None) {
+        Err(Error::Protocol {
+            peer,
+            error: ProtocolError::Evicted,
+        }) => peer,
+        other => panic!("{other:?}"),
+    };
+    assert!(server.with(|t| t.peer_stats(evicted)).is_none(), "gone");
     assert_eq!(server.with(|t| t.refused()), 0);
-    // Now none has been quiet an idle timeout: the next is refused.
-    speak(&mut kept);
-    let mut late = Raw::connect(addr);
+    // Two speakers, one quiet peer alone at its address, one newcomer: no
+    // crowd to take from, and the next is refused.
+    speak(&mut crowd);
+    let mut late = Raw::connect_from(addr, from(3));
     assert!(matches!(late.read_frame().0, Frame::Close(_)), "refused");
     assert_eq!(server.with(|t| t.refused()), 1);
-    assert!(server.with(|t| t.peer_stats(evicted)).is_none(), "gone");
+    // The one alone was never told anything.
+    alone.s.set_nonblocking(true).unwrap();
+    assert!(
+        matches!(std::io::Read::read(&mut alone.s, &mut [0; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    );
 }
 
 /// A listener keeps at most its peer limits' accepted peers, overall and
@@ -2154,6 +2170,8 @@ fn a_listener_at_its_peer_limits_refuses_newcomers_and_serves_those_it_keeps() {
             accepted: 3,
             per_address: 2,
         },
+        // None quiet an idle timeout (let go for a newcomer) in the test's time.
+        idle_timeout: Duration::from_secs(60),
         ..TcpConfig::default()
     };
     let (server, addr, _pool) = listener(64 << 20, config);

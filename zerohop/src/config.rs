@@ -66,9 +66,11 @@ pub struct Config {
     /// Peers this endpoint accepts and keeps at most, overall and from one
     /// IP address (default 4096 each, at least 1; see [`PeerLimits`] on
     /// descriptors); peers it connects to do not count. Past either, a
-    /// TCP or same-host listener lets go the kept peer it has heard
-    /// nothing from the longest, if that is an idle timeout or more (the
-    /// application sees it lost, `Evicted`); otherwise, and over RDMA, the
+    /// TCP listener lets go a peer accepted over TCP that it has heard
+    /// nothing from for an idle timeout, of its own accord, from the
+    /// newcomer's address or one holding more places than the newcomer's
+    /// would (the application sees it end, `Evicted`); otherwise (and for
+    /// same-host lanes and RDMA peers, never let go) the
     /// newcomer is refused at its handshake: its
     /// [`connect`](crate::Endpoint::connect) fails, saying it was refused.
     pub peer_limits: PeerLimits,

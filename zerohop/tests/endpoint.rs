@@ -162,6 +162,8 @@ fn a_newcomer_past_the_listeners_peer_limits_is_told_it_was_refused() {
         accepted: 1,
         per_address: 1,
     };
+    // Its peer quiet an idle timeout would be let go for a newcomer.
+    config.idle_timeout = Duration::from_secs(60);
     let s = Endpoint::open(config).unwrap();
     let addr = s.listen("127.0.0.1:0").unwrap();
     let kept = Endpoint::open(tcp()).unwrap();
@@ -373,6 +375,8 @@ fn a_connect_tried_at_several_addresses_reports_each_and_types_the_furthest() {
         accepted: 1,
         per_address: 1,
     };
+    // Its peer quiet an idle timeout would be let go for a newcomer.
+    config.idle_timeout = Duration::from_secs(60);
     let s = Endpoint::open(config).unwrap();
     let full = s.listen("127.0.0.1:0").unwrap();
     let kept = Endpoint::open(tcp()).unwrap();
@@ -817,6 +821,7 @@ fn refusal_beside_a_reader(case: &str, config: fn() -> Config) {
         accepted: 1,
         per_address: 1,
     };
+    limited.idle_timeout = Duration::from_secs(60); // none let go for a newcomer
     let s = Endpoint::open(limited).unwrap();
     let addr = s.listen("127.0.0.1:0").unwrap();
     let kept = Endpoint::open(config()).unwrap();

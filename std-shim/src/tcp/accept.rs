@@ -5,12 +5,12 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Instant as StdInstant;
 
-use zerohop_backends::{counted_address, PeerLimits};
+use zerohop_backends::{absence, counted_address};
 use zerohop_core::session::{HostRole, Instant, ProtocolError, Session};
 use zerohop_core::wire::{Close, Frame, HEADER_LEN};
 use zerohop_core::Error;
 
-use super::{key, Lane, TcpTransport, ACCEPT_BACKOFF, PENDING, REFUSING, WARN_EVERY};
+use super::{key, Lane, TcpTransport, ACCEPT_BACKOFF, PENDING, REFUSING, TIMER_SCAN, WARN_EVERY};
 use crate::poller::Set;
 use crate::waiting_room::oldest_of_most_crowded;
 
@@ -154,60 +154,111 @@ impl TcpTransport {
     }
 
     /// A newcomer past the peer limits takes the place of a peer accepted
-    /// here and not heard from for an idle timeout or more: the one quiet
-    /// longest of the address with the most such peers (of the newcomer's
-    /// own address, where its address's share is what is full). Its side
-    /// is sent a Close, the application is told
-    /// ([`ProtocolError::Evicted`]). A stranger that opens connection after
-    /// connection and says nothing more would otherwise keep every place,
-    /// and every newcomer out, for as long as it liked; peers that speak
-    /// are never let go. Whether a place was made.
-    fn make_room(&mut self, why: zerohop_backends::Refusal, ip: std::net::IpAddr) -> bool {
+    /// here that has been quiet (nothing heard) for an idle timeout or
+    /// more, where this side is not what keeps it quiet. The one quiet
+    /// longest of the address with the most such peers goes, among the
+    /// newcomer's own address and those holding more places than it would
+    /// (so a stranger takes places from crowds, its own first, not from
+    /// peers alone at their address). Its side is sent a Close; the
+    /// application is told ([`ProtocolError::Evicted`]). Without it a
+    /// stranger that opened connection after connection and said nothing
+    /// more kept every place, and every newcomer out, for as long as it
+    /// liked. Whether a place was made.
+    fn make_room(&mut self, ip: std::net::IpAddr) -> bool {
         let (t, idle) = (self.now(), self.config.idle_timeout);
-        if self.none_quiet_before.is_some_and(|b| t < b) {
-            return false; // a newcomer refused in a loop costs no walk
-        }
-        // The newcomer's address at its share: one of its own makes room.
-        let own = counted_address(ip);
-        let own_share = self
-            .kept
-            .admit(
-                &PeerLimits {
-                    accepted: usize::MAX,
-                    ..self.config.peer_limits
-                },
-                ip,
-            )
-            .is_err();
-        let heard: Vec<(usize, std::net::IpAddr, Instant)> = self
-            .peers
-            .iter()
-            .filter(|(_, p)| p.token.is_some() && p.announced && !p.opening())
-            .map(|(slot, p)| (slot, counted_address(p.addr.ip()), p.session.last_heard()))
-            .collect();
-        let quiet = heard
-            .iter()
-            .copied()
-            .filter(|&(_, address, last)| last.after(idle) <= t && (!own_share || address == own));
-        let Some(slot) = oldest_of_most_crowded(quiet) else {
-            // Nobody is quiet before the first of them could be.
-            let first = heard.iter().map(|&(_, _, last)| last).min().unwrap_or(t);
-            self.none_quiet_before = Some(first.after(idle));
+        // Not while this side holds its peers back: a full inbox or a dry
+        // pool leaves them unread, and so does an application away.
+        let away = self.looks.away(std::time::Instant::now(), absence(idle));
+        if self.next_walk.is_some_and(|b| t < b) || self.inbox_full() || self.pool_dry || away {
             return false;
-        };
+        }
+        let own = counted_address(ip);
+        let newcomers_share = self.kept.from(own) + 1;
+        let mut heard = None::<Instant>;
+        let mut quiet: Vec<(usize, std::net::IpAddr, Instant)> = Vec::new();
+        for (slot, p) in self.peers.iter().filter(|(_, p)| p.token.is_some()) {
+            let last = p.session.last_heard();
+            heard = Some(heard.map_or(last, |h| h.min(last)));
+            let address = counted_address(p.addr.ip());
+            // Quiet of its own accord: not waiting for a grant, a buffer
+            // or the application, nothing of ours queued, nothing unread.
+            let its_own = p.announced
+                && !p.opening()
+                && !(p.asked || p.dry || p.deferred || p.waits_for_budget)
+                && p.queue.is_empty()
+                && p.direct.is_none()
+                && p.incoming.is_none()
+                && !p.readable
+                && p.stage_end == p.stage_start;
+            let crowd = address == own || self.kept.from(address) > newcomers_share;
+            if its_own && crowd && last.after(idle) <= t {
+                quiet.push((slot, address, last));
+            }
+        }
+        // A few picks at most: one with bytes waiting in its socket spoke.
+        for _ in 0..4 {
+            let Some(i) = oldest_of_most_crowded(
+                quiet
+                    .iter()
+                    .copied()
+                    .enumerate()
+                    .map(|(i, (_, address, last))| (i, address, last)),
+            ) else {
+                break;
+            };
+            let (slot, _, _) = quiet.swap_remove(i);
+            if self.peers.at_mut(slot).is_some_and(|p| p.note_unread()) {
+                continue;
+            }
+            self.evict(slot, ip);
+            return true;
+        }
+        // None again before the first kept peer could be quiet, and a
+        // newcomer refused in a loop costs a walk a timer scan at most.
+        let first = heard.map_or(t, |h| h.after(idle));
+        self.next_walk = Some(first.max(t.after(TIMER_SCAN)));
+        false
+    }
+
+    /// Lets `slot`'s peer go for a newcomer from `ip`: a Close (its queue is
+    /// empty: nothing cut), its side shut and read until it closes (as a
+    /// refused newcomer's), the application told.
+    fn evict(&mut self, slot: usize, ip: std::net::IpAddr) {
         let peer = self.id(slot);
-        log::warn!("tcp: peer {peer} let go, quiet the longest, for a newcomer from {ip} ({why})");
+        match self.evictions.occur(StdInstant::now()) {
+            None => {
+                log::info!("tcp: peer {peer} let go, quiet the longest, for a newcomer from {ip}")
+            }
+            Some(n) => log::warn!(
+                "tcp: peer {peer} let go, quiet the longest, for a newcomer from {ip} ({n} more \
+                 let go since the last report; reported every {WARN_EVERY:?} while they go)"
+            ),
+        }
         if let Some(p) = self.peers.at_mut(slot) {
             p.session.close();
         }
         self.control(slot);
-        self.flush(slot); // the Close, where its socket takes it now
+        self.flush(slot);
+        let Some(p) = self.peers.at_mut(slot) else {
+            return; // its socket failed: reported lost by the flush
+        };
+        let mut left = REFUSED_READS;
+        if p.queue.is_empty()
+            && p.stream.shutdown(std::net::Shutdown::Write).is_ok()
+            && drained(&p.stream, &mut left) == Some(false)
+        {
+            if let Ok(s) = p.stream.try_clone() {
+                if self.refusing.len() >= REFUSING {
+                    self.refusing.pop_front();
+                }
+                self.refusing.push_back((s, StdInstant::now(), left));
+            }
+        }
         self.arrivals.push_back(Err(Error::Protocol {
             peer,
             error: ProtocolError::Evicted,
         }));
         self.drop_peer(slot, true);
-        true
     }
 
     pub(super) fn hello(&mut self, p: Pending) {
@@ -222,15 +273,15 @@ impl TcpTransport {
                 early: Vec::new(),
             }),
             Ok(Frame::Hello(h)) => {
-                if let Err(why) = self.kept.admit(&self.config.peer_limits, p.addr.ip()) {
-                    if !self.make_room(why, p.addr.ip()) {
-                        return self.refuse(p, h.token, why);
-                    }
-                }
+                let full = self.kept.admit(&self.config.peer_limits, p.addr.ip()).err();
                 let answer = self.config.session(HostRole::Answer);
                 let mut session = Session::new(answer, 0, self.now());
                 match session.handle_header(self.now(), &p.hello, None) {
                     Ok(_) => {
+                        // Room is made for a Hello that opens a session only.
+                        if let Some(why) = full.filter(|_| !self.make_room(p.addr.ip())) {
+                            return self.refuse(p, h.token, why);
+                        }
                         let token = session.peer().map_or(0, |h| h.token);
                         match self.add_peer(p.stream, p.addr, session) {
                             // Announced once its same-host frame settles (`control`).

@@ -460,9 +460,11 @@ pub struct TcpTransport {
     budget_wait_since: Option<Instant>,
     /// The first peer in `wants` waits for room in `grant_budget`.
     grant_waits: bool,
-    /// A walk for a quiet peer to let go (`make_room`) found none: none
-    /// can be before this.
-    none_quiet_before: Option<Instant>,
+    /// A walk for a quiet peer to let go (`make_room`) found none: the
+    /// next waits until this.
+    next_walk: Option<Instant>,
+    /// Peers let go for newcomers, reported at most once per [`WARN_EVERY`].
+    evictions: Reported,
     closed: bool,
 }
 
@@ -540,7 +542,8 @@ impl TcpTransport {
             coming_budget,
             budget_wait_since: None,
             grant_waits: false,
-            none_quiet_before: None,
+            next_walk: None,
+            evictions: Reported::default(),
             closed: false,
         })
     }
@@ -1066,7 +1069,13 @@ impl TcpTransport {
         // first comes). Not with others waiting behind it: a first message
         // trickled just over the minimum rate would hold them all back for
         // its whole length. Nor for a grant it left unused.
-        let alone = self.wants.len() == 1;
+        // Counting those still asking: a Want its message came within the
+        // window answered stays queued until its turn.
+        let asking = |id: &PeerId| {
+            self.peer(*id)
+                .is_some_and(|p| p.session.pending_grant().is_some())
+        };
+        let alone = self.wants.iter().filter(asking).count() == 1;
         let waiter = self.wants.front().filter(|_| grant_waits && alone);
         let holds = |id: PeerId, p: &Peer| {
             let waits_on_itself =
