@@ -373,8 +373,7 @@ pub enum ProtocolError {
     },
     /// Let go to make room: a listener that kept as many peers as it
     /// takes let this one go for a newcomer, having heard nothing from it
-    /// for an idle timeout or more (the longest of its address's, the
-    /// address with the most such peers).
+    /// for an idle timeout or more.
     Evicted,
 }
 
@@ -440,7 +439,7 @@ impl fmt::Display for ProtocolError {
                 during: Stall::Slow,
             } => f.write_str("a message under way slower than the minimum rate"),
             ProtocolError::Evicted => f.write_str(
-                "let go, quiet the longest, for a newcomer to a listener that kept as many peers as it takes",
+                "let go, quiet an idle timeout, for a newcomer to a listener that kept as many peers as it takes",
             ),
         }
     }

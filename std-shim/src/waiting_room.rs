@@ -25,6 +25,33 @@ pub(crate) fn oldest_of_most_crowded<K: Hash + Eq, T: Ord + Copy>(
         .map(|&(i, _, _)| i)
 }
 
+/// Which quiet peer a full table lets go for a newcomer of group `own`
+/// (its index in `quiet`, each entry its group and since when it is
+/// quiet; `places`, how many places each group holds): one of the
+/// newcomer's own group if it has any, else of a group holding more places
+/// than the newcomer's would, the oldest of the group with the most quiet
+/// ones. A peer alone in its group is never let go for another group's.
+pub(crate) fn quiet_to_let_go<K: Hash + Eq + Copy, T: Ord + Copy>(
+    quiet: &[(K, T)],
+    places: impl Fn(K) -> usize,
+    own: K,
+) -> Option<usize> {
+    let newcomers = places(own) + 1;
+    let mine = quiet.iter().any(|&(g, _)| g == own);
+    let eligible = quiet
+        .iter()
+        .enumerate()
+        .filter(|&(_, &(g, _))| {
+            if mine {
+                g == own
+            } else {
+                places(g) > newcomers
+            }
+        })
+        .map(|(i, &(g, since))| (i, g, since));
+    oldest_of_most_crowded(eligible)
+}
+
 /// A queue served by turns: one item of each source with items waiting,
 /// in the order the sources first waited, then round again; a source's
 /// items in the order they came. Holds what is pushed until it is taken.
@@ -114,6 +141,28 @@ mod tests {
             oldest_of_most_crowded(std::iter::empty::<(usize, u8, StdInstant)>()),
             None
         );
+    }
+
+    #[test]
+    fn a_quiet_peer_goes_from_the_newcomers_group_or_a_crowd_never_alone() {
+        let places = |g: char| match g {
+            'a' => 1,
+            'b' => 3,
+            'c' => 2,
+            _ => 0,
+        };
+        // Quiet since: a (alone) the longest, then b's, then c's.
+        let quiet = [('a', 1), ('b', 5), ('c', 7), ('b', 4)];
+        // A newcomer of a new group: b holds 3 > 1, c holds 2 > 1; b has
+        // the most quiet ones, its oldest goes. Never a, alone.
+        assert_eq!(quiet_to_let_go(&quiet, places, 'z'), Some(3));
+        // Of c (2 places, 3 once it is in): its own first.
+        assert_eq!(quiet_to_let_go(&quiet, places, 'c'), Some(2));
+        // Of a, and none of a's quiet: b's (3 > 2), not c's (2).
+        assert_eq!(quiet_to_let_go(&quiet[1..], places, 'a'), Some(2));
+        // Of b, none of b's quiet: nobody holds more than b would.
+        assert_eq!(quiet_to_let_go(&[('a', 1), ('c', 7)], places, 'b'), None);
+        assert_eq!(quiet_to_let_go(&[('a', 1)], places, 'z'), None);
     }
 
     #[test]

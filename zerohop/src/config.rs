@@ -68,8 +68,9 @@ pub struct Config {
     /// descriptors); peers it connects to do not count. Past either, a
     /// TCP listener lets go a peer accepted over TCP that it has heard
     /// nothing from for an idle timeout, of its own accord, from the
-    /// newcomer's address or one holding more places than the newcomer's
-    /// would (the application sees it end, `Evicted`); otherwise (and for
+    /// newcomer's group of addresses (loopback, an IPv4 /24, an IPv6 /48)
+    /// or one holding more places than the newcomer's would (the
+    /// application sees it end, `Evicted`); otherwise (and for
     /// same-host lanes and RDMA peers, never let go) the
     /// newcomer is refused at its handshake: its
     /// [`connect`](crate::Endpoint::connect) fails, saying it was refused.

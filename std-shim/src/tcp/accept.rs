@@ -12,7 +12,7 @@ use zerohop_core::Error;
 
 use super::{key, Lane, TcpTransport, ACCEPT_BACKOFF, PENDING, REFUSING, TIMER_SCAN, WARN_EVERY};
 use crate::poller::Set;
-use crate::waiting_room::oldest_of_most_crowded;
+use crate::waiting_room::{oldest_of_most_crowded, quiet_to_let_go};
 
 /// An accepted connection before its Hello: 32 bytes and a deadline.
 pub(super) struct Pending {
@@ -155,15 +155,19 @@ impl TcpTransport {
 
     /// A newcomer past the peer limits takes the place of a peer accepted
     /// here that has been quiet (nothing heard) for an idle timeout or
-    /// more, where this side is not what keeps it quiet. The one quiet
-    /// longest of the address with the most such peers goes, among the
-    /// newcomer's own address and those holding more places than it would
-    /// (so a stranger takes places from crowds, its own first, not from
-    /// peers alone at their address). Its side is sent a Close; the
-    /// application is told ([`ProtocolError::Evicted`]). Without it a
-    /// stranger that opened connection after connection and said nothing
-    /// more kept every place, and every newcomer out, for as long as it
-    /// liked. Whether a place was made.
+    /// more, where this side is not what keeps it quiet, from a crowd: the
+    /// newcomer's own group of addresses ([`crowd_group`]: loopback, an
+    /// IPv4 /24, an IPv6 /48), else one holding more places than the
+    /// newcomer's would (its quiet peer longest quiet, of the group with
+    /// the most such: [`quiet_to_let_go`]). Where the newcomer's own
+    /// address is at its share, only that address's peers. Its side is
+    /// sent a Close; the application is told ([`ProtocolError::Evicted`]).
+    /// Without it a stranger that opened connection after connection and
+    /// said nothing more kept every place, and every newcomer out, for as
+    /// long as it liked; a peer alone in its group is never let go for
+    /// another group's newcomer. At most one walk of the peers a timer
+    /// scan, and none before the first kept peer could be quiet. Whether a
+    /// place was made.
     fn make_room(&mut self, ip: std::net::IpAddr) -> bool {
         let (t, idle) = (self.now(), self.config.idle_timeout);
         // Not while this side holds its peers back: a full inbox or a dry
@@ -172,16 +176,20 @@ impl TcpTransport {
         if self.next_walk.is_some_and(|b| t < b) || self.inbox_full() || self.pool_dry || away {
             return false;
         }
-        let own = counted_address(ip);
-        let newcomers_share = self.kept.from(own) + 1;
-        let mut heard = None::<Instant>;
+        let own_address = counted_address(ip);
+        let own_share = self.kept.from(ip) >= self.config.peer_limits.per_address;
+        let own = crowd_group(ip);
+        let mut heard = t;
+        let mut groups: std::collections::HashMap<std::net::IpAddr, usize> = Default::default();
         let mut quiet: Vec<(usize, std::net::IpAddr, Instant)> = Vec::new();
         for (slot, p) in self.peers.iter().filter(|(_, p)| p.token.is_some()) {
             let last = p.session.last_heard();
-            heard = Some(heard.map_or(last, |h| h.min(last)));
-            let address = counted_address(p.addr.ip());
+            heard = heard.min(last);
+            let group = crowd_group(p.addr.ip());
+            *groups.entry(group).or_default() += 1;
             // Quiet of its own accord: not waiting for a grant, a buffer
-            // or the application, nothing of ours queued, nothing unread.
+            // or the application, nothing of ours queued, nothing unread,
+            // its socket taking a Close.
             let its_own = p.announced
                 && !p.opening()
                 && !(p.asked || p.dry || p.deferred || p.waits_for_budget)
@@ -189,21 +197,19 @@ impl TcpTransport {
                 && p.direct.is_none()
                 && p.incoming.is_none()
                 && !p.readable
+                && p.writable
                 && p.stage_end == p.stage_start;
-            let crowd = address == own || self.kept.from(address) > newcomers_share;
-            if its_own && crowd && last.after(idle) <= t {
-                quiet.push((slot, address, last));
+            let address_fits = !own_share || counted_address(p.addr.ip()) == own_address;
+            if its_own && address_fits && last.after(idle) <= t {
+                quiet.push((slot, group, last));
             }
         }
+        let places = |g| groups.get(&g).copied().unwrap_or(0);
+        self.next_walk = Some(t.after(TIMER_SCAN));
         // A few picks at most: one with bytes waiting in its socket spoke.
         for _ in 0..4 {
-            let Some(i) = oldest_of_most_crowded(
-                quiet
-                    .iter()
-                    .copied()
-                    .enumerate()
-                    .map(|(i, (_, address, last))| (i, address, last)),
-            ) else {
+            let ranked: Vec<_> = quiet.iter().map(|&(_, g, last)| (g, last)).collect();
+            let Some(i) = quiet_to_let_go(&ranked, places, own) else {
                 break;
             };
             let (slot, _, _) = quiet.swap_remove(i);
@@ -213,25 +219,21 @@ impl TcpTransport {
             self.evict(slot, ip);
             return true;
         }
-        // None again before the first kept peer could be quiet, and a
-        // newcomer refused in a loop costs a walk a timer scan at most.
-        let first = heard.map_or(t, |h| h.after(idle));
-        self.next_walk = Some(first.max(t.after(TIMER_SCAN)));
+        // None again before the first kept peer could be quiet.
+        self.next_walk = self.next_walk.max(Some(heard.after(idle)));
         false
     }
 
-    /// Lets `slot`'s peer go for a newcomer from `ip`: a Close (its queue is
-    /// empty: nothing cut), its side shut and read until it closes (as a
-    /// refused newcomer's), the application told.
+    /// Lets `slot`'s peer go for a newcomer from `ip`: a Close (nothing of
+    /// ours queued before it; sent as far as its socket takes it now), its
+    /// side shut and read as a refused newcomer's, the application told.
     fn evict(&mut self, slot: usize, ip: std::net::IpAddr) {
         let peer = self.id(slot);
         match self.evictions.occur(StdInstant::now()) {
-            None => {
-                log::info!("tcp: peer {peer} let go, quiet the longest, for a newcomer from {ip}")
-            }
+            None => log::debug!("tcp: peer {peer} let go, quiet, for a newcomer from {ip}"),
             Some(n) => log::warn!(
-                "tcp: peer {peer} let go, quiet the longest, for a newcomer from {ip} ({n} more \
-                 let go since the last report; reported every {WARN_EVERY:?} while they go)"
+                "tcp: peer {peer} let go, quiet, for a newcomer from {ip} ({n} more let go \
+                 since the last report; reported every {WARN_EVERY:?} while they go)"
             ),
         }
         if let Some(p) = self.peers.at_mut(slot) {
@@ -247,6 +249,10 @@ impl TcpTransport {
             && p.stream.shutdown(std::net::Shutdown::Write).is_ok()
             && drained(&p.stream, &mut left) == Some(false)
         {
+            // Out of epoll first: the copy kept would keep its events
+            // coming under the slot's key, to the newcomer that takes it.
+            self.poller.remove(&p.stream, Set::Data);
+            self.poller.remove(&p.stream, Set::Ctl);
             if let Ok(s) = p.stream.try_clone() {
                 if self.refusing.len() >= REFUSING {
                     self.refusing.pop_front();
@@ -305,6 +311,22 @@ impl TcpTransport {
                 other.kind().name()
             ),
             Err(e) => log::info!("tcp: {} is not a zerohop peer ({e}); closed", p.addr),
+        }
+    }
+}
+
+/// The group of addresses whose peers count as one crowd when a full
+/// listener lets a quiet peer go ([`TcpTransport::make_room`]): every
+/// loopback address as one (a process can bind any of 127/8), an IPv4
+/// /24, an IPv6 /48 (a site's usual allocation). Coarser than the peer
+/// limits' [`counted_address`]: a stranger that spreads its connections
+/// over many addresses of one host or site is still one crowd.
+fn crowd_group(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip.to_canonical() {
+        ip if ip.is_loopback() => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        std::net::IpAddr::V4(v4) => std::net::IpAddr::V4((u32::from(v4) & !0xff).into()),
+        std::net::IpAddr::V6(v6) => {
+            std::net::IpAddr::V6((u128::from(v6) & !((1u128 << 80) - 1)).into())
         }
     }
 }

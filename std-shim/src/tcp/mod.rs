@@ -220,11 +220,13 @@ pub struct TcpConfig {
     /// Accepted peers kept at most, overall and from one address (peers
     /// this side connected to do not count; under a
     /// [`LocalWire`](crate::shm::LocalWire), those that moved to shared
-    /// memory do): past either, a newcomer's Hello is answered with a
-    /// Close, which its side reports as
+    /// memory do): past either, a peer accepted over TCP and quiet an idle
+    /// timeout of its own accord, of the newcomer's group of addresses or a
+    /// crowd, is let go for the newcomer (`make_room`); with none, the
+    /// newcomer's Hello is answered with a Close, which its side reports as
     /// [`ProtocolError::Refused`](zerohop_core::session::ProtocolError::Refused).
-    /// Quiet peers are kept; a dead one that never said so is found by TCP
-    /// keepalive ([`KEEPALIVE_IDLE`]) and its place freed.
+    /// A dead peer that never said so is found by TCP keepalive
+    /// ([`KEEPALIVE_IDLE`]) and its place freed.
     pub peer_limits: PeerLimits,
     /// What this side offers the listeners it connects to, so that one on
     /// the same host can move the session to shared memory (the same-host
@@ -1069,14 +1071,20 @@ impl TcpTransport {
         // first comes). Not with others waiting behind it: a first message
         // trickled just over the minimum rate would hold them all back for
         // its whole length. Nor for a grant it left unused.
-        // Counting those still asking: a Want its message came within the
-        // window answered stays queued until its turn.
+        // Of those still asking: a Want its message came within the window
+        // answered stays queued until its turn.
         let asking = |id: &PeerId| {
             self.peer(*id)
                 .is_some_and(|p| p.session.pending_grant().is_some())
         };
-        let alone = self.wants.iter().filter(asking).count() == 1;
-        let waiter = self.wants.front().filter(|_| grant_waits && alone);
+        let alone = {
+            let mut still_asking = self.wants.iter().filter(asking);
+            match (still_asking.next(), still_asking.next()) {
+                (Some(only), None) => Some(only),
+                _ => None,
+            }
+        };
+        let waiter = alone.filter(|_| grant_waits);
         let holds = |id: PeerId, p: &Peer| {
             let waits_on_itself =
                 Some(id) == waiter && p.session.slow_under_contention(t) != Some(0);
