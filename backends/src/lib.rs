@@ -47,6 +47,6 @@ pub use mapped::{MappedMemory, SharedPlace};
 pub use nic::Nic;
 #[cfg(feature = "std")]
 pub use peers::{
-    absence, counted_address, take_end, AcceptedPeers, Looks, PeerLimits, PeerSlots, Refusal,
-    SessionClock, MAX_PEER_SLOTS, TAG_BIT,
+    absence, counted_address, crowd_group, take_end, AcceptedPeers, Looks, PeerLimits, PeerSlots,
+    Refusal, SessionClock, MAX_PEER_SLOTS, TAG_BIT,
 };

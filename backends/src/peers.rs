@@ -239,9 +239,9 @@ impl<T> PeerSlots<T> {
 /// bound a newcomer is refused at its handshake, before it holds a peer's
 /// buffers, unless the wire lets a kept peer go for it (TCP lets go one
 /// quiet an idle timeout of its own accord, from the newcomer's group of
-/// addresses or one holding more places than the newcomer's would: a
-/// stranger that said Hello and nothing more cannot keep the places for
-/// good; same-host lanes and verbs peers are never let go). One address that opens
+/// addresses or one holding more places than the newcomer's would, so
+/// that a stranger whose peers say Hello and nothing more gives its places
+/// up to newcomers; same-host lanes and verbs peers are never let go). One address that opens
 /// connection after connection (a stranger, a broken client in a loop)
 /// fills its own share, not the table every peer needs. Peers this side
 /// connected to are the application's choice and do not count.
@@ -339,14 +339,32 @@ pub fn counted_address(ip: std::net::IpAddr) -> std::net::IpAddr {
     }
 }
 
-/// The accepted peers a listening wire keeps, counted by address as they
-/// come and go ([`counted_address`]): a newcomer is judged without a walk
-/// of the peers (a stranger that reconnects in a loop would cost a walk
-/// each time; a full TCP listener walks its peers for one to let go at
-/// most once a timer scan while it finds none).
+/// The group of addresses whose peers count as one crowd when a full
+/// listener lets a quiet peer go for a newcomer: every loopback address as
+/// one (a process can bind any of 127/8), an IPv4 /24, an IPv6 /48 (a
+/// site's usual allocation). Coarser than [`counted_address`]: a stranger
+/// that spreads its connections over many addresses of one host or site
+/// is still one crowd.
+pub fn crowd_group(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip.to_canonical() {
+        ip if ip.is_loopback() => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        std::net::IpAddr::V4(v4) => std::net::IpAddr::V4((u32::from(v4) & !0xff).into()),
+        std::net::IpAddr::V6(v6) => {
+            std::net::IpAddr::V6((u128::from(v6) & !((1u128 << 80) - 1)).into())
+        }
+    }
+}
+
+/// The accepted peers a listening wire keeps, counted by address
+/// ([`counted_address`]) and by group ([`crowd_group`]) as they come and
+/// go: a newcomer is judged without a walk of the peers (a stranger that
+/// reconnects in a loop would cost a walk each time; a full TCP listener
+/// walks its peers for one to let go, and after a walk that finds none,
+/// not again for a timer scan).
 #[derive(Debug, Default)]
 pub struct AcceptedPeers {
     by_address: std::collections::HashMap<std::net::IpAddr, usize>,
+    by_group: std::collections::HashMap<std::net::IpAddr, usize>,
     total: usize,
 }
 
@@ -354,19 +372,32 @@ impl AcceptedPeers {
     /// A peer from `ip` is kept.
     pub fn add(&mut self, ip: std::net::IpAddr) {
         *self.by_address.entry(counted_address(ip)).or_default() += 1;
+        *self.by_group.entry(crowd_group(ip)).or_default() += 1;
         self.total += 1;
     }
 
     /// A peer from `ip` that [`add`](Self::add) counted has gone.
     pub fn remove(&mut self, ip: std::net::IpAddr) {
-        let ip = counted_address(ip);
-        if let Some(n) = self.by_address.get_mut(&ip) {
+        let address = counted_address(ip);
+        if let Some(n) = self.by_address.get_mut(&address) {
             *n -= 1;
             if *n == 0 {
-                self.by_address.remove(&ip);
+                self.by_address.remove(&address);
             }
             self.total -= 1;
+            let group = crowd_group(ip);
+            if let Some(n) = self.by_group.get_mut(&group) {
+                *n -= 1;
+                if *n == 0 {
+                    self.by_group.remove(&group);
+                }
+            }
         }
+    }
+
+    /// How many are kept from the group ([`crowd_group`]) `group` names.
+    pub fn in_group(&self, group: std::net::IpAddr) -> usize {
+        self.by_group.get(&group).copied().unwrap_or(0)
     }
 
     /// How many are kept from `ip`'s counted address.
@@ -439,6 +470,7 @@ mod tests {
         kept.remove(b);
         assert_eq!(kept.total(), 0);
         assert!(kept.by_address.is_empty(), "no address left behind");
+        assert!(kept.by_group.is_empty(), "no group left behind");
         assert_ne!(
             Refusal::Full { accepted: 4 }.to_string(),
             Refusal::AddressFull { per_address: 4 }.to_string()
@@ -612,6 +644,28 @@ mod tests {
         assert_eq!(t.slot(PeerId(u32::MAX)), None);
         assert_eq!(t.iter().count(), 0);
         assert_eq!(t.len(), 0);
+    }
+
+    #[test]
+    fn crowds_are_loopback_a_v4_slash_24_or_a_v6_slash_48() {
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        let same = |a, b| crowd_group(ip(a)) == crowd_group(ip(b));
+        assert!(same("127.0.0.1", "127.9.8.7") && same("127.0.0.1", "::1"));
+        assert!(same("::ffff:127.0.0.2", "127.0.0.1"));
+        assert!(same("10.1.2.3", "10.1.2.250") && !same("10.1.2.3", "10.1.3.3"));
+        assert!(
+            same("2001:db8:1::1", "2001:db8:1:ffff::9") && !same("2001:db8:1::1", "2001:db8:2::1")
+        );
+        assert!(!same("10.1.2.3", "127.0.0.1"));
+        let mut kept = AcceptedPeers::default();
+        for a in ["127.0.0.1", "127.0.0.2", "::1", "10.1.2.3"] {
+            kept.add(ip(a));
+        }
+        assert_eq!(kept.in_group(crowd_group(ip("127.1.1.1"))), 3);
+        assert_eq!(kept.in_group(crowd_group(ip("10.1.2.99"))), 1);
+        kept.remove(ip("127.0.0.2"));
+        kept.remove(ip("192.0.2.1")); // never kept: nothing moves
+        assert_eq!(kept.in_group(crowd_group(ip("127.0.0.1"))), 2);
     }
 
     #[test]

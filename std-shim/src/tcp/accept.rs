@@ -5,7 +5,7 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Instant as StdInstant;
 
-use zerohop_backends::{absence, counted_address};
+use zerohop_backends::{absence, counted_address, crowd_group};
 use zerohop_core::session::{HostRole, Instant, ProtocolError, Session};
 use zerohop_core::wire::{Close, Frame, HEADER_LEN};
 use zerohop_core::Error;
@@ -156,8 +156,9 @@ impl TcpTransport {
     /// A newcomer past the peer limits takes the place of a peer accepted
     /// here that has been quiet (nothing heard) for an idle timeout or
     /// more, where this side is not what keeps it quiet, from a crowd: the
-    /// newcomer's own group of addresses ([`crowd_group`]: loopback, an
-    /// IPv4 /24, an IPv6 /48), else one holding more places than the
+    /// newcomer's own group of addresses
+    /// ([`crowd_group`](zerohop_backends::crowd_group): loopback, an IPv4
+    /// /24, an IPv6 /48), else one holding more places than the
     /// newcomer's would (its quiet peer longest quiet, of the group with
     /// the most such: [`quiet_to_let_go`]). Where the newcomer's own
     /// address is at its share, only that address's peers. Its side is
@@ -165,9 +166,9 @@ impl TcpTransport {
     /// Without it a stranger that opened connection after connection and
     /// said nothing more kept every place, and every newcomer out, for as
     /// long as it liked; a peer alone in its group is never let go for
-    /// another group's newcomer. At most one walk of the peers a timer
-    /// scan, and none before the first kept peer could be quiet. Whether a
-    /// place was made.
+    /// another group's newcomer. After a walk that finds none, none again
+    /// for a timer scan, nor before the first kept peer could be quiet.
+    /// Whether a place was made.
     fn make_room(&mut self, ip: std::net::IpAddr) -> bool {
         let (t, idle) = (self.now(), self.config.idle_timeout);
         // Not while this side holds its peers back: a full inbox or a dry
@@ -180,13 +181,11 @@ impl TcpTransport {
         let own_share = self.kept.from(ip) >= self.config.peer_limits.per_address;
         let own = crowd_group(ip);
         let mut heard = t;
-        let mut groups: std::collections::HashMap<std::net::IpAddr, usize> = Default::default();
         let mut quiet: Vec<(usize, std::net::IpAddr, Instant)> = Vec::new();
         for (slot, p) in self.peers.iter().filter(|(_, p)| p.token.is_some()) {
             let last = p.session.last_heard();
             heard = heard.min(last);
             let group = crowd_group(p.addr.ip());
-            *groups.entry(group).or_default() += 1;
             // Quiet of its own accord: not waiting for a grant, a buffer
             // or the application, nothing of ours queued, nothing unread,
             // its socket taking a Close.
@@ -204,8 +203,9 @@ impl TcpTransport {
                 quiet.push((slot, group, last));
             }
         }
-        let places = |g| groups.get(&g).copied().unwrap_or(0);
-        self.next_walk = Some(t.after(TIMER_SCAN));
+        // Places as the limits count them: same-host lanes too.
+        let kept = &self.kept;
+        let places = |g| kept.in_group(g);
         // A few picks at most: one with bytes waiting in its socket spoke.
         for _ in 0..4 {
             let ranked: Vec<_> = quiet.iter().map(|&(_, g, last)| (g, last)).collect();
@@ -219,8 +219,12 @@ impl TcpTransport {
             self.evict(slot, ip);
             return true;
         }
-        // None again before the first kept peer could be quiet.
-        self.next_walk = self.next_walk.max(Some(heard.after(idle)));
+        // None found: no walk again for a timer scan (a newcomer refused
+        // in a loop), nor before the first kept peer could be quiet. (A
+        // walk that finds one sets no such wait: a stranger letting its
+        // own quiet peers go one after another would keep every other
+        // newcomer out.)
+        self.next_walk = Some(t.after(TIMER_SCAN).max(heard.after(idle)));
         false
     }
 
@@ -311,22 +315,6 @@ impl TcpTransport {
                 other.kind().name()
             ),
             Err(e) => log::info!("tcp: {} is not a zerohop peer ({e}); closed", p.addr),
-        }
-    }
-}
-
-/// The group of addresses whose peers count as one crowd when a full
-/// listener lets a quiet peer go ([`TcpTransport::make_room`]): every
-/// loopback address as one (a process can bind any of 127/8), an IPv4
-/// /24, an IPv6 /48 (a site's usual allocation). Coarser than the peer
-/// limits' [`counted_address`]: a stranger that spreads its connections
-/// over many addresses of one host or site is still one crowd.
-fn crowd_group(ip: std::net::IpAddr) -> std::net::IpAddr {
-    match ip.to_canonical() {
-        ip if ip.is_loopback() => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
-        std::net::IpAddr::V4(v4) => std::net::IpAddr::V4((u32::from(v4) & !0xff).into()),
-        std::net::IpAddr::V6(v6) => {
-            std::net::IpAddr::V6((u128::from(v6) & !((1u128 << 80) - 1)).into())
         }
     }
 }

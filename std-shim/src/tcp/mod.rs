@@ -107,7 +107,8 @@ const WARN_EVERY: Duration = Duration::from_secs(10);
 /// probed, [`KEEPALIVE_PROBES`] times [`KEEPALIVE_INTERVAL`] apart, and
 /// one that never answers (a host that crashed, a link cut, a NAT that
 /// forgot it) is lost, its place under the peer limits freed. Quiet peers
-/// are otherwise kept for good. (Keepalive probes only a quiet connection:
+/// are otherwise kept, but for a full listener's newcomer
+/// ([`TcpConfig::peer_limits`]). (Keepalive probes only a quiet connection:
 /// one with data unacknowledged is judged by TCP's retransmissions, some
 /// fifteen minutes.)
 pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
@@ -221,8 +222,11 @@ pub struct TcpConfig {
     /// this side connected to do not count; under a
     /// [`LocalWire`](crate::shm::LocalWire), those that moved to shared
     /// memory do): past either, a peer accepted over TCP and quiet an idle
-    /// timeout of its own accord, of the newcomer's group of addresses or a
-    /// crowd, is let go for the newcomer (`make_room`); with none, the
+    /// timeout of its own accord, of the newcomer's group of addresses or
+    /// a group holding more places than the newcomer's would, is let go for
+    /// the newcomer (`make_room`: that address's only where the newcomer's
+    /// own address is at its share; nobody while the inbox is full, the
+    /// pool dry or the application away); with none, the
     /// newcomer's Hello is answered with a Close, which its side reports as
     /// [`ProtocolError::Refused`](zerohop_core::session::ProtocolError::Refused).
     /// A dead peer that never said so is found by TCP keepalive
