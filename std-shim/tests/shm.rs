@@ -463,6 +463,8 @@ fn peers_in_shared_memory_count_against_the_listeners_peer_limits() {
             accepted: 1,
             per_address: 1,
         },
+        // None quiet an idle timeout (let go for a newcomer) in the test's time.
+        idle_timeout: Duration::from_secs(60),
         ..TcpConfig::default()
     };
     let shm = ShmConfig {
@@ -513,6 +515,56 @@ fn peers_in_shared_memory_count_against_the_listeners_peer_limits() {
     let from = accepted(&server);
     exchange(&second, peer, &server, from);
     assert_eq!(server.with(|t| t.tcp().refused()), 1);
+}
+
+/// A full listener lets a quiet lane go for a newcomer as it would a quiet
+/// TCP peer: the lane's side reads a clean close, the application here is
+/// told (`Evicted`), and the newcomer moves to shared memory in its place.
+/// (Before, lanes counted against the limits and were never let go: a
+/// local stranger opened 300 in 0.34 s and kept every newcomer out.)
+#[test]
+fn a_full_listener_lets_a_quiet_lane_go_for_a_newcomer() {
+    let _one = serial();
+    let tcp = TcpConfig {
+        peer_limits: PeerLimits {
+            accepted: 1,
+            per_address: 1,
+        },
+        idle_timeout: Duration::from_millis(1000),
+        ..TcpConfig::default()
+    };
+    let shm = ShmConfig {
+        ring_bytes: 1 << 20,
+        required: true,
+        ..ShmConfig::default()
+    };
+    let mut t = LocalWire::new(pool(false), tcp, shm, Kind::Shm).unwrap();
+    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let server = Endpoint::new(t, EndpointConfig::default()).unwrap();
+    let (first, peer) = connect(addr);
+    let from = accepted(&server);
+    exchange(&first, peer, &server, from);
+    // Quiet for more than the idle timeout (and the lanes' next offer).
+    std::thread::sleep(Duration::from_millis(1300));
+    let (second, peer2) = connect(addr);
+    let from2 = accepted(&server);
+    match server.next_event(Deadline::after(WAIT), None).unwrap() {
+        Event::Lost {
+            peer,
+            error:
+                Error::Protocol {
+                    error: ProtocolError::Evicted,
+                    ..
+                },
+        } => assert_eq!(peer, from),
+        e => panic!("the first let go: {e:?}"),
+    }
+    match first.next_event(Deadline::after(WAIT), None).unwrap() {
+        Event::Closed(p) => assert_eq!(p, peer),
+        e => panic!("the first's side: {e:?}"),
+    }
+    exchange(&second, peer2, &server, from2);
+    assert_eq!(server.with(|t| t.tcp().refused()), 0);
 }
 
 #[test]

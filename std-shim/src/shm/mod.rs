@@ -140,6 +140,10 @@ const DIAL_RETRY_FOR: Duration = Duration::from_millis(250);
 /// How often a spinning receiver looks at the lanes' links (a dead peer
 /// is seen at once by a sleeper; a spinner sees it within this).
 const LINK_CHECK: Duration = Duration::from_millis(5);
+/// How often the lanes accepted here are told to the TCP wire, for a full
+/// listener's newcomers: a lane just quiet an idle timeout may wait this
+/// much longer to be let go.
+const OFFER_EVERY: Duration = Duration::from_millis(100);
 /// One `try_recv` in this many looks at the clock, to move the TCP side, the
 /// upgrades and the lanes' links along every [`SIDE_PERIOD`] (a spinning
 /// receiver then pays no system call per poll).
@@ -248,6 +252,9 @@ pub struct LocalWire {
     session_clock: SessionClock,
     polls: u32,
     next_link_check: StdInstant,
+    /// When the lanes are next told to the TCP wire, for a full listener
+    /// that may let a quiet one go for a newcomer (`offer_elsewhere`).
+    next_offer: StdInstant,
     /// When a spinning receiver next moves the side work along.
     next_side: StdInstant,
     /// The lanes' timer looks: a long gap is the application's absence.
@@ -366,6 +373,7 @@ impl LocalWire {
             session_clock: SessionClock::start(),
             polls: 0,
             next_link_check: now,
+            next_offer: now,
             next_side: now,
             looks: zerohop_backends::Looks::default(),
             clock: Instant::from_micros(0),
@@ -886,6 +894,54 @@ impl LocalWire {
         took
     }
 
+    /// Lanes a full listener let go for newcomers end, each with a Close
+    /// (`ProtocolError::Evicted` here); every `OFFER_EVERY`, the lanes
+    /// accepted here are told to the TCP wire, which judges them as its
+    /// own peers when it needs a place (`TcpTransport::make_room`).
+    fn offer_lanes(&mut self) -> bool {
+        let let_go = self.tcp.take_let_go();
+        let any = !let_go.is_empty();
+        for id in let_go {
+            let Some((slot, l)) = self.lanes.find_mut(id) else {
+                continue; // gone meanwhile
+            };
+            l.session.close();
+            l.control();
+            let _ = l.flush(id);
+            let error = zerohop_core::session::ProtocolError::Evicted;
+            self.drop_lane(slot, Some(Error::Protocol { peer: id, error }));
+        }
+        let std_now = StdInstant::now();
+        if std_now < self.next_offer {
+            return any;
+        }
+        self.next_offer = std_now + OFFER_EVERY;
+        let now = self.now();
+        // This side holds them all back while its inbox is full or the
+        // pool dry: none is quiet of its own accord then.
+        let held = self.arrivals.len() >= self.config.inbox_messages || self.dry;
+        let offered = self
+            .lanes
+            .iter()
+            .filter(|(_, l)| l.accepted)
+            .map(|(slot, l)| {
+                let ago = now
+                    .as_micros()
+                    .saturating_sub(l.session.last_heard().as_micros());
+                crate::tcp::Elsewhere {
+                    id: self.lanes.id(slot),
+                    ip: l.addr.ip(),
+                    quiet_since: std_now
+                        .checked_sub(Duration::from_micros(ago))
+                        .unwrap_or(std_now),
+                    its_own: !held && l.quiet() && !l.has_unsent() && l.session.is_open(),
+                }
+            })
+            .collect();
+        self.tcp.offer_elsewhere(offered);
+        any
+    }
+
     /// Links (a dead peer), idle timers and queued frames of every lane.
     fn tend_lanes(&mut self) -> bool {
         if !self.stuck.is_empty() {
@@ -901,7 +957,7 @@ impl LocalWire {
         }
         let away = zerohop_backends::absence(self.session.idle_timeout);
         let came_back = self.looks.came_back(StdInstant::now(), away);
-        let mut any = false;
+        let mut any = self.offer_lanes();
         for slot in 0..self.lanes.len() {
             // A peer is judged on what it sent, read first.
             if self

@@ -8,7 +8,7 @@ use std::time::Instant as StdInstant;
 use zerohop_backends::{absence, counted_address, crowd_group};
 use zerohop_core::session::{HostRole, Instant, ProtocolError, Session};
 use zerohop_core::wire::{Close, Frame, HEADER_LEN};
-use zerohop_core::Error;
+use zerohop_core::{Error, PeerId};
 
 use super::{key, Lane, TcpTransport, ACCEPT_BACKOFF, PENDING, REFUSING, TIMER_SCAN, WARN_EVERY};
 use crate::poller::Set;
@@ -179,13 +179,22 @@ impl TcpTransport {
         }
         let own_address = counted_address(ip);
         let own_share = self.kept.from(ip) >= self.config.peer_limits.per_address;
+        let fits = |peer: std::net::IpAddr| !own_share || counted_address(peer) == own_address;
         let own = crowd_group(ip);
-        let mut heard = t;
-        let mut quiet: Vec<(usize, std::net::IpAddr, Instant)> = Vec::new();
+        // Since when each is quiet, on one clock: the sessions' (TCP's)
+        // and another wire's (its own clock) as `std::time::Instant`s.
+        let std_now = StdInstant::now();
+        let since = |last: Instant| {
+            let ago = t.as_micros().saturating_sub(last.as_micros());
+            std_now
+                .checked_sub(std::time::Duration::from_micros(ago))
+                .unwrap_or(std_now)
+        };
+        let mut heard = std_now;
+        let mut quiet: Vec<(Who, std::net::IpAddr, StdInstant)> = Vec::new();
         for (slot, p) in self.peers.iter().filter(|(_, p)| p.token.is_some()) {
-            let last = p.session.last_heard();
+            let last = since(p.session.last_heard());
             heard = heard.min(last);
-            let group = crowd_group(p.addr.ip());
             // Quiet of its own accord: not waiting for a grant, a buffer
             // or the application, nothing of ours queued, nothing unread,
             // its socket taking a Close.
@@ -198,9 +207,15 @@ impl TcpTransport {
                 && !p.readable
                 && p.writable
                 && p.stage_end == p.stage_start;
-            let address_fits = !own_share || counted_address(p.addr.ip()) == own_address;
-            if its_own && address_fits && last.after(idle) <= t {
-                quiet.push((slot, group, last));
+            if its_own && fits(p.addr.ip()) && last + idle <= std_now {
+                quiet.push((Who::Tcp(slot), crowd_group(p.addr.ip()), last));
+            }
+        }
+        // Same-host lanes, as their wire last told (`offer_elsewhere`).
+        for e in &self.elsewhere {
+            heard = heard.min(e.quiet_since);
+            if e.its_own && fits(e.ip) && e.quiet_since + idle <= std_now {
+                quiet.push((Who::Elsewhere(e.id), crowd_group(e.ip), e.quiet_since));
             }
         }
         // Places as the limits count them: same-host lanes too.
@@ -212,27 +227,32 @@ impl TcpTransport {
             let Some(i) = quiet_to_let_go(&ranked, places, own) else {
                 break;
             };
-            let (slot, _, _) = quiet.swap_remove(i);
-            if self.peers.at_mut(slot).is_some_and(|p| p.note_unread()) {
-                continue;
+            match quiet.swap_remove(i).0 {
+                Who::Tcp(slot) if self.peers.at_mut(slot).is_some_and(|p| p.note_unread()) => {}
+                Who::Tcp(slot) => {
+                    self.evict(slot, ip);
+                    return true;
+                }
+                Who::Elsewhere(peer) => {
+                    // Its wire ends it; its place frees as it goes.
+                    self.elsewhere.retain(|e| e.id != peer);
+                    self.let_go.push(peer);
+                    self.report_eviction(peer, ip);
+                    return true;
+                }
             }
-            self.evict(slot, ip);
-            return true;
         }
         // None found: no walk again for a timer scan (a newcomer refused
         // in a loop), nor before the first kept peer could be quiet. (A
         // walk that finds one sets no such wait: a stranger letting its
         // own quiet peers go one after another would keep every other
         // newcomer out.)
-        self.next_walk = Some(t.after(TIMER_SCAN).max(heard.after(idle)));
+        let first = (heard + idle).saturating_duration_since(std_now);
+        self.next_walk = Some(t.after(first.max(TIMER_SCAN)));
         false
     }
 
-    /// Lets `slot`'s peer go for a newcomer from `ip`: a Close (nothing of
-    /// ours queued before it; sent as far as its socket takes it now), its
-    /// side shut and read as a refused newcomer's, the application told.
-    fn evict(&mut self, slot: usize, ip: std::net::IpAddr) {
-        let peer = self.id(slot);
+    fn report_eviction(&mut self, peer: PeerId, ip: std::net::IpAddr) {
         match self.evictions.occur(StdInstant::now()) {
             None => log::debug!("tcp: peer {peer} let go, quiet, for a newcomer from {ip}"),
             Some(n) => log::warn!(
@@ -240,6 +260,14 @@ impl TcpTransport {
                  since the last report; reported every {WARN_EVERY:?} while they go)"
             ),
         }
+    }
+
+    /// Lets `slot`'s peer go for a newcomer from `ip`: a Close (nothing of
+    /// ours queued before it; sent as far as its socket takes it now), its
+    /// side shut and read as a refused newcomer's, the application told.
+    fn evict(&mut self, slot: usize, ip: std::net::IpAddr) {
+        let peer = self.id(slot);
+        self.report_eviction(peer, ip);
         if let Some(p) = self.peers.at_mut(slot) {
             p.session.close();
         }
@@ -317,6 +345,14 @@ impl TcpTransport {
             Err(e) => log::info!("tcp: {} is not a zerohop peer ({e}); closed", p.addr),
         }
     }
+}
+
+/// A peer a full listener may let go: one of its own (a slot), or one
+/// another wire of the endpoint keeps (an id).
+#[derive(Clone, Copy)]
+enum Who {
+    Tcp(usize),
+    Elsewhere(PeerId),
 }
 
 /// Bytes read from a refused newcomer, at most, before it is cut off: an

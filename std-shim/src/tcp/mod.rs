@@ -389,6 +389,19 @@ impl Peer {
     }
 }
 
+/// A peer kept on another wire of this endpoint, as a full listener sees
+/// it when it looks for one to let go (see
+/// [`TcpTransport::offer_elsewhere`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Elsewhere {
+    pub(crate) id: PeerId,
+    pub(crate) ip: std::net::IpAddr,
+    /// Since when nothing has been heard from it.
+    pub(crate) quiet_since: StdInstant,
+    /// Quiet of its own accord: nothing this side holds back or owes it.
+    pub(crate) its_own: bool,
+}
+
 /// A TCP transport with any number of peers.
 pub struct TcpTransport {
     config: TcpConfig,
@@ -471,6 +484,12 @@ pub struct TcpTransport {
     next_walk: Option<Instant>,
     /// Peers let go for newcomers, reported at most once per [`WARN_EVERY`].
     evictions: Reported,
+    /// Accepted peers kept on another wire of this endpoint (same-host
+    /// lanes), as that wire last told them (`offer_elsewhere`): a full
+    /// listener may let one go for a newcomer as it would a TCP peer.
+    elsewhere: Vec<Elsewhere>,
+    /// Of those, the ones let go, for that wire to end (`take_let_go`).
+    let_go: Vec<PeerId>,
     closed: bool,
 }
 
@@ -550,6 +569,8 @@ impl TcpTransport {
             grant_waits: false,
             next_walk: None,
             evictions: Reported::default(),
+            elsewhere: Vec::new(),
+            let_go: Vec::new(),
             closed: false,
         })
     }
@@ -704,6 +725,23 @@ impl TcpTransport {
     /// Newcomers refused at their Hello by [`TcpConfig::peer_limits`], ever.
     pub fn refused(&self) -> u64 {
         self.refused
+    }
+
+    /// The peers another wire of this endpoint keeps for the limits
+    /// ([`keep_elsewhere`](Self::keep_elsewhere)), as they are now: a full
+    /// listener may let one of them go for a newcomer; those it lets go
+    /// come back from [`take_let_go`](Self::take_let_go).
+    pub(crate) fn offer_elsewhere(&mut self, peers: Vec<Elsewhere>) {
+        if peers.iter().any(|p| p.its_own) {
+            self.next_walk = None; // one may be quiet sooner than the last walk saw
+        }
+        self.elsewhere = peers;
+    }
+
+    /// The peers of another wire let go for newcomers since the last call:
+    /// that wire ends each (`ProtocolError::Evicted`).
+    pub(crate) fn take_let_go(&mut self) -> Vec<PeerId> {
+        std::mem::take(&mut self.let_go)
     }
 
     /// An accepted peer from `ip` moved to another wire of this endpoint
