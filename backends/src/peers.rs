@@ -241,7 +241,7 @@ impl<T> PeerSlots<T> {
 /// quiet an idle timeout of its own accord, from the newcomer's group of
 /// addresses or one holding more places than the newcomer's would, so
 /// that a stranger whose peers say Hello and nothing more gives its places
-/// up to newcomers; same-host lanes and verbs peers are never let go). One address that opens
+/// up to newcomers; same-host lanes too; verbs peers are never let go). One address that opens
 /// connection after connection (a stranger, a broken client in a loop)
 /// fills its own share, not the table every peer needs. Peers this side
 /// connected to are the application's choice and do not count.

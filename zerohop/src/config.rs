@@ -66,12 +66,12 @@ pub struct Config {
     /// Peers this endpoint accepts and keeps at most, overall and from one
     /// IP address (default 4096 each, at least 1; see [`PeerLimits`] on
     /// descriptors); peers it connects to do not count. Past either, a
-    /// TCP listener lets go a peer accepted over TCP that it has heard
+    /// TCP or same-host listener lets go an accepted peer that it has heard
     /// nothing from for an idle timeout, of its own accord, from the
     /// newcomer's group of addresses (loopback, an IPv4 /24, an IPv6 /48)
     /// or one holding more places than the newcomer's would (the
-    /// application sees it end, `Evicted`); otherwise (and for
-    /// same-host lanes and RDMA peers, never let go) the
+    /// application sees it end, `Evicted`); otherwise (and over RDMA,
+    /// whose peers are never let go) the
     /// newcomer is refused at its handshake: its
     /// [`connect`](crate::Endpoint::connect) fails, saying it was refused.
     pub peer_limits: PeerLimits,

@@ -221,7 +221,8 @@ pub struct TcpConfig {
     /// Accepted peers kept at most, overall and from one address (peers
     /// this side connected to do not count; under a
     /// [`LocalWire`](crate::shm::LocalWire), those that moved to shared
-    /// memory do): past either, a peer accepted over TCP and quiet an idle
+    /// memory do): past either, an accepted peer (a same-host lane
+    /// included, as its wire tells them: `offer_elsewhere`) quiet an idle
     /// timeout of its own accord, of the newcomer's group of addresses or
     /// a group holding more places than the newcomer's would, is let go for
     /// the newcomer (`make_room`: that address's only where the newcomer's
