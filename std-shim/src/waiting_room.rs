@@ -26,11 +26,11 @@ pub(crate) fn oldest_of_most_crowded<K: Hash + Eq, T: Ord + Copy>(
 }
 
 /// Which quiet peer a full table lets go for a newcomer of group `own`
-/// (its index in `quiet`, each entry its group and since when it is
-/// quiet; `places`, how many places each group holds): one of the
+/// (its index in `quiet`, each entry its group and its rank, the least
+/// going first; `places`, how many places each group holds): one of the
 /// newcomer's own group if it has any, else of a group holding more places
-/// than the newcomer's would, the oldest of the group with the most quiet
-/// ones. A peer alone in its group is never let go for another group's.
+/// than the newcomer's would, the least ranked of the group with the most
+/// quiet ones. A peer alone in its group is never let go for another group's.
 pub(crate) fn quiet_to_let_go<K: Hash + Eq + Copy, T: Ord + Copy>(
     quiet: &[(K, T)],
     places: impl Fn(K) -> usize,
@@ -151,7 +151,7 @@ mod tests {
             'c' => 2,
             _ => 0,
         };
-        // Quiet since: a (alone) the longest, then b's, then c's.
+        // Ranks: a (alone) the least, then b's, then c's.
         let quiet = [('a', 1), ('b', 5), ('c', 7), ('b', 4)];
         // A newcomer of a new group: b holds 3 > 1, c holds 2 > 1; b has
         // the most quiet ones, its oldest goes. Never a, alone.

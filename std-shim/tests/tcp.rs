@@ -2070,23 +2070,25 @@ fn every_peer_connection_is_kept_alive_so_a_silent_death_is_found() {
 
 /// A listener that keeps as many peers as it takes lets a quiet peer go
 /// for a newcomer (nothing heard for an idle timeout) of a crowd: here the
-/// loopback addresses, one crowd however many a process binds. Peers that
-/// speak are never let go. The quiet one's side reads a Close, the
-/// application is told (`Evicted`); with none quiet, the next newcomer is
-/// refused. (Before, a stranger that held the limit's worth of connections
-/// that said Hello and nothing more kept every newcomer out for as long as
-/// it liked: an outside attack on `perf --listen` did so with 4 100; with
-/// each peer counted by its own address, one connection from each of 4 096
-/// loopback addresses would have.) Which crowd goes first, and that a peer
-/// alone in its group is spared, `waiting_room`'s unit test shows.
+/// loopback addresses, one crowd however many a process binds. Of the
+/// quiet ones, the one that joined last goes first (a stranger's fresh
+/// connections before peers kept long); peers that speak are never let go.
+/// The quiet one's side reads a Close, the application is told
+/// (`Evicted`); with none quiet, the next newcomer is refused. (Before, a
+/// stranger that held the limit's worth of connections that said Hello and
+/// nothing more kept every newcomer out for as long as it liked: an outside
+/// attack on `perf --listen` did so with 4 100; with each peer counted by
+/// its own address, one connection from each of 4 096 loopback addresses
+/// would have.) Which crowd goes first, and that a peer alone in its group
+/// is spared, `waiting_room`'s unit test shows.
 #[test]
 fn a_full_listener_lets_a_quiet_peer_of_the_crowd_go_for_a_newcomer() {
     let config = TcpConfig {
         // (An application away half of it, 500 ms, lets nobody go.)
         idle_timeout: SECOND,
         peer_limits: PeerLimits {
-            accepted: 3,
-            per_address: 3,
+            accepted: 4,
+            per_address: 4,
         },
         ..TcpConfig::default()
     };
@@ -2096,20 +2098,24 @@ fn a_full_listener_lets_a_quiet_peer_of_the_crowd_go_for_a_newcomer() {
         r.s.set_read_timeout(Some(5 * SECOND)).unwrap(); // fail, not hang
         assert!(matches!(r.read_frame().0, Frame::Hello(_)));
     };
-    // Quiet, alone at its address.
-    let mut quiet = Raw::connect_from(addr, from(2));
-    hello(&mut quiet);
+    // Quiet, kept long, alone at its address.
+    let mut kept_long = Raw::connect_from(addr, from(2));
+    hello(&mut kept_long);
     let mut speakers: Vec<Raw> = (0..2).map(|_| Raw::connect_from(addr, from(1))).collect();
     for r in &mut speakers {
         hello(r);
     }
-    let mut seq = 0;
-    let mut speak = |speakers: &mut [&mut Raw]| {
-        for r in speakers.iter_mut() {
-            r.send(&[&Raw::data(seq, 5, DataFlags::NONE)[..], b"hello"].concat());
+    // Quiet, the last to join.
+    std::thread::sleep(Duration::from_millis(50));
+    let mut fresh = Raw::connect_from(addr, from(5));
+    hello(&mut fresh);
+    let mut seqs = [0u64; 4];
+    let mut speak = |who: &mut [&mut Raw]| {
+        for (r, seq) in who.iter_mut().zip(seqs.iter_mut()) {
+            r.send(&[&Raw::data(*seq, 5, DataFlags::NONE)[..], b"hello"].concat());
+            *seq += 1;
         }
-        seq += 1;
-        for _ in 0..speakers.len() {
+        for _ in 0..who.len() {
             let m = server
                 .recv(Deadline::after(5 * SECOND), None)
                 .expect("heard");
@@ -2120,32 +2126,52 @@ fn a_full_listener_lets_a_quiet_peer_of_the_crowd_go_for_a_newcomer() {
         speak(&mut speakers.iter_mut().collect::<Vec<_>>());
         std::thread::sleep(Duration::from_millis(100));
     }
+    let evicted =
+        |server: &Endpoint<TcpTransport>| match server.recv(Deadline::after(5 * SECOND), None) {
+            Err(Error::Protocol {
+                peer,
+                error: ProtocolError::Evicted,
+            }) => peer,
+            other => panic!("{other:?}"),
+        };
     let mut newcomer = Raw::connect_from(addr, from(3));
     hello(&mut newcomer);
     assert!(
-        matches!(quiet.read_frame().0, Frame::Close(_)),
-        "the quiet one let go"
+        matches!(fresh.read_frame().0, Frame::Close(_)),
+        "the last to join let go"
     );
-    assert!(quiet.closed_by_peer());
-    let evicted = match server.recv(Deadline::after(5 * SECOND), None) {
-        Err(Error::Protocol {
-            peer,
-            error: ProtocolError::Evicted,
-        }) => peer,
-        other => panic!("{other:?}"),
-    };
-    assert!(server.with(|t| t.peer_stats(evicted)).is_none(), "gone");
-    assert_eq!(server.with(|t| t.refused()), 0);
-    // Everyone speaks (the newcomer its first message): the next is refused.
-    newcomer.send(&[&Raw::data(0, 5, DataFlags::NONE)[..], b"hello"].concat());
-    let m = server
-        .recv(Deadline::after(5 * SECOND), None)
-        .expect("heard");
-    assert_eq!(host_bytes(&m.lease), b"hello");
-    speak(&mut speakers.iter_mut().collect::<Vec<_>>());
+    assert!(fresh.closed_by_peer());
+    let gone = evicted(&server);
+    assert!(server.with(|t| t.peer_stats(gone)).is_none(), "gone");
+    kept_long.s.set_nonblocking(true).unwrap();
+    let told = std::io::Read::read(&mut kept_long.s, &mut [0; 1]);
+    assert!(
+        matches!(told, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "kept"
+    );
+    kept_long.s.set_nonblocking(false).unwrap();
+    // The one kept long goes for the next, then nobody is quiet.
+    {
+        let [a, b] = &mut speakers[..] else {
+            unreachable!()
+        };
+        speak(&mut [a, b, &mut newcomer]);
+    }
     let mut late = Raw::connect_from(addr, from(4));
-    late.s.set_read_timeout(Some(5 * SECOND)).unwrap();
-    assert!(matches!(late.read_frame().0, Frame::Close(_)), "refused");
+    hello(&mut late);
+    assert!(
+        matches!(kept_long.read_frame().0, Frame::Close(_)),
+        "then the one kept long"
+    );
+    evicted(&server);
+    assert_eq!(server.with(|t| t.refused()), 0);
+    let [a, b] = &mut speakers[..] else {
+        unreachable!()
+    };
+    speak(&mut [a, b, &mut newcomer, &mut late]);
+    let mut refused = Raw::connect_from(addr, from(6));
+    refused.s.set_read_timeout(Some(5 * SECOND)).unwrap();
+    assert!(matches!(refused.read_frame().0, Frame::Close(_)), "refused");
     assert_eq!(server.with(|t| t.refused()), 1);
 }
 

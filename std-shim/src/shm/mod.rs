@@ -142,8 +142,9 @@ const DIAL_RETRY_FOR: Duration = Duration::from_millis(250);
 const LINK_CHECK: Duration = Duration::from_millis(5);
 /// How often the lanes accepted here are told to the TCP wire, for a full
 /// listener's newcomers: a lane just quiet an idle timeout may wait this
-/// much longer to be let go.
-const OFFER_EVERY: Duration = Duration::from_millis(100);
+/// much longer to be let go, and one that spoke within it may be let go
+/// on what it was.
+const OFFER_EVERY: Duration = Duration::from_millis(20);
 /// One `try_recv` in this many looks at the clock, to move the TCP side, the
 /// upgrades and the lanes' links along every [`SIDE_PERIOD`] (a spinning
 /// receiver then pays no system call per poll).
@@ -561,7 +562,7 @@ impl LocalWire {
             self.unsent_lanes -= 1;
         }
         if lane.accepted {
-            self.tcp.let_go_elsewhere(lane.addr.ip());
+            self.tcp.let_go_elsewhere(id, lane.addr.ip());
         }
         Some((id, lane))
     }
@@ -898,12 +899,28 @@ impl LocalWire {
     /// (`ProtocolError::Evicted` here); every `OFFER_EVERY`, the lanes
     /// accepted here are told to the TCP wire, which judges them as its
     /// own peers when it needs a place (`TcpTransport::make_room`).
-    fn offer_lanes(&mut self) -> bool {
+    fn let_go_lanes(&mut self) -> bool {
         let let_go = self.tcp.take_let_go();
         let any = !let_go.is_empty();
+        let now = self.now();
         for id in let_go {
             let Some((slot, l)) = self.lanes.find_mut(id) else {
-                continue; // gone meanwhile
+                continue; // gone meanwhile (its place freed as it went)
+            };
+            if l.session.peer_closed() {
+                continue; // closing of its own: its end is news enough
+            }
+            // What it sent since the offer is delivered, not lost (a frame
+            // cut by the Close's turn fails it as it would at a hang-up).
+            let mut tail = VecDeque::new();
+            let read = l.read(id, now, &self.pool, &mut tail, usize::MAX);
+            self.arrivals.extend(tail);
+            if let lane::Outcome::Bad(e) = read {
+                self.drop_lane(slot, Some(e));
+                continue;
+            }
+            let Some((_, l)) = self.lanes.entry(slot) else {
+                continue;
             };
             l.session.close();
             l.control();
@@ -911,35 +928,44 @@ impl LocalWire {
             let error = zerohop_core::session::ProtocolError::Evicted;
             self.drop_lane(slot, Some(Error::Protocol { peer: id, error }));
         }
+        any
+    }
+
+    /// Tells the TCP wire the lanes accepted here (every `OFFER_EVERY`),
+    /// after the pass's reads and timers (their `last_heard` as fresh as
+    /// this pass knows): none is quiet of its own accord in a pass back
+    /// from the application's absence.
+    fn offer_lanes(&mut self, came_back: bool) {
         let std_now = StdInstant::now();
         if std_now < self.next_offer {
-            return any;
+            return;
         }
         self.next_offer = std_now + OFFER_EVERY;
         let now = self.now();
         // This side holds them all back while its inbox is full or the
         // pool dry: none is quiet of its own accord then.
-        let held = self.arrivals.len() >= self.config.inbox_messages || self.dry;
+        let held = came_back || self.arrivals.len() >= self.config.inbox_messages || self.dry;
         let offered = self
             .lanes
             .iter()
             .filter(|(_, l)| l.accepted)
             .map(|(slot, l)| {
-                let ago = now
-                    .as_micros()
-                    .saturating_sub(l.session.last_heard().as_micros());
+                let at = |then: Instant| {
+                    let ago = now.as_micros().saturating_sub(then.as_micros());
+                    std_now
+                        .checked_sub(Duration::from_micros(ago))
+                        .unwrap_or(std_now)
+                };
                 crate::tcp::Elsewhere {
                     id: self.lanes.id(slot),
                     ip: l.addr.ip(),
-                    quiet_since: std_now
-                        .checked_sub(Duration::from_micros(ago))
-                        .unwrap_or(std_now),
+                    quiet_since: at(l.session.last_heard()),
                     its_own: !held && l.quiet() && !l.has_unsent() && l.session.is_open(),
+                    joined: at(l.joined),
                 }
             })
             .collect();
         self.tcp.offer_elsewhere(offered);
-        any
     }
 
     /// Links (a dead peer), idle timers and queued frames of every lane.
@@ -957,7 +983,7 @@ impl LocalWire {
         }
         let away = zerohop_backends::absence(self.session.idle_timeout);
         let came_back = self.looks.came_back(StdInstant::now(), away);
-        let mut any = self.offer_lanes();
+        let mut any = self.let_go_lanes();
         for slot in 0..self.lanes.len() {
             // A peer is judged on what it sent, read first.
             if self
@@ -1003,6 +1029,7 @@ impl LocalWire {
                 any = true;
             }
         }
+        self.offer_lanes(came_back);
         any
     }
 

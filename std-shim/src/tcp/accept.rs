@@ -159,8 +159,9 @@ impl TcpTransport {
     /// newcomer's own group of addresses
     /// ([`crowd_group`](zerohop_backends::crowd_group): loopback, an IPv4
     /// /24, an IPv6 /48), else one holding more places than the
-    /// newcomer's would (its quiet peer longest quiet, of the group with
-    /// the most such: [`quiet_to_let_go`]). Where the newcomer's own
+    /// newcomer's would (of the group with the most quiet peers, the one
+    /// that joined last: [`quiet_to_let_go`]; peers kept long outlast a
+    /// stranger's fresh connections). Where the newcomer's own
     /// address is at its share, only that address's peers. Its side is
     /// sent a Close; the application is told ([`ProtocolError::Evicted`]).
     /// Without it a stranger that opened connection after connection and
@@ -191,7 +192,9 @@ impl TcpTransport {
                 .unwrap_or(std_now)
         };
         let mut heard = std_now;
-        let mut quiet: Vec<(Who, std::net::IpAddr, StdInstant)> = Vec::new();
+        // (Ranked by when they joined, the last first: a stranger's fresh
+        // connections go before peers kept long, not after them.)
+        let mut quiet: Vec<(Who, std::net::IpAddr, std::cmp::Reverse<StdInstant>)> = Vec::new();
         for (slot, p) in self.peers.iter().filter(|(_, p)| p.token.is_some()) {
             let last = since(p.session.last_heard());
             heard = heard.min(last);
@@ -208,14 +211,16 @@ impl TcpTransport {
                 && p.writable
                 && p.stage_end == p.stage_start;
             if its_own && fits(p.addr.ip()) && last + idle <= std_now {
-                quiet.push((Who::Tcp(slot), crowd_group(p.addr.ip()), last));
+                let joined = std::cmp::Reverse(since(p.joined));
+                quiet.push((Who::Tcp(slot), crowd_group(p.addr.ip()), joined));
             }
         }
         // Same-host lanes, as their wire last told (`offer_elsewhere`).
         for e in &self.elsewhere {
             heard = heard.min(e.quiet_since);
             if e.its_own && fits(e.ip) && e.quiet_since + idle <= std_now {
-                quiet.push((Who::Elsewhere(e.id), crowd_group(e.ip), e.quiet_since));
+                let joined = std::cmp::Reverse(e.joined);
+                quiet.push((Who::Elsewhere(e.id), crowd_group(e.ip), joined));
             }
         }
         // Places as the limits count them: same-host lanes too.

@@ -357,6 +357,9 @@ struct Peer {
     quiet_scans: u32,
     /// Bytes read since the last timer scan.
     scan_bytes: usize,
+    /// When it became a peer: a full listener lets the one that came last
+    /// go first (see `make_room`).
+    joined: Instant,
 }
 
 impl Peer {
@@ -401,6 +404,8 @@ pub(crate) struct Elsewhere {
     pub(crate) quiet_since: StdInstant,
     /// Quiet of its own accord: nothing this side holds back or owes it.
     pub(crate) its_own: bool,
+    /// When it became a peer.
+    pub(crate) joined: StdInstant,
 }
 
 /// A TCP transport with any number of peers.
@@ -733,10 +738,28 @@ impl TcpTransport {
     /// listener may let one of them go for a newcomer; those it lets go
     /// come back from [`take_let_go`](Self::take_let_go).
     pub(crate) fn offer_elsewhere(&mut self, peers: Vec<Elsewhere>) {
-        if peers.iter().any(|p| p.its_own) {
-            self.next_walk = None; // one may be quiet sooner than the last walk saw
+        // One may be quiet sooner than the last walk that found none saw.
+        let idle = self.config.idle_timeout;
+        let (t, std_now) = (self.now(), StdInstant::now());
+        let sooner = peers.iter().filter(|p| p.its_own).any(|p| {
+            let quiet_at = self.session_clock_at(p.quiet_since + idle, t, std_now);
+            self.next_walk.is_some_and(|w| quiet_at < w)
+        });
+        if sooner {
+            self.next_walk = None;
         }
         self.elsewhere = peers;
+    }
+
+    /// `at` on the sessions' clock, given that `t` there is `std_now`.
+    fn session_clock_at(&self, at: StdInstant, t: Instant, std_now: StdInstant) -> Instant {
+        match at.checked_duration_since(std_now) {
+            Some(later) => t.after(later),
+            None => Instant::from_micros(
+                t.as_micros()
+                    .saturating_sub(std_now.duration_since(at).as_micros() as u64),
+            ),
+        }
     }
 
     /// The peers of another wire let go for newcomers since the last call:
@@ -753,8 +776,11 @@ impl TcpTransport {
     }
 
     /// The peer [`keep_elsewhere`](Self::keep_elsewhere) counted has gone.
-    pub(crate) fn let_go_elsewhere(&mut self, ip: std::net::IpAddr) {
+    /// (`peer`, gone, is no longer one a full listener may let go: a stale
+    /// offer would admit a newcomer for a place nobody frees.)
+    pub(crate) fn let_go_elsewhere(&mut self, peer: PeerId, ip: std::net::IpAddr) {
         self.kept.remove(ip);
+        self.elsewhere.retain(|e| e.id != peer);
     }
 
     /// Accepted connections that have not said Hello yet.
@@ -896,6 +922,7 @@ impl TcpTransport {
             log::debug!("tcp: {addr}: no keepalive ({e}); a silent death goes unseen");
         }
         let token = session.peer().map(|p| p.token);
+        let joined = self.now();
         let (slot, id) = self
             .peers
             .insert(Box::new(Peer {
@@ -931,6 +958,7 @@ impl TcpTransport {
                 announced: false,
                 quiet_scans: 0,
                 scan_bytes: 0,
+                joined,
             }))
             .map_err(|_| io::Error::from(io::ErrorKind::OutOfMemory))?;
         let stream = &self.peers.at(slot).expect("just inserted").stream;
