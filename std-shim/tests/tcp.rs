@@ -2071,9 +2071,10 @@ fn every_peer_connection_is_kept_alive_so_a_silent_death_is_found() {
 /// A listener that keeps as many peers as it takes lets a quiet peer go
 /// for a newcomer (nothing heard for an idle timeout) of a crowd: here the
 /// loopback addresses, one crowd however many a process binds. Of the
-/// quiet ones, the one that joined last goes first (a stranger's fresh
-/// connections before peers kept long); peers that speak are never let go.
-/// The quiet one's side reads a Close, the application is told
+/// quiet ones, one that never delivered a message goes first (a
+/// stranger's connections that said Hello and nothing more before a peer
+/// that gossips), then the longest quiet; peers that speak are never let
+/// go. The quiet one's side reads a Close, the application is told
 /// (`Evicted`); with none quiet, the next newcomer is refused. (Before, a
 /// stranger that held the limit's worth of connections that said Hello and
 /// nothing more kept every newcomer out for as long as it liked: an outside
@@ -2098,15 +2099,21 @@ fn a_full_listener_lets_a_quiet_peer_of_the_crowd_go_for_a_newcomer() {
         r.s.set_read_timeout(Some(5 * SECOND)).unwrap(); // fail, not hang
         assert!(matches!(r.read_frame().0, Frame::Hello(_)));
     };
-    // Quiet, kept long, alone at its address.
+    // Kept long, alone at its address: it delivers a message, then is
+    // quiet longer than anyone.
     let mut kept_long = Raw::connect_from(addr, from(2));
     hello(&mut kept_long);
+    kept_long.send(&[&Raw::data(0, 5, DataFlags::NONE)[..], b"first"].concat());
+    let m = server
+        .recv(Deadline::after(5 * SECOND), None)
+        .expect("heard");
+    assert_eq!(host_bytes(&m.lease), b"first");
+    drop(m);
     let mut speakers: Vec<Raw> = (0..2).map(|_| Raw::connect_from(addr, from(1))).collect();
     for r in &mut speakers {
         hello(r);
     }
-    // Quiet, the last to join.
-    std::thread::sleep(Duration::from_millis(50));
+    // Quiet, and never more than its Hello.
     let mut fresh = Raw::connect_from(addr, from(5));
     hello(&mut fresh);
     let mut seqs = [0u64; 4];
@@ -2138,7 +2145,7 @@ fn a_full_listener_lets_a_quiet_peer_of_the_crowd_go_for_a_newcomer() {
     hello(&mut newcomer);
     assert!(
         matches!(fresh.read_frame().0, Frame::Close(_)),
-        "the last to join let go"
+        "the one that never spoke let go"
     );
     assert!(fresh.closed_by_peer());
     let gone = evicted(&server);

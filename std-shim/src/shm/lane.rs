@@ -456,9 +456,6 @@ pub(crate) struct Lane {
     /// (and the lane counts against that wire's peer limits).
     pub(crate) accepted: bool,
     pub(crate) session: Session,
-    /// When the lane was set up (its peer joined a little before, on the
-    /// usual wire).
-    pub(crate) joined: Instant,
     tx: Producer<SegRing>,
     rx: Consumer<SegRing>,
     /// The Unix connection the segment came over: each side's doorbell (a
@@ -543,7 +540,6 @@ impl Lane {
             accepted: creator,
             single_min: segment.single_copy_from(),
             session: Session::new(config, token, now),
-            joined: now,
             tx: Producer::new(segment.ring(mine)),
             rx: Consumer::new(segment.ring(theirs)),
             taken_when_heard: 0,

@@ -910,21 +910,38 @@ impl LocalWire {
             if l.session.peer_closed() {
                 continue; // closing of its own: its end is news enough
             }
-            // What it sent since the offer is delivered, not lost (a frame
-            // cut by the Close's turn fails it as it would at a hang-up).
+            // What it sent since the offer is delivered, within the inbox's
+            // bound, device copies waited for.
             let mut tail = VecDeque::new();
-            let read = l.read(id, now, &self.pool, &mut tail, usize::MAX);
+            let room = self
+                .config
+                .inbox_messages
+                .saturating_sub(self.arrivals.len());
+            let read = l.read(id, now, &self.pool, &mut tail, room);
+            let settled = l.settle_device(id, &mut tail);
             self.arrivals.extend(tail);
-            if let lane::Outcome::Bad(e) = read {
-                self.drop_lane(slot, Some(e));
+            let error = match read {
+                lane::Outcome::Bad(e) => Some(e),
+                _ => settled.err(),
+            };
+            if error.is_some() {
+                self.drop_lane(slot, error);
                 continue;
             }
             let Some((_, l)) = self.lanes.entry(slot) else {
                 continue;
             };
-            l.session.close();
-            l.control();
-            let _ = l.flush(id);
+            if l.session.peer_closed() {
+                continue; // its Close was in the ring: its end is news enough
+            }
+            // A Close only behind everything it sent: a lane with more left
+            // in its ring (the inbox full, the pool dry) is hung up without
+            // one, and its side reads a lost peer, not a clean close.
+            if l.quiet() {
+                l.session.close();
+                l.control();
+                let _ = l.flush(id);
+            }
             let error = zerohop_core::session::ProtocolError::Evicted;
             self.drop_lane(slot, Some(Error::Protocol { peer: id, error }));
         }
@@ -941,6 +958,10 @@ impl LocalWire {
             return;
         }
         self.next_offer = std_now + OFFER_EVERY;
+        if !self.tcp.near_limits() {
+            self.tcp.offer_elsewhere(Vec::new()); // (allocates nothing)
+            return;
+        }
         let now = self.now();
         // This side holds them all back while its inbox is full or the
         // pool dry: none is quiet of its own accord then.
@@ -961,7 +982,7 @@ impl LocalWire {
                     ip: l.addr.ip(),
                     quiet_since: at(l.session.last_heard()),
                     its_own: !held && l.quiet() && !l.has_unsent() && l.session.is_open(),
-                    joined: at(l.joined),
+                    delivered: l.session.stats().messages_received > 0,
                 }
             })
             .collect();

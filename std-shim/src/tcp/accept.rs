@@ -159,9 +159,9 @@ impl TcpTransport {
     /// newcomer's own group of addresses
     /// ([`crowd_group`](zerohop_backends::crowd_group): loopback, an IPv4
     /// /24, an IPv6 /48), else one holding more places than the
-    /// newcomer's would (of the group with the most quiet peers, the one
-    /// that joined last: [`quiet_to_let_go`]; peers kept long outlast a
-    /// stranger's fresh connections). Where the newcomer's own
+    /// newcomer's would (of the group with the most quiet peers:
+    /// [`quiet_to_let_go`]; one that never delivered a message first, then
+    /// the longest quiet). Where the newcomer's own
     /// address is at its share, only that address's peers. Its side is
     /// sent a Close; the application is told ([`ProtocolError::Evicted`]).
     /// Without it a stranger that opened connection after connection and
@@ -192,9 +192,12 @@ impl TcpTransport {
                 .unwrap_or(std_now)
         };
         let mut heard = std_now;
-        // (Ranked by when they joined, the last first: a stranger's fresh
-        // connections go before peers kept long, not after them.)
-        let mut quiet: Vec<(Who, std::net::IpAddr, std::cmp::Reverse<StdInstant>)> = Vec::new();
+        let quiet_long = |since: StdInstant| std_now.saturating_duration_since(since) >= idle;
+        // Ranked: those that never delivered a message first (a stranger's
+        // connections that said Hello and nothing more go before a peer
+        // that gossips, however long or briefly either has been kept),
+        // then the longest quiet.
+        let mut quiet: Vec<(Who, std::net::IpAddr, (bool, StdInstant))> = Vec::new();
         for (slot, p) in self.peers.iter().filter(|(_, p)| p.token.is_some()) {
             let last = since(p.session.last_heard());
             heard = heard.min(last);
@@ -210,17 +213,17 @@ impl TcpTransport {
                 && !p.readable
                 && p.writable
                 && p.stage_end == p.stage_start;
-            if its_own && fits(p.addr.ip()) && last + idle <= std_now {
-                let joined = std::cmp::Reverse(since(p.joined));
-                quiet.push((Who::Tcp(slot), crowd_group(p.addr.ip()), joined));
+            if its_own && fits(p.addr.ip()) && quiet_long(last) {
+                let delivered = p.session.stats().messages_received > 0;
+                quiet.push((Who::Tcp(slot), crowd_group(p.addr.ip()), (delivered, last)));
             }
         }
         // Same-host lanes, as their wire last told (`offer_elsewhere`).
         for e in &self.elsewhere {
             heard = heard.min(e.quiet_since);
-            if e.its_own && fits(e.ip) && e.quiet_since + idle <= std_now {
-                let joined = std::cmp::Reverse(e.joined);
-                quiet.push((Who::Elsewhere(e.id), crowd_group(e.ip), joined));
+            if e.its_own && fits(e.ip) && quiet_long(e.quiet_since) {
+                let rank = (e.delivered, e.quiet_since);
+                quiet.push((Who::Elsewhere(e.id), crowd_group(e.ip), rank));
             }
         }
         // Places as the limits count them: same-host lanes too.
@@ -252,7 +255,7 @@ impl TcpTransport {
         // walk that finds one sets no such wait: a stranger letting its
         // own quiet peers go one after another would keep every other
         // newcomer out.)
-        let first = (heard + idle).saturating_duration_since(std_now);
+        let first = idle.saturating_sub(std_now.saturating_duration_since(heard));
         self.next_walk = Some(t.after(first.max(TIMER_SCAN)));
         false
     }

@@ -357,9 +357,6 @@ struct Peer {
     quiet_scans: u32,
     /// Bytes read since the last timer scan.
     scan_bytes: usize,
-    /// When it became a peer: a full listener lets the one that came last
-    /// go first (see `make_room`).
-    joined: Instant,
 }
 
 impl Peer {
@@ -404,8 +401,9 @@ pub(crate) struct Elsewhere {
     pub(crate) quiet_since: StdInstant,
     /// Quiet of its own accord: nothing this side holds back or owes it.
     pub(crate) its_own: bool,
-    /// When it became a peer.
-    pub(crate) joined: StdInstant,
+    /// It has delivered a message: a peer that gossips goes after those
+    /// that never said more than Hello.
+    pub(crate) delivered: bool,
 }
 
 /// A TCP transport with any number of peers.
@@ -741,9 +739,12 @@ impl TcpTransport {
         // One may be quiet sooner than the last walk that found none saw.
         let idle = self.config.idle_timeout;
         let (t, std_now) = (self.now(), StdInstant::now());
-        let sooner = peers.iter().filter(|p| p.its_own).any(|p| {
-            let quiet_at = self.session_clock_at(p.quiet_since + idle, t, std_now);
-            self.next_walk.is_some_and(|w| quiet_at < w)
+        let sooner = self.next_walk.is_some_and(|w| {
+            peers.iter().filter(|p| p.its_own).any(|p| {
+                p.quiet_since
+                    .checked_add(idle)
+                    .is_some_and(|at| self.session_clock_at(at, t, std_now) < w)
+            })
         });
         if sooner {
             self.next_walk = None;
@@ -760,6 +761,14 @@ impl TcpTransport {
                     .saturating_sub(std_now.duration_since(at).as_micros() as u64),
             ),
         }
+    }
+
+    /// Whether the limits are near (within an eighth of `accepted`), or an
+    /// address's share is below the whole: only then are another wire's
+    /// peers worth telling (`offer_elsewhere`).
+    pub(crate) fn near_limits(&self) -> bool {
+        let l = self.config.peer_limits;
+        l.per_address < l.accepted || self.kept.total() + l.accepted / 8 >= l.accepted
     }
 
     /// The peers of another wire let go for newcomers since the last call:
@@ -922,7 +931,6 @@ impl TcpTransport {
             log::debug!("tcp: {addr}: no keepalive ({e}); a silent death goes unseen");
         }
         let token = session.peer().map(|p| p.token);
-        let joined = self.now();
         let (slot, id) = self
             .peers
             .insert(Box::new(Peer {
@@ -958,7 +966,6 @@ impl TcpTransport {
                 announced: false,
                 quiet_scans: 0,
                 scan_bytes: 0,
-                joined,
             }))
             .map_err(|_| io::Error::from(io::ErrorKind::OutOfMemory))?;
         let stream = &self.peers.at(slot).expect("just inserted").stream;
