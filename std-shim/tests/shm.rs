@@ -451,20 +451,15 @@ fn endpoint_and_its_lane_socket() -> (Endpoint<LocalWire>, std::os::unix::net::S
     (c, a)
 }
 
-/// Accepted peers that moved to shared memory still count against the
-/// listener's peer limits: past them a newcomer from this host is refused
-/// at its Hello (typed, on its side), and the place a lane frees is taken
-/// again.
-#[test]
-fn peers_in_shared_memory_count_against_the_listeners_peer_limits() {
-    let _one = serial();
+/// A shm listener that keeps one accepted peer, whose peers are quiet
+/// after `idle`.
+fn one_peer_listener(idle: Duration) -> (Endpoint<LocalWire>, SocketAddr) {
     let tcp = TcpConfig {
         peer_limits: PeerLimits {
             accepted: 1,
             per_address: 1,
         },
-        // None quiet an idle timeout (let go for a newcomer) in the test's time.
-        idle_timeout: Duration::from_secs(60),
+        idle_timeout: idle,
         ..TcpConfig::default()
     };
     let shm = ShmConfig {
@@ -474,7 +469,18 @@ fn peers_in_shared_memory_count_against_the_listeners_peer_limits() {
     };
     let mut t = LocalWire::new(pool(false), tcp, shm, Kind::Shm).unwrap();
     let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
-    let server = Endpoint::new(t, EndpointConfig::default()).unwrap();
+    (Endpoint::new(t, EndpointConfig::default()).unwrap(), addr)
+}
+
+/// Accepted peers that moved to shared memory still count against the
+/// listener's peer limits: past them a newcomer from this host is refused
+/// at its Hello (typed, on its side), and the place a lane frees is taken
+/// again.
+#[test]
+fn peers_in_shared_memory_count_against_the_listeners_peer_limits() {
+    let _one = serial();
+    // None quiet an idle timeout (let go for a newcomer) in the test's time.
+    let (server, addr) = one_peer_listener(Duration::from_secs(60));
     let (c, peer) = connect(addr);
     let from = accepted(&server);
     exchange(&c, peer, &server, from);
@@ -525,22 +531,7 @@ fn peers_in_shared_memory_count_against_the_listeners_peer_limits() {
 #[test]
 fn a_full_listener_lets_a_quiet_lane_go_for_a_newcomer() {
     let _one = serial();
-    let tcp = TcpConfig {
-        peer_limits: PeerLimits {
-            accepted: 1,
-            per_address: 1,
-        },
-        idle_timeout: Duration::from_millis(1000),
-        ..TcpConfig::default()
-    };
-    let shm = ShmConfig {
-        ring_bytes: 1 << 20,
-        required: true,
-        ..ShmConfig::default()
-    };
-    let mut t = LocalWire::new(pool(false), tcp, shm, Kind::Shm).unwrap();
-    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
-    let server = Endpoint::new(t, EndpointConfig::default()).unwrap();
+    let (server, addr) = one_peer_listener(Duration::from_millis(1000));
     let (first, peer) = connect(addr);
     let from = accepted(&server);
     exchange(&first, peer, &server, from);
