@@ -669,6 +669,18 @@ mod tests {
     }
 
     #[test]
+    fn two_session_clocks_meet_on_the_monotonic_scale() {
+        let a = SessionClock::start();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let b = SessionClock::start();
+        let (at_a, at_b) = (a.now(), b.now());
+        // The same moment, read on each: a's reading is 100 ms later.
+        assert!(at_a.as_micros() >= at_b.as_micros() + 100_000);
+        let (ma, mb) = (a.monotonic_us(at_a), b.monotonic_us(at_b));
+        assert!(ma.abs_diff(mb) < 50_000, "{ma} / {mb}");
+    }
+
+    #[test]
     fn the_walks_end_after_the_last_occupied_slot() {
         let mut t = PeerSlots::new(false);
         for i in 0..100 {
@@ -774,6 +786,12 @@ impl SessionClock {
     #[inline]
     pub fn now(&self) -> zerohop_core::session::Instant {
         zerohop_core::session::Instant::from_micros(monotonic_us().saturating_sub(self.origin_us))
+    }
+
+    /// `at` of this clock as microseconds of `CLOCK_MONOTONIC`: one scale
+    /// for the clocks of a process's wires, each started at its own time.
+    pub fn monotonic_us(&self, at: zerohop_core::session::Instant) -> u64 {
+        self.origin_us.saturating_add(at.as_micros())
     }
 }
 

@@ -962,7 +962,6 @@ impl LocalWire {
             self.tcp.offer_elsewhere(Vec::new()); // (allocates nothing)
             return;
         }
-        let now = self.now();
         // This side holds them all back while its inbox is full or the
         // pool dry: none is quiet of its own accord then.
         let held = came_back || self.arrivals.len() >= self.config.inbox_messages || self.dry;
@@ -970,20 +969,12 @@ impl LocalWire {
             .lanes
             .iter()
             .filter(|(_, l)| l.accepted)
-            .map(|(slot, l)| {
-                let at = |then: Instant| {
-                    let ago = now.as_micros().saturating_sub(then.as_micros());
-                    std_now
-                        .checked_sub(Duration::from_micros(ago))
-                        .unwrap_or(std_now)
-                };
-                crate::tcp::Elsewhere {
-                    id: self.lanes.id(slot),
-                    ip: l.addr.ip(),
-                    quiet_since: at(l.session.last_heard()),
-                    its_own: !held && l.quiet() && !l.has_unsent() && l.session.is_open(),
-                    delivered: l.session.stats().messages_received > 0,
-                }
+            .map(|(slot, l)| crate::tcp::Elsewhere {
+                id: self.lanes.id(slot),
+                ip: l.addr.ip(),
+                quiet_since: self.session_clock.monotonic_us(l.session.last_heard()),
+                its_own: !held && l.quiet() && !l.has_unsent() && l.session.is_open(),
+                delivered: l.session.stats().messages_received > 0,
             })
             .collect();
         self.tcp.offer_elsewhere(offered);

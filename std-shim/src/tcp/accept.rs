@@ -10,7 +10,9 @@ use zerohop_core::session::{HostRole, Instant, ProtocolError, Session};
 use zerohop_core::wire::{Close, Frame, HEADER_LEN};
 use zerohop_core::{Error, PeerId};
 
-use super::{key, Lane, TcpTransport, ACCEPT_BACKOFF, PENDING, REFUSING, TIMER_SCAN, WARN_EVERY};
+use super::{
+    key, micros, Lane, TcpTransport, ACCEPT_BACKOFF, PENDING, REFUSING, TIMER_SCAN, WARN_EVERY,
+};
 use crate::poller::Set;
 use crate::waiting_room::{oldest_of_most_crowded, quiet_to_let_go};
 
@@ -182,24 +184,19 @@ impl TcpTransport {
         let own_share = self.kept.from(ip) >= self.config.peer_limits.per_address;
         let fits = |peer: std::net::IpAddr| !own_share || counted_address(peer) == own_address;
         let own = crowd_group(ip);
-        // Since when each is quiet, on one clock: the sessions' (TCP's)
-        // and another wire's (its own clock) as `std::time::Instant`s.
-        let std_now = StdInstant::now();
-        let since = |last: Instant| {
-            let ago = t.as_micros().saturating_sub(last.as_micros());
-            std_now
-                .checked_sub(std::time::Duration::from_micros(ago))
-                .unwrap_or(std_now)
-        };
-        let mut heard = std_now;
-        let quiet_long = |since: StdInstant| std_now.saturating_duration_since(since) >= idle;
+        // Since when each is quiet, on one scale for this wire's clock and
+        // another's (`SessionClock::monotonic_us`).
+        let mono = |at: Instant| self.session_clock.monotonic_us(at);
+        let (now_us, idle_us) = (mono(t), micros(idle));
+        let mut heard = now_us;
+        let quiet_long = |since: u64| now_us.saturating_sub(since) >= idle_us;
         // Ranked: those that never delivered a message first (a stranger's
         // connections that said Hello and nothing more go before a peer
         // that gossips, however long or briefly either has been kept),
         // then the longest quiet.
-        let mut quiet: Vec<(Who, std::net::IpAddr, (bool, StdInstant))> = Vec::new();
+        let mut quiet: Vec<(Who, std::net::IpAddr, (bool, u64))> = Vec::new();
         for (slot, p) in self.peers.iter().filter(|(_, p)| p.token.is_some()) {
-            let last = since(p.session.last_heard());
+            let last = mono(p.session.last_heard());
             heard = heard.min(last);
             // Quiet of its own accord: not waiting for a grant, a buffer
             // or the application, nothing of ours queued, nothing unread,
@@ -255,8 +252,8 @@ impl TcpTransport {
         // walk that finds one sets no such wait: a stranger letting its
         // own quiet peers go one after another would keep every other
         // newcomer out.)
-        let first = idle.saturating_sub(std_now.saturating_duration_since(heard));
-        self.next_walk = Some(t.after(first.max(TIMER_SCAN)));
+        let first = idle_us.saturating_sub(now_us.saturating_sub(heard));
+        self.next_walk = Some(t.after(std::time::Duration::from_micros(first).max(TIMER_SCAN)));
         false
     }
 

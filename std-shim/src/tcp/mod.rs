@@ -397,8 +397,9 @@ impl Peer {
 pub(crate) struct Elsewhere {
     pub(crate) id: PeerId,
     pub(crate) ip: std::net::IpAddr,
-    /// Since when nothing has been heard from it.
-    pub(crate) quiet_since: StdInstant,
+    /// Since when nothing has been heard from it, in microseconds of
+    /// `CLOCK_MONOTONIC` ([`SessionClock::monotonic_us`]).
+    pub(crate) quiet_since: u64,
     /// Quiet of its own accord: nothing this side holds back or owes it.
     pub(crate) its_own: bool,
     /// It has delivered a message: a peer that gossips goes after those
@@ -737,30 +738,17 @@ impl TcpTransport {
     /// come back from [`take_let_go`](Self::take_let_go).
     pub(crate) fn offer_elsewhere(&mut self, peers: Vec<Elsewhere>) {
         // One may be quiet sooner than the last walk that found none saw.
-        let idle = self.config.idle_timeout;
-        let (t, std_now) = (self.now(), StdInstant::now());
+        let idle_us = micros(self.config.idle_timeout);
         let sooner = self.next_walk.is_some_and(|w| {
-            peers.iter().filter(|p| p.its_own).any(|p| {
-                p.quiet_since
-                    .checked_add(idle)
-                    .is_some_and(|at| self.session_clock_at(at, t, std_now) < w)
-            })
+            let w = self.session_clock.monotonic_us(w);
+            peers
+                .iter()
+                .any(|p| p.its_own && p.quiet_since.saturating_add(idle_us) < w)
         });
         if sooner {
             self.next_walk = None;
         }
         self.elsewhere = peers;
-    }
-
-    /// `at` on the sessions' clock, given that `t` there is `std_now`.
-    fn session_clock_at(&self, at: StdInstant, t: Instant, std_now: StdInstant) -> Instant {
-        match at.checked_duration_since(std_now) {
-            Some(later) => t.after(later),
-            None => Instant::from_micros(
-                t.as_micros()
-                    .saturating_sub(std_now.duration_since(at).as_micros() as u64),
-            ),
-        }
     }
 
     /// Whether the limits are near (within an eighth of `accepted`), or an
@@ -1293,6 +1281,11 @@ impl TcpTransport {
         any |= self.timers();
         any
     }
+}
+
+/// `d` in whole microseconds, as the sessions' clocks count (saturating).
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 fn key(slot: usize, what: u64) -> u64 {
