@@ -49,12 +49,17 @@ fn pool(shared: bool) -> Arc<StdPool> {
 }
 
 fn wire(pool: &Arc<StdPool>) -> LocalWire {
+    wire_with(pool, TcpConfig::default())
+}
+
+/// A same-host wire (1 MiB rings, shared memory required) over `tcp`.
+fn wire_with(pool: &Arc<StdPool>, tcp: TcpConfig) -> LocalWire {
     let shm = ShmConfig {
         ring_bytes: 1 << 20,
         required: true,
         ..ShmConfig::default()
     };
-    LocalWire::new(Arc::clone(pool), TcpConfig::default(), shm, Kind::Shm).unwrap()
+    LocalWire::new(Arc::clone(pool), tcp, shm, Kind::Shm).unwrap()
 }
 
 fn listener() -> (Endpoint<LocalWire>, SocketAddr, Arc<StdPool>) {
@@ -462,12 +467,7 @@ fn one_peer_listener(idle: Duration) -> (Endpoint<LocalWire>, SocketAddr) {
         idle_timeout: idle,
         ..TcpConfig::default()
     };
-    let shm = ShmConfig {
-        ring_bytes: 1 << 20,
-        required: true,
-        ..ShmConfig::default()
-    };
-    let mut t = LocalWire::new(pool(false), tcp, shm, Kind::Shm).unwrap();
+    let mut t = wire_with(&pool(false), tcp);
     let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     (Endpoint::new(t, EndpointConfig::default()).unwrap(), addr)
 }
@@ -1273,24 +1273,14 @@ fn caller_driven_lane_from(
         idle_timeout: idle,
         ..TcpConfig::default()
     };
-    let shm = ShmConfig {
-        ring_bytes: 1 << 20,
-        required: true,
-        ..ShmConfig::default()
-    };
-    let b_pool = private_pool(16 << 20).unwrap();
-    let mut b = LocalWire::new(b_pool, tcp, shm, Kind::Shm).unwrap();
+    let mut b = wire_with(&private_pool(16 << 20).unwrap(), tcp);
     let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let driven = EndpointConfig {
         progress_thread: false,
         ..EndpointConfig::default()
     };
     let b = Endpoint::new(b, driven).unwrap();
-    let a = Endpoint::new(
-        LocalWire::new(a_pool, tcp, shm, Kind::Shm).unwrap(),
-        EndpointConfig::default(),
-    )
-    .unwrap();
+    let a = Endpoint::new(wire_with(&a_pool, tcp), EndpointConfig::default()).unwrap();
     // The receiver is driven by its caller: it answers the connection
     // while it waits for it.
     let (to_b, to_a) = std::thread::scope(|s| {
