@@ -1,17 +1,53 @@
-//! Idle peers for `perf --idle-peers`: connections that say Hello and then
-//! nothing, what a node gossiping with many peers looks like to its server.
+//! Idle peers for `perf --idle-peers`: connections (or same-host lanes) that
+//! say Hello and then nothing, what a node gossiping with many peers looks
+//! like to its server.
 
 use std::net::ToSocketAddrs;
 use std::time::{Duration, Instant};
 
+use zerohop::{Config, Endpoint};
 use zerohop_core::{Kind, Transport};
 use zerohop_std::private_pool;
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 
-/// `n` connections to the listener at `addr` (one each: no second
-/// connection for striping), once every one is open. Keep the transport:
-/// dropping it closes them.
-pub fn peers(addr: &str, n: usize) -> Result<TcpTransport, Box<dyn std::error::Error>> {
+/// Idle peers, held open for as long as this lives.
+pub enum Idle {
+    /// TCP connections.
+    Tcp(Box<TcpTransport>),
+    /// Same-host lanes (shared memory), each a connection that moved there.
+    Lanes(Box<Endpoint>),
+}
+
+impl Idle {
+    /// The peers held.
+    pub fn count(&self) -> usize {
+        match self {
+            Idle::Tcp(t) => t.peer_count(),
+            Idle::Lanes(ep) => ep.peers().len(),
+        }
+    }
+}
+
+/// `n` peers of the listener at `addr`, once every one is open: lanes when
+/// `config` picks a same-host wire (shm, uma), else TCP connections (one
+/// each: no second connection for striping).
+pub fn peers(addr: &str, n: usize, config: &Config) -> Result<Idle, Box<dyn std::error::Error>> {
+    let mut config = *config;
+    // A real application's endpoint: its progress thread answers the
+    // listener while nothing here calls.
+    config.progress_thread = true;
+    let ep = Endpoint::open(config)?;
+    if !matches!(ep.kind(), Kind::Shm | Kind::Uma) {
+        return tcp_peers(addr, n).map(|t| Idle::Tcp(Box::new(t)));
+    }
+    for i in 0..n {
+        ep.connect(addr, Duration::from_secs(10))
+            .map_err(|e| format!("idle lane {i} of {n} to {addr}: {e}"))?;
+    }
+    Ok(Idle::Lanes(Box::new(ep)))
+}
+
+fn tcp_peers(addr: &str, n: usize) -> Result<TcpTransport, Box<dyn std::error::Error>> {
     let to = addr
         .to_socket_addrs()?
         .next()

@@ -35,9 +35,10 @@ pub struct PerfArgs {
     /// Run against a `--listen` peer at ADDR (a host name or IP, with a port).
     #[arg(long)]
     connect: Option<String>,
-    /// With `--connect` over TCP: first open this many more connections to
-    /// the listener, each saying Hello and then nothing, and keep them for the
-    /// run (what a node gossiping with many peers looks like to its server).
+    /// With `--connect`: first open this many more peers of the listener (TCP
+    /// connections, or same-host lanes with shm and uma), each saying Hello
+    /// and then nothing, and keep them for the run (what a node gossiping
+    /// with many peers looks like to its server).
     #[arg(long, default_value_t = 0, requires = "connect")]
     idle_peers: usize,
     /// With `--idle-peers`: hold the idle connections this many seconds and
@@ -559,11 +560,11 @@ pub fn run(args: &PerfArgs) -> Result<(), Box<dyn std::error::Error>> {
         return Ok(serve(&ep, args.serve_forever, true)?);
     }
     if let (Some(addr), Some(secs)) = (&args.connect, args.hold) {
-        let _idle = idle::peers(addr, args.idle_peers)
+        let idle = idle::peers(addr, args.idle_peers, &config)
             .map_err(|e| fail(Some(format!("--connect {addr}")), e))?;
         eprintln!(
-            "zerohop perf: holding {} idle connections for {secs} s",
-            args.idle_peers
+            "zerohop perf: holding {} idle peers for {secs} s",
+            idle.count()
         );
         std::thread::sleep(Duration::from_secs(secs));
         return Ok(());
@@ -622,14 +623,14 @@ fn measure(
             let flag = || Some(format!("--connect {addr}"));
             let _idle = match args.idle_peers {
                 0 => None,
-                n => Some(idle::peers(addr, n).map_err(|e| fail(flag(), e))?),
+                n => Some(idle::peers(addr, n, &config).map_err(|e| fail(flag(), e))?),
             };
             let peer = ep
                 .connect(addr.as_str(), Duration::from_secs(10))
                 .map_err(|e| fail(flag(), e))?;
             report.mode = match args.idle_peers {
                 0 => format!("to {addr}{gpu}"),
-                n => format!("to {addr}, beside {n} idle connections{gpu}"),
+                n => format!("to {addr}, beside {n} idle peers{gpu}"),
             };
             if !json {
                 bar.suspend(|| {

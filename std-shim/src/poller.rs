@@ -1,11 +1,12 @@
 //! Readiness through epoll, edge-triggered, so a pass costs what is ready
 //! and not what is connected: a thousand idle peers cost nothing per message.
 //!
-//! Two sets: `data` (what the application reads: bytes from open peers) and
+//! A TCP wire has two sets (a [`Poller`]): `data` (what the application reads: bytes from open peers) and
 //! `ctl` (the connection's own work: new connections, handshakes, room to
 //! write). A thread that reads for itself waits on `data`; the progress
 //! thread waits on `ctl` while it does, and on both otherwise, so an
-//! arrival wakes only the thread that wants it.
+//! arrival wakes only the thread that wants it. The shm wire keeps two more,
+//! level-triggered, for its lanes' links ([`EpollSet`]s).
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
@@ -37,33 +38,18 @@ pub(crate) struct Ready {
     pub hup: bool,
 }
 
-/// The two epoll sets and a buffer for their events.
+/// The two epoll sets of a TCP wire.
+#[derive(Debug)]
 pub(crate) struct Poller {
-    data: OwnedFd,
-    ctl: OwnedFd,
-    events: Vec<Event>,
-}
-
-// SAFETY: `events` is a buffer of plain records the kernel fills in; their
-// data word is only ever read as the u64 key it was registered with, never
-// as a pointer, so nothing in them is tied to a thread.
-unsafe impl Send for Poller {}
-
-impl std::fmt::Debug for Poller {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Poller")
-            .field("data", &self.data)
-            .field("ctl", &self.ctl)
-            .finish_non_exhaustive()
-    }
+    data: EpollSet,
+    ctl: EpollSet,
 }
 
 impl Poller {
     pub fn new() -> io::Result<Poller> {
         Ok(Poller {
-            data: epoll::create(CreateFlags::CLOEXEC)?,
-            ctl: epoll::create(CreateFlags::CLOEXEC)?,
-            events: Vec::with_capacity(256),
+            data: EpollSet::new(true)?,
+            ctl: EpollSet::new(true)?,
         })
     }
 
@@ -76,42 +62,106 @@ impl Poller {
         read: bool,
         write: bool,
     ) -> io::Result<()> {
-        let mut flags = EventFlags::ET;
+        self.set(set).add(fd, key, read, write)
+    }
+
+    /// Stops watching `fd` in `set` (closing it does too; this is for
+    /// descriptors that live on, such as a connection that becomes a lane).
+    pub fn remove(&self, fd: impl AsFd, set: Set) {
+        self.set(set).remove(fd);
+    }
+
+    /// The descriptor a thread sleeps on for `set` in poll(2).
+    pub fn fd(&self, set: Set) -> RawFd {
+        self.set(set).fd()
+    }
+
+    /// Takes the events of `set` that are ready now, without waiting.
+    pub fn ready(&mut self, set: Set, out: &mut Vec<Ready>) -> io::Result<()> {
+        match set {
+            Set::Data => self.data.ready(out),
+            Set::Ctl => self.ctl.ready(out),
+        }
+    }
+
+    fn set(&self, set: Set) -> &EpollSet {
+        match set {
+            Set::Data => &self.data,
+            Set::Ctl => &self.ctl,
+        }
+    }
+}
+
+/// One epoll set, edge- or level-triggered, and a buffer for its events.
+pub(crate) struct EpollSet {
+    fd: OwnedFd,
+    /// `EventFlags::ET`, or none (level-triggered).
+    trigger: EventFlags,
+    events: Vec<Event>,
+}
+
+// SAFETY: `events` is a buffer of plain records the kernel fills in; their
+// data word is only ever read as the u64 key it was registered with, never
+// as a pointer, so nothing in them is tied to a thread.
+unsafe impl Send for EpollSet {}
+
+impl std::fmt::Debug for EpollSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpollSet")
+            .field("fd", &self.fd)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EpollSet {
+    /// An empty set; `edge`: each readiness is told once (else for as
+    /// long as it lasts, and a sleeper on the set sees what its
+    /// descriptors would say in `poll(2)`).
+    pub fn new(edge: bool) -> io::Result<EpollSet> {
+        Ok(EpollSet {
+            fd: epoll::create(CreateFlags::CLOEXEC)?,
+            trigger: if edge {
+                EventFlags::ET
+            } else {
+                EventFlags::empty()
+            },
+            events: Vec::with_capacity(256),
+        })
+    }
+
+    /// Watches `fd` for `read` and/or `write` readiness.
+    pub fn add(&self, fd: impl AsFd, key: u64, read: bool, write: bool) -> io::Result<()> {
+        let mut flags = self.trigger;
         if read {
             flags |= EventFlags::IN | EventFlags::RDHUP;
         }
         if write {
             flags |= EventFlags::OUT;
         }
-        epoll::add(self.set(set), fd, EventData::new_u64(key), flags)?;
+        epoll::add(&self.fd, fd, EventData::new_u64(key), flags)?;
         Ok(())
     }
 
-    /// Stops watching `fd` in `set` (closing it does too; this is for
-    /// descriptors that live on, such as a connection that becomes a lane).
-    pub fn remove(&self, fd: impl AsFd, set: Set) {
+    /// Stops watching `fd`.
+    pub fn remove(&self, fd: impl AsFd) {
         // A descriptor not in the set: nothing to undo.
-        let _ = epoll::delete(self.set(set), fd);
+        let _ = epoll::delete(&self.fd, fd);
     }
 
-    /// The descriptor a thread sleeps on for `set` in poll(2).
-    pub fn fd(&self, set: Set) -> RawFd {
-        self.set(set).as_raw_fd()
+    /// The descriptor a thread sleeps on in poll(2).
+    pub fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
     }
 
-    /// Takes the events of `set` that are ready now, without waiting.
-    pub fn ready(&mut self, set: Set, out: &mut Vec<Ready>) -> io::Result<()> {
+    /// Takes the events that are ready now, without waiting.
+    pub fn ready(&mut self, out: &mut Vec<Ready>) -> io::Result<()> {
         loop {
             self.events.clear();
-            let fd = match set {
-                Set::Data => &self.data,
-                Set::Ctl => &self.ctl,
-            };
             let zero = Timespec {
                 tv_sec: 0,
                 tv_nsec: 0,
             };
-            match epoll::wait(fd, spare_capacity(&mut self.events), Some(&zero)) {
+            match epoll::wait(&self.fd, spare_capacity(&mut self.events), Some(&zero)) {
                 Ok(_) => {}
                 Err(e) if e == rustix::io::Errno::INTR => continue,
                 Err(e) => return Err(e.into()),
@@ -131,13 +181,6 @@ impl Poller {
             if !full {
                 return Ok(());
             }
-        }
-    }
-
-    fn set(&self, set: Set) -> &OwnedFd {
-        match set {
-            Set::Data => &self.data,
-            Set::Ctl => &self.ctl,
         }
     }
 }

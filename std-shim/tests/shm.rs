@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use zerohop_backends::PeerLimits;
 use zerohop_core::session::ProtocolError;
-use zerohop_core::{Error, Kind, PeerId, Received};
+use zerohop_core::{Error, Kind, PeerId, Received, Transport};
 use zerohop_std::shm::{LocalWire, ShmConfig, ShmLease, LANE_BIT};
 use zerohop_std::tcp::{TcpConfig, TcpTransport};
 use zerohop_std::testing::{thread_cpu, Reaped};
@@ -410,6 +410,141 @@ fn receiver_killed(shared: bool) {
     assert_eq!(pool.used_bytes(), 0, "every buffer back, placed ones too");
 }
 
+/// A server that sleeps at once and would sleep out 10 s unless something
+/// wakes it (its progress thread too): a test of what wakes it.
+fn sleepy_listener() -> (Endpoint<LocalWire>, SocketAddr, Arc<StdPool>) {
+    let pool = pool(false);
+    let mut t = wire(&pool);
+    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let config = EndpointConfig {
+        spin: Duration::ZERO,
+        poll_interval: Duration::from_secs(10),
+        ..EndpointConfig::default()
+    };
+    (Endpoint::new(t, config).unwrap(), addr, pool)
+}
+
+/// Side passes on `server` until `n` of its lanes are armed (quiet ones
+/// are, after 10 ms).
+fn armed(server: &Endpoint<LocalWire>, n: usize) {
+    let until = Instant::now() + WAIT;
+    while server.with(|t| t.armed_lanes()) != n {
+        assert!(Instant::now() < until, "{n} lanes never armed");
+        server.with(|t| t.progress()).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Quiet lanes leave the polls' walks (armed) and ask their peer to ring;
+/// each wakes for its next message. The server here sleeps 10 s unless
+/// woken: only the rings can bring each message within the deadline.
+#[test]
+fn quiet_lanes_are_armed_and_each_wakes_for_its_next_message() {
+    const LANES: usize = 32;
+    let _one = serial();
+    let (server, addr, _pool) = sleepy_listener();
+    let (client, first) = connect(addr);
+    let mut peers = vec![first];
+    for _ in 1..LANES {
+        peers.push(connect_also(&client, addr));
+    }
+    let mut theirs = Vec::new();
+    for &p in &peers {
+        let msg = p.0.to_le_bytes();
+        client.send(p, &msg, Deadline::after(WAIT), None).unwrap();
+        let r = server.recv(Deadline::after(WAIT), None).unwrap();
+        assert_eq!(host_bytes(&r.lease), msg);
+        theirs.push(r.peer);
+    }
+    armed(&server, LANES);
+    // Out of order, one at a time, each sent once the server is asleep:
+    // each arrives from the lane it was sent on.
+    let order: Vec<usize> = (0..LANES).map(|i| (i * 7) % LANES).collect();
+    let (go, went) = std::sync::mpsc::channel::<usize>();
+    let sender = {
+        let peers = peers.clone();
+        std::thread::spawn(move || {
+            for k in went {
+                std::thread::sleep(Duration::from_millis(20));
+                let msg = [k as u8; 100];
+                client
+                    .send(peers[k], &msg, Deadline::after(WAIT), None)
+                    .unwrap();
+            }
+            client
+        })
+    };
+    for &k in &order {
+        go.send(k).unwrap();
+        let r = server.recv(Deadline::after(WAIT / 2), None).unwrap();
+        assert_eq!(
+            (r.peer, host_bytes(&r.lease)),
+            (theirs[k], &[k as u8; 100][..])
+        );
+    }
+    drop(go);
+    let client = sender.join().unwrap();
+    assert!(
+        server.with(|t| t.armed_lanes()) < LANES,
+        "the lanes that spoke woke"
+    );
+    // And back to sleep, then all at once.
+    armed(&server, LANES);
+    for &p in &peers {
+        client
+            .send(p, b"again", Deadline::after(WAIT), None)
+            .unwrap();
+    }
+    let mut from: Vec<PeerId> = (0..LANES)
+        .map(|_| server.recv(Deadline::after(WAIT / 2), None).unwrap())
+        .inspect(|r| assert_eq!(host_bytes(&r.lease), b"again"))
+        .map(|r| r.peer)
+        .collect();
+    from.sort_by_key(|p| p.0);
+    theirs.sort_by_key(|p| p.0);
+    assert_eq!(from, theirs, "one message from each lane");
+}
+
+/// A peer killed while its lane is armed is reported lost at once by a
+/// server asleep for 10 s: the link's hang-up wakes it.
+#[test]
+fn a_peer_killed_while_its_lane_is_armed_is_lost_at_once_and_leaves_nothing() {
+    let _one = serial();
+    let (server, addr, pool) = sleepy_listener();
+    let before = traces();
+    let mut child = spawn_in(addr, "recv", false);
+    let peer = accepted(&server);
+    armed(&server, 1);
+    child.kill().unwrap();
+    let killed = Instant::now();
+    let lost = server.recv(Deadline::after(WAIT), None).unwrap_err();
+    let took = killed.elapsed();
+    child.wait().unwrap();
+    assert_eq!(lost, Error::PeerLost(peer));
+    eprintln!("a killed peer of an armed lane was reported lost {took:?} after SIGKILL");
+    assert!(took < Duration::from_millis(100), "lost after {took:?}");
+    assert_eq!(traces(), before, "no segment mapped, no descriptor left");
+    assert_eq!(pool.used_bytes(), 0);
+}
+
+/// A listener whose application thread reads and sleeps (10 s here) takes
+/// a same-host peer's offer as its reads find it, not at a later pass: the
+/// peer moves to shared memory at once. (Its offer once waited for the
+/// 64th poll, ~320 ms at the default 5 ms interval: here the peer's
+/// handshake timed out first, in 2 of 3 runs.)
+#[test]
+fn a_listener_asleep_takes_a_same_host_offer_at_once() {
+    let _one = serial();
+    let (server, addr, _pool) = sleepy_listener();
+    let client = std::thread::spawn(move || connect(addr));
+    let event = server.next_event(Deadline::after(Duration::from_secs(3)), None);
+    assert!(
+        matches!(event, Ok(Event::Accepted { peer, .. }) if peer.0 & LANE_BIT != 0),
+        "{event:?}"
+    );
+    let (_client, peer) = client.join().unwrap();
+    assert!(peer.0 & LANE_BIT != 0);
+}
 /// A message each way between a connector's new peer and the server's
 /// (`from`).
 fn exchange(c: &Endpoint<LocalWire>, peer: PeerId, server: &Endpoint<LocalWire>, from: PeerId) {

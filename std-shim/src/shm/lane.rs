@@ -6,9 +6,9 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
+use std::time::Duration;
 
 use zerohop_backends::{host_bytes, host_bytes_mut, shared_place};
 use zerohop_core::session::{
@@ -508,6 +508,13 @@ pub(crate) struct Lane {
     /// The receive buffer of a message whose tail the peer took and never
     /// wrote (see [`take_stuck`](Self::take_stuck)).
     stuck: Option<StdLease>,
+    /// The lane sleeps between passes (see `LocalWire::arm`): reads and
+    /// walks skip it, and the peer rings its link for anything it writes.
+    pub(crate) armed: bool,
+    /// Bytes taken and ring bytes written as of the last side pass that
+    /// saw either move, and that pass's time (see [`Lane::still_for`]).
+    moved: (u64, u64),
+    moved_at: Instant,
     /// Device messages each way (a lane whose wire has a device pool).
     #[cfg(feature = "cuda-uma")]
     gpu: Option<Box<super::device::LaneGpu>>,
@@ -574,6 +581,9 @@ impl Lane {
             help_tx: true,
             tx_helped: 0,
             stuck: None,
+            armed: false,
+            moved: (0, 0),
+            moved_at: now,
             #[cfg(feature = "cuda-uma")]
             gpu: None,
             #[cfg(feature = "cuda-uma")]
@@ -1816,13 +1826,65 @@ impl Lane {
         }
     }
 
-    /// The descriptor a sleeper waits on: the link (rings and the hang-up).
-    pub(crate) fn poll_fds(&self, out: &mut Vec<libc::pollfd>) {
-        out.push(libc::pollfd {
-            fd: self.link.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        });
+    /// The link: rings and the hang-up (the wire watches it in its lanes'
+    /// epoll set, for a sleeper and for an armed lane).
+    pub(crate) fn link(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.link.as_fd()
+    }
+
+    /// Whether nothing moved either way (bytes taken, bytes written) for
+    /// `after`, as the side passes saw it, this one at `now` included.
+    pub(crate) fn still_for(&mut self, now: Instant, after: Duration) -> bool {
+        let moved = (self.rx.taken(), self.tx.written());
+        if moved != self.moved {
+            self.moved = moved;
+            self.moved_at = now;
+        }
+        now >= self.moved_at.after(after)
+    }
+
+    /// Asks the peer to ring for anything it writes, as a sleeper does, for
+    /// a lane with nothing under way either way: `true`, the lane is armed
+    /// (reads may skip it until its link rings). `false`: not now (bytes
+    /// came meanwhile, or something waits); the flag is taken back unless
+    /// a sleeper set it too (`sleeping`).
+    pub(crate) fn arm(&mut self, sleeping: bool) -> bool {
+        let idle = self.quiet()
+            && !self.has_unsent()
+            && self.placed.is_empty()
+            && !self.waiting_room
+            && !self.dry
+            && !self.held
+            && self.session.is_open();
+        if !idle {
+            return false;
+        }
+        handshake::drain(&self.link);
+        // The flag first (its fence), then the second look at the ring.
+        if matches!(self.rx.prepare_sleep(), Ok(false)) {
+            self.armed = true;
+            return true;
+        }
+        if !sleeping {
+            self.rx.woke();
+        }
+        false
+    }
+
+    /// Its link rang (or this side calls on it): reads look at it again.
+    /// The peer's rings stop unless a sleeper asked for them (`sleeping`).
+    /// `drain`: the rings on the link are taken (by a reader, which looks
+    /// at the ring next).
+    pub(crate) fn disarm(&mut self, now: Instant, sleeping: bool, drain: bool) {
+        self.armed = false;
+        self.moved_at = now; // not armed again before it has been still a while
+        if drain {
+            handshake::drain(&self.link);
+        }
+        if !sleeping {
+            self.rx.woke();
+        }
     }
 
     /// About to sleep: tells the peer to ring (for bytes, and for room if

@@ -22,6 +22,16 @@
 //! waits on the Unix link after telling the peer to ring it (a byte on the
 //! link), and the link's hang-up reports a peer that died (SIGKILL
 //! included) at once.
+//!
+//! A lane still for [`ARM_AFTER`] is armed: it asks its peer to ring, as a
+//! sleeper does, and leaves the polls' reads and walks, so that many quiet
+//! peers cost a spinning receiver nothing per poll. The links of the armed
+//! lanes are in one epoll set (`armed_rings`), which readers look at every
+//! [`CLOCK_EVERY`] polls and at every side pass: a ring or a hang-up brings
+//! its lane back. The other lanes' links are in another (`awake_rings`). A
+//! sleeper waits on the two sets, whatever the number of lanes; both are
+//! level-triggered, so that a sleeper sees what polling each link would
+//! show, whichever thread looked at them last.
 
 pub(crate) mod cma;
 #[cfg(feature = "cuda-uma")]
@@ -150,6 +160,14 @@ const OFFER_EVERY: Duration = Duration::from_millis(20);
 /// receiver then pays no system call per poll).
 const CLOCK_EVERY: u32 = 64;
 const SIDE_PERIOD: Duration = Duration::from_millis(1);
+/// A lane with nothing moved either way for this long is armed (see the
+/// module docs): a peer that speaks more often than this stays read on
+/// every poll, and one that speaks less pays a ring for its first frame.
+const ARM_AFTER: Duration = Duration::from_millis(10);
+/// How often the armed lanes are walked anyway: their timers (none is due
+/// for a quiet open session), and a look at their rings for bytes that
+/// came without a ring.
+const ARMED_WALK: Duration = Duration::from_millis(100);
 
 /// A connection on the lane socket, waiting for its setup message.
 #[derive(Debug)]
@@ -228,6 +246,18 @@ pub struct LocalWire {
     accept_due: Option<StdInstant>,
     pool: Arc<StdPool>,
     lanes: PeerSlots<Box<Lane>>,
+    /// The slots of the lanes that are not armed: what every poll reads and
+    /// every side pass tends.
+    awake: Vec<usize>,
+    /// The links of the lanes in `awake`: what a sleeper waits on for them.
+    awake_rings: crate::poller::EpollSet,
+    /// The links of the armed lanes, keyed by the lane's id: a ring (or a
+    /// hang-up) wakes the lane, for a reader.
+    armed_rings: crate::poller::EpollSet,
+    /// The last look's events of `armed_rings`.
+    rang: Vec<crate::poller::Ready>,
+    /// When the armed lanes are next walked (see [`ARMED_WALK`]).
+    next_armed_walk: StdInstant,
     /// Receive buffers of ended lanes whose peer took a tail and never
     /// wrote it, each with the peer's pidfd: back to the pool once that
     /// process has exited (its late write could land there until then).
@@ -361,6 +391,11 @@ impl LocalWire {
             accept_due: None,
             pool,
             lanes: PeerSlots::new(true),
+            awake: Vec::new(),
+            awake_rings: crate::poller::EpollSet::new(false)?,
+            armed_rings: crate::poller::EpollSet::new(false)?,
+            rang: Vec::new(),
+            next_armed_walk: now,
             stuck: Vec::new(),
             links: Vec::new(),
             redials: Vec::new(),
@@ -496,6 +531,7 @@ impl LocalWire {
                 .send_raw_frame(peer, frame)
                 .map_err(|_| Error::Backend("tcp: the forged frame did not go"));
         }
+        self.wake_peer(peer);
         let l = self.lanes.get_mut(peer).ok_or(Error::UnknownPeer(peer))?;
         let r = l.write_raw(peer, frame);
         tally(&mut self.unsent_lanes, l);
@@ -507,6 +543,7 @@ impl LocalWire {
     /// broken peer says, for tests.
     #[cfg(all(feature = "testing", feature = "cuda-uma"))]
     pub fn say_device_done(&mut self, peer: PeerId, ticket: u64) -> Result<(), Error> {
+        self.wake_peer(peer);
         let l = self.lanes.get_mut(peer).ok_or(Error::UnknownPeer(peer))?;
         l.say_device_done(ticket);
         Ok(())
@@ -515,6 +552,13 @@ impl LocalWire {
     /// Same-host peers, in shared memory now.
     pub fn lane_count(&self) -> usize {
         self.lanes.count()
+    }
+
+    /// Lanes armed now: quiet ones that the polls skip until their link
+    /// rings (see the module docs).
+    #[cfg(feature = "testing")]
+    pub fn armed_lanes(&self) -> usize {
+        self.lanes.count() - self.awake.len()
     }
 
     /// How the single-copy messages of same-host peer `peer` have gone
@@ -534,12 +578,18 @@ impl LocalWire {
     /// The new lane's id; `None` when every slot an id can name is taken.
     fn add_lane(&mut self, lane: Lane) -> Option<PeerId> {
         let accepted = lane.accepted.then_some(lane.addr.ip());
-        let (_, id) = self.lanes.insert(Box::new(lane)).ok()?;
+        let (slot, id) = self.lanes.insert(Box::new(lane)).ok()?;
+        let l = self.lanes.at_mut(slot)?;
+        if let Err(e) = self.awake_rings.add(l.link(), u64::from(id.0), true, false) {
+            log::warn!("shm: a lane's link could not be watched: {e}");
+            self.lanes.remove(slot);
+            return None;
+        }
+        tally(&mut self.unsent_lanes, l);
+        self.awake.push(slot);
         if let Some(ip) = accepted {
             self.tcp.keep_elsewhere(ip);
         }
-        let l = self.lanes.get_mut(id)?;
-        tally(&mut self.unsent_lanes, l);
         Some(id)
     }
 
@@ -560,6 +610,14 @@ impl LocalWire {
         let (id, lane) = self.lanes.remove(slot)?;
         if lane.tallied {
             self.unsent_lanes -= 1;
+        }
+        if lane.armed {
+            self.armed_rings.remove(lane.link());
+        } else {
+            if let Some(i) = self.awake.iter().position(|&s| s == slot) {
+                self.awake.swap_remove(i);
+            }
+            self.awake_rings.remove(lane.link());
         }
         if lane.accepted {
             self.tcp.let_go_elsewhere(id, lane.addr.ip());
@@ -826,16 +884,21 @@ impl LocalWire {
         let now = self.clock;
         // (Set again by each lane read below that stops for a buffer.)
         self.dry = false;
-        let n = self.lanes.len();
+        let n = self.awake.len();
         self.first_lane = if self.first_lane + 1 < n {
             self.first_lane + 1
         } else {
             0
         };
         for k in 0..n {
-            let slot = match self.first_lane + k {
-                s if s >= n => s - n,
-                s => s,
+            let i = match self.first_lane + k {
+                i if i >= n => i - n,
+                i => i,
+            };
+            // (A lane that ended left the list shorter: one may be skipped
+            // this pass, none is lost.)
+            let Some(&slot) = self.awake.get(i) else {
+                continue;
             };
             // Most of many same-host peers say nothing most of the time.
             if self.lanes.entry(slot).is_some_and(|(_, l)| !l.quiet()) {
@@ -996,60 +1059,169 @@ impl LocalWire {
         let away = zerohop_backends::absence(self.session.idle_timeout);
         let came_back = self.looks.came_back(StdInstant::now(), away);
         let mut any = self.let_go_lanes();
-        for slot in 0..self.lanes.len() {
-            // A peer is judged on what it sent, read first.
-            if self
-                .lanes
-                .entry(slot)
-                .is_some_and(|(_, l)| l.due_unread(now))
-            {
-                any |= self.read_lane(slot, now);
+        // The awake lanes, each once (one that ended or was armed leaves
+        // its place to the list's last).
+        let mut i = 0;
+        while let Some(&slot) = self.awake.get(i) {
+            any |= self.tend_lane(slot, now, came_back, check);
+            if self.arm(slot, now) {
+                self.awake.swap_remove(i);
+            } else if self.awake.get(i) == Some(&slot) {
+                i += 1;
             }
-            let Some((id, l)) = self.lanes.entry(slot) else {
-                continue;
-            };
-            l.control();
-            match l.flush(id) {
-                Ok(moved) => any |= moved,
-                Err(e) => {
-                    self.drop_lane(slot, Some(e));
+        }
+        // The armed ones now and then, and after the application's absence
+        // (their sessions hear of it).
+        if came_back || StdInstant::now() >= self.next_armed_walk {
+            self.next_armed_walk = StdInstant::now() + ARMED_WALK;
+            for slot in 0..self.lanes.len() {
+                let Some(l) = self.lanes.at_mut(slot).filter(|l| l.armed) else {
                     continue;
-                }
-            }
-            if let Err(error) = l.tend(now, came_back) {
-                self.drop_lane(slot, Some(Error::Protocol { peer: id, error }));
-                continue;
-            }
-            tally(&mut self.unsent_lanes, l);
-            if check && !l.alive() {
-                // Its end hung up: whatever it sent is in the ring; take it first.
-                let mut tail = VecDeque::new();
-                let read = l.read(id, now, &self.pool, &mut tail, usize::MAX);
-                // Device copies out of its memory: waited for, delivered
-                // with what came behind them (else they are lost, and the
-                // peer with them).
-                let settled = l.settle_device(id, &mut tail);
-                self.arrivals.extend(tail);
-                // The read's failure first: one that dropped a Close held
-                // behind device copies (the peer ended its ring) must be
-                // the peer's one event, or it would have none.
-                let error = match read {
-                    lane::Outcome::Bad(e) => Some(e),
-                    _ => settled.err(),
                 };
-                self.drop_lane(slot, error);
-                any = true;
+                if !l.quiet() {
+                    self.wake_lane(slot, true); // bytes came without a ring
+                }
+                any |= self.tend_lane(slot, now, came_back, false);
             }
         }
         self.offer_lanes(came_back);
         any
     }
 
+    /// Lane `slot`'s timers, control frames and queued bytes (and with
+    /// `check`, its link's state): whether anything moved. A lane that
+    /// broke or whose peer is gone is dropped.
+    fn tend_lane(&mut self, slot: usize, now: Instant, came_back: bool, check: bool) -> bool {
+        let mut any = false;
+        // A peer is judged on what it sent, read first.
+        if self
+            .lanes
+            .entry(slot)
+            .is_some_and(|(_, l)| l.due_unread(now))
+        {
+            any |= self.read_lane(slot, now);
+        }
+        let Some((id, l)) = self.lanes.entry(slot) else {
+            return any;
+        };
+        l.control();
+        match l.flush(id) {
+            Ok(moved) => any |= moved,
+            Err(e) => {
+                self.drop_lane(slot, Some(e));
+                return any;
+            }
+        }
+        if let Err(error) = l.tend(now, came_back) {
+            self.drop_lane(slot, Some(Error::Protocol { peer: id, error }));
+            return any;
+        }
+        tally(&mut self.unsent_lanes, l);
+        if check && !l.alive() {
+            // Its end hung up: whatever it sent is in the ring; take it first.
+            let mut tail = VecDeque::new();
+            let read = l.read(id, now, &self.pool, &mut tail, usize::MAX);
+            // Device copies out of its memory: waited for, delivered
+            // with what came behind them (else they are lost, and the
+            // peer with them).
+            let settled = l.settle_device(id, &mut tail);
+            self.arrivals.extend(tail);
+            // The read's failure first: one that dropped a Close held
+            // behind device copies (the peer ended its ring) must be
+            // the peer's one event, or it would have none.
+            let error = match read {
+                lane::Outcome::Bad(e) => Some(e),
+                _ => settled.err(),
+            };
+            self.drop_lane(slot, error);
+            any = true;
+        }
+        any
+    }
+
+    /// Arms lane `slot` if it has been still for [`ARM_AFTER`] and nothing
+    /// is under way (see the module docs): its link moves to the armed set.
+    /// Whether it did (the caller takes it out of `awake`).
+    fn arm(&mut self, slot: usize, now: Instant) -> bool {
+        let sleeping = self.sleepers > 0;
+        let Some((id, l)) = self.lanes.entry(slot) else {
+            return false;
+        };
+        if !(l.still_for(now, ARM_AFTER) && l.arm(sleeping)) {
+            return false;
+        }
+        if let Err(e) = self.armed_rings.add(l.link(), u64::from(id.0), true, false) {
+            log::debug!("shm: a quiet lane stays awake: {e}");
+            l.disarm(now, sleeping, false);
+            return false;
+        }
+        self.awake_rings.remove(l.link());
+        true
+    }
+
+    /// Takes the rings and hang-ups of the armed lanes' links, for a
+    /// reader: a lane that rang is awake again, and one whose link hung up
+    /// is looked at now. Whether a lane woke or ended.
+    fn look_at_rings(&mut self) -> bool {
+        let mut rang = std::mem::take(&mut self.rang);
+        rang.clear();
+        if let Err(e) = self.armed_rings.ready(&mut rang) {
+            log::warn!("shm: epoll_wait on the lanes' links failed: {e}");
+        }
+        let mut any = false;
+        for r in &rang {
+            let Some(slot) = u32::try_from(r.key)
+                .ok()
+                .and_then(|k| self.lanes.slot(PeerId(k)))
+            else {
+                continue; // gone meanwhile
+            };
+            any |= self.wake_lane(slot, true);
+            if r.hup {
+                any |= self.tend_lane(slot, self.clock, false, true);
+            }
+        }
+        self.rang = rang;
+        any
+    }
+
+    /// Lane `slot` is read by every poll again, if it was armed: its link
+    /// rang, or this side calls on it. `reader`: the caller looks at its
+    /// ring next, and takes the rings on the link (else they stay, and
+    /// keep a sleeper on `awake_rings` awake until one does). Whether it
+    /// was armed.
+    fn wake_lane(&mut self, slot: usize, reader: bool) -> bool {
+        let (now, sleeping) = (self.clock, self.sleepers > 0);
+        match self.lanes.entry(slot) {
+            Some((id, l)) if l.armed => {
+                self.armed_rings.remove(l.link());
+                if let Err(e) = self.awake_rings.add(l.link(), u64::from(id.0), true, false) {
+                    // (Its sleepers then learn of it by the poll interval.)
+                    log::warn!("shm: a lane's link could not be watched: {e}");
+                }
+                l.disarm(now, sleeping, reader);
+                self.awake.push(slot);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The lane `peer` names is awake (see [`wake_lane`](Self::wake_lane))
+    /// before a call into it: what the call leaves to do, the walks do.
+    fn wake_peer(&mut self, peer: PeerId) {
+        if let Some(slot) = self.lanes.slot(peer) {
+            self.wake_lane(slot, false);
+        }
+    }
+
     /// No application thread sleeps on the lanes any more: the peers need
-    /// not ring.
+    /// not ring (but for the armed lanes').
     fn lanes_awake(&mut self) {
-        for (_, l) in self.lanes.iter_mut() {
-            l.woke(); // (its unsent bytes stay as they were)
+        for &slot in &self.awake {
+            if let Some(l) = self.lanes.at_mut(slot) {
+                l.woke(); // (its unsent bytes stay as they were)
+            }
         }
     }
 
@@ -1061,6 +1233,7 @@ impl LocalWire {
         // looks at what was accepted first (`next_event`) learns of the
         // peer before its first message (under load the peer could write
         // between the two).
+        any |= self.look_at_rings();
         any |= self.read_lanes();
         self.upgrade();
         any |= self.tend_lanes();
@@ -1127,6 +1300,7 @@ impl Transport for LocalWire {
             return Err(Error::Closed);
         }
         let limit = self.config.send_queue_bytes;
+        self.wake_peer(peer);
         let l = self.lanes.get_mut(peer).ok_or(Error::UnknownPeer(peer))?;
         let r = l.send(peer, Source::Slice(bytes), false, limit);
         tally(&mut self.unsent_lanes, l);
@@ -1153,6 +1327,7 @@ impl Transport for LocalWire {
             return refused(Error::Closed, lease);
         }
         let limit = self.config.send_queue_bytes;
+        self.wake_peer(peer);
         let Some(l) = self.lanes.get_mut(peer) else {
             return refused(Error::UnknownPeer(peer), lease);
         };
@@ -1178,13 +1353,20 @@ impl Transport for LocalWire {
         if self.arrivals.is_empty() {
             self.look_at_pool();
             self.polls = self.polls.wrapping_add(1);
+            let look = self.polls % CLOCK_EVERY == 0;
             // (A redial is due within milliseconds: every poll looks then.)
-            let side = (self.polls % CLOCK_EVERY == 0 || !self.redials.is_empty())
-                && StdInstant::now() >= self.next_side;
+            let side = (look || !self.redials.is_empty()) && StdInstant::now() >= self.next_side;
             if side {
                 self.next_side = StdInstant::now() + SIDE_PERIOD;
                 self.pass();
+            } else if self.tcp.has_host_news() {
+                // (Read by the last poll: a peer's offer, say, answered now.)
+                self.upgrade();
+                self.read_lanes();
             } else {
+                if look && self.awake.len() < self.lanes.count() {
+                    self.look_at_rings(); // armed lanes: did one ring?
+                }
                 self.read_lanes();
             }
             // TCP peers are read when there are any (else its epoll would
@@ -1223,6 +1405,7 @@ impl Transport for LocalWire {
         self.closed = true;
         self.tcp.close()?;
         for slot in 0..self.lanes.len() {
+            self.wake_lane(slot, false); // its Close goes by the walks
             if let Some((id, l)) = self.lanes.entry(slot) {
                 l.session.close();
                 l.control();
@@ -1268,8 +1451,19 @@ impl Wire for LocalWire {
                 revents: 0,
             });
         }
-        for (_, l) in self.lanes.iter() {
-            l.poll_fds(out);
+        // The lanes' links, in two sets: a ring, a hang-up. The armed
+        // lanes' for a waiter that reads (as TCP's data set: the progress
+        // thread leaves them to an application that reads for itself).
+        let set = |fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        if !self.awake.is_empty() {
+            out.push(set(self.awake_rings.fd()));
+        }
+        if self.awake.len() < self.lanes.count() && waiter.reads() {
+            out.push(set(self.armed_rings.fd()));
         }
         if (self.dry || self.tcp.pool_dry()) && waiter.reads() {
             let bell = |fd| libc::pollfd {
@@ -1289,13 +1483,26 @@ impl Wire for LocalWire {
     fn prepare_sleep(&mut self, waiter: Waiter) -> bool {
         let mut any = self.tcp.prepare_sleep(waiter)
             || (waiter == Waiter::App { reading: true } && !self.arrivals.is_empty());
+        // Same-host news this thread's reads took: not slept on.
+        if self.tcp.has_host_news() {
+            self.upgrade();
+            any = true;
+        }
         // Bytes in a lane's ring keep awake a waiter that would read them:
         // not an application thread waiting to send, connect or close (a
         // lane held by a full inbox has bytes for as long as it is full).
         let takes_bytes = waiter != Waiter::App { reading: false };
-        for (_, l) in self.lanes.iter_mut() {
-            any |= l.prepare_sleep(takes_bytes);
-            tally(&mut self.unsent_lanes, l);
+        // An armed lane that rang is awake (and read first); one that
+        // ended is news.
+        if waiter.reads() {
+            let ended = self.arrivals.len();
+            any |= self.look_at_rings() || self.arrivals.len() != ended;
+        }
+        for &slot in &self.awake {
+            if let Some(l) = self.lanes.at_mut(slot) {
+                any |= l.prepare_sleep(takes_bytes);
+                tally(&mut self.unsent_lanes, l);
+            }
         }
         if !any {
             self.sleepers += 1; // until its `woke`
@@ -1335,6 +1542,7 @@ impl Wire for LocalWire {
             return Err(Error::Closed);
         }
         let limit = self.config.send_queue_bytes;
+        self.wake_peer(peer);
         let l = self.lanes.get_mut(peer).ok_or(Error::UnknownPeer(peer))?;
         let r = l.send(peer, Source::Slice(bytes), true, limit);
         tally(&mut self.unsent_lanes, l);
@@ -1345,6 +1553,7 @@ impl Wire for LocalWire {
         if peer.0 & LANE_BIT == 0 {
             return self.tcp.continue_send(peer, bytes);
         }
+        self.wake_peer(peer);
         let l = self.lanes.get_mut(peer).ok_or(Error::PeerLost(peer))?;
         let r = l.continue_send(peer, bytes);
         tally(&mut self.unsent_lanes, l);
@@ -1355,6 +1564,7 @@ impl Wire for LocalWire {
         if peer.0 & LANE_BIT == 0 {
             return self.tcp.abandon_send(peer, bytes);
         }
+        self.wake_peer(peer);
         if let Some(l) = self.lanes.get_mut(peer) {
             l.abandon_send(bytes);
             tally(&mut self.unsent_lanes, l);
@@ -1368,6 +1578,7 @@ impl Wire for LocalWire {
         let mut any = self.tcp.background_progress(read)?;
         // As `pass`: reads first, so a peer is judged on what it sent.
         if read {
+            any |= self.look_at_rings();
             any |= self.read_lanes();
         }
         self.upgrade();

@@ -432,6 +432,12 @@ impl<M: RingMem> Producer<M> {
         }
     }
 
+    /// Ring bytes written, ever (stamps and padding included): when it
+    /// moves, this side wrote.
+    pub(crate) fn written(&self) -> u64 {
+        self.head
+    }
+
     /// About to wait for room: says so, then looks again. `Ok(true)`:
     /// room appeared meanwhile, do not sleep.
     pub(crate) fn prepare_wait(&mut self) -> Result<bool, Corrupt> {

@@ -819,6 +819,13 @@ impl TcpTransport {
         self.control(slot);
     }
 
+    /// Same-host news for the wire above (offers, answers, its watched
+    /// descriptor): what its next pass should take now, not after a poll
+    /// interval (a sleeper reads them and would sleep on them).
+    pub fn has_host_news(&self) -> bool {
+        !self.offers.is_empty() || !self.answers.is_empty() || self.watched
+    }
+
     /// The next answer to one of this side's offers: the peer, and whether
     /// it took it (then the peer is gone from here: its session moved).
     pub fn take_answer(&mut self) -> Option<(PeerId, bool)> {
