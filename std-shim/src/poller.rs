@@ -142,6 +142,17 @@ impl EpollSet {
         Ok(())
     }
 
+    /// Watches `fd` (in the set already) for its hang-up only (`read`
+    /// false: no readable bytes), or for both again.
+    pub fn modify(&self, fd: impl AsFd, key: u64, read: bool) -> io::Result<()> {
+        let mut flags = self.trigger | EventFlags::RDHUP;
+        if read {
+            flags |= EventFlags::IN;
+        }
+        epoll::modify(&self.fd, fd, EventData::new_u64(key), flags)?;
+        Ok(())
+    }
+
     /// Stops watching `fd`.
     pub fn remove(&self, fd: impl AsFd) {
         // A descriptor not in the set: nothing to undo.
@@ -153,7 +164,10 @@ impl EpollSet {
         self.fd.as_raw_fd()
     }
 
-    /// Takes the events that are ready now, without waiting.
+    /// Takes the events that are ready now, without waiting: all of an
+    /// edge-triggered set's, a buffer's worth of a level-triggered one's
+    /// (what it leaves stays ready for the next look; another
+    /// `epoll_wait` would only return the same ones again).
     pub fn ready(&mut self, out: &mut Vec<Ready>) -> io::Result<()> {
         loop {
             self.events.clear();
@@ -178,7 +192,7 @@ impl EpollSet {
                     hup: flags.intersects(EventFlags::RDHUP | EventFlags::HUP | EventFlags::ERR),
                 }
             }));
-            if !full {
+            if !full || self.trigger.is_empty() {
                 return Ok(());
             }
         }
@@ -194,4 +208,49 @@ pub(crate) fn ready_now(
     let mut fds = [rustix::event::PollFd::new(&fd, interest)];
     rustix::event::poll(&mut fds, Some(&Timespec::default()))?;
     Ok(fds[0].revents())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+
+    /// A level-triggered set with more ready descriptors than one look
+    /// takes: each look returns a buffer's worth (another `epoll_wait`
+    /// would return the same ones, for ever), and what it leaves is there
+    /// for the next. An edge-triggered one tells each once, all in one look.
+    #[test]
+    fn a_look_at_a_level_triggered_set_takes_a_buffers_worth_and_leaves_the_rest() {
+        const READY: usize = 600;
+        let pairs: Vec<(UnixStream, UnixStream)> = (0..READY)
+            .map(|_| {
+                let (a, mut b) = UnixStream::pair().unwrap();
+                b.write_all(&[1]).unwrap();
+                (a, b)
+            })
+            .collect();
+        for edge in [false, true] {
+            let mut set = EpollSet::new(edge).unwrap();
+            for (k, (a, _)) in pairs.iter().enumerate() {
+                set.add(a, k as u64, true, false).unwrap();
+            }
+            let mut out = Vec::new();
+            set.ready(&mut out).unwrap();
+            let mut keys: Vec<u64> = out.iter().map(|r| r.key).collect();
+            keys.sort_unstable();
+            keys.dedup();
+            assert_eq!(keys.len(), out.len(), "each told once a look");
+            match edge {
+                false => assert_eq!(out.len(), set.events.capacity()),
+                true => assert_eq!(out.len(), READY),
+            }
+            out.clear();
+            set.ready(&mut out).unwrap();
+            match edge {
+                false => assert!(!out.is_empty(), "the rest is still ready"),
+                true => assert!(out.is_empty(), "an edge is told once"),
+            }
+        }
+    }
 }

@@ -410,17 +410,25 @@ fn receiver_killed(shared: bool) {
     assert_eq!(pool.used_bytes(), 0, "every buffer back, placed ones too");
 }
 
-/// A server that sleeps at once and would sleep out 10 s unless something
-/// wakes it (its progress thread too): a test of what wakes it.
-fn sleepy_listener() -> (Endpoint<LocalWire>, SocketAddr, Arc<StdPool>) {
-    let pool = pool(false);
-    let mut t = wire(&pool);
-    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
-    let config = EndpointConfig {
+/// An endpoint that sleeps at once and would sleep out 10 s unless
+/// something wakes it (its progress thread too): a test of what wakes it.
+fn sleepy() -> EndpointConfig {
+    EndpointConfig {
         spin: Duration::ZERO,
         poll_interval: Duration::from_secs(10),
         ..EndpointConfig::default()
-    };
+    }
+}
+
+/// A listener with the [`sleepy`] config.
+fn sleepy_listener() -> (Endpoint<LocalWire>, SocketAddr, Arc<StdPool>) {
+    sleepy_listener_with(sleepy())
+}
+
+fn sleepy_listener_with(config: EndpointConfig) -> (Endpoint<LocalWire>, SocketAddr, Arc<StdPool>) {
+    let pool = pool(false);
+    let mut t = wire(&pool);
+    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     (Endpoint::new(t, config).unwrap(), addr, pool)
 }
 
@@ -545,6 +553,103 @@ fn a_listener_asleep_takes_a_same_host_offer_at_once() {
     let (_client, peer) = client.join().unwrap();
     assert!(peer.0 & LANE_BIT != 0);
 }
+/// A pass that reads nothing (the progress thread's while the application
+/// reads for itself) still ends an armed lane whose peer died: its link's
+/// hang-up is looked at by every pass.
+#[test]
+fn a_pass_that_reads_nothing_still_ends_an_armed_lane_whose_peer_died() {
+    let _one = serial();
+    let (server, addr, _pool) = sleepy_listener_with(EndpointConfig {
+        progress_thread: false,
+        ..sleepy()
+    });
+    let mut child = spawn_in(addr, "recv", false);
+    let peer = accepted(&server);
+    armed(&server, 1);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let until = Instant::now() + WAIT;
+    while server.with(|t| t.lane_count()) != 0 {
+        assert!(Instant::now() < until, "the dead peer's lane stayed");
+        server.with(|t| t.background_progress(false)).unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let lost = server.recv(Deadline::after(WAIT), None).unwrap_err();
+    assert_eq!(lost, Error::PeerLost(peer));
+}
+
+/// A sleepy client with one lane to a default listener, each side's peer,
+/// after a message from the client.
+fn sleepy_client_pair() -> (Endpoint<LocalWire>, PeerId, Endpoint<LocalWire>, PeerId) {
+    let (server, addr, _pool) = listener();
+    let client = Endpoint::new(wire(&pool(false)), sleepy()).unwrap();
+    let peer = connect_also(&client, addr);
+    client
+        .send(peer, b"hello", Deadline::after(WAIT), None)
+        .unwrap();
+    let r = server.recv(Deadline::after(WAIT), None).unwrap();
+    assert_eq!(host_bytes(&r.lease), b"hello");
+    (client, peer, server, r.peer)
+}
+
+/// A reader asleep while its only lane is armed; another thread sends a
+/// request on that lane (which wakes it): the reply wakes the reader,
+/// within its 3 s deadline of a 10 s poll interval.
+#[test]
+fn a_reply_to_a_request_another_thread_sent_wakes_the_reader() {
+    let _one = serial();
+    let (client, peer, server, _) = sleepy_client_pair();
+    let echo = std::thread::spawn(move || {
+        let r = server.recv(Deadline::after(WAIT), None).unwrap();
+        server
+            .send(r.peer, host_bytes(&r.lease), Deadline::after(WAIT), None)
+            .unwrap();
+        server.close(Deadline::after(WAIT)).unwrap();
+    });
+    armed(&client, 1);
+    let client = Arc::new(client);
+    let reader = {
+        let client = Arc::clone(&client);
+        std::thread::spawn(move || {
+            let r = client.recv(Deadline::after(Duration::from_secs(3)), None);
+            r.map(|r| host_bytes(&r.lease).to_vec())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(100)); // the reader is asleep
+    client
+        .send(peer, b"ping", Deadline::after(WAIT), None)
+        .unwrap();
+    assert_eq!(reader.join().unwrap(), Ok(b"ping".to_vec()));
+    echo.join().unwrap();
+}
+
+/// A reader asleep while its lane is awake; another thread's pass arms the
+/// lane: the peer's next message still wakes the reader.
+#[test]
+fn a_lane_another_thread_armed_still_wakes_the_reader() {
+    let _one = serial();
+    let (client, _, server, from) = sleepy_client_pair();
+    let client = Arc::new(client);
+    let reader = {
+        let client = Arc::clone(&client);
+        std::thread::spawn(move || {
+            let r = client.recv(Deadline::after(Duration::from_secs(3)), None);
+            r.map(|r| host_bytes(&r.lease).to_vec())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(5));
+    assert_eq!(
+        client.with(|t| t.armed_lanes()),
+        0,
+        "awake as the reader slept"
+    );
+    armed(&client, 1); // what the progress thread's pass does when it wakes
+    server
+        .send(from, b"push", Deadline::after(WAIT), None)
+        .unwrap();
+    assert_eq!(reader.join().unwrap(), Ok(b"push".to_vec()));
+}
+
 /// A message each way between a connector's new peer and the server's
 /// (`from`).
 fn exchange(c: &Endpoint<LocalWire>, peer: PeerId, server: &Endpoint<LocalWire>, from: PeerId) {

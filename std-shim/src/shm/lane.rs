@@ -1862,9 +1862,14 @@ impl Lane {
         }
         handshake::drain(&self.link);
         // The flag first (its fence), then the second look at the ring.
-        if matches!(self.rx.prepare_sleep(), Ok(false)) {
-            self.armed = true;
-            return true;
+        match self.rx.prepare_sleep() {
+            Ok(false) => {
+                self.armed = true;
+                return true;
+            }
+            Ok(true) => {}
+            // An impossible counter: the next read breaks the lane, typed.
+            Err(_) => self.read_for_corrupt = true,
         }
         if !sleeping {
             self.rx.woke();

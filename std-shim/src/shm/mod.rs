@@ -27,9 +27,12 @@
 //! sleeper does, and leaves the polls' reads and walks, so that many quiet
 //! peers cost a spinning receiver nothing per poll. The links of the armed
 //! lanes are in one epoll set (`armed_rings`), which readers look at every
-//! [`CLOCK_EVERY`] polls and at every side pass: a ring or a hang-up brings
-//! its lane back. The other lanes' links are in another (`awake_rings`). A
-//! sleeper waits on the two sets, whatever the number of lanes; both are
+//! [`CLOCK_EVERY`] polls and at every pass: a ring or a hang-up brings its
+//! lane back. Every lane's link is in another (`awake_rings`): an awake
+//! one's for rings and its hang-up, an armed one's for its hang-up only
+//! (so that a waiter that does not read learns of a dead peer, and is not
+//! woken by rings it would leave unread). A sleeper waits on the two sets
+//! (a reader) or on the second, whatever the number of lanes; both are
 //! level-triggered, so that a sleeper sees what polling each link would
 //! show, whichever thread looked at them last.
 
@@ -56,7 +59,7 @@ use std::time::{Duration, Instant as StdInstant};
 
 use zerohop_backends::{host_bytes, PeerSlots, SessionClock};
 use zerohop_core::session::{HostOffer, HostRole, Instant, SessionConfig, SessionStats};
-use zerohop_core::{Capabilities, Error, Kind, PeerId, Received, Rejected, Transport};
+use zerohop_core::{Bell, Capabilities, Error, Kind, PeerId, Received, Rejected, Transport};
 
 use crate::endpoint::{pool_leaser, Leaser, Waiter, Wire};
 use crate::host::{StdLease, StdPool};
@@ -249,13 +252,19 @@ pub struct LocalWire {
     /// The slots of the lanes that are not armed: what every poll reads and
     /// every side pass tends.
     awake: Vec<usize>,
-    /// The links of the lanes in `awake`: what a sleeper waits on for them.
+    /// Every lane's link: the awake lanes' for rings and hang-ups, the
+    /// armed ones' for hang-ups (see the module docs).
     awake_rings: crate::poller::EpollSet,
     /// The links of the armed lanes, keyed by the lane's id: a ring (or a
     /// hang-up) wakes the lane, for a reader.
     armed_rings: crate::poller::EpollSet,
     /// The last look's events of `armed_rings`.
     rang: Vec<crate::poller::Ready>,
+    /// Rung when a pass that reads nothing (the progress thread's while an
+    /// application thread reads) leaves news for the readers: a lane it
+    /// ended. A reader asleep may have been woken by that lane's hang-up
+    /// and found it gone (and slept on); it waits on this bell too.
+    news: zerohop_backends::HostBell,
     /// When the armed lanes are next walked (see [`ARMED_WALK`]).
     next_armed_walk: StdInstant,
     /// Receive buffers of ended lanes whose peer took a tail and never
@@ -395,6 +404,7 @@ impl LocalWire {
             awake_rings: crate::poller::EpollSet::new(false)?,
             armed_rings: crate::poller::EpollSet::new(false)?,
             rang: Vec::new(),
+            news: zerohop_backends::HostBell::default(),
             next_armed_walk: now,
             stuck: Vec::new(),
             links: Vec::new(),
@@ -613,12 +623,10 @@ impl LocalWire {
         }
         if lane.armed {
             self.armed_rings.remove(lane.link());
-        } else {
-            if let Some(i) = self.awake.iter().position(|&s| s == slot) {
-                self.awake.swap_remove(i);
-            }
-            self.awake_rings.remove(lane.link());
+        } else if let Some(i) = self.awake.iter().position(|&s| s == slot) {
+            self.awake.swap_remove(i);
         }
+        self.awake_rings.remove(lane.link());
         if lane.accepted {
             self.tcp.let_go_elsewhere(id, lane.addr.ip());
         }
@@ -967,8 +975,12 @@ impl LocalWire {
         let any = !let_go.is_empty();
         let now = self.now();
         for id in let_go {
-            let Some((slot, l)) = self.lanes.find_mut(id) else {
+            let Some(slot) = self.lanes.slot(id) else {
                 continue; // gone meanwhile (its place freed as it went)
+            };
+            self.wake_lane(slot, true); // (read here)
+            let Some(l) = self.lanes.at_mut(slot) else {
+                continue;
             };
             if l.session.peer_closed() {
                 continue; // closing of its own: its end is news enough
@@ -1150,19 +1162,28 @@ impl LocalWire {
         if !(l.still_for(now, ARM_AFTER) && l.arm(sleeping)) {
             return false;
         }
-        if let Err(e) = self.armed_rings.add(l.link(), u64::from(id.0), true, false) {
+        let key = u64::from(id.0);
+        let moved = self.armed_rings.add(l.link(), key, true, false);
+        let moved = moved.and_then(|()| {
+            self.awake_rings
+                .modify(l.link(), key, false)
+                .inspect_err(|_| {
+                    self.armed_rings.remove(l.link());
+                })
+        });
+        if let Err(e) = moved {
             log::debug!("shm: a quiet lane stays awake: {e}");
             l.disarm(now, sleeping, false);
             return false;
         }
-        self.awake_rings.remove(l.link());
         true
     }
 
-    /// Takes the rings and hang-ups of the armed lanes' links, for a
-    /// reader: a lane that rang is awake again, and one whose link hung up
-    /// is looked at now. Whether a lane woke or ended.
-    fn look_at_rings(&mut self) -> bool {
+    /// Takes the rings and hang-ups of the armed lanes' links: a lane whose
+    /// link hung up is looked at now, and for a `reader` (which reads the
+    /// lanes next) a lane that rang is awake again (else its ring stays
+    /// for one). Whether a lane woke or ended.
+    fn look_at_rings(&mut self, reader: bool) -> bool {
         let mut rang = std::mem::take(&mut self.rang);
         rang.clear();
         if let Err(e) = self.armed_rings.ready(&mut rang) {
@@ -1176,9 +1197,11 @@ impl LocalWire {
             else {
                 continue; // gone meanwhile
             };
-            any |= self.wake_lane(slot, true);
             if r.hup {
+                any |= self.wake_lane(slot, reader);
                 any |= self.tend_lane(slot, self.clock, false, true);
+            } else if reader {
+                any |= self.wake_lane(slot, true);
             }
         }
         self.rang = rang;
@@ -1187,19 +1210,19 @@ impl LocalWire {
 
     /// Lane `slot` is read by every poll again, if it was armed: its link
     /// rang, or this side calls on it. `reader`: the caller looks at its
-    /// ring next, and takes the rings on the link (else they stay, and
-    /// keep a sleeper on `awake_rings` awake until one does). Whether it
-    /// was armed.
+    /// ring next, and takes the rings on the link; so does any caller while
+    /// no thread sleeps (else they stay, for a sleeper on `awake_rings`).
+    /// Whether it was armed.
     fn wake_lane(&mut self, slot: usize, reader: bool) -> bool {
         let (now, sleeping) = (self.clock, self.sleepers > 0);
         match self.lanes.entry(slot) {
             Some((id, l)) if l.armed => {
                 self.armed_rings.remove(l.link());
-                if let Err(e) = self.awake_rings.add(l.link(), u64::from(id.0), true, false) {
+                if let Err(e) = self.awake_rings.modify(l.link(), u64::from(id.0), true) {
                     // (Its sleepers then learn of it by the poll interval.)
                     log::warn!("shm: a lane's link could not be watched: {e}");
                 }
-                l.disarm(now, sleeping, reader);
+                l.disarm(now, sleeping, reader || !sleeping);
                 self.awake.push(slot);
                 true
             }
@@ -1233,7 +1256,7 @@ impl LocalWire {
         // looks at what was accepted first (`next_event`) learns of the
         // peer before its first message (under load the peer could write
         // between the two).
-        any |= self.look_at_rings();
+        any |= self.look_at_rings(true);
         any |= self.read_lanes();
         self.upgrade();
         any |= self.tend_lanes();
@@ -1360,12 +1383,13 @@ impl Transport for LocalWire {
                 self.next_side = StdInstant::now() + SIDE_PERIOD;
                 self.pass();
             } else if self.tcp.has_host_news() {
-                // (Read by the last poll: a peer's offer, say, answered now.)
-                self.upgrade();
+                // (Read by the last poll: a peer's offer, say, answered now;
+                // after the reads, as in `pass`.)
                 self.read_lanes();
+                self.upgrade();
             } else {
                 if look && self.awake.len() < self.lanes.count() {
-                    self.look_at_rings(); // armed lanes: did one ring?
+                    self.look_at_rings(true); // armed lanes: did one ring?
                 }
                 self.read_lanes();
             }
@@ -1459,11 +1483,16 @@ impl Wire for LocalWire {
             events: libc::POLLIN,
             revents: 0,
         };
-        if !self.awake.is_empty() {
+        // Both whatever is armed now: another thread's pass may arm or wake
+        // a lane while this one sleeps.
+        if !self.lanes.is_empty() {
             out.push(set(self.awake_rings.fd()));
+            if waiter.reads() {
+                out.push(set(self.armed_rings.fd()));
+            }
         }
-        if self.awake.len() < self.lanes.count() && waiter.reads() {
-            out.push(set(self.armed_rings.fd()));
+        if waiter.reads() {
+            out.extend(self.news.fd().map(set));
         }
         if (self.dry || self.tcp.pool_dry()) && waiter.reads() {
             let bell = |fd| libc::pollfd {
@@ -1481,6 +1510,9 @@ impl Wire for LocalWire {
     }
 
     fn prepare_sleep(&mut self, waiter: Waiter) -> bool {
+        if waiter.reads() {
+            self.news.clear(); // before the look at the arrivals
+        }
         let mut any = self.tcp.prepare_sleep(waiter)
             || (waiter == Waiter::App { reading: true } && !self.arrivals.is_empty());
         // Same-host news this thread's reads took: not slept on.
@@ -1492,11 +1524,13 @@ impl Wire for LocalWire {
         // not an application thread waiting to send, connect or close (a
         // lane held by a full inbox has bytes for as long as it is full).
         let takes_bytes = waiter != Waiter::App { reading: false };
-        // An armed lane that rang is awake (and read first); one that
-        // ended is news.
-        if waiter.reads() {
-            let ended = self.arrivals.len();
-            any |= self.look_at_rings() || self.arrivals.len() != ended;
+        // An armed lane that rang is awake (and read first), for a reader;
+        // one that ended is news for any waiter.
+        let ended = self.arrivals.len();
+        let woke = self.look_at_rings(waiter.reads());
+        any |= (woke && waiter.reads()) || self.arrivals.len() != ended;
+        if !waiter.reads() && self.arrivals.len() != ended {
+            self.news.ring();
         }
         for &slot in &self.awake {
             if let Some(l) = self.lanes.at_mut(slot) {
@@ -1572,17 +1606,21 @@ impl Wire for LocalWire {
     }
 
     fn background_progress(&mut self, read: bool) -> Result<bool, Error> {
+        let news = (self.arrivals.len(), self.tcp.has_arrivals());
         if read {
             self.look_at_pool();
         }
         let mut any = self.tcp.background_progress(read)?;
         // As `pass`: reads first, so a peer is judged on what it sent.
+        any |= self.look_at_rings(read);
         if read {
-            any |= self.look_at_rings();
             any |= self.read_lanes();
         }
         self.upgrade();
         any |= self.tend_lanes();
+        if !read && news != (self.arrivals.len(), self.tcp.has_arrivals()) {
+            self.news.ring(); // for an application thread asleep in `recv`
+        }
         Ok(any)
     }
 
