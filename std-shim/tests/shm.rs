@@ -650,6 +650,94 @@ fn a_lane_another_thread_armed_still_wakes_the_reader() {
     assert_eq!(reader.join().unwrap(), Ok(b"push".to_vec()));
 }
 
+/// A reader asleep while its armed lane's peer writes, and another thread
+/// calling `progress` meanwhile (a sender's wait does): that pass takes
+/// the message and the ring that woke the reader, and the reader must still
+/// wake for it (it slept out its deadline 8 times in 10 when such a pass
+/// drained the link; either of its mends, the link left undrained while a
+/// thread sleeps or the `news` bell, wakes it).
+#[test]
+fn another_threads_pass_leaves_a_sleeping_reader_its_wake_up() {
+    let _one = serial();
+    let (server, addr, _pool) = listener();
+    let config = EndpointConfig {
+        progress_thread: false,
+        ..sleepy()
+    };
+    let client = Arc::new(Endpoint::new(wire(&pool(false)), config).unwrap());
+    let peer = connect_also(&client, addr);
+    client
+        .send(peer, b"hello", Deadline::after(WAIT), None)
+        .unwrap();
+    let from = server.recv(Deadline::after(WAIT), None).unwrap().peer;
+    for round in 0..5 {
+        armed(&client, 1);
+        let reader = {
+            let client = Arc::clone(&client);
+            std::thread::spawn(move || {
+                let t0 = Instant::now();
+                let r = client.recv(Deadline::after(WAIT), None);
+                (r.map(|r| host_bytes(&r.lease).to_vec()), t0.elapsed())
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50)); // the reader is asleep
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let driver = {
+            let (client, stop) = (Arc::clone(&client), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = client.progress();
+                }
+            })
+        };
+        std::thread::sleep(Duration::from_millis(5));
+        server
+            .send(from, b"push", Deadline::after(WAIT), None)
+            .unwrap();
+        let (r, took) = reader.join().unwrap();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        driver.join().unwrap();
+        assert_eq!(r, Ok(b"push".to_vec()), "round {round}");
+        // Woken, not at the end of its 10 s poll interval.
+        assert!(took < WAIT / 2, "round {round}: read after {took:?}");
+    }
+}
+
+/// A pass that reads nothing ends a lane (its peer died) while no thread
+/// sleeps; the application takes the news without sleeping: the progress
+/// thread then sleeps as before (a bell left rung for it spun it at
+/// ~230 000 passes a second).
+#[test]
+fn news_of_an_ended_lane_taken_without_sleeping_leaves_the_progress_thread_asleep() {
+    let _one = serial();
+    let (server, addr, _pool) = sleepy_listener();
+    let mut child = spawn_in(addr, "recv", false);
+    let peer = accepted(&server);
+    armed(&server, 1);
+    // The lock held, so that the progress thread does not take the
+    // hang-up itself in a pass of its own.
+    server.with(|t| {
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let until = Instant::now() + WAIT;
+        while t.lane_count() != 0 {
+            assert!(Instant::now() < until, "the dead peer's lane stayed");
+            t.background_progress(false).unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    });
+    let lost = server.recv(Deadline::after(WAIT), None).unwrap_err();
+    assert_eq!(lost, Error::PeerLost(peer));
+    std::thread::sleep(Duration::from_millis(100));
+    let before = server.progress_passes();
+    std::thread::sleep(Duration::from_millis(500));
+    let passes = server.progress_passes() - before;
+    assert!(
+        passes < 10,
+        "the progress thread spins: {passes} passes in 500 ms"
+    );
+}
+
 /// A message each way between a connector's new peer and the server's
 /// (`from`).
 fn exchange(c: &Endpoint<LocalWire>, peer: PeerId, server: &Endpoint<LocalWire>, from: PeerId) {

@@ -27,8 +27,8 @@
 //! sleeper does, and leaves the polls' reads and walks, so that many quiet
 //! peers cost a spinning receiver nothing per poll. The links of the armed
 //! lanes are in one epoll set (`armed_rings`), which readers look at every
-//! [`CLOCK_EVERY`] polls and at every pass: a ring or a hang-up brings its
-//! lane back. Every lane's link is in another (`awake_rings`): an awake
+//! [`RING_LOOK`] and at every pass: a ring or a hang-up brings its lane
+//! back. Every lane's link is in another (`awake_rings`): an awake
 //! one's for rings and its hang-up, an armed one's for its hang-up only
 //! (so that a waiter that does not read learns of a dead peer, and is not
 //! woken by rings it would leave unread). A sleeper waits on the two sets
@@ -171,6 +171,9 @@ const ARM_AFTER: Duration = Duration::from_millis(10);
 /// for a quiet open session), and a look at their rings for bytes that
 /// came without a ring.
 const ARMED_WALK: Duration = Duration::from_millis(100);
+/// How often a spinning receiver looks whether an armed lane rang: its
+/// first frame after a quiet spell waits up to this (and the side pass).
+const RING_LOOK: Duration = Duration::from_micros(20);
 
 /// A connection on the lane socket, waiting for its setup message.
 #[derive(Debug)]
@@ -260,13 +263,13 @@ pub struct LocalWire {
     armed_rings: crate::poller::EpollSet,
     /// The last look's events of `armed_rings`.
     rang: Vec<crate::poller::Ready>,
-    /// Rung when a pass that reads nothing (the progress thread's while an
-    /// application thread reads) leaves news for the readers: a lane it
-    /// ended. A reader asleep may have been woken by that lane's hang-up
-    /// and found it gone (and slept on); it waits on this bell too.
+    /// Rung when a pass leaves arrivals while an application thread sleeps
+    /// (see `tell_sleepers`): a reader asleep in `recv` waits on it too.
     news: zerohop_backends::HostBell,
     /// When the armed lanes are next walked (see [`ARMED_WALK`]).
     next_armed_walk: StdInstant,
+    /// When a spinning receiver next looks at the armed lanes' rings.
+    next_ring_look: StdInstant,
     /// Receive buffers of ended lanes whose peer took a tail and never
     /// wrote it, each with the peer's pidfd: back to the pool once that
     /// process has exited (its late write could land there until then).
@@ -406,6 +409,7 @@ impl LocalWire {
             rang: Vec::new(),
             news: zerohop_backends::HostBell::default(),
             next_armed_walk: now,
+            next_ring_look: now,
             stuck: Vec::new(),
             links: Vec::new(),
             redials: Vec::new(),
@@ -978,7 +982,7 @@ impl LocalWire {
             let Some(slot) = self.lanes.slot(id) else {
                 continue; // gone meanwhile (its place freed as it went)
             };
-            self.wake_lane(slot, true); // (read here)
+            self.wake_lane(slot); // (read here)
             let Some(l) = self.lanes.at_mut(slot) else {
                 continue;
             };
@@ -1091,7 +1095,7 @@ impl LocalWire {
                     continue;
                 };
                 if !l.quiet() {
-                    self.wake_lane(slot, true); // bytes came without a ring
+                    self.wake_lane(slot); // bytes came without a ring
                 }
                 any |= self.tend_lane(slot, now, came_back, false);
             }
@@ -1198,10 +1202,10 @@ impl LocalWire {
                 continue; // gone meanwhile
             };
             if r.hup {
-                any |= self.wake_lane(slot, reader);
+                any |= self.wake_lane(slot);
                 any |= self.tend_lane(slot, self.clock, false, true);
             } else if reader {
-                any |= self.wake_lane(slot, true);
+                any |= self.wake_lane(slot);
             }
         }
         self.rang = rang;
@@ -1209,11 +1213,11 @@ impl LocalWire {
     }
 
     /// Lane `slot` is read by every poll again, if it was armed: its link
-    /// rang, or this side calls on it. `reader`: the caller looks at its
-    /// ring next, and takes the rings on the link; so does any caller while
-    /// no thread sleeps (else they stay, for a sleeper on `awake_rings`).
-    /// Whether it was armed.
-    fn wake_lane(&mut self, slot: usize, reader: bool) -> bool {
+    /// rang, or this side calls on it. The rings on its link are taken
+    /// only while no application thread sleeps: one asleep may have been
+    /// woken by them, and finds them still there when it looks (it takes
+    /// them before it sleeps again). Whether it was armed.
+    fn wake_lane(&mut self, slot: usize) -> bool {
         let (now, sleeping) = (self.clock, self.sleepers > 0);
         match self.lanes.entry(slot) {
             Some((id, l)) if l.armed => {
@@ -1222,7 +1226,7 @@ impl LocalWire {
                     // (Its sleepers then learn of it by the poll interval.)
                     log::warn!("shm: a lane's link could not be watched: {e}");
                 }
-                l.disarm(now, sleeping, reader || !sleeping);
+                l.disarm(now, sleeping, !sleeping);
                 self.awake.push(slot);
                 true
             }
@@ -1234,7 +1238,7 @@ impl LocalWire {
     /// before a call into it: what the call leaves to do, the walks do.
     fn wake_peer(&mut self, peer: PeerId) {
         if let Some(slot) = self.lanes.slot(peer) {
-            self.wake_lane(slot, false);
+            self.wake_lane(slot);
         }
     }
 
@@ -1249,6 +1253,25 @@ impl LocalWire {
     }
 
     fn pass(&mut self) -> bool {
+        let news = (self.arrivals.len(), self.tcp.has_arrivals());
+        let any = self.pass_for_news();
+        // (`progress` runs it for threads that do not read, too.)
+        self.tell_sleepers(news, self.tcp.has_arrivals());
+        any
+    }
+
+    /// An application thread asleep (in `recv`, maybe) hears of arrivals a
+    /// pass left since `before` (the arrivals' length, and whether the
+    /// TCP side held any, then) by the `news` bell: the hang-up or ring
+    /// that woke it may have been taken by that pass.
+    fn tell_sleepers(&self, before: (usize, bool), tcp_now: bool) {
+        let grew = self.arrivals.len() > before.0 || (tcp_now && !before.1);
+        if grew && self.sleepers > 0 {
+            self.news.ring();
+        }
+    }
+
+    fn pass_for_news(&mut self) -> bool {
         self.look_at_pool();
         let mut any = self.tcp.progress().unwrap_or(false);
         // The lanes are read before new ones are set up: a lane is never
@@ -1378,7 +1401,8 @@ impl Transport for LocalWire {
             self.polls = self.polls.wrapping_add(1);
             let look = self.polls % CLOCK_EVERY == 0;
             // (A redial is due within milliseconds: every poll looks then.)
-            let side = (look || !self.redials.is_empty()) && StdInstant::now() >= self.next_side;
+            let now = (look || !self.redials.is_empty()).then(StdInstant::now);
+            let side = now.is_some_and(|now| now >= self.next_side);
             if side {
                 self.next_side = StdInstant::now() + SIDE_PERIOD;
                 self.pass();
@@ -1388,8 +1412,12 @@ impl Transport for LocalWire {
                 self.read_lanes();
                 self.upgrade();
             } else {
-                if look && self.awake.len() < self.lanes.count() {
-                    self.look_at_rings(true); // armed lanes: did one ring?
+                // Armed lanes: did one ring? (A system call, so not at every
+                // clock look: a spinning receiver pays it once a RING_LOOK.)
+                let armed = self.awake.len() < self.lanes.count();
+                if let Some(now) = now.filter(|&now| armed && now >= self.next_ring_look) {
+                    self.next_ring_look = now + RING_LOOK;
+                    self.look_at_rings(true);
                 }
                 self.read_lanes();
             }
@@ -1429,7 +1457,7 @@ impl Transport for LocalWire {
         self.closed = true;
         self.tcp.close()?;
         for slot in 0..self.lanes.len() {
-            self.wake_lane(slot, false); // its Close goes by the walks
+            self.wake_lane(slot); // its Close goes by the walks
             if let Some((id, l)) = self.lanes.entry(slot) {
                 l.session.close();
                 l.control();
@@ -1491,7 +1519,9 @@ impl Wire for LocalWire {
                 out.push(set(self.armed_rings.fd()));
             }
         }
-        if waiter.reads() {
+        // (Not the progress thread: the bell is cleared by an application
+        // thread about to sleep in `recv`, and would keep it spinning.)
+        if waiter == (Waiter::App { reading: true }) {
             out.extend(self.news.fd().map(set));
         }
         if (self.dry || self.tcp.pool_dry()) && waiter.reads() {
@@ -1510,7 +1540,7 @@ impl Wire for LocalWire {
     }
 
     fn prepare_sleep(&mut self, waiter: Waiter) -> bool {
-        if waiter.reads() {
+        if waiter == (Waiter::App { reading: true }) {
             self.news.clear(); // before the look at the arrivals
         }
         let mut any = self.tcp.prepare_sleep(waiter)
@@ -1529,8 +1559,8 @@ impl Wire for LocalWire {
         let ended = self.arrivals.len();
         let woke = self.look_at_rings(waiter.reads());
         any |= (woke && waiter.reads()) || self.arrivals.len() != ended;
-        if !waiter.reads() && self.arrivals.len() != ended {
-            self.news.ring();
+        if waiter != (Waiter::App { reading: true }) {
+            self.tell_sleepers((ended, false), false);
         }
         for &slot in &self.awake {
             if let Some(l) = self.lanes.at_mut(slot) {
@@ -1618,9 +1648,7 @@ impl Wire for LocalWire {
         }
         self.upgrade();
         any |= self.tend_lanes();
-        if !read && news != (self.arrivals.len(), self.tcp.has_arrivals()) {
-            self.news.ring(); // for an application thread asleep in `recv`
-        }
+        self.tell_sleepers(news, self.tcp.has_arrivals());
         Ok(any)
     }
 
