@@ -578,6 +578,49 @@ fn a_pass_that_reads_nothing_still_ends_an_armed_lane_whose_peer_died() {
     assert_eq!(lost, Error::PeerLost(peer));
 }
 
+/// An application that only sends, with sends that never wait (no pass of
+/// its own), still loses a dead peer of an armed lane at once: the progress
+/// thread wakes for the hang-up and ends the lane. (Which of its poll sets
+/// wakes it depends on what it last polled: this does not single out the
+/// armed link's hang-up-only place in `awake_rings`.)
+#[test]
+fn a_dead_armed_peer_is_let_go_while_the_application_only_sends() {
+    let _one = serial();
+    let (server, addr, _pool) = sleepy_listener();
+    let mut child = spawn_in(addr, "recv", false);
+    let dead = accepted(&server);
+    let (client, _) = connect(addr);
+    let live = accepted(&server);
+    armed(&server, 2);
+    let drain = std::thread::spawn(move || {
+        while client
+            .recv(Deadline::after(Duration::from_secs(2)), None)
+            .is_ok()
+        {}
+    });
+    assert!(
+        server.peer_addr(dead).is_some(),
+        "the peer to kill is there"
+    );
+    child.kill().unwrap();
+    let killed = Instant::now();
+    // Sends that never wait (a message every millisecond): no pass of the
+    // application's own.
+    while server.peer_addr(dead).is_some() {
+        assert!(killed.elapsed() < WAIT / 2, "the dead peer's lane stayed");
+        server
+            .send(live, b"tick", Deadline::after(WAIT), None)
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let took = killed.elapsed();
+    child.wait().unwrap();
+    eprintln!("a dead armed peer let go {took:?} after SIGKILL, the application only sending");
+    assert!(took < Duration::from_secs(1), "let go after {took:?}");
+    drop(server);
+    drain.join().unwrap();
+}
+
 /// A sleepy client with one lane to a default listener, each side's peer,
 /// after a message from the client.
 fn sleepy_client_pair() -> (Endpoint<LocalWire>, PeerId, Endpoint<LocalWire>, PeerId) {
