@@ -511,6 +511,9 @@ pub(crate) struct Lane {
     /// The lane sleeps between passes (see `LocalWire::arm`): reads and
     /// walks skip it, and the peer rings its link for anything it writes.
     pub(crate) armed: bool,
+    /// Rings may be left on the link from a sleep that ended (see
+    /// [`Lane::take_rings`]).
+    rings_left: bool,
     /// Bytes taken and ring bytes written as of the last side pass that
     /// saw either move, and that pass's time (see [`Lane::still_for`]).
     moved: (u64, u64),
@@ -582,6 +585,7 @@ impl Lane {
             tx_helped: 0,
             stuck: None,
             armed: false,
+            rings_left: false,
             moved: (0, 0),
             moved_at: now,
             #[cfg(feature = "cuda-uma")]
@@ -1826,6 +1830,20 @@ impl Lane {
         }
     }
 
+    /// A read of this lane while no thread sleeps: the rings a sleep that
+    /// ended left on the link are taken (left there, they would keep every
+    /// waiter on the wire's level-triggered set awake while the lane is
+    /// busy), and the peer asked to ring no more. One system call after
+    /// each sleep, none otherwise.
+    #[inline]
+    pub(crate) fn take_rings(&mut self) {
+        if self.rings_left {
+            self.rings_left = false;
+            self.rx.woke();
+            handshake::drain(&self.link);
+        }
+    }
+
     /// The link: rings and the hang-up (the wire watches it in its lanes'
     /// epoll set, for a sleeper and for an armed lane).
     pub(crate) fn link(&self) -> std::os::fd::BorrowedFd<'_> {
@@ -1861,6 +1879,7 @@ impl Lane {
             return false;
         }
         handshake::drain(&self.link);
+        self.rings_left = false;
         // The flag first (its fence), then the second look at the ring.
         match self.rx.prepare_sleep() {
             Ok(false) => {
@@ -1886,6 +1905,8 @@ impl Lane {
         self.moved_at = now; // not armed again before it has been still a while
         if drain {
             handshake::drain(&self.link);
+        } else {
+            self.rings_left = true;
         }
         if !sleeping {
             self.rx.woke();
@@ -1897,6 +1918,7 @@ impl Lane {
     /// (bytes to read only for a sleeper that `takes_bytes`).
     pub(crate) fn prepare_sleep(&mut self, takes_bytes: bool) -> bool {
         handshake::drain(&self.link);
+        self.rings_left = false;
         // Each read pass gives back the room it took; nothing read may
         // stay held while this side sleeps (the peer may wait for it).
         self.give_back_room();
@@ -1994,9 +2016,14 @@ impl Lane {
         self.deliver_device(peer, arrivals)
     }
 
-    /// Awake: no more rings needed until the next sleep.
+    /// Awake: no more rings needed until the next sleep. The reading flag
+    /// stays up until a read of this lane takes it down ([`take_rings`]):
+    /// a lane no read reaches keeps asking its peer to ring, for whichever
+    /// thread reads next (the progress thread sleeps without asking).
+    ///
+    /// [`take_rings`]: Lane::take_rings
     pub(crate) fn woke(&mut self) {
-        self.rx.woke();
+        self.rings_left = true;
         if self.waiting_room {
             self.tx.done_waiting();
             self.waiting_room = false;

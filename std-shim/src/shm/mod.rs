@@ -604,6 +604,11 @@ impl LocalWire {
         if let Some(ip) = accepted {
             self.tcp.keep_elsewhere(ip);
         }
+        if self.sleepers > 0 {
+            // Its peer rings for nobody yet: a sleeper looks again, and
+            // asks it to before it sleeps.
+            self.news.ring();
+        }
         Some(id)
     }
 
@@ -941,6 +946,9 @@ impl LocalWire {
         let Some((id, l)) = self.lanes.entry(slot) else {
             return false;
         };
+        if self.sleepers == 0 {
+            l.take_rings(); // (a sleeper may need them: only while none sleeps)
+        }
         let before = self.arrivals.len();
         let taken = l.taken();
         let outcome = l.read(
@@ -1060,7 +1068,10 @@ impl LocalWire {
     }
 
     /// Links (a dead peer), idle timers and queued frames of every lane.
-    fn tend_lanes(&mut self) -> bool {
+    /// `arm_at_once`: idle lanes are armed now, not after [`ARM_AFTER`]
+    /// (for the reading progress thread, which sleeps without asking the
+    /// awake lanes' peers to ring: see `background_progress`).
+    fn tend_lanes(&mut self, arm_at_once: bool) -> bool {
         if !self.stuck.is_empty() {
             // A buffer goes back once its writer is gone for good.
             self.stuck
@@ -1080,7 +1091,7 @@ impl LocalWire {
         let mut i = 0;
         while let Some(&slot) = self.awake.get(i) {
             any |= self.tend_lane(slot, now, came_back, check);
-            if self.arm(slot, now) {
+            if self.arm(slot, now, arm_at_once) {
                 self.awake.swap_remove(i);
             } else if self.awake.get(i) == Some(&slot) {
                 i += 1;
@@ -1098,6 +1109,13 @@ impl LocalWire {
                     self.wake_lane(slot); // bytes came without a ring
                 }
                 any |= self.tend_lane(slot, now, came_back, false);
+                if self
+                    .lanes
+                    .at(slot)
+                    .is_some_and(|l| l.armed && l.has_unsent())
+                {
+                    self.wake_lane(slot); // a frame its timers queued waits for room
+                }
             }
         }
         self.offer_lanes(came_back);
@@ -1155,15 +1173,25 @@ impl LocalWire {
         any
     }
 
-    /// Arms lane `slot` if it has been still for [`ARM_AFTER`] and nothing
-    /// is under way (see the module docs): its link moves to the armed set.
-    /// Whether it did (the caller takes it out of `awake`).
-    fn arm(&mut self, slot: usize, now: Instant) -> bool {
+    /// Arms lane `slot` if it has been still for [`ARM_AFTER`] (or
+    /// `at_once`) and nothing is under way (see the module docs): its link
+    /// moves to the armed set. Whether it did (the caller takes it out of
+    /// `awake`).
+    fn arm(&mut self, slot: usize, now: Instant, at_once: bool) -> bool {
         let sleeping = self.sleepers > 0;
         let Some((id, l)) = self.lanes.entry(slot) else {
             return false;
         };
-        if !(l.still_for(now, ARM_AFTER) && l.arm(sleeping)) {
+        let still = l.still_for(now, ARM_AFTER) || at_once;
+        if !still {
+            return false;
+        }
+        if !l.arm(sleeping) {
+            // Its drain may have taken a ring that came with new bytes, and
+            // woken a sleeper for: the bytes are news for it.
+            if sleeping && !l.quiet() {
+                self.news.ring();
+            }
             return false;
         }
         let key = u64::from(id.0);
@@ -1188,6 +1216,9 @@ impl LocalWire {
     /// lanes next) a lane that rang is awake again (else its ring stays
     /// for one). Whether a lane woke or ended.
     fn look_at_rings(&mut self, reader: bool) -> bool {
+        if self.awake.len() == self.lanes.count() {
+            return false; // none armed: no system call
+        }
         let mut rang = std::mem::take(&mut self.rang);
         rang.clear();
         if let Err(e) = self.armed_rings.ready(&mut rang) {
@@ -1243,7 +1274,8 @@ impl LocalWire {
     }
 
     /// No application thread sleeps on the lanes any more: the peers need
-    /// not ring (but for the armed lanes').
+    /// not ring (but for the armed lanes'), and stop once their lane is
+    /// read (`Lane::woke`: one no read reaches rings for the next reader).
     fn lanes_awake(&mut self) {
         for &slot in &self.awake {
             if let Some(l) = self.lanes.at_mut(slot) {
@@ -1282,7 +1314,7 @@ impl LocalWire {
         any |= self.look_at_rings(true);
         any |= self.read_lanes();
         self.upgrade();
-        any |= self.tend_lanes();
+        any |= self.tend_lanes(false);
         any
     }
 }
@@ -1513,11 +1545,10 @@ impl Wire for LocalWire {
         };
         // Both whatever is armed now: another thread's pass may arm or wake
         // a lane while this one sleeps.
-        if !self.lanes.is_empty() {
-            out.push(set(self.awake_rings.fd()));
-            if waiter.reads() {
-                out.push(set(self.armed_rings.fd()));
-            }
+        // (Even with no lane yet: another thread's pass may add one.)
+        out.push(set(self.awake_rings.fd()));
+        if waiter.reads() {
+            out.push(set(self.armed_rings.fd()));
         }
         // (Not the progress thread: the bell is cleared by an application
         // thread about to sleep in `recv`, and would keep it spinning.)
@@ -1550,10 +1581,14 @@ impl Wire for LocalWire {
             self.upgrade();
             any = true;
         }
-        // Bytes in a lane's ring keep awake a waiter that would read them:
-        // not an application thread waiting to send, connect or close (a
-        // lane held by a full inbox has bytes for as long as it is full).
-        let takes_bytes = waiter != Waiter::App { reading: false };
+        // Bytes in a lane's ring keep awake a waiter that would read them,
+        // and one waiting to send, connect or close while the inbox has
+        // room (its next pass reads them: they may be the credit or the
+        // Hello it waits for, written before its flag, so never rung); not
+        // while the inbox is full (a lane held by it has bytes for as long
+        // as it is full).
+        let room = self.arrivals.len() < self.config.inbox_messages;
+        let takes_bytes = waiter != (Waiter::App { reading: false }) || room;
         // An armed lane that rang is awake (and read first), for a reader;
         // one that ended is news for any waiter.
         let ended = self.arrivals.len();
@@ -1562,11 +1597,18 @@ impl Wire for LocalWire {
         if waiter != (Waiter::App { reading: true }) {
             self.tell_sleepers((ended, false), false);
         }
+        let mut left = false;
         for &slot in &self.awake {
             if let Some(l) = self.lanes.at_mut(slot) {
                 any |= l.prepare_sleep(takes_bytes);
                 tally(&mut self.unsent_lanes, l);
+                // (Bytes this waiter leaves: their ring, drained here, may
+                // have woken a reader asleep.)
+                left |= !takes_bytes && !l.quiet();
             }
+        }
+        if left && self.sleepers > 0 {
+            self.news.ring();
         }
         if !any {
             self.sleepers += 1; // until its `woke`
@@ -1647,7 +1689,9 @@ impl Wire for LocalWire {
             any |= self.read_lanes();
         }
         self.upgrade();
-        any |= self.tend_lanes();
+        // A reading progress thread sleeps next without a `prepare_sleep`:
+        // its lanes' peers ring only for armed lanes.
+        any |= self.tend_lanes(read);
         self.tell_sleepers(news, self.tcp.has_arrivals());
         Ok(any)
     }
