@@ -1897,19 +1897,16 @@ impl Lane {
     }
 
     /// Its link rang (or this side calls on it): reads look at it again.
-    /// The peer's rings stop unless a sleeper asked for them (`sleeping`).
-    /// `drain`: the rings on the link are taken (by a reader, which looks
-    /// at the ring next).
-    pub(crate) fn disarm(&mut self, now: Instant, sleeping: bool, drain: bool) {
+    /// While a thread sleeps (`sleeping`) the flag and the rings on the
+    /// link stay, for that thread; else both are taken ([`take_rings`]).
+    ///
+    /// [`take_rings`]: Lane::take_rings
+    pub(crate) fn disarm(&mut self, now: Instant, sleeping: bool) {
         self.armed = false;
         self.moved_at = now; // not armed again before it has been still a while
-        if drain {
-            handshake::drain(&self.link);
-        } else {
-            self.rings_left = true;
-        }
+        self.rings_left = true;
         if !sleeping {
-            self.rx.woke();
+            self.take_rings();
         }
     }
 

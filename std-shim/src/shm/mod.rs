@@ -1205,7 +1205,7 @@ impl LocalWire {
         });
         if let Err(e) = moved {
             log::debug!("shm: a quiet lane stays awake: {e}");
-            l.disarm(now, sleeping, false);
+            l.disarm(now, sleeping);
             return false;
         }
         true
@@ -1257,7 +1257,7 @@ impl LocalWire {
                     // (Its sleepers then learn of it by the poll interval.)
                     log::warn!("shm: a lane's link could not be watched: {e}");
                 }
-                l.disarm(now, sleeping, !sleeping);
+                l.disarm(now, sleeping);
                 self.awake.push(slot);
                 true
             }
@@ -1284,26 +1284,26 @@ impl LocalWire {
         }
     }
 
-    fn pass(&mut self) -> bool {
-        let news = (self.arrivals.len(), self.tcp.has_arrivals());
-        let any = self.pass_for_news();
-        // (`progress` runs it for threads that do not read, too.)
-        self.tell_sleepers(news, self.tcp.has_arrivals());
-        any
+    /// What waits for `try_recv` now: the arrivals' length, and whether
+    /// the TCP side holds any (see [`tell_sleepers`](Self::tell_sleepers)).
+    fn arrivals_mark(&self) -> (usize, bool) {
+        (self.arrivals.len(), self.tcp.has_arrivals())
     }
 
-    /// An application thread asleep (in `recv`, maybe) hears of arrivals a
-    /// pass left since `before` (the arrivals' length, and whether the
-    /// TCP side held any, then) by the `news` bell: the hang-up or ring
-    /// that woke it may have been taken by that pass.
-    fn tell_sleepers(&self, before: (usize, bool), tcp_now: bool) {
-        let grew = self.arrivals.len() > before.0 || (tcp_now && !before.1);
+    /// An application thread asleep (in `recv`, maybe) hears of arrivals
+    /// since `before` (an [`arrivals_mark`](Self::arrivals_mark)) by the
+    /// `news` bell: the hang-up or ring that woke it may have been taken
+    /// by the pass that left them.
+    fn tell_sleepers(&self, before: (usize, bool)) {
+        let grew = self.arrivals.len() > before.0 || (self.tcp.has_arrivals() && !before.1);
         if grew && self.sleepers > 0 {
             self.news.ring();
         }
     }
 
-    fn pass_for_news(&mut self) -> bool {
+    fn pass(&mut self) -> bool {
+        // (`progress` runs it for threads that do not read, too.)
+        let mark = self.arrivals_mark();
         self.look_at_pool();
         let mut any = self.tcp.progress().unwrap_or(false);
         // The lanes are read before new ones are set up: a lane is never
@@ -1315,6 +1315,7 @@ impl LocalWire {
         any |= self.read_lanes();
         self.upgrade();
         any |= self.tend_lanes(false);
+        self.tell_sleepers(mark);
         any
     }
 }
@@ -1591,11 +1592,11 @@ impl Wire for LocalWire {
         let takes_bytes = waiter != (Waiter::App { reading: false }) || room;
         // An armed lane that rang is awake (and read first), for a reader;
         // one that ended is news for any waiter.
-        let ended = self.arrivals.len();
+        let mark = self.arrivals_mark();
         let woke = self.look_at_rings(waiter.reads());
-        any |= (woke && waiter.reads()) || self.arrivals.len() != ended;
+        any |= (woke && waiter.reads()) || self.arrivals.len() != mark.0;
         if waiter != (Waiter::App { reading: true }) {
-            self.tell_sleepers((ended, false), false);
+            self.tell_sleepers(mark);
         }
         let mut left = false;
         for &slot in &self.awake {
@@ -1678,7 +1679,7 @@ impl Wire for LocalWire {
     }
 
     fn background_progress(&mut self, read: bool) -> Result<bool, Error> {
-        let news = (self.arrivals.len(), self.tcp.has_arrivals());
+        let mark = self.arrivals_mark();
         if read {
             self.look_at_pool();
         }
@@ -1692,7 +1693,7 @@ impl Wire for LocalWire {
         // A reading progress thread sleeps next without a `prepare_sleep`:
         // its lanes' peers ring only for armed lanes.
         any |= self.tend_lanes(read);
-        self.tell_sleepers(news, self.tcp.has_arrivals());
+        self.tell_sleepers(mark);
         Ok(any)
     }
 
